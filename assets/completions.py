@@ -1,0 +1,87 @@
+"""``completions``: one partition per shard; runs the engine on the shard's rows on real vLLM."""
+
+
+import datetime as dt
+
+import dagster as dg
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from batchllm_dagster.checks import partition_check_results, partition_check_specs
+from batchllm_dagster.config import BatchJobConfig
+from batchllm_dagster.metadata import engine_info, run_metadata
+from batchllm_dagster.resources import VLLMResource
+from batchllm_dagster.warehouse import replace_partition
+from engine.models import resolve_model
+from engine.results import results_to_table
+from engine.runner import BatchRun, prepare_batch
+from engine.settings import fingerprint
+from engine.tokenizing import load_tokenizer
+
+from .snapshots import plan_path, prompts_path, read_parquet
+
+
+def shard_rows(config: BatchJobConfig, partition_key: str) -> tuple[pa.Table, pa.Table]:
+    """The shard's prompt rows and their plan rows."""
+    plan = read_parquet(plan_path(config), "plan")
+    mine = plan.filter(pc.equal(plan["partition_key"], partition_key))
+    if mine.num_rows == 0:
+        raise dg.Failure(
+            f"partition {partition_key!r} is not in the current plan of {config.name!r}: "
+            "rematerialize prefix_groups and run the partitions it lists"
+        )
+    prompts = read_parquet(prompts_path(config), "prompt snapshot")
+    rows = prompts.filter(pc.is_in(prompts[config.dataset.id_column], value_set=mine["id"]))
+    return rows, mine
+
+
+def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDefinition) -> dg.AssetsDefinition:
+    @dg.asset(
+        key=[config.name, "completions"],
+        deps=[dg.AssetKey([config.name, "prefix_groups"])],
+        partitions_def=partitions,
+        group_name=config.name,
+        pool="batchllm_inference",
+        description=f"One answer per prompt row, in DuckDB table {config.output_table!r}; a partition per shard.",
+        kinds={"vllm", "duckdb"},
+        check_specs=partition_check_specs(config),
+    )
+    def completions(context: dg.AssetExecutionContext, llm: VLLMResource) -> dg.MaterializeResult:
+        key = context.partition_key
+        rows, plan_rows = shard_rows(config, key)
+        hardware_partition = config.hardware[int(plan_rows["shard"][0].as_py()) % len(config.hardware)]
+        model_path = resolve_model(config.llm.path)
+        settings = config.engine_settings(model_path, llm.kv_cache_gib)
+        sampling, scheduler = config.sampling_settings(), config.scheduler_settings()
+        columns = config.dataset.columns
+        prepared = prepare_batch(rows, load_tokenizer(model_path), settings, sampling, columns, scheduler)
+        context.log.info(
+            f"shard {key}: {prepared.num_rows} rows, {prepared.plan.num_groups} groups, "
+            f"ideal saving {100 * prepared.plan.ideal_saving:.1f}% on {llm.hardware()} ({hardware_partition})"
+        )
+        with llm.open(settings, prepared) as engine:
+            run = BatchRun(prepared, engine, sampling, scheduler, progress_sink=context.log.info)
+            results = list(run)
+            info = engine_info(engine, settings, sampling)
+
+        group_of = dict(zip(plan_rows["id"].to_pylist(), plan_rows["group"].to_pylist()))
+        for result in results:
+            result.group = group_of[result.id]
+            result.shard = int(plan_rows["shard"][0].as_py())
+        table = results_to_table(results, prepared.id_type)
+        n = table.num_rows
+        table = (
+            table.append_column("partition_key", pa.array([key] * n, pa.string()))
+            .append_column("hardware", pa.array([hardware_partition] * n, pa.string()))
+            .append_column("model", pa.array([config.llm.path] * n, pa.string()))
+            .append_column("settings_fingerprint", pa.array([fingerprint(settings, sampling)] * n, pa.string()))
+            .append_column("completed_at", pa.array([dt.datetime.now(dt.timezone.utc)] * n, pa.timestamp("us", tz="UTC")))
+        )
+        written = replace_partition(config.warehouse(), config.output_table, key, table)
+        context.log.info(f"wrote {written} rows of partition {key} to {config.output_table}")
+        return dg.MaterializeResult(
+            metadata={**run_metadata(run.stats, llm.hardware(), hardware_partition, info), "dagster/row_count": written},
+            check_results=partition_check_results(config, key, plan_rows["id"].to_pylist(), run.stats),
+        )
+
+    return completions

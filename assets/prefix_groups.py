@@ -1,0 +1,89 @@
+"""``prefix_groups``: the global prefix plan of the batch, cut into shards (the partitions)."""
+
+
+import dagster as dg
+import numpy as np
+import pyarrow as pa
+
+from batchllm_dagster.config import BatchJobConfig
+from batchllm_dagster.metadata import plan_metadata
+from batchllm_dagster.partitions import hardware_of, shard_key, sync_partitions
+from batchllm_dagster.warehouse import replace_table
+from engine.models import resolve_model
+from engine.runner import prepare_batch
+from engine.shards import assign_shards
+from engine.tokenizing import load_tokenizer
+
+from .snapshots import plan_path, prompts_path, read_parquet, write_parquet
+
+
+def groups_table(prepared, shards, keys: list[str], hardware: list[str]) -> pa.Table:
+    """One row per group: its shard, prefix length, rows and estimated tokens."""
+    plan = prepared.plan
+    starts = plan.group_starts()
+    first_rows = plan.order[starts[:-1]]
+    shard = shards.shard_of_row[first_rows]
+    prompt = np.bincount(plan.group_of_row, weights=plan.lengths, minlength=plan.num_groups)
+    prefill = np.bincount(plan.group_of_row, weights=plan.row_unique_tokens, minlength=plan.num_groups)
+    decode = np.bincount(plan.group_of_row, weights=plan.decode_tokens, minlength=plan.num_groups)
+    return pa.table({
+        "group": np.arange(plan.num_groups),
+        "shard": shard,
+        "partition_key": [keys[s] for s in shard],
+        "hardware": [hardware_of(hardware, int(s)) for s in shard],
+        "rows": plan.group_sizes,
+        "prefix_tokens": plan.group_prefix_tokens,
+        "prompt_tokens": prompt.astype(np.int64),
+        "estimated_prefill_tokens": prefill.astype(np.int64),
+        "estimated_decode_tokens": decode.astype(np.int64),
+        "first_id": pa.array([prepared.ids[r] for r in first_rows]).cast(pa.string()),
+    })
+
+
+def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitionsDefinition) -> dg.AssetsDefinition:
+    @dg.asset(
+        key=[config.name, "prefix_groups"],
+        deps=[dg.AssetKey([config.name, "prompts"])],
+        group_name=config.name,
+        description="Prefix groups found over the whole batch, and the shard (partition) each belongs to.",
+        kinds={"duckdb"},
+    )
+    def prefix_groups(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+        table = read_parquet(prompts_path(config), "prompt snapshot")
+        model_path = resolve_model(config.llm.path)
+        settings = config.engine_settings(model_path, kv_cache_gib=1)
+        prepared = prepare_batch(table, load_tokenizer(model_path), settings, config.sampling_settings(), config.dataset.columns)
+        plan = prepared.plan
+        shards = assign_shards(plan, config.shards)
+        ids_by_shard = [[] for _ in range(config.shards)]
+        for row in plan.order:
+            ids_by_shard[shards.shard_of_row[row]].append(prepared.ids[row])
+        keys = [shard_key(hardware_of(config.hardware, s), s, ids) for s, ids in enumerate(ids_by_shard)]
+        used = [k for k, ids in zip(keys, ids_by_shard) if ids]  # fewer groups than shards: no empty partitions
+
+        position = np.empty(plan.num_rows, dtype=np.int64)
+        position[plan.order] = np.arange(plan.num_rows)
+        write_parquet(pa.table({
+            "id": table.column(config.dataset.id_column),
+            "group": plan.group_of_row,
+            "shard": shards.shard_of_row,
+            "partition_key": [keys[s] for s in shards.shard_of_row],
+            "position": position,
+        }), plan_path(config))
+        groups = groups_table(prepared, shards, keys, config.hardware)
+        replace_table(config.warehouse(), f"{config.output_table}_prefix_groups", groups)
+        added, removed = sync_partitions(context.instance, config.partitions_name, used)
+        context.log.info(f"{plan.num_groups} groups in {len(used)} shards; partitions added {added}, removed {removed}")
+        shard_rows = {keys[s]: len(ids) for s, ids in enumerate(ids_by_shard) if ids}
+        return dg.MaterializeResult(metadata={
+            **plan_metadata(plan, len(prepared.errors), prepared.tokenize_s),
+            "plan_s": float(round(prepared.plan_s, 4)),
+            "shards": len(used),
+            "split_groups": shards.split_groups,
+            "partition_keys": dg.MetadataValue.json(shard_rows),
+            "estimated_prefill_tokens_per_shard": dg.MetadataValue.json(
+                {keys[s]: int(shards.prefill_tokens[s]) for s in range(config.shards) if ids_by_shard[s]}),
+            "dagster/row_count": plan.num_groups,
+        })
+
+    return prefix_groups

@@ -1,0 +1,110 @@
+"""Asset checks on a batch job's completions.
+
+Per partition (evaluated by the completions step itself, so backfills run them too):
+* ``one_completion_per_row``: every row of the shard has exactly one row in the output table;
+* ``no_silent_empties``: an ok row has text, an error row has a reason;
+* ``prefix_saving``: saved prompt tokens / the plan's ideal is above a floor (a warning).
+For the whole table: ``all_prompts_answered`` (missing, duplicated and orphaned ids).
+"""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from engine.results import RunStats
+
+from .config import BatchJobConfig
+from .warehouse import quote_identifier
+
+PARTITION_CHECKS = ("one_completion_per_row", "no_silent_empties", "prefix_saving")
+
+
+def partition_check_specs(config: BatchJobConfig) -> list[dg.AssetCheckSpec]:
+    key = dg.AssetKey([config.name, "completions"])
+    return [
+        dg.AssetCheckSpec("one_completion_per_row", asset=key, description="Each row of the shard has exactly one completion."),
+        dg.AssetCheckSpec("no_silent_empties", asset=key, description="Ok rows have text; error rows say why."),
+        dg.AssetCheckSpec("prefix_saving", asset=key,
+                          description=f"Prompt tokens saved / ideal saving >= {config.min_saving_vs_ideal} (warning)."),
+    ]
+
+
+def partition_check_results(config: BatchJobConfig, partition_key: str, shard_ids: list, stats: RunStats) -> list[dg.AssetCheckResult]:
+    table = quote_identifier(config.output_table)
+    with config.warehouse().get_connection() as con:
+        con.register("expected", _ids_table(shard_ids))
+        missing, extra = con.execute(
+            f"""
+            WITH mine AS (SELECT DISTINCT id FROM {table} WHERE partition_key = ?)
+            SELECT (SELECT count(*) FROM expected WHERE id NOT IN (SELECT id FROM mine)),
+                   (SELECT count(*) FROM mine WHERE id NOT IN (SELECT id FROM expected))
+            """,
+            [partition_key],
+        ).fetchall()[0]
+        duplicated = con.execute(
+            f"SELECT count(*) FROM (SELECT id FROM {table} WHERE id IN (SELECT id FROM expected) GROUP BY id HAVING count(*) > 1)"
+        ).fetchall()[0][0]
+        silent, errors = con.execute(
+            f"""SELECT count(*) FILTER (WHERE (status = 'ok' AND coalesce(text, '') = '')
+                                       OR (status = 'error' AND coalesce(error, '') = '')),
+                       count(*) FILTER (WHERE status = 'error')
+                FROM {table} WHERE partition_key = ?""",
+            [partition_key],
+        ).fetchall()[0]
+        con.unregister("expected")
+    saving = stats.saving_vs_ideal
+    return [
+        dg.AssetCheckResult(
+            check_name="one_completion_per_row", asset_key=dg.AssetKey([config.name, "completions"]),
+            passed=missing == 0 and duplicated == 0 and extra == 0,
+            metadata={"missing": int(missing), "duplicated": int(duplicated), "unexpected": int(extra or 0)},
+        ),
+        dg.AssetCheckResult(
+            check_name="no_silent_empties", asset_key=dg.AssetKey([config.name, "completions"]),
+            passed=silent == 0, metadata={"silent_empty_rows": int(silent), "error_rows": int(errors)},
+        ),
+        dg.AssetCheckResult(
+            check_name="prefix_saving", asset_key=dg.AssetKey([config.name, "completions"]),
+            passed=saving >= config.min_saving_vs_ideal, severity=dg.AssetCheckSeverity.WARN,
+            metadata={"saving_vs_ideal": float(round(saving, 4)), "floor": config.min_saving_vs_ideal},
+        ),
+    ]
+
+
+def _ids_table(ids: list):
+    import pyarrow as pa
+
+    return pa.table({"id": ids})
+
+
+def build_table_checks(config: BatchJobConfig) -> list[dg.AssetChecksDefinition]:
+    key = dg.AssetKey([config.name, "completions"])
+    table = quote_identifier(config.output_table)
+
+    @dg.asset_check(asset=key, name="all_prompts_answered", blocking=False,
+                    description="Every prompt row of the snapshot has exactly one completion; none is orphaned.")
+    def all_prompts_answered() -> dg.AssetCheckResult:
+        from assets.snapshots import prompts_path
+
+        with config.warehouse().get_connection() as con:
+            exists = con.execute(
+                "SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [config.output_table]
+            ).fetchall()[0][0]
+            if not exists:
+                return dg.AssetCheckResult(passed=False, metadata={"reason": "no completions table yet"})
+            missing, duplicated, orphaned = con.execute(
+                f"""
+                WITH prompts AS (SELECT {quote_identifier(config.dataset.id_column)}::VARCHAR AS id FROM read_parquet(?)),
+                     answers AS (SELECT id::VARCHAR AS id, count(*) AS n FROM {table} GROUP BY 1)
+                SELECT (SELECT count(*) FROM prompts LEFT JOIN answers USING (id) WHERE answers.n IS NULL),
+                       (SELECT count(*) FROM answers WHERE n > 1),
+                       (SELECT count(*) FROM answers WHERE id NOT IN (SELECT id FROM prompts))
+                """,
+                [str(prompts_path(config))],
+            ).fetchall()[0]
+        return dg.AssetCheckResult(
+            passed=missing == 0 and duplicated == 0 and orphaned == 0,
+            metadata={"missing": int(missing), "duplicated": int(duplicated), "orphaned": int(orphaned)},
+        )
+
+    return [all_prompts_answered]

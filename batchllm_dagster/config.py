@@ -1,0 +1,133 @@
+"""The declaration of one batch job: dataset, model, sampling, shards, hardware, output.
+
+Plain pydantic models, shared by the Python factory and the YAML Component.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from pydantic import BaseModel, Field, model_validator
+
+from engine.dataset import Columns
+from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class DatasetSpec(BaseModel):
+    """Where the prompts come from: exactly one of ``sql``, ``sql_file``, ``table``, ``parquet``."""
+
+    sql: str | None = None
+    sql_file: str | None = None
+    table: str | None = None
+    parquet: str | None = None
+    database: str | None = Field(None, description="DuckDB database the SQL or table reads (opened read-only)")
+    id_column: str = "id"
+    prompt_column: str = "prompt"
+    messages_column: str = "messages"
+    max_tokens_column: str = "max_tokens"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DatasetSpec":
+        given = [k for k in ("sql", "sql_file", "table", "parquet") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(f"a dataset needs exactly one of sql, sql_file, table, parquet (got {given or 'none'})")
+        if (self.sql or self.table) and not self.database:
+            raise ValueError("a dataset given as sql or table needs a database")
+        return self
+
+    @property
+    def columns(self) -> Columns:
+        return Columns(self.id_column, self.prompt_column, self.messages_column, self.max_tokens_column)
+
+    def describe(self) -> str:
+        if self.sql_file:
+            return f"sql file {self.sql_file} on {self.database or 'an in-memory DuckDB'}"
+        if self.sql:
+            return f"sql on {self.database}"
+        if self.table:
+            return f"table {self.table} of {self.database}"
+        return f"parquet {self.parquet}"
+
+
+class ModelSpec(BaseModel):
+    path: str = Field("smollm2", description="local checkpoint directory, or a built-in: smollm2, tiny")
+    dtype: str = "float32"
+    block_size: int = 32
+    kv_cache_blocks: int | None = None
+    max_model_len: int = 2048
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = True
+    seed: int = 0
+
+
+class SamplingSpec(BaseModel):
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    ignore_eos: bool = False
+    seed: int = 0
+
+
+class BatchJobConfig(BaseModel):
+    """One batch job: ``{name}/prompts`` -> ``{name}/prefix_groups`` -> ``{name}/completions``."""
+
+    name: str
+    dataset: DatasetSpec
+    llm: ModelSpec = ModelSpec()
+    sampling: SamplingSpec = SamplingSpec()
+    shards: int = Field(2, ge=1)
+    hardware: list[str] = Field(default_factory=lambda: ["cpu"], description="hardware partitions; shards cycle over them")
+    output_database: str
+    output_table: str = "completions"
+    storage_dir: str = Field(description="where prompt snapshots and plans are kept")
+    min_saving_vs_ideal: float = Field(0.9, description="prefix_saving check warns below this share of the ideal")
+    schedule: str | None = Field("0 2 * * *", description="cron of the nightly run (None: no schedule)")
+
+    @model_validator(mode="after")
+    def _names(self) -> "BatchJobConfig":
+        for label, value in (("name", self.name), ("output_table", self.output_table)):
+            if not _IDENTIFIER.match(value):
+                raise ValueError(f"{label} {value!r} must be a plain identifier (letters, digits, _)")
+        if not self.hardware:
+            raise ValueError("hardware needs at least one partition name")
+        return self
+
+    @property
+    def job_dir(self) -> Path:
+        return Path(self.storage_dir) / self.name
+
+    @property
+    def partitions_name(self) -> str:
+        return f"{self.name}_shards"
+
+    def warehouse(self):
+        """The output database, opened only for each short write."""
+        from dagster_duckdb import DuckDBResource
+
+        Path(self.output_database).parent.mkdir(parents=True, exist_ok=True)
+        return DuckDBResource(database=self.output_database)
+
+    def engine_settings(self, model_path: str, kv_cache_gib: int) -> EngineSettings:
+        spec = self.llm
+        return EngineSettings(
+            model_path=model_path, dtype=spec.dtype, block_size=spec.block_size, kv_cache_blocks=spec.kv_cache_blocks,
+            kv_cache_gib=kv_cache_gib, max_model_len=spec.max_model_len,
+            max_num_batched_tokens=spec.max_num_batched_tokens, enforce_eager=spec.enforce_eager, seed=spec.seed,
+        )
+
+    def sampling_settings(self) -> SamplingSettings:
+        s = self.sampling
+        return SamplingSettings(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                                ignore_eos=s.ignore_eos, seed=s.seed)
+
+    def scheduler_settings(self) -> SchedulerSettings:
+        return SchedulerSettings()
+
+
+def default_data_dir() -> Path:
+    """Where the demo's database and snapshots live (``BATCHLLM_DATA_DIR``, else ``./data``)."""
+    return Path(os.environ.get("BATCHLLM_DATA_DIR", Path.cwd() / "data"))

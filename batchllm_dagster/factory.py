@@ -1,0 +1,54 @@
+"""Build a batch job's Dagster definitions from its config (used from Python and by the Component)."""
+
+
+import dagster as dg
+
+from assets import build_completions, build_prefix_groups, build_prompts
+
+from .checks import build_table_checks
+from .config import BatchJobConfig
+from .partitions import shard_partitions
+from .resources import VLLMResource
+
+
+def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
+    partitions = shard_partitions(config.partitions_name)
+    prompts = build_prompts(config)
+    prefix_groups = build_prefix_groups(config, partitions)
+    completions = build_completions(config, partitions)
+
+    plan_job = dg.define_asset_job(
+        f"{config.name}_plan",
+        selection=dg.AssetSelection.assets(prompts, prefix_groups),
+        description="Snapshot the prompts and plan the shards; the shard sensor then runs every shard.",
+    )
+    shards_job = dg.define_asset_job(
+        f"{config.name}_shards", selection=dg.AssetSelection.assets(completions), partitions_def=partitions
+    )
+
+    @dg.asset_sensor(
+        asset_key=prefix_groups.key,
+        job=shards_job,
+        name=f"{config.name}_run_shards",
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description="After a new plan, run each of its shards once (one run per shard partition).",
+    )
+    def run_shards(context: dg.SensorEvaluationContext, asset_event: dg.EventLogEntry):
+        keys = context.instance.get_dynamic_partitions(config.partitions_name)
+        run_key = asset_event.run_id
+        return [dg.RunRequest(run_key=f"{run_key}:{k}", partition_key=k) for k in keys]
+
+    schedules = []
+    if config.schedule:
+        schedules.append(dg.ScheduleDefinition(
+            name=f"{config.name}_nightly", job=plan_job, cron_schedule=config.schedule,
+            default_status=dg.DefaultScheduleStatus.STOPPED,
+        ))
+    return dg.Definitions(
+        assets=[prompts, prefix_groups, completions],
+        asset_checks=build_table_checks(config),
+        jobs=[plan_job, shards_job],
+        sensors=[run_shards],
+        schedules=schedules,
+        resources={"llm": VLLMResource()},
+    )

@@ -1,0 +1,68 @@
+"""Metadata recorded on materializations. Numbers stay numbers so the UI plots them."""
+
+from __future__ import annotations
+
+import json
+
+import dagster as dg
+import pyarrow as pa
+
+from engine.plan import PrefixPlan
+from engine.results import RunStats
+
+
+def table_preview(table: pa.Table, columns: list[str], rows: int = 5, width: int = 80) -> dg.MetadataValue:
+    shown = [c for c in columns if c in table.column_names]
+    lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+    for record in table.select(shown).slice(0, rows).to_pylist():
+        cells = [str(record[c]).replace("\n", " ").replace("|", "/")[:width] for c in shown]
+        lines.append("| " + " | ".join(cells) + " |")
+    return dg.MetadataValue.md("\n".join(lines))
+
+
+def plan_metadata(plan: PrefixPlan, error_rows: int, tokenize_s: float) -> dict:
+    return {
+        "rows": plan.num_rows,
+        "error_rows": error_rows,
+        "groups": plan.num_groups,
+        "shared_groups": int((plan.group_prefix_tokens > 0).sum()),
+        "prompt_tokens": plan.prompt_tokens,
+        "unique_tokens": plan.unique_tokens,
+        "ideal_cached_tokens": plan.ideal_cached_tokens,
+        "ideal_saving": float(round(plan.ideal_saving, 4)),
+        "tokenize_s": float(round(tokenize_s, 3)),
+    }
+
+
+def run_metadata(stats: RunStats, hardware: str, hardware_partition: str, engine_info: dict) -> dict:
+    return {
+        "rows": stats.rows,
+        "ok_rows": stats.ok_rows,
+        "error_rows": stats.error_rows,
+        "prompt_tokens": stats.prompt_tokens,
+        "cached_prompt_tokens": stats.cached_tokens,
+        "ideal_cached_tokens": stats.ideal_cached_tokens,
+        "saving_vs_ideal": float(round(stats.saving_vs_ideal, 4)),
+        "prefill_tokens": stats.prefill_tokens,
+        "output_tokens": stats.output_tokens,
+        "preemptions": stats.preemptions,
+        "wall_s": float(round(stats.wall_s, 3)),
+        "tokens_per_s": float(round(stats.tokens_per_s, 2)),
+        "output_tokens_per_s": float(round(stats.output_tokens_per_s, 2)),
+        "hardware": hardware,
+        "hardware_partition": hardware_partition,
+        "engine": dg.MetadataValue.json(engine_info),
+    }
+
+
+def engine_info(engine, settings, sampling) -> dict:
+    from dataclasses import asdict
+
+    return json.loads(json.dumps({
+        "vllm": engine.version,
+        "kv_capacity_blocks": engine.kv_capacity_blocks,
+        "max_num_seqs": engine.max_num_seqs,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "settings": asdict(settings),
+        "sampling": asdict(sampling),
+    }, default=str))

@@ -1,0 +1,42 @@
+"""Shard partitions: one dynamic partition per shard of the plan, with keys that stay stable.
+
+A key names the hardware partition the shard is bound to, the shard's index and a hash of the
+shard's row ids: the same groups give the same keys, and a changed shard gets a new key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import dagster as dg
+
+
+def shard_partitions(name: str) -> dg.DynamicPartitionsDefinition:
+    return dg.DynamicPartitionsDefinition(name=name)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9_.]+", "-", text.lower()).strip("-") or "hw"
+
+
+def shard_key(hardware: str, shard: int, ids: list) -> str:
+    digest = hashlib.sha1("\x1f".join(sorted(map(str, ids))).encode()).hexdigest()[:8]
+    return f"{_slug(hardware)}-{shard:02d}-{digest}"
+
+
+def hardware_of(hardware: list[str], shard: int) -> str:
+    """Shards are bound to hardware partitions round-robin."""
+    return hardware[shard % len(hardware)]
+
+
+def sync_partitions(instance: dg.DagsterInstance, name: str, keys: list[str]) -> tuple[list[str], list[str]]:
+    """Make ``keys`` the partitions of ``name``; returns (added, removed)."""
+    existing = set(instance.get_dynamic_partitions(name))
+    added = [k for k in keys if k not in existing]
+    removed = sorted(existing - set(keys))
+    if added:
+        instance.add_dynamic_partitions(name, added)
+    for key in removed:
+        instance.delete_dynamic_partition(name, key)
+    return added, removed

@@ -1,0 +1,238 @@
+"""``batchllm bench``: this engine against plain vLLM, one run after the other on one machine.
+
+Runs, each in a fresh vLLM engine with the same KV cache (sized below the batch's prefix working
+set, as in a real offline job with thousands of documents):
+
+* ``vllm_nocache``     - vLLM, prefix caching off, rows in input order (shuffled, like a table);
+* ``vllm_apc``         - vLLM with its automatic prefix cache, input order;
+* ``vllm_apc_sorted``  - vLLM with prefix caching on ``sorted()`` rows;
+* ``batchllm``         - this engine: global plan, prefix-first groups, KV-budgeted admission.
+
+All four get the same token ids and greedy sampling with ``ignore_eos`` (fixed output lengths).
+``--analysis`` times the plan alone on synthetic token ids (no model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import resource
+import time
+import tracemalloc
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .results import RunStats
+from .settings import EngineSettings, SamplingSettings, SchedulerSettings
+
+log = logging.getLogger(__name__)
+
+RUNS = {
+    "vllm_nocache": ("in_order", False),
+    "vllm_apc": ("in_order", True),
+    "vllm_apc_sorted": ("sorted", True),
+    "batchllm": ("batchllm", True),
+}
+
+
+@dataclass
+class Workload:
+    groups: int = 24
+    rows_per_group: int = 16
+    system_tokens: int = 64  # shared by every row (nesting level 1)
+    prefix_tokens: int = 384  # shared by a group's rows (level 2)
+    suffix_tokens: int = 32  # each row's own tokens
+    output_tokens: int = 32
+    mixed_output: bool = False  # per-row output lengths between output/4 and 2*output
+    seed: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.groups * self.rows_per_group
+
+
+def synthetic_tokens(workload: Workload, vocab: tuple[int, int]):
+    """Token ids and per-row output lengths of the workload, rows in a shuffled (table) order."""
+    from .tokenizing import TokenizedBatch
+
+    rng = np.random.default_rng(workload.seed)
+    lo, hi = vocab
+    system = rng.integers(lo, hi, workload.system_tokens, dtype=np.int32)
+    prefixes = rng.integers(lo, hi, (workload.groups, workload.prefix_tokens), dtype=np.int32)
+    group = np.repeat(np.arange(workload.groups), workload.rows_per_group)
+    rng.shuffle(group)
+    suffixes = rng.integers(lo, hi, (workload.rows, workload.suffix_tokens), dtype=np.int32)
+    rows = np.concatenate([np.broadcast_to(system, (workload.rows, system.size)), prefixes[group], suffixes], axis=1)
+    length = rows.shape[1]
+    offsets = np.arange(workload.rows + 1, dtype=np.int64) * length
+    if workload.mixed_output:
+        max_tokens = rng.integers(max(1, workload.output_tokens // 4), 2 * workload.output_tokens + 1, workload.rows)
+    else:
+        max_tokens = np.full(workload.rows, workload.output_tokens)
+    return TokenizedBatch(tokens=rows.ravel(), offsets=offsets), max_tokens.astype(np.int64)
+
+
+def _prepared(batch, max_tokens, block_size: int):
+    from .plan import build_plan
+    from .runner import PreparedBatch
+
+    started = time.perf_counter()
+    plan = build_plan(batch.tokens, batch.offsets, max_tokens, block_size)
+    return PreparedBatch(
+        ids=[f"row-{i:06d}" for i in range(max_tokens.size)],
+        id_type=None,
+        batch=batch,
+        max_tokens=max_tokens,
+        errors={},
+        plan=plan,
+        tokenize_s=0.0,
+        plan_s=time.perf_counter() - started,
+    )
+
+
+def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: SamplingSettings, scheduler: SchedulerSettings):
+    from .runner import BatchRun, open_engine
+
+    mode, caching = RUNS[name]
+    engine = open_engine(engine_settings, prepared, enable_prefix_caching=caching)
+    try:
+        run = BatchRun(prepared, engine, sampling, scheduler, rows=list(range(prepared.num_rows)), mode=mode)
+        outputs = {r.id: r.text for r in run}
+        run.stats.extra.update(max_num_seqs=engine.max_num_seqs, kv_capacity_blocks=engine.kv_capacity_blocks)
+    finally:
+        engine.close()
+        gc.collect()
+    return run.stats, outputs
+
+
+def _report(stats: RunStats) -> dict:
+    out = stats.to_dict()
+    keep = ["tokens_per_s", "output_tokens_per_s", "wall_s", "prompt_tokens", "cached_tokens", "ideal_cached_tokens",
+            "prefill_tokens", "saving_vs_ideal", "output_tokens", "preemptions", "prefix_requests", "max_num_seqs",
+            "kv_capacity_blocks"]
+    return {k: out[k] for k in keep if k in out}
+
+
+def run_bench(args) -> dict:
+    from .models import resolve_model
+    from .tokenizing import load_tokenizer
+
+    workload = Workload(
+        groups=args.groups, rows_per_group=args.rows_per_group, system_tokens=args.system_tokens,
+        prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens, output_tokens=args.output_tokens,
+        mixed_output=args.mixed_output, seed=args.seed,
+    )
+    model_path = resolve_model(args.model)
+    tokenizer = load_tokenizer(model_path)
+    special = max(tokenizer.all_special_ids or [0])
+    batch, max_tokens = synthetic_tokens(workload, (special + 1, min(len(tokenizer), 32000)))
+    prepared = _prepared(batch, max_tokens, args.block_size)
+    plan = prepared.plan
+    working_set = int(plan.unique_tokens // args.block_size)
+    kv_blocks = args.kv_cache_blocks or max(64, working_set // 3)
+    engine_settings = EngineSettings(
+        model_path=model_path, dtype=args.dtype, block_size=args.block_size, kv_cache_blocks=kv_blocks,
+        max_model_len=2048, max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    sampling = SamplingSettings(max_tokens=workload.output_tokens, ignore_eos=True)
+    scheduler = SchedulerSettings(kv_budget_fraction=args.kv_budget_fraction, prefix_requests=not args.no_prefix_requests)
+    runs, outputs = {}, {}
+    for name in args.runs.split(","):
+        log.info("bench: %s", name)
+        stats, outputs[name] = _one_run(name, prepared, engine_settings, sampling, scheduler)
+        runs[name] = _report(stats)
+        log.info("bench: %s -> %s", name, runs[name])
+
+    def ratio(a: str, b: str):
+        if a in runs and b in runs and runs[b]["tokens_per_s"]:
+            return round(runs[a]["tokens_per_s"] / runs[b]["tokens_per_s"], 3)
+        return None
+
+    reference = "vllm_apc" if "vllm_apc" in outputs else next(iter(outputs))
+    mismatched = [i for i in outputs[reference] if any(outputs[n].get(i) != outputs[reference][i] for n in outputs)]
+    return {
+        "workload": {**asdict(workload), "rows": workload.rows, "model": args.model, "dtype": args.dtype,
+                     "block_size": args.block_size, "kv_cache_blocks": kv_blocks,
+                     "prefix_working_set_blocks": working_set, "prompt_tokens": plan.prompt_tokens,
+                     "unique_tokens": plan.unique_tokens, "ideal_cached_tokens": plan.ideal_cached_tokens,
+                     "plan_s": round(prepared.plan_s, 4)},
+        "runs": runs,
+        "ratios": {"vs_vllm_nocache": ratio("batchllm", "vllm_nocache"), "vs_vllm_apc": ratio("batchllm", "vllm_apc"),
+                   "vs_vllm_apc_sorted": ratio("batchllm", "vllm_apc_sorted")},
+        "outputs_equal": not mismatched,
+        "rows_with_different_outputs": len(mismatched),
+    }
+
+
+def synthetic_analysis_tokens(rows: int, tokens_per_row: int, rows_per_group: int, seed: int = 0):
+    """A million-row batch: groups share most of each row, the rest is unique."""
+    rng = np.random.default_rng(seed)
+    shared = tokens_per_row * 4 // 5
+    groups = max(1, rows // rows_per_group)
+    prefixes = rng.integers(10, 50000, (groups, shared), dtype=np.int32)
+    out = np.empty((rows, tokens_per_row), dtype=np.int32)
+    group = rng.integers(0, groups, rows)
+    for lo in range(0, rows, 1 << 17):  # in chunks: no second full-size temporary
+        hi = min(rows, lo + (1 << 17))
+        out[lo:hi, :shared] = prefixes[group[lo:hi]]
+        out[lo:hi, shared:] = rng.integers(10, 50000, (hi - lo, tokens_per_row - shared), dtype=np.int32)
+    del prefixes
+    return out.reshape(-1), np.arange(rows + 1, dtype=np.int64) * tokens_per_row
+
+
+def run_analysis(args) -> dict:
+    from .plan import build_plan
+
+    tokens, offsets = synthetic_analysis_tokens(args.rows, args.tokens_per_row, args.rows_per_group, args.seed)
+    decode = np.full(args.rows, args.output_tokens, dtype=np.int64)
+    gc.collect()
+    tracemalloc.start()
+    started = time.perf_counter()
+    plan = build_plan(tokens, offsets, decode, args.block_size)
+    plan_s = time.perf_counter() - started
+    _, peak_alloc = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return {
+        "rows": args.rows,
+        "tokens": int(tokens.size),
+        "token_array_bytes": int(tokens.nbytes),
+        "plan_s": round(plan_s, 3),
+        "plan_peak_alloc_bytes": int(peak_alloc),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "groups": plan.num_groups,
+        "ideal_saving": round(plan.ideal_saving, 4),
+    }
+
+
+def cmd_bench(args) -> int:
+    result = run_analysis(args) if args.analysis else run_bench(args)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="compare this engine with plain vLLM in one run")
+    bench.add_argument("--json", action="store_true", help="JSON on stdout (always; logs go to stderr)")
+    bench.add_argument("--model", default="smollm2")
+    bench.add_argument("--dtype", default="float32")
+    bench.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
+    bench.add_argument("--groups", type=int, default=Workload.groups)
+    bench.add_argument("--rows-per-group", type=int, default=Workload.rows_per_group)
+    bench.add_argument("--system-tokens", type=int, default=Workload.system_tokens)
+    bench.add_argument("--prefix-tokens", type=int, default=Workload.prefix_tokens)
+    bench.add_argument("--suffix-tokens", type=int, default=Workload.suffix_tokens)
+    bench.add_argument("--output-tokens", type=int, default=Workload.output_tokens)
+    bench.add_argument("--mixed-output", action="store_true")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--block-size", type=int, default=32)
+    bench.add_argument("--kv-cache-blocks", type=int, help="KV cache size (default: a third of the prefix working set)")
+    bench.add_argument("--kv-budget-fraction", type=float, default=SchedulerSettings.kv_budget_fraction)
+    bench.add_argument("--max-num-batched-tokens", type=int)
+    bench.add_argument("--no-prefix-requests", action="store_true")
+    bench.add_argument("--analysis", action="store_true", help="time the plan alone on synthetic token ids")
+    bench.add_argument("--rows", type=int, default=1_000_000, help="rows for --analysis")
+    bench.add_argument("--tokens-per-row", type=int, default=500, help="tokens per row for --analysis")
+    bench.set_defaults(func=cmd_bench)

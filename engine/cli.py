@@ -1,0 +1,179 @@
+"""``batchllm``: plan and run a prompt table without Dagster.
+
+    batchllm plan PROMPTS [--database DB]              groups and the ideal prefix saving
+    batchllm run PROMPTS --output OUT.parquet           answers keyed by id
+    batchllm prepare-model [smollm2|tiny]               build an offline model once
+    batchllm bench [--json]                             compare with plain vLLM (see engine/bench.py)
+
+PROMPTS is a Parquet file (or glob), a ``.sql`` file run by DuckDB, or a table of ``--database``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from .dataset import Columns, DatasetError, load_prompts
+from .settings import EngineSettings, SamplingSettings, SchedulerSettings
+
+log = logging.getLogger("batchllm")
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompts", help="Parquet file or glob, .sql file, or a table of --database")
+    parser.add_argument("--database", help="DuckDB database the SQL or table refers to (opened read-only)")
+    parser.add_argument("--model", default="smollm2", help="built-in model name (smollm2, tiny) or checkpoint path")
+    parser.add_argument("--id-column", default="id")
+    parser.add_argument("--prompt-column", default="prompt")
+    parser.add_argument("--messages-column", default="messages")
+    parser.add_argument("--max-tokens", type=int, default=64, help="default output tokens per row")
+    parser.add_argument("--block-size", type=int, default=32, help="KV block size (tokens)")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--shards", type=int, default=1, help="cut the plan into this many shards")
+
+
+def _settings(args) -> tuple[EngineSettings, SamplingSettings, Columns]:
+    from .models import resolve_model
+
+    engine = EngineSettings(
+        model_path=resolve_model(args.model),
+        dtype=getattr(args, "dtype", "float32"),
+        block_size=args.block_size,
+        kv_cache_blocks=getattr(args, "kv_cache_blocks", None),
+        max_model_len=args.max_model_len,
+    )
+    sampling = SamplingSettings(max_tokens=args.max_tokens, temperature=getattr(args, "temperature", 0.0))
+    columns = Columns(id=args.id_column, prompt=args.prompt_column, messages=args.messages_column)
+    return engine, sampling, columns
+
+
+def _prepare(args):
+    from .runner import prepare_batch
+    from .tokenizing import load_tokenizer
+
+    engine, sampling, columns = _settings(args)
+    table = load_prompts(args.prompts, args.database, columns)
+    prepared = prepare_batch(table, load_tokenizer(engine.model_path), engine, sampling, columns)
+    return engine, sampling, table, prepared
+
+
+def cmd_plan(args) -> int:
+    from .shards import assign_shards
+
+    _, _, _, prepared = _prepare(args)
+    plan = prepared.plan
+    shards = assign_shards(plan, args.shards)
+    summary = {
+        "rows": plan.num_rows,
+        "error_rows": len(prepared.errors),
+        "groups": plan.num_groups,
+        "shared_groups": int((plan.group_prefix_tokens > 0).sum()),
+        "prompt_tokens": plan.prompt_tokens,
+        "unique_tokens": plan.unique_tokens,
+        "ideal_cached_tokens": plan.ideal_cached_tokens,
+        "ideal_saving": round(plan.ideal_saving, 4),
+        "tokenize_s": round(prepared.tokenize_s, 3),
+        "plan_s": round(prepared.plan_s, 3),
+        "shards": [
+            {"shard": s, "rows": int((shards.shard_of_row == s).sum()), "prefill_tokens": int(shards.prefill_tokens[s]),
+             "decode_tokens": int(shards.decode_tokens[s])}
+            for s in range(shards.num_shards)
+        ],
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"{summary['rows']} rows, {summary['groups']} groups ({summary['shared_groups']} share a prefix), "
+          f"{summary['error_rows']} rows with errors")
+    print(f"prompt tokens {plan.prompt_tokens}, unique {plan.unique_tokens}: ideal saving "
+          f"{plan.ideal_cached_tokens} tokens ({100 * plan.ideal_saving:.1f}%)")
+    print(f"{'group':>6} {'rows':>6} {'prefix':>7}  first id")
+    starts = plan.group_starts()
+    for g in range(min(plan.num_groups, args.top)):
+        print(f"{g:>6} {plan.group_sizes[g]:>6} {plan.group_prefix_tokens[g]:>7}  {prepared.ids[plan.order[starts[g]]]}")
+    if plan.num_groups > args.top:
+        print(f"   ... {plan.num_groups - args.top} more groups")
+    for s in summary["shards"]:
+        print(f"shard {s['shard']}: {s['rows']} rows, ~{s['prefill_tokens']} prefill + {s['decode_tokens']} decode tokens")
+    return 0
+
+
+def cmd_run(args) -> int:
+    import pyarrow.parquet as pq
+
+    from .results import results_to_table
+    from .runner import BatchRun, open_engine
+
+    engine_settings, sampling, _, prepared = _prepare(args)
+    with open_engine(engine_settings, prepared) as engine:
+        run = BatchRun(prepared, engine, sampling, SchedulerSettings(), progress_sink=log.info)
+        results = list(run)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = output.with_name(output.name + ".partial")
+    pq.write_table(results_to_table(results, prepared.id_type), staging)
+    staging.replace(output)
+    stats = run.stats.to_dict()
+    print(json.dumps(stats) if args.json else
+          f"{stats['ok_rows']} ok, {stats['error_rows']} errors -> {output}; {stats['tokens_per_s']} tok/s, "
+          f"cached {stats['cached_tokens']} of {stats['prompt_tokens']} prompt tokens "
+          f"({stats['saving_vs_ideal']:.2f} of the ideal saving), {stats['wall_s']} s")
+    return 0
+
+
+def cmd_prepare_model(args) -> int:
+    from .models import resolve_model
+
+    print(resolve_model(args.name))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="batchllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="show prefix groups and the ideal saving")
+    _add_common(plan)
+    plan.add_argument("--top", type=int, default=10, help="groups to list")
+    plan.add_argument("--json", action="store_true")
+    plan.set_defaults(func=cmd_plan)
+
+    run = sub.add_parser("run", help="answer every row with vLLM; write OUT.parquet keyed by id")
+    _add_common(run)
+    run.add_argument("--output", required=True)
+    run.add_argument("--dtype", default="float32")
+    run.add_argument("--temperature", type=float, default=0.0)
+    run.add_argument("--kv-cache-blocks", type=int, help="cap the KV cache at this many blocks")
+    run.add_argument("--json", action="store_true", help="print the run's statistics as JSON")
+    run.set_defaults(func=cmd_run)
+
+    prep = sub.add_parser("prepare-model", help="build a built-in offline model")
+    prep.add_argument("name", nargs="?", default="smollm2", choices=["smollm2", "tiny"])
+    prep.set_defaults(func=cmd_prepare_model)
+
+    from .bench import add_bench_parser
+
+    add_bench_parser(sub)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except DatasetError as exc:
+        print(f"batchllm: bad prompt table: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        from .vllm_engine import EngineStartError
+
+        if isinstance(exc, EngineStartError):
+            print(f"batchllm: {exc}", file=sys.stderr)
+            return 3
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
