@@ -90,11 +90,12 @@ def prepare_batch(
             else:
                 max_tokens[i] = value
     lengths = batch.lengths
-    for i in np.flatnonzero(lengths + max_tokens > engine_settings.max_model_len):
+    limit = engine_settings.context_len
+    for i in np.flatnonzero(lengths + max_tokens > limit):
         errors.setdefault(
             int(i),
-            f"prompt of {lengths[i]} tokens + max_tokens {max_tokens[i]} exceeds the model's context "
-            f"(max_model_len={engine_settings.max_model_len})",
+            f"prompt of {lengths[i]} tokens + max_tokens {max_tokens[i]} exceeds the model's context of {limit} "
+            f"tokens (max_model_len={engine_settings.max_model_len}, KV cache {engine_settings.kv_cache_blocks} blocks)",
         )
     batch = _without_rows(batch, set(errors) - set(batch.errors))
     decode = np.where(batch.lengths > 0, max_tokens, 0)

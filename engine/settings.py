@@ -22,6 +22,14 @@ class EngineSettings:
     enforce_eager: bool = True
     seed: int = 0
 
+    @property
+    def context_len(self) -> int:
+        """Longest prompt + output a row may have: the model's limit, or a capped KV cache's
+        (vLLM keeps one block in reserve)."""
+        if self.kv_cache_blocks is None:
+            return self.max_model_len
+        return max(self.block_size, min(self.max_model_len, (self.kv_cache_blocks - 1) * self.block_size))
+
 
 @dataclass(frozen=True)
 class SamplingSettings:

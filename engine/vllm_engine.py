@@ -76,7 +76,7 @@ class VLLMEngine:
             block_size=settings.block_size,
             num_gpu_blocks_override=settings.kv_cache_blocks,
             enable_prefix_caching=enable_prefix_caching,
-            max_model_len=settings.max_model_len,
+            max_model_len=settings.context_len,
             max_num_seqs=max_num_seqs or settings.max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or settings.max_num_batched_tokens,
             enforce_eager=settings.enforce_eager,

@@ -1,0 +1,48 @@
+import json
+import os
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("BATCHLLM_CACHE_DIR", str(ROOT / ".cache"))
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    from engine.models import resolve_model
+
+    return resolve_model("tiny")
+
+
+def make_prompt_table(seed: int = 0, documents: int = 6, questions: int = 4, singles: int = 6) -> pa.Table:
+    """Plain and chat rows with nested shared prefixes, in a shuffled order."""
+    rng = random.Random(seed)
+    system = "You are a helpful assistant. Answer in one short sentence. " * 6
+    ids, prompts, messages = [], [], []
+    for d in range(documents):
+        document = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "omega", "sigma"]) for _ in range(60))
+        for q in range(questions):
+            ids.append(f"doc{d}-q{q}")
+            prompts.append(f"{system}\nDocument {d}: {document}\nQuestion {q}: what is word {q * 3 + d}?")
+            messages.append(None)
+    for s in range(singles):
+        ids.append(f"chat{s}")
+        prompts.append(None)
+        messages.append(json.dumps([{"role": "system", "content": system},
+                                    {"role": "user", "content": f"Say something about number {s}."}]))
+    order = list(range(len(ids)))
+    rng.shuffle(order)
+    return pa.table({"id": [ids[i] for i in order], "prompt": [prompts[i] for i in order],
+                     "messages": [messages[i] for i in order]})
+
+
+@pytest.fixture
+def prompt_parquet(tmp_path) -> Path:
+    path = tmp_path / "prompts.parquet"
+    pq.write_table(make_prompt_table(), path)
+    return path

@@ -1,0 +1,67 @@
+"""Loading prompt tables: each bad input gets a clear message naming the problem."""
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from engine.dataset import DatasetError, load_prompts, read_sql
+
+
+@pytest.fixture
+def database(tmp_path):
+    path = tmp_path / "prompts.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE p AS SELECT * FROM (VALUES (1, 'hello'), (2, 'world')) t(id, prompt)")
+    con.close()
+    return str(path)
+
+
+def test_sql_file_table_and_parquet_sources(tmp_path, database):
+    sql = tmp_path / "q.sql"
+    sql.write_text("SELECT id, prompt FROM p WHERE id > 1")
+    assert load_prompts(str(sql), database).column("id").to_pylist() == [2]
+    assert load_prompts("p", database).num_rows == 2
+    pq.write_table(pa.table({"id": ["a"], "prompt": ["x"]}), tmp_path / "x.parquet")
+    assert load_prompts(str(tmp_path / "*.parquet")).num_rows == 1
+
+
+def test_dataset_sql_runs_read_only(database):
+    with pytest.raises(DatasetError, match="read-only"):
+        read_sql("CREATE TABLE evil AS SELECT 1", database)
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        (pa.table({"key": [1], "prompt": ["a"]}), "no id column 'id'"),
+        (pa.table({"id": [1], "text": ["a"]}), "needs a prompt column"),
+        (pa.table({"id": [1, None], "prompt": ["a", "b"]}), "NULL"),
+        (pa.table({"id": [1, 1, 2], "prompt": ["a", "b", "c"]}), "duplicated id"),
+        (pa.table({"id": [1.5], "prompt": ["a"]}), "must be integer or text"),
+        (pa.table({"id": [1], "prompt": [3]}), "must be text"),
+        (pa.table({"id": [1], "prompt": ["a"], "max_tokens": ["many"]}), "must be an integer"),
+    ],
+)
+def test_bad_tables_are_rejected_with_the_reason(tmp_path, table, message):
+    path = tmp_path / "bad.parquet"
+    pq.write_table(table, path)
+    with pytest.raises(DatasetError, match=message):
+        load_prompts(str(path))
+
+
+def test_missing_and_broken_sources(tmp_path, database):
+    with pytest.raises(DatasetError, match="no Parquet file"):
+        load_prompts(str(tmp_path / "missing.parquet"))
+    corrupt = tmp_path / "corrupt.parquet"
+    corrupt.write_bytes(b"not parquet at all")
+    with pytest.raises(DatasetError, match="dataset SQL failed"):
+        load_prompts(str(corrupt))
+    with pytest.raises(DatasetError, match="does not exist"):
+        load_prompts(str(tmp_path / "nope.sql"), database)
+    bad_sql = tmp_path / "bad.sql"
+    bad_sql.write_text("SELEC id FROM p")
+    with pytest.raises(DatasetError, match="dataset SQL failed"):
+        load_prompts(str(bad_sql), database)
+    with pytest.raises(DatasetError, match="does not exist"):
+        load_prompts("p", str(tmp_path / "other.duckdb"))

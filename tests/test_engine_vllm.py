@@ -1,0 +1,75 @@
+"""The engine on real vLLM (CPU) with the tiny random model: answers keyed by id, equal to plain vLLM's."""
+
+import random
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from engine.runner import BatchRun, open_engine, prepare_batch
+from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
+from engine.tokenizing import load_tokenizer
+
+from .conftest import make_prompt_table
+
+SAMPLING = SamplingSettings(max_tokens=8)
+
+
+def settings(model, **kw):
+    return EngineSettings(model_path=model, kv_cache_blocks=kw.pop("kv_cache_blocks", 64), **kw)
+
+
+def run(model, table, mode="batchllm", engine_settings=None, sampling=SAMPLING):
+    engine_settings = engine_settings or settings(model)
+    prepared = prepare_batch(table, load_tokenizer(model), engine_settings, sampling)
+    with open_engine(engine_settings, prepared) as engine:
+        batch_run = BatchRun(prepared, engine, sampling, SchedulerSettings(log_every_s=1), mode=mode)
+        results = list(batch_run)
+    return {r.id: r for r in results}, batch_run.stats
+
+
+def test_answers_are_keyed_by_id_whatever_the_input_order(tiny_model):
+    table = make_prompt_table()
+    first, _ = run(tiny_model, table)
+    shuffled = list(range(table.num_rows))
+    random.Random(7).shuffle(shuffled)
+    second, _ = run(tiny_model, table.take(shuffled))
+    assert set(first) == set(table.column("id").to_pylist())
+    assert {i: r.text for i, r in first.items()} == {i: r.text for i, r in second.items()}
+    assert len({r.text for r in first.values()}) > 1, "the model must answer rows differently for this to test anything"
+
+
+def test_engine_equals_plain_vllm_and_reaches_the_ideal_saving_without_preemption(tiny_model):
+    table = make_prompt_table(documents=8, questions=5)
+    ours, ours_stats = run(tiny_model, table, mode="batchllm")
+    plain, plain_stats = run(tiny_model, table, mode="in_order")
+    assert {i: r.text for i, r in ours.items()} == {i: r.text for i, r in plain.items()}
+    assert all(r.status == "ok" and r.output_tokens == SAMPLING.max_tokens or r.finish_reason == "stop" for r in ours.values())
+    assert ours_stats.prompt_tokens == plain_stats.prompt_tokens
+    assert ours_stats.saving_vs_ideal >= 0.95, ours_stats.to_dict()
+    assert ours_stats.prefix_requests > 0
+    assert ours_stats.preemptions == 0
+
+
+def test_bad_rows_become_error_results_and_the_batch_goes_on(tiny_model):
+    table = pa.table({
+        "id": [1, 2, 3, 4, 5],
+        "prompt": ["fine prompt", "", "word " * 3000, "another fine prompt", None],
+        "messages": [None, None, None, None, "not json"],
+        "max_tokens": [4, 4, 4, 0, 4],
+    })
+    results, stats = run(tiny_model, table)
+    assert results[1].status == "ok" and results[1].text
+    assert results[2].status == "error" and "empty prompt" in results[2].error
+    assert results[3].status == "error" and "exceeds the model's context" in results[3].error
+    assert results[4].status == "error" and "max_tokens" in results[4].error
+    assert results[5].status == "error" and "chat template failed" in results[5].error
+    assert (stats.ok_rows, stats.error_rows) == (1, 4)
+    assert stats.rows == 5
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path):
+    from engine.vllm_engine import EngineStartError, VLLMEngine
+
+    with pytest.raises(EngineStartError, match="does not exist"):
+        VLLMEngine(EngineSettings(model_path=str(tmp_path / "no-model")))

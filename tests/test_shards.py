@@ -1,0 +1,53 @@
+"""Shards: balanced by estimated cost, never splitting a group that fits in a shard."""
+
+import numpy as np
+import pytest
+
+from engine.plan import build_plan
+from engine.shards import assign_shards
+
+
+def grouped_batch(groups=12, rows_per_group=5, prefix=16, seed=0):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for g in range(groups):
+        shared = rng.integers(0, 1000, prefix).tolist()
+        rows += [shared + rng.integers(0, 1000, rng.integers(1, 6)).tolist() for _ in range(rows_per_group)]
+    offsets = np.cumsum([0] + [len(r) for r in rows])
+    return build_plan(np.concatenate(rows).astype(np.int32), offsets, np.full(len(rows), 8), 4)
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 4])
+def test_groups_are_never_split_and_shards_are_balanced(shards):
+    plan = grouped_batch()
+    result = assign_shards(plan, shards)
+    for g in range(plan.num_groups):
+        assert np.unique(result.shard_of_row[plan.group_rows(g)]).size == 1
+    assert result.split_groups == 0
+    assert set(np.unique(result.shard_of_row)) == set(range(shards))
+    costs = result.estimated_cost
+    assert costs.max() <= costs.mean() * 1.5
+    # Each group pays its prefix once in its own shard: the shards add up to the plan's minimum.
+    assert result.prefill_tokens.sum() == plan.unique_tokens
+
+
+def test_a_group_larger_than_a_shard_is_split_and_each_part_pays_its_prefix():
+    plan = grouped_batch(groups=1, rows_per_group=20)
+    result = assign_shards(plan, 2)
+    assert result.split_groups == 1
+    assert np.unique(result.shard_of_row).size == 2
+    assert result.prefill_tokens.sum() == plan.unique_tokens + 16  # the 16-token prefix computed twice
+
+
+def test_weights_give_faster_hardware_more_work():
+    plan = grouped_batch(groups=40)
+    result = assign_shards(plan, 2, weights=[3.0, 1.0])
+    assert result.estimated_cost[0] > 2 * result.estimated_cost[1]
+
+
+def test_bad_arguments():
+    plan = grouped_batch()
+    with pytest.raises(ValueError):
+        assign_shards(plan, 0)
+    with pytest.raises(ValueError):
+        assign_shards(plan, 2, weights=[1.0])
