@@ -157,8 +157,12 @@ class BatchRun:
                 yield RowResult(id=prepared.ids[row], status="error", error=prepared.errors[row], group=int(plan.group_of_row[row]))
         progress = Progress(len(self.rows), stats, self.scheduler.log_every_s, self.progress_sink)
         if self.mode == "batchllm":
+            position = np.empty(plan.num_rows, dtype=np.int64)
+            position[plan.order] = np.arange(plan.num_rows)
+            in_plan_order = sorted(ok_rows, key=position.__getitem__)  # whatever order the caller gave
             stream = run_grouped(
-                self.engine, prepared.batch, plan, ok_rows, prepared.max_tokens, self.sampling, self.scheduler, stats, progress
+                self.engine, prepared.batch, plan, in_plan_order, prepared.max_tokens, self.sampling, self.scheduler,
+                stats, progress,
             )
         else:
             order = ok_rows if self.mode == "in_order" else sorted_rows(prepared, ok_rows)

@@ -23,6 +23,8 @@ def configure(kv_cache_gib: int | None = None) -> None:
         "TORCHINDUCTOR_CACHE_DIR": str(_CACHE_ROOT / "inductor"),
         "VLLM_RPC_BASE_PATH": str(_CACHE_ROOT / "rpc"),
         "TOKENIZERS_PARALLELISM": "true",
+        # vLLM logs to stdout by default; keep stdout for results (``--json``).
+        "VLLM_LOGGING_STREAM": "ext://sys.stderr",
     }
     if _running_on_cpu():
         cores = os.cpu_count() or 1
