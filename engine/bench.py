@@ -40,10 +40,10 @@ RUNS = {
 
 @dataclass
 class Workload:
-    groups: int = 24
-    rows_per_group: int = 16
+    groups: int = 16
+    rows_per_group: int = 12
     system_tokens: int = 64  # shared by every row (nesting level 1)
-    prefix_tokens: int = 384  # shared by a group's rows (level 2)
+    prefix_tokens: int = 320  # shared by a group's rows (level 2)
     suffix_tokens: int = 32  # each row's own tokens
     output_tokens: int = 32
     mixed_output: bool = False  # per-row output lengths between output/4 and 2*output
@@ -101,7 +101,9 @@ def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: Sam
     try:
         run = BatchRun(prepared, engine, sampling, scheduler, rows=list(range(prepared.num_rows)), mode=mode)
         outputs = {r.id: r.text for r in run}
-        run.stats.extra.update(max_num_seqs=engine.max_num_seqs, kv_capacity_blocks=engine.kv_capacity_blocks)
+        run.stats.extra.update(max_num_seqs=engine.max_num_seqs, kv_capacity_blocks=engine.kv_capacity_blocks,
+                               engine_steps=engine.counters.steps,
+                               mean_running_rows=round(engine.counters.mean_running, 2))
     finally:
         engine.close()
         gc.collect()
@@ -112,7 +114,7 @@ def _report(stats: RunStats) -> dict:
     out = stats.to_dict()
     keep = ["tokens_per_s", "output_tokens_per_s", "wall_s", "prompt_tokens", "cached_tokens", "ideal_cached_tokens",
             "prefill_tokens", "saving_vs_ideal", "output_tokens", "preemptions", "prefix_requests", "max_num_seqs",
-            "kv_capacity_blocks"]
+            "kv_capacity_blocks", "engine_steps", "mean_running_rows"]
     return {k: out[k] for k in keep if k in out}
 
 
@@ -138,7 +140,10 @@ def run_bench(args) -> dict:
         max_model_len=2048, max_num_batched_tokens=args.max_num_batched_tokens,
     )
     sampling = SamplingSettings(max_tokens=workload.output_tokens, ignore_eos=True)
-    scheduler = SchedulerSettings(kv_budget_fraction=args.kv_budget_fraction, prefix_requests=not args.no_prefix_requests)
+    scheduler = SchedulerSettings(
+        kv_budget_fraction=args.kv_budget_fraction, prefix_requests=not args.no_prefix_requests,
+        reserve_output=args.reserve_output, lookahead_tokens=args.lookahead_tokens,
+    )
     runs, outputs = {}, {}
     for name in args.runs.split(","):
         log.info("bench: %s", name)
@@ -231,7 +236,9 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--kv-cache-blocks", type=int, help="KV cache size (default: a third of the prefix working set)")
     bench.add_argument("--kv-budget-fraction", type=float, default=SchedulerSettings.kv_budget_fraction)
     bench.add_argument("--max-num-batched-tokens", type=int)
-    bench.add_argument("--no-prefix-requests", action="store_true")
+    bench.add_argument("--no-prefix-requests", action="store_true", help="let the first rows compute their prefix")
+    bench.add_argument("--reserve-output", choices=["full", "lookahead"], default=SchedulerSettings.reserve_output)
+    bench.add_argument("--lookahead-tokens", type=int, default=SchedulerSettings.lookahead_tokens)
     bench.add_argument("--analysis", action="store_true", help="time the plan alone on synthetic token ids")
     bench.add_argument("--rows", type=int, default=1_000_000, help="rows for --analysis")
     bench.add_argument("--tokens-per-row", type=int, default=500, help="tokens per row for --analysis")

@@ -53,7 +53,7 @@ class Progress:
         self.sink = sink or log.info
         self.started = self.last = time.perf_counter()
 
-    def maybe_log(self, in_flight: int = 0, kv_blocks: int = 0, force: bool = False) -> None:
+    def maybe_log(self, in_flight: int = 0, kv_blocks: int = 0, kv_usage: float = 0.0, force: bool = False) -> None:
         now = time.perf_counter()
         if not force and now - self.last < self.every_s:
             return
@@ -64,7 +64,8 @@ class Progress:
         self.sink(
             f"{done}/{self.total} rows ({100 * done / max(self.total, 1):.0f}%), {rate:.1f} rows/s, "
             f"{(self.stats.prompt_tokens + self.stats.output_tokens) / max(elapsed, 1e-9):.0f} tok/s, "
-            f"cached {self.stats.cached_tokens} tok, in flight {in_flight} rows / {kv_blocks} KV blocks, "
+            f"cached {self.stats.cached_tokens} tok, in flight {in_flight} rows / {kv_blocks} KV blocks "
+            f"(vLLM KV {100 * kv_usage:.0f}% used), "
             f"preemptions {self.stats.preemptions}, eta {eta:.0f}s"
         )
 
@@ -95,7 +96,7 @@ def run_in_order(
             _count(stats, finished, engine)
             yield int(finished.request_id[len(_ROW_ID) :]), finished
         if progress:
-            progress.maybe_log(in_flight=len(rows) - stats.rows)
+            progress.maybe_log(in_flight=len(rows) - stats.rows, kv_usage=engine.counters.kv_usage)
 
 
 def _groups_in_order(plan: PrefixPlan, rows: list[int]) -> list[_Group]:
@@ -125,55 +126,65 @@ def run_grouped(
     """BatchLLM: groups in plan order, prefix first, rows admitted under a KV budget."""
     block = engine.settings.block_size
     budget = max(1, int(engine.kv_capacity_blocks * settings.kv_budget_fraction))
+    lookahead_blocks = None if settings.reserve_output == "full" else -(-settings.lookahead_tokens // block)
     groups = _groups_in_order(plan, rows)
-    group_of = {row: g for g, group in enumerate(groups) for row in group.rows}
     lengths = batch.lengths
+    running: dict[int, _Group] = {}  # admitted rows not yet finished
+    pinned = 0  # prefix blocks held for groups with rows still to run, plus running prefix requests
 
-    def own_blocks(row: int, group: _Group) -> int:
-        total = -(-(int(lengths[row]) + int(max_tokens[row])) // block)
-        return max(1, total - group.prefix_tokens // block)
+    def blocks_beyond_prefix(row: int, group: _Group, tokens: int) -> int:
+        return max(1, -(-tokens // block) - group.prefix_tokens // block)
+
+    def demand(row: int, group: _Group) -> int:
+        """KV blocks the row holds now plus what is reserved for its coming output."""
+        generated = engine.generated.get(f"{_ROW_ID}{row}", 0)
+        held = blocks_beyond_prefix(row, group, int(lengths[row]) + generated)
+        final = blocks_beyond_prefix(row, group, int(lengths[row]) + int(max_tokens[row]))
+        growth = final - held
+        return held + (growth if lookahead_blocks is None else min(growth, lookahead_blocks))
 
     def uses_prefix_request(group: _Group) -> bool:
         return settings.prefix_requests and group.prefix_tokens >= block and len(group.rows) >= settings.min_group_rows
 
-    in_use = 0  # KV blocks reserved for what is in flight
-    in_flight = 0
     head = 0  # first group with rows still to admit
 
-    def admit() -> None:
-        nonlocal in_use, in_flight, head
+    def admit() -> int:
+        nonlocal pinned, head
+        in_use = pinned + sum(demand(row, group) for row, group in running.items())
         while head < len(groups):
             group = groups[head]
             if group.prefix_state == "pending":
-                first_row = own_blocks(group.rows[0], group)
-                need = group.prefix_tokens // block + 1 + first_row
+                need = group.prefix_tokens // block + 1 + demand(group.rows[0], group)
                 if in_use + need > budget and in_use > 0:
-                    return
+                    break
+                pinned += group.prefix_tokens // block
                 in_use += group.prefix_tokens // block
                 if uses_prefix_request(group):
                     prefix = batch.row(group.rows[0])[: group.prefix_tokens]
                     engine.submit(f"{_PREFIX_ID}{head}", prefix, engine.sampling_params(sampling, 1))
-                    in_use += 1  # the prefix request's own output block
+                    pinned += 1  # the prefix request's own output block
+                    in_use += 1
                     group.prefix_state = "running"
                     stats.prefix_requests += 1
                 else:
                     group.prefix_state = "done"
             if group.prefix_state == "running":
-                return  # rows wait for their prefix; later groups wait for their turn
+                break  # rows wait for their prefix; later groups wait for their turn
             while group.next_row < len(group.rows):
                 row = group.rows[group.next_row]
-                cost = own_blocks(row, group)
-                if in_use + cost > budget and in_flight > 0:
-                    return
+                cost = demand(row, group)
+                if in_use + cost > budget and running:
+                    return in_use
                 engine.submit(f"{_ROW_ID}{row}", batch.row(row), engine.sampling_params(sampling, int(max_tokens[row])))
+                running[row] = group
                 in_use += cost
-                in_flight += 1
                 group.outstanding += 1
                 group.next_row += 1
             head += 1
+        return in_use
 
     while True:
-        admit()
+        in_use = admit()
         if not engine.has_unfinished():
             if head < len(groups):  # admit() always admits into an idle engine
                 raise RuntimeError(f"scheduler stalled at group {head} of {len(groups)}")
@@ -182,18 +193,16 @@ def run_grouped(
             if finished.request_id.startswith(_PREFIX_ID):
                 group = groups[int(finished.request_id[len(_PREFIX_ID) :])]
                 group.prefix_state = "done"
-                in_use -= 1
+                pinned -= 1
                 stats.prefix_prompt_tokens += finished.prompt_tokens
                 stats.prefix_cached_tokens += finished.cached_tokens
                 continue
             row = int(finished.request_id[len(_ROW_ID) :])
-            group = groups[group_of[row]]
+            group = running.pop(row)
             group.outstanding -= 1
-            in_flight -= 1
-            in_use -= own_blocks(row, group)
             if group.outstanding == 0 and group.next_row == len(group.rows):
-                in_use -= group.prefix_tokens // block  # the prefix may now be evicted
+                pinned -= group.prefix_tokens // block  # the prefix may now be evicted
             _count(stats, finished, engine)
             yield row, finished
         if progress:
-            progress.maybe_log(in_flight=in_flight, kv_blocks=in_use)
+            progress.maybe_log(in_flight=len(running), kv_blocks=in_use, kv_usage=engine.counters.kv_usage)

@@ -30,25 +30,43 @@ class Finished:
     finish_reason: str | None
 
 
-def _preemption_counter():
+@dataclass
+class EngineCounters:
+    """What vLLM's scheduler reports each step: preemptions, batch sizes, KV usage."""
+
+    preemptions: int = 0
+    steps: int = 0
+    running_sum: int = 0
+    kv_usage: float = 0.0
+    running: int = 0
+    waiting: int = 0
+
+    @property
+    def mean_running(self) -> float:
+        return self.running_sum / self.steps if self.steps else 0.0
+
+
+def _stat_logger_factory(counters: EngineCounters):
     from vllm.v1.metrics.loggers import StatLoggerBase
 
-    class PreemptionCounter(StatLoggerBase):
-        """Counts preempted requests (vLLM evicted them and will recompute them)."""
-
-        total = 0
-
+    class CountingStatLogger(StatLoggerBase):
         def __init__(self, vllm_config, engine_index: int = 0):
-            PreemptionCounter.total = 0
+            pass
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
             if iteration_stats is not None:
-                PreemptionCounter.total += iteration_stats.num_preempted_reqs
+                counters.preemptions += iteration_stats.num_preempted_reqs
+            if scheduler_stats is not None:
+                counters.steps += 1
+                counters.running = scheduler_stats.num_running_reqs
+                counters.waiting = scheduler_stats.num_waiting_reqs
+                counters.running_sum += scheduler_stats.num_running_reqs
+                counters.kv_usage = scheduler_stats.kv_cache_usage
 
         def log_engine_initialized(self):
             pass
 
-    return PreemptionCounter
+    return lambda vllm_config, engine_index=0: CountingStatLogger(vllm_config, engine_index)
 
 
 class VLLMEngine:
@@ -69,7 +87,8 @@ class VLLMEngine:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         self.settings = settings
-        self._counter = _preemption_counter()
+        self.counters = EngineCounters()
+        self.generated: dict[str, int] = {}  # output tokens so far of each unfinished request
         args = EngineArgs(
             model=settings.model_path,
             dtype=settings.dtype,
@@ -84,7 +103,7 @@ class VLLMEngine:
             disable_log_stats=False,
         )
         try:
-            self._engine = LLMEngine.from_engine_args(args, stat_loggers=[self._counter])
+            self._engine = LLMEngine.from_engine_args(args, stat_loggers=[_stat_logger_factory(self.counters)])
         except Exception as exc:
             raise EngineStartError(f"vLLM failed to start for {settings.model_path!r}: {exc}") from exc
         config = self._engine.vllm_config
@@ -99,7 +118,7 @@ class VLLMEngine:
 
     @property
     def preemptions(self) -> int:
-        return self._counter.total
+        return self.counters.preemptions
 
     def sampling_params(self, sampling: SamplingSettings, max_tokens: int | None = None):
         from vllm import SamplingParams
@@ -121,10 +140,13 @@ class VLLMEngine:
         return self._engine.has_unfinished_requests()
 
     def step(self) -> list[Finished]:
+        """One engine step; returns the requests that finished. ``generated`` tracks the rest."""
         done = []
         for out in self._engine.step():
             if not out.finished:
+                self.generated[out.request_id] = len(out.outputs[0].token_ids)
                 continue
+            self.generated.pop(out.request_id, None)
             completion = out.outputs[0]
             done.append(
                 Finished(
