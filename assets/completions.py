@@ -2,6 +2,8 @@
 
 
 import datetime as dt
+import shutil
+from dataclasses import asdict
 
 import dagster as dg
 import pyarrow as pa
@@ -9,16 +11,16 @@ import pyarrow.compute as pc
 
 from batchllm_dagster.checks import partition_check_results, partition_check_specs
 from batchllm_dagster.config import BatchJobConfig
-from batchllm_dagster.metadata import engine_info, run_metadata
+from batchllm_dagster.metadata import run_metadata
 from batchllm_dagster.resources import VLLMResource
 from batchllm_dagster.warehouse import replace_partition
 from engine.models import resolve_model
 from engine.results import results_to_table
-from engine.runner import BatchRun, prepare_batch
+from engine.runner import prepare_batch, run_resumable
 from engine.settings import fingerprint
 from engine.tokenizing import load_tokenizer
 
-from .snapshots import plan_path, prompts_path, read_parquet
+from .snapshots import checkpoint_path, plan_path, prompts_path, read_parquet
 
 
 def shard_rows(config: BatchJobConfig, partition_key: str) -> tuple[pa.Table, pa.Table]:
@@ -59,10 +61,12 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
             f"shard {key}: {prepared.num_rows} rows, {prepared.plan.num_groups} groups, "
             f"ideal saving {100 * prepared.plan.ideal_saving:.1f}% on {llm.hardware()} ({hardware_partition})"
         )
-        with llm.open(settings, prepared) as engine:
-            run = BatchRun(prepared, engine, sampling, scheduler, progress_sink=context.log.info)
-            results = list(run)
-            info = engine_info(engine, settings, sampling)
+        checkpoint = checkpoint_path(config, key)
+        results, stats = run_resumable(
+            prepared, settings, sampling, checkpoint, scheduler, progress_sink=context.log.info,
+            start_engine=llm.open,
+        )
+        info = {**llm.engine_info, "settings": asdict(settings), "sampling": asdict(sampling)}
 
         group_of = dict(zip(plan_rows["id"].to_pylist(), plan_rows["group"].to_pylist()))
         for result in results:
@@ -78,10 +82,15 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
             .append_column("completed_at", pa.array([dt.datetime.now(dt.timezone.utc)] * n, pa.timestamp("us", tz="UTC")))
         )
         written = replace_partition(config.warehouse(), config.output_table, key, table)
+        shutil.rmtree(checkpoint, ignore_errors=True)  # the table now holds every row of the shard
         context.log.info(f"wrote {written} rows of partition {key} to {config.output_table}")
         return dg.MaterializeResult(
-            metadata={**run_metadata(run.stats, llm.hardware(), hardware_partition, info), "dagster/row_count": written},
-            check_results=partition_check_results(config, key, plan_rows["id"].to_pylist(), run.stats),
+            metadata={
+                **run_metadata(stats, llm.hardware(), hardware_partition, info),
+                "reused_rows": stats.extra["reused_rows"],
+                "dagster/row_count": written,
+            },
+            check_results=partition_check_results(config, key, plan_rows["id"].to_pylist(), stats),
         )
 
     return completions

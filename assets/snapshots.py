@@ -18,6 +18,10 @@ def plan_path(config: BatchJobConfig) -> Path:
     return config.job_dir / "plan.parquet"
 
 
+def checkpoint_path(config: BatchJobConfig, partition_key: str) -> Path:
+    return config.job_dir / "checkpoints" / partition_key
+
+
 def write_parquet(table: pa.Table, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(path.name + ".partial")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import dagster as dg
 import pyarrow as pa
 
@@ -53,16 +51,3 @@ def run_metadata(stats: RunStats, hardware: str, hardware_partition: str, engine
         "hardware_partition": hardware_partition,
         "engine": dg.MetadataValue.json(engine_info),
     }
-
-
-def engine_info(engine, settings, sampling) -> dict:
-    from dataclasses import asdict
-
-    return json.loads(json.dumps({
-        "vllm": engine.version,
-        "kv_capacity_blocks": engine.kv_capacity_blocks,
-        "max_num_seqs": engine.max_num_seqs,
-        "max_num_batched_tokens": engine.max_num_batched_tokens,
-        "settings": asdict(settings),
-        "sampling": asdict(sampling),
-    }, default=str))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import sys
 from pathlib import Path
 
@@ -105,22 +106,38 @@ def cmd_run(args) -> int:
     import pyarrow.parquet as pq
 
     from .results import results_to_table
-    from .runner import BatchRun, open_engine
+    from .runner import run_resumable
 
     engine_settings, sampling, _, prepared = _prepare(args)
-    with open_engine(engine_settings, prepared) as engine:
-        run = BatchRun(prepared, engine, sampling, SchedulerSettings(), progress_sink=log.info)
-        results = list(run)
     output = Path(args.output)
+    checkpoint_dir = Path(args.checkpoint_dir or f"{output}.checkpoint")
+    results, stats = run_resumable(
+        prepared, engine_settings, sampling, checkpoint_dir, SchedulerSettings(),
+        reuse_from=[output] if output.exists() else [], progress_sink=log.info,
+        checkpoint_every_rows=args.checkpoint_every_rows,
+    )
+    position = {row_id: i for i, row_id in enumerate(prepared.ids)}
+    results.sort(key=lambda r: position[r.id])  # one row per id, in input order
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.with_name(output.name + ".partial")
     pq.write_table(results_to_table(results, prepared.id_type), staging)
     staging.replace(output)
-    stats = run.stats.to_dict()
-    print(json.dumps(stats) if args.json else
-          f"{stats['ok_rows']} ok, {stats['error_rows']} errors -> {output}; {stats['tokens_per_s']} tok/s, "
-          f"cached {stats['cached_tokens']} of {stats['prompt_tokens']} prompt tokens "
-          f"({stats['saving_vs_ideal']:.2f} of the ideal saving), {stats['wall_s']} s")
+    shutil.rmtree(checkpoint_dir, ignore_errors=True)  # the output now holds every row
+    summary = stats.to_dict()
+    summary.update(
+        rows=len(results),
+        ok_rows=sum(r.status == "ok" for r in results),
+        error_rows=sum(r.status == "error" for r in results),
+        computed_rows=stats.rows,
+        output=str(output),
+    )
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"{summary['ok_rows']} ok, {summary['error_rows']} errors ({summary['reused_rows']} reused, "
+              f"{summary['computed_rows']} computed) -> {output}; {summary['tokens_per_s']} tok/s, cached "
+              f"{summary['cached_tokens']} of {summary['prompt_tokens']} prompt tokens "
+              f"({summary['saving_vs_ideal']:.2f} of the ideal saving), {summary['wall_s']} s")
     return 0
 
 
@@ -149,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument("--kv-cache-blocks", type=int, help="cap the KV cache at this many blocks")
     run.add_argument("--json", action="store_true", help="print the run's statistics as JSON")
+    run.add_argument("--checkpoint-dir", help="where finished rows are kept while running (default OUT.checkpoint)")
+    run.add_argument("--checkpoint-every-rows", type=int, default=256, help="write a checkpoint part this often")
     run.set_defaults(func=cmd_run)
 
     prep = sub.add_parser("prepare-model", help="build a built-in offline model")

@@ -19,6 +19,7 @@ class RowResult:
     finish_reason: str | None = None
     shard: int | None = None
     group: int | None = None
+    row_fingerprint: str | None = None  # model + settings + prompt: what a rerun may reuse
 
 
 RESULT_SCHEMA_FIELDS = [
@@ -31,6 +32,7 @@ RESULT_SCHEMA_FIELDS = [
     ("finish_reason", pa.string()),
     ("shard", pa.int64()),
     ("group", pa.int64()),
+    ("row_fingerprint", pa.string()),
 ]
 
 

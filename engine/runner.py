@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -135,6 +136,7 @@ class BatchRun:
         rows: list[int] | None = None,
         mode: str = "batchllm",
         progress_sink: Callable[[str], None] | None = None,
+        row_fingerprints: list[str] | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -142,6 +144,7 @@ class BatchRun:
         self.rows = [int(r) for r in prepared.plan.order] if rows is None else list(rows)
         self.mode = mode
         self.progress_sink = progress_sink
+        self.fingerprints = row_fingerprints or [None] * prepared.num_rows
         self.stats = RunStats()
 
     def __iter__(self) -> Iterator[RowResult]:
@@ -154,7 +157,10 @@ class BatchRun:
             if row in prepared.errors:
                 stats.rows += 1
                 stats.error_rows += 1
-                yield RowResult(id=prepared.ids[row], status="error", error=prepared.errors[row], group=int(plan.group_of_row[row]))
+                yield RowResult(id=prepared.ids[row], status="error", error=prepared.errors[row],
+                                group=int(plan.group_of_row[row]), row_fingerprint=self.fingerprints[row])
+        if not ok_rows:
+            return
         progress = Progress(len(self.rows), stats, self.scheduler.log_every_s, self.progress_sink)
         if self.mode == "batchllm":
             position = np.empty(plan.num_rows, dtype=np.int64)
@@ -178,6 +184,7 @@ class BatchRun:
                 output_tokens=len(finished.token_ids),
                 finish_reason=finished.finish_reason,
                 group=int(plan.group_of_row[row]),
+                row_fingerprint=self.fingerprints[row],
             )
         stats.wall_s = time.perf_counter() - started
         progress.maybe_log(force=True)
@@ -205,3 +212,44 @@ def open_engine(
             )
             max_num_seqs = int(np.clip(engine_settings.kv_cache_blocks / max(per_row, 1), 16, 512))
     return VLLMEngine(engine_settings, enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs)
+
+
+def run_resumable(
+    prepared: PreparedBatch,
+    engine_settings: EngineSettings,
+    sampling: SamplingSettings,
+    checkpoint_dir: str | Path,
+    scheduler: SchedulerSettings = SchedulerSettings(),
+    rows: list[int] | None = None,
+    reuse_from: list[Path] = (),
+    progress_sink: Callable[[str], None] | None = None,
+    checkpoint_every_rows: int = 256,
+    start_engine: Callable[..., VLLMEngine] = None,
+) -> tuple[list[RowResult], RunStats]:
+    """Run the rows, writing results to a checkpoint as they finish; rows a previous (killed)
+    run already wrote with the same fingerprint are reused, not recomputed. vLLM starts only
+    if some row still needs it. ``stats.extra['reused_rows']`` counts the reused rows."""
+    from .checkpoint import Checkpoint, row_fingerprints, settings_fingerprint
+
+    start_engine = start_engine or open_engine
+    rows = [int(r) for r in prepared.plan.order] if rows is None else list(rows)
+    fingerprints = row_fingerprints(prepared, settings_fingerprint(engine_settings, sampling))
+    checkpoint = Checkpoint(checkpoint_dir, prepared.id_type, every_rows=checkpoint_every_rows)
+    reused = checkpoint.load({prepared.ids[r]: fingerprints[r] for r in rows}, also=list(reuse_from))
+    todo = [r for r in rows if prepared.ids[r] not in reused]
+    (progress_sink or log.info)(f"reusing {len(reused)} of {len(rows)} rows from {checkpoint_dir}; {len(todo)} to run")
+    results = list(reused.values())
+    needs_engine = any(r not in prepared.errors for r in todo)
+    engine = start_engine(engine_settings, prepared) if needs_engine else None
+    try:
+        run = BatchRun(prepared, engine, sampling, scheduler, rows=todo, progress_sink=progress_sink,
+                       row_fingerprints=fingerprints)
+        for result in run:
+            checkpoint.add(result)
+            results.append(result)
+        checkpoint.flush()
+    finally:
+        if engine is not None:
+            engine.close()
+    run.stats.extra["reused_rows"] = len(reused)
+    return results, run.stats

@@ -1,0 +1,100 @@
+"""Row-level checkpoints: results are written while the engine runs, and a rerun reuses them.
+
+A checkpoint is a folder of Parquet part files. Each part is written to a temporary name and
+renamed, so a process killed at any point (SIGKILL included) leaves only whole parts behind. A row
+is reused only when its fingerprint matches: the same id, the same prompt tokens, the same
+max_tokens, and the same model and sampling settings; anything else is recomputed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .results import RESULT_SCHEMA_FIELDS, RowResult, results_to_table
+from .settings import EngineSettings, SamplingSettings, fingerprint
+
+log = logging.getLogger(__name__)
+
+# Settings that can change an answer; cache sizes and batching knobs do not (greedy outputs were
+# equal whatever the order and batch shape).
+_ANSWER_SETTINGS = ("model_path", "dtype", "enforce_eager", "seed", "max_model_len")
+
+
+def settings_fingerprint(engine: EngineSettings, sampling: SamplingSettings) -> str:
+    relevant = {k: v for k, v in asdict(engine).items() if k in _ANSWER_SETTINGS}
+    return fingerprint(relevant, sampling)
+
+
+def row_fingerprints(prepared, settings_fp: str) -> list[str]:
+    """One fingerprint per row: settings + the row's prompt tokens + its max_tokens."""
+    out = []
+    tokens, offsets = prepared.batch.tokens, prepared.batch.offsets
+    for i in range(prepared.num_rows):
+        digest = hashlib.blake2b(settings_fp.encode(), digest_size=12)
+        digest.update(tokens[offsets[i] : offsets[i + 1]].tobytes())
+        digest.update(int(prepared.max_tokens[i]).to_bytes(8, "little"))
+        digest.update(str(prepared.errors.get(i, "")).encode())
+        out.append(digest.hexdigest())
+    return out
+
+
+class Checkpoint:
+    """Collects results and writes them as Parquet parts every ``every_rows`` rows or ``every_s`` s."""
+
+    def __init__(self, folder: str | Path, id_type: pa.DataType, every_rows: int = 256, every_s: float = 10.0):
+        self.folder = Path(folder)
+        self.id_type = id_type
+        self.every_rows, self.every_s = every_rows, every_s
+        self._pending: list[RowResult] = []
+        self._last_flush = time.monotonic()
+        self.written = 0
+
+    def load(self, expected: dict, also: list[Path] = ()) -> dict:
+        """Reusable ok results by id: those whose fingerprint equals ``expected[id]``.
+
+        ``also`` names more result files to reuse from (a previous run's output)."""
+        parts = sorted(self.folder.glob("part-*.parquet")) if self.folder.exists() else []
+        reusable: dict = {}
+        for part in [*also, *parts]:
+            try:
+                table = pq.read_table(part)
+            except Exception as exc:  # a damaged file is recomputed, not trusted
+                log.warning("ignoring unreadable checkpoint file %s: %s", part, exc)
+                continue
+            if "row_fingerprint" not in table.column_names:
+                continue
+            names = ["id"] + [n for n, _ in RESULT_SCHEMA_FIELDS if n in table.column_names]
+            for record in table.select(names).to_pylist():
+                row_id = record.pop("id")
+                if record["row_fingerprint"] == expected.get(row_id) and record["status"] == "ok":
+                    reusable[row_id] = RowResult(id=row_id, **record)
+        return reusable
+
+    def add(self, result: RowResult) -> None:
+        self._pending.append(result)
+        if len(self._pending) >= self.every_rows or time.monotonic() - self._last_flush >= self.every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        self._last_flush = time.monotonic()
+        if not self._pending:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        table = results_to_table(self._pending, self.id_type)
+        part = self.folder / f"part-{time.time_ns():020d}.parquet"
+        staging = part.with_name(part.name + ".partial")
+        pq.write_table(table, staging)
+        staging.replace(part)
+        self.written += len(self._pending)
+        self._pending.clear()
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)

@@ -1,0 +1,132 @@
+"""Fault injection: SIGKILL a real vLLM run part-way, rerun it, and lose or duplicate nothing."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dagster as dg
+import duckdb
+import pyarrow.parquet as pq
+import pytest
+
+from batchllm_dagster import BatchJobConfig, DatasetSpec, ModelSpec, SamplingSpec
+
+from .conftest import ROOT, make_prompt_table
+from .fault_job import completions_and_plan
+
+ROWS = dict(documents=60, questions=12, singles=30)
+MAX_TOKENS = "40"
+
+
+def rows_in_parts(folder: Path) -> int:
+    return sum(pq.read_metadata(p).num_rows for p in folder.glob("part-*.parquet"))
+
+
+def kill_when_checkpointed(process: subprocess.Popen, folder: Path, parts: int = 2, timeout: float = 240) -> None:
+    """SIGKILL the process once ``parts`` checkpoint parts exist (it must still be running)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if folder.exists() and len(list(folder.glob("part-*.parquet"))) >= parts:
+            break
+        assert process.poll() is None, f"run ended before it could be killed:\n{process.stdout.read()}"
+        time.sleep(0.05)
+    else:
+        pytest.fail("no checkpoint appeared in time")
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL
+
+
+def cli(*args) -> list[str]:
+    return [sys.executable, "-m", "engine.cli", *args]
+
+
+@pytest.fixture
+def big_prompts(tmp_path) -> Path:
+    path = tmp_path / "prompts.parquet"
+    pq.write_table(make_prompt_table(seed=3, **ROWS), path)
+    return path
+
+
+def test_cli_run_killed_midway_resumes_without_recomputing_or_duplicating(big_prompts, tmp_path, tiny_model):
+    output = tmp_path / "answers.parquet"
+    checkpoint = Path(f"{output}.checkpoint")
+    args = ("run", str(big_prompts), "--model", tiny_model, "--output", str(output), "--max-tokens", MAX_TOKENS,
+            "--kv-cache-blocks", "256", "--checkpoint-every-rows", "40", "--json")
+    first = subprocess.Popen(cli(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    kill_when_checkpointed(first, checkpoint)
+    done_before_kill = rows_in_parts(checkpoint)
+    assert not output.exists()
+
+    rerun = subprocess.run(cli(*args), capture_output=True, text=True, check=True, cwd=ROOT)
+    summary = json.loads(rerun.stdout.strip().splitlines()[-1])
+    total = make_prompt_table(seed=3, **ROWS).num_rows
+    assert 0 < done_before_kill < total
+    assert summary["reused_rows"] == done_before_kill
+    assert summary["computed_rows"] == total - done_before_kill
+    assert f"reusing {done_before_kill} of {total} rows" in rerun.stderr
+
+    answers = pq.read_table(output).to_pylist()
+    ids = [a["id"] for a in answers]
+    assert len(ids) == len(set(ids)) == total
+    assert not checkpoint.exists()
+
+    reference = tmp_path / "reference.parquet"
+    subprocess.run(cli(*args[:5], str(reference), *args[6:]), capture_output=True, check=True, cwd=ROOT)
+    expected = {a["id"]: a["text"] for a in pq.read_table(reference).to_pylist()}
+    assert {a["id"]: a["text"] for a in answers} == expected
+
+    # Rerunning into the same output reuses every row and still writes one row per id.
+    again = json.loads(subprocess.run(cli(*args), capture_output=True, text=True, check=True, cwd=ROOT).stdout.splitlines()[-1])
+    assert again["reused_rows"] == total and again["computed_rows"] == 0
+    assert pq.read_table(output).num_rows == total
+
+
+def test_dagster_partition_killed_midway_resumes(big_prompts, tmp_path, tiny_model, monkeypatch):
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    config = BatchJobConfig(
+        name="faulty",
+        dataset=DatasetSpec(parquet=str(big_prompts)),
+        llm=ModelSpec(path=tiny_model, kv_cache_blocks=256),
+        sampling=SamplingSpec(max_tokens=int(MAX_TOKENS)),
+        shards=1,
+        output_database=str(tmp_path / "out.duckdb"),
+        output_table="answers",
+        storage_dir=str(tmp_path / "jobs"),
+    )
+    config_file = tmp_path / "job.json"
+    config_file.write_text(config.model_dump_json())
+    child = subprocess.Popen([sys.executable, "-m", "tests.fault_job", str(config_file)], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, cwd=ROOT, env={**os.environ, "DAGSTER_HOME": str(home)})
+    checkpoints = config.job_dir / "checkpoints"
+    deadline = time.monotonic() + 240
+    while not (checkpoints.exists() and any(checkpoints.iterdir())) and time.monotonic() < deadline:
+        assert child.poll() is None, child.stdout.read()
+        time.sleep(0.05)
+    (folder,) = list(checkpoints.iterdir())
+    kill_when_checkpointed(child, folder)
+    done_before_kill = rows_in_parts(folder)
+
+    assets = completions_and_plan(config)
+    instance = dg.DagsterInstance.get()
+    result = dg.materialize([assets[2]], partition_key=folder.name, instance=instance)
+    assert result.success
+    meta = result.asset_materializations_for_node("faulty__completions")[0].metadata
+    total = make_prompt_table(seed=3, **ROWS).num_rows
+    assert meta["reused_rows"].value == done_before_kill
+    assert meta["rows"].value == total - done_before_kill  # computed in this run
+    with duckdb.connect(config.output_database, read_only=True) as con:
+        counts = con.execute("SELECT count(*), count(DISTINCT id) FROM answers").fetchall()[0]
+        answers = dict(con.execute("SELECT id, text FROM answers").fetchall())
+    assert counts == (total, total)
+
+    reference = tmp_path / "reference.parquet"
+    subprocess.run(cli("run", str(big_prompts), "--model", tiny_model, "--output", str(reference), "--max-tokens",
+                       MAX_TOKENS, "--kv-cache-blocks", "256"), capture_output=True, check=True, cwd=ROOT)
+    assert answers == {a["id"]: a["text"] for a in pq.read_table(reference).to_pylist()}
