@@ -8,6 +8,7 @@ row its own ``max_tokens``. Dataset SQL always runs on a read-only connection.
 from __future__ import annotations
 
 import glob
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,10 +33,7 @@ def read_sql(sql: str, database: str | None = None) -> pa.Table:
 
     if database and not Path(database).exists():
         raise DatasetError(f"DuckDB database {database!r} does not exist")
-    try:
-        con = duckdb.connect(database, read_only=True) if database else duckdb.connect()
-    except duckdb.Error as exc:
-        raise DatasetError(f"cannot open DuckDB database {database!r}: {exc}") from exc
+    con = _connect_read_only(database) if database else duckdb.connect()
     try:
         return con.sql(sql).to_arrow_table()
     except AttributeError:  # pragma: no cover - statements that return nothing
@@ -44,6 +42,24 @@ def read_sql(sql: str, database: str | None = None) -> pa.Table:
         raise DatasetError(f"dataset SQL failed: {exc}") from exc
     finally:
         con.close()
+
+
+def _connect_read_only(database: str, wait_s: float = 60.0):
+    """Open read-only, waiting while another process writes (DuckDB locks the file for a writer)."""
+    import duckdb
+
+    deadline = time.monotonic() + wait_s
+    delay = 0.05
+    while True:
+        try:
+            return duckdb.connect(database, read_only=True)
+        except duckdb.IOException as exc:
+            if "lock" not in str(exc).lower() or time.monotonic() > deadline:
+                raise DatasetError(f"cannot open DuckDB database {database!r}: {exc}") from exc
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+        except duckdb.Error as exc:
+            raise DatasetError(f"cannot open DuckDB database {database!r}: {exc}") from exc
 
 
 def read_source(source: str, database: str | None = None) -> pa.Table:

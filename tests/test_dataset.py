@@ -65,3 +65,24 @@ def test_missing_and_broken_sources(tmp_path, database):
         load_prompts(str(bad_sql), database)
     with pytest.raises(DatasetError, match="does not exist"):
         load_prompts("p", str(tmp_path / "other.duckdb"))
+
+
+def _hold_write_lock(database: str, seconds: float, ready) -> None:
+    import time
+
+    con = duckdb.connect(database)
+    ready.set()
+    time.sleep(seconds)
+    con.close()
+
+
+def test_reading_waits_while_another_process_writes(database):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    writer = ctx.Process(target=_hold_write_lock, args=(database, 1.5, ready))
+    writer.start()
+    assert ready.wait(60)
+    assert read_sql("SELECT count(*) AS n FROM p", database).column("n").to_pylist() == [2]
+    writer.join(30)

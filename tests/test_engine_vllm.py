@@ -75,3 +75,10 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
 
     with pytest.raises(EngineStartError, match="does not exist"):
         VLLMEngine(EngineSettings(model_path=str(tmp_path / "no-model")))
+
+
+def test_rows_too_long_for_a_small_kv_cache_are_errors(tiny_model):
+    table = pa.table({"id": ["short", "long"], "prompt": ["a short prompt", "many words " * 200]})
+    results, _ = run(tiny_model, table, engine_settings=settings(tiny_model, kv_cache_blocks=8))
+    assert results["short"].status == "ok"
+    assert results["long"].status == "error" and "KV cache 8 blocks" in results["long"].error
