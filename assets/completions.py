@@ -47,6 +47,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         description=f"One answer per prompt row, in DuckDB table {config.output_table!r}; a partition per shard.",
         kinds={"vllm", "duckdb"},
         check_specs=partition_check_specs(config),
+        op_tags={"batchllm/output_table": config.output_table},
     )
     def completions(context: dg.AssetExecutionContext, llm: VLLMResource) -> dg.MaterializeResult:
         key = context.partition_key

@@ -70,6 +70,7 @@ class SamplingSpec(BaseModel):
     top_p: float = 1.0
     ignore_eos: bool = False
     seed: int = 0
+    stop: list[str] = Field(default_factory=list, description="strings that end an answer")
 
 
 class BatchJobConfig(BaseModel):
@@ -122,7 +123,7 @@ class BatchJobConfig(BaseModel):
     def sampling_settings(self) -> SamplingSettings:
         s = self.sampling
         return SamplingSettings(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                                ignore_eos=s.ignore_eos, seed=s.seed)
+                                ignore_eos=s.ignore_eos, seed=s.seed, stop=tuple(s.stop))
 
     def scheduler_settings(self) -> SchedulerSettings:
         return SchedulerSettings()

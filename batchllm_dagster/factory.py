@@ -8,7 +8,7 @@ from assets import build_completions, build_prefix_groups, build_prompts
 from .checks import build_table_checks
 from .config import BatchJobConfig
 from .partitions import shard_partitions
-from .resources import VLLMResource
+from .resources import DEFAULT_LLM
 
 
 def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
@@ -50,5 +50,5 @@ def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
         jobs=[plan_job, shards_job],
         sensors=[run_shards],
         schedules=schedules,
-        resources={"llm": VLLMResource()},
+        resources={"llm": DEFAULT_LLM},
     )

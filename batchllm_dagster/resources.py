@@ -35,3 +35,7 @@ class VLLMResource(dg.ConfigurableResource):
     @property
     def engine_info(self) -> dict:
         return self._engine_info or {"vllm": "not started: every row was reused or invalid"}
+
+
+# One instance shared by every job's definitions, so that merging them finds no conflict.
+DEFAULT_LLM = VLLMResource()

@@ -1,9 +1,10 @@
-"""The code location: the demo batch job over the embedded DuckDB database.
+"""The code location: three batch jobs over the embedded DuckDB database.
+
+* ``reviews`` and ``documents`` are declared in YAML (``defs/*/defs.yaml``, BatchJobComponent);
+* ``support`` is declared from Python with the same factory.
 
 Paths come from ``BATCHLLM_DATA_DIR`` (default ``./data``); ``make demo`` creates the database.
 """
-
-from __future__ import annotations
 
 from pathlib import Path
 
@@ -16,16 +17,19 @@ HERE = Path(__file__).parent
 DATA_DIR = default_data_dir()
 DATABASE = DATA_DIR / "batchllm.duckdb"
 
-DEMO = BatchJobConfig(
-    name="demo",
-    dataset=DatasetSpec(sql_file=str(HERE / "datasets" / "all_prompts.sql"), database=str(DATABASE)),
+SUPPORT = BatchJobConfig(
+    name="support",
+    dataset=DatasetSpec(sql_file=str(HERE / "datasets" / "support_replies.sql"), database=str(DATABASE)),
     llm=ModelSpec(path="smollm2"),
     sampling=SamplingSpec(max_tokens=48),
     shards=2,
     hardware=["cpu"],
     output_database=str(DATABASE),  # answers live next to the prompts
-    output_table="demo_completions",
+    output_table="support_replies_completions",
     storage_dir=str(DATA_DIR / "jobs"),
 )
 
-defs = dg.Definitions.merge(build_batch_defs(DEMO))
+
+@dg.definitions
+def defs() -> dg.Definitions:
+    return dg.Definitions.merge(build_batch_defs(SUPPORT), dg.load_from_defs_folder(project_root=HERE.parent))

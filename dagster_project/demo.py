@@ -25,47 +25,63 @@ def prepare_instance() -> Path:
 def prepare_data() -> None:
     from engine.models import resolve_model
 
-    from .definitions import DATABASE, DEMO
+    from .definitions import DATABASE
     from .sample_data import build_sample_database
 
     print(f"sample database: {build_sample_database(DATABASE)}")
-    print(f"model: {resolve_model(DEMO.llm.path)}")
+    print(f"model: {resolve_model('smollm2')}")
+
+
+def batch_jobs(defs) -> list[tuple[str, object]]:
+    """(job name, completions asset) of every batch job in the code location."""
+    graph = defs.resolve_asset_graph()
+    return [(key.path[0], graph.assets_def_for_key(key)) for key in sorted(graph.get_all_asset_keys())
+            if key.path[-1] == "completions"]
+
+
+def materialize_job(instance, defs, name: str, completions) -> list[str]:
+    """prompts + prefix_groups, then every shard partition of completions, then the table check."""
+    import dagster as dg
+
+    graph = defs.resolve_asset_graph()
+    upstream = [graph.assets_def_for_key(dg.AssetKey([name, n])) for n in ("prompts", "prefix_groups")]
+    # Assets from the resolved graph come with their resources bound.
+    assert dg.materialize(upstream, instance=instance).success, f"{name}: planning failed"
+    partitions = instance.get_dynamic_partitions(completions.partitions_def.name)
+    for partition in partitions:
+        result = dg.materialize([completions], partition_key=partition, instance=instance)
+        assert result.success, f"{name}: partition {partition} failed"
+    checks = [c for c in defs.asset_checks or [] if any(k.asset_key.path[0] == name for k in c.check_keys)]
+    dg.materialize([completions, *checks], selection=dg.AssetSelection.checks(*checks), instance=instance)
+    return partitions
 
 
 def materialize_all() -> None:
     import dagster as dg
     import duckdb
 
-    from .definitions import DATABASE, DEMO, defs
+    from .definitions import DATABASE, defs
 
     instance = dg.DagsterInstance.get()
-    graph = defs.resolve_asset_graph()
-    key = lambda name: dg.AssetKey([DEMO.name, name])  # noqa: E731
-    assets = [graph.assets_def_for_key(key(n)) for n in ("prompts", "prefix_groups", "completions")]
-    # Assets from the resolved graph come with their resources bound.
-    result = dg.materialize(assets[:2], instance=instance)
-    assert result.success
-    partition_keys = instance.get_dynamic_partitions(DEMO.partitions_name)
-    print(f"shards: {partition_keys}")
-    for partition in partition_keys:
-        result = dg.materialize(assets, selection=[key("completions")], partition_key=partition, instance=instance)
-        assert result.success, f"partition {partition} failed"
-    checks = list(defs.asset_checks or [])
-    dg.materialize([assets[2], *checks], selection=dg.AssetSelection.checks(*checks), instance=instance)
+    code_location = defs()
+    tables = {}
+    for name, completions in batch_jobs(code_location):
+        partitions = materialize_job(instance, code_location, name, completions)
+        tables[name] = completions.op.tags.get("batchllm/output_table")
+        print(f"{name}: shards {partitions}")
 
     with duckdb.connect(str(DATABASE), read_only=True) as con:
-        total, ok, errors = con.execute(
-            f"SELECT count(*), count(*) FILTER (WHERE status = 'ok'), count(*) FILTER (WHERE status = 'error') "
-            f"FROM {DEMO.output_table}").fetchall()[0]
-        sample = con.execute(
-            f"SELECT id, text FROM {DEMO.output_table} WHERE id IN ('review-0000', 'doc-00-q0', 'ticket-0000') ORDER BY id"
-        ).fetchall()
-    print(f"\n{total} completions ({ok} ok, {errors} errors) in table {DEMO.output_table} of {DATABASE}")
-    for row_id, text in sample:
-        print(f"  {row_id}: {text.strip()[:100]!r}")
-    print(f"\nQuery them:  .venv/bin/python -c \"import duckdb; print(duckdb.connect('{DATABASE}', read_only=True)"
-          f".sql('SELECT id, status, text FROM {DEMO.output_table} LIMIT 5'))\"")
-    print("See the runs: make ui  (http://127.0.0.1:3000)")
+        print()
+        for name, table in tables.items():
+            total, ok, errors = con.execute(
+                f'SELECT count(*), count(*) FILTER (WHERE status = \'ok\'), count(*) FILTER (WHERE status = \'error\') '
+                f'FROM "{table}"').fetchall()[0]
+            row_id, text = con.execute(f'SELECT id, text FROM "{table}" ORDER BY id LIMIT 1').fetchall()[0]
+            print(f"{name}: {total} completions ({ok} ok, {errors} errors) in table {table}")
+            print(f"    {row_id}: {text.strip()[:100]!r}")
+    print(f"\nAll in {DATABASE}. Query them:\n  .venv/bin/python -c \"import duckdb; "
+          f"print(duckdb.connect('{DATABASE}', read_only=True).sql('SELECT id, status, text FROM {table} LIMIT 5'))\"")
+    print("See the runs and their metadata: make ui  (http://127.0.0.1:3000)")
 
 
 def main() -> None:

@@ -1,0 +1,90 @@
+"""``BatchJobComponent``: one batch job declared in a ``defs.yaml``.
+
+    type: batchllm_dagster.BatchJobComponent
+    attributes:
+      name: reviews
+      dataset:
+        sql_file: reviews.sql          # relative to this folder
+        database: batchllm.duckdb      # relative to BATCHLLM_DATA_DIR (default ./data)
+      llm: {path: smollm2}
+      sampling: {max_tokens: 8}
+      shards: 2
+      hardware: [cpu]
+      output_table: review_completions
+
+It builds ``<name>/prompts`` -> ``<name>/prefix_groups`` -> ``<name>/completions``, their checks,
+the nightly schedule and the sensors (see ``factory.build_batch_defs``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dagster as dg
+from dagster.components.component_scaffolding import scaffold_component
+from pydantic import Field
+
+from .config import BatchJobConfig, DatasetSpec, ModelSpec, SamplingSpec, default_data_dir
+from .factory import build_batch_defs
+
+
+class BatchJobScaffolder(dg.Scaffolder):
+    """``dg scaffold defs batchllm_dagster.BatchJobComponent NAME``: a working example job."""
+
+    def scaffold(self, request: dg.ScaffoldRequest) -> None:
+        name = request.target_path.name.replace("-", "_")
+        (request.target_path / "prompts.sql").write_text(
+            "-- The batch: one row per prompt, with a unique id.\nSELECT id, prompt FROM review_labels\n"
+        )
+        scaffold_component(request, {
+            "name": name,
+            "dataset": {"sql_file": "prompts.sql", "database": "batchllm.duckdb"},
+            "llm": {"path": "smollm2"},
+            "sampling": {"max_tokens": 32},
+            "shards": 2,
+            "hardware": ["cpu"],
+            "output_table": f"{name}_completions",
+        })
+
+
+@dg.scaffold_with(BatchJobScaffolder)
+class BatchJobComponent(dg.Component, dg.Resolvable, dg.Model):
+    """An offline LLM batch job over a SQL/Parquet prompt dataset, run by the batchllm engine on vLLM."""
+
+    name: str = Field(description="asset key prefix and partition set name")
+    dataset: DatasetSpec
+    llm: ModelSpec = ModelSpec()
+    sampling: SamplingSpec = SamplingSpec()
+    shards: int = 2
+    hardware: list[str] = Field(default_factory=lambda: ["cpu"])
+    output_table: str = "completions"
+    output_database: str | None = Field(None, description="default: the dataset's database, else <data>/batchllm.duckdb")
+    storage_dir: str | None = Field(None, description="default: <data>/jobs")
+    min_saving_vs_ideal: float = 0.9
+    schedule: str | None = "0 2 * * *"
+
+    def to_config(self, component_dir: Path) -> BatchJobConfig:
+        data = default_data_dir()
+        spec = self.dataset
+        resolved = spec.model_copy(update={
+            "sql_file": str(component_dir / spec.sql_file) if spec.sql_file else None,
+            "parquet": str(data / spec.parquet) if spec.parquet else None,
+            "database": str(data / spec.database) if spec.database else None,
+        })
+        return BatchJobConfig(
+            name=self.name,
+            dataset=resolved,
+            llm=self.llm,
+            sampling=self.sampling,
+            shards=self.shards,
+            hardware=self.hardware,
+            output_table=self.output_table,
+            output_database=str(data / self.output_database) if self.output_database
+            else resolved.database or str(data / "batchllm.duckdb"),
+            storage_dir=str(data / self.storage_dir) if self.storage_dir else str(data / "jobs"),
+            min_saving_vs_ideal=self.min_saving_vs_ideal,
+            schedule=self.schedule,
+        )
+
+    def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
+        return build_batch_defs(self.to_config(Path(context.path)))
