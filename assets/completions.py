@@ -13,14 +13,14 @@ from batchllm_dagster.checks import partition_check_results, partition_check_spe
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import run_metadata
 from batchllm_dagster.resources import VLLMResource
-from batchllm_dagster.warehouse import replace_partition
+from batchllm_dagster.warehouse import existing_rows, replace_partition
 from engine.models import resolve_model
 from engine.results import results_to_table
 from engine.runner import prepare_batch, run_resumable
 from engine.settings import fingerprint
 from engine.tokenizing import load_tokenizer
 
-from .snapshots import checkpoint_path, plan_path, prompts_path, read_parquet
+from .snapshots import checkpoint_path, completions_parquet_path, plan_path, prompts_path, read_parquet, write_parquet
 
 
 def shard_rows(config: BatchJobConfig, partition_key: str) -> tuple[pa.Table, pa.Table]:
@@ -44,7 +44,10 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         partitions_def=partitions,
         group_name=config.name,
         pool="batchllm_inference",
-        description=f"One answer per prompt row, in DuckDB table {config.output_table!r}; a partition per shard.",
+        description=(
+            f"One answer per prompt row, in DuckDB table {config.output_table!r} (and one Parquet file per shard "
+            "under the job's completions/ folder); a partition per shard."
+        ),
         kinds={"vllm", "duckdb"},
         check_specs=partition_check_specs(config),
         op_tags={"batchllm/output_table": config.output_table},
@@ -63,8 +66,15 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
             f"ideal saving {100 * prepared.plan.ideal_saving:.1f}% on {llm.hardware()} ({hardware_partition})"
         )
         checkpoint = checkpoint_path(config, key)
+        # Rows already in the table with the same fingerprint (a nightly rerun of unchanged rows)
+        # are reused like checkpointed ones.
+        previous = existing_rows(config.warehouse(), config.output_table, plan_rows["id"])
+        reuse = []
+        if previous is not None and previous.num_rows:
+            reuse = [checkpoint / "previous.parquet"]
+            write_parquet(previous, reuse[0])
         results, stats = run_resumable(
-            prepared, settings, sampling, checkpoint, scheduler, progress_sink=context.log.info,
+            prepared, settings, sampling, checkpoint, scheduler, reuse_from=reuse, progress_sink=context.log.info,
             start_engine=llm.open,
         )
         info = {**llm.engine_info, "settings": asdict(settings), "sampling": asdict(sampling)}
@@ -82,6 +92,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
             .append_column("settings_fingerprint", pa.array([fingerprint(settings, sampling)] * n, pa.string()))
             .append_column("completed_at", pa.array([dt.datetime.now(dt.timezone.utc)] * n, pa.timestamp("us", tz="UTC")))
         )
+        write_parquet(table, completions_parquet_path(config, key))
         written = replace_partition(config.warehouse(), config.output_table, key, table)
         shutil.rmtree(checkpoint, ignore_errors=True)  # the table now holds every row of the shard
         context.log.info(f"wrote {written} rows of partition {key} to {config.output_table}")

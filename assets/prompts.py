@@ -7,6 +7,7 @@ import dagster as dg
 
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import table_preview
+from batchllm_dagster.warehouse import quote_identifier
 from engine.dataset import load_prompts, read_sql, validate
 
 from .snapshots import prompts_path, write_parquet
@@ -18,6 +19,27 @@ def load_dataset(config: BatchJobConfig):
         return validate(read_sql(spec.sql, spec.database), spec.columns)
     source = spec.sql_file or spec.table or spec.parquet
     return load_prompts(str(source), spec.database, spec.columns)
+
+
+def dataset_sql(config: BatchJobConfig) -> tuple[str, str | None]:
+    """The dataset as one SQL query and the database it runs on."""
+    spec = config.dataset
+    if spec.sql:
+        return spec.sql, spec.database
+    if spec.sql_file:
+        return Path(spec.sql_file).read_text(), spec.database
+    if spec.table:
+        return f"SELECT * FROM {quote_identifier(spec.table)}", spec.database
+    return f"SELECT * FROM read_parquet('{spec.parquet.replace(chr(39), chr(39) * 2)}')", None
+
+
+def source_version(config: BatchJobConfig) -> str:
+    """A fingerprint of the dataset's content (row count and a hash of every row), read-only.
+
+    Content, not file times: the output table may live in the same database file."""
+    sql, database = dataset_sql(config)
+    table = read_sql(f"SELECT count(*) AS n, sum(hash(t))::VARCHAR AS h FROM ({sql}) t", database)
+    return f"{sql.strip()}|{table['n'][0].as_py()}|{table['h'][0].as_py()}"
 
 
 def build_prompts(config: BatchJobConfig) -> dg.AssetsDefinition:

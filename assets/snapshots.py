@@ -22,6 +22,10 @@ def checkpoint_path(config: BatchJobConfig, partition_key: str) -> Path:
     return config.job_dir / "checkpoints" / partition_key
 
 
+def completions_parquet_path(config: BatchJobConfig, partition_key: str) -> Path:
+    return config.job_dir / "completions" / f"{partition_key}.parquet"
+
+
 def write_parquet(table: pa.Table, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(path.name + ".partial")

@@ -4,6 +4,7 @@
 import dagster as dg
 
 from assets import build_completions, build_prefix_groups, build_prompts
+from assets.prompts import source_version
 
 from .checks import build_table_checks
 from .config import BatchJobConfig
@@ -38,6 +39,22 @@ def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
         run_key = asset_event.run_id
         return [dg.RunRequest(run_key=f"{run_key}:{k}", partition_key=k) for k in keys]
 
+    @dg.sensor(
+        job=plan_job,
+        name=f"{config.name}_source_changed",
+        minimum_interval_seconds=300,
+        default_status=dg.DefaultSensorStatus.STOPPED,
+        description="Plan the batch again when the rows of the prompt dataset change.",
+    )
+    def source_changed(context: dg.SensorEvaluationContext):
+        import hashlib
+
+        version = hashlib.sha256(source_version(config).encode()).hexdigest()[:16]
+        if version == context.cursor:
+            return dg.SkipReason("the prompt dataset has not changed")
+        context.update_cursor(version)
+        return dg.RunRequest(run_key=f"source-{version}")
+
     schedules = []
     if config.schedule:
         schedules.append(dg.ScheduleDefinition(
@@ -48,7 +65,7 @@ def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
         assets=[prompts, prefix_groups, completions],
         asset_checks=build_table_checks(config),
         jobs=[plan_job, shards_job],
-        sensors=[run_shards],
+        sensors=[run_shards, source_changed],
         schedules=schedules,
         resources={"llm": DEFAULT_LLM},
     )

@@ -41,3 +41,15 @@ def replace_partition(warehouse: DuckDBResource, table: str, partition_key: str,
         finally:
             con.unregister("incoming")
         return con.execute(f"SELECT count(*) FROM {target} WHERE partition_key = ?", [partition_key]).fetchall()[0][0]
+
+
+def existing_rows(warehouse: DuckDBResource, table: str, ids: pa.Array):
+    """The output table's rows for these ids (None if the table does not exist yet)."""
+    with warehouse.get_connection() as con:
+        exists = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [table]).fetchall()[0][0]
+        if not exists:
+            return None
+        con.register("wanted", pa.table({"id": ids}))
+        rows = con.execute(f"SELECT * FROM {quote_identifier(table)} WHERE id IN (SELECT id FROM wanted)").to_arrow_table()
+        con.unregister("wanted")
+        return rows

@@ -64,11 +64,16 @@ def test_materializes_prompts_groups_and_one_completion_per_row(job):
             checks = result.get_asset_check_evaluations()
             assert {c.check_name for c in checks if c.passed} >= {"one_completion_per_row", "no_silent_empties"}
 
-        # Rerunning a partition replaces its rows: still exactly one row per id.
+        # Rerunning a partition reuses its unchanged rows and replaces them: one row per id.
         first = sorted(results)[0]
         graph = defs.resolve_asset_graph()
-        dg.materialize([graph.assets_def_for_key(dg.AssetKey(["e2e", "completions"]))], partition_key=first,
-                       instance=instance)
+        rerun = dg.materialize([graph.assets_def_for_key(dg.AssetKey(["e2e", "completions"]))], partition_key=first,
+                               instance=instance)
+        meta = rerun.asset_materializations_for_node("e2e__completions")[0].metadata
+        first_meta = results[first].asset_materializations_for_node("e2e__completions")[0].metadata
+        assert meta["reused_rows"].value == first_meta["dagster/row_count"].value
+        assert meta["rows"].value == 0  # nothing recomputed
+        assert (job.job_dir / "completions" / f"{first}.parquet").exists()
 
     ids = make_prompt_table().column("id").to_pylist()
     with duckdb.connect(job.output_database, read_only=True) as con:
@@ -95,3 +100,18 @@ def test_whole_table_check_finds_missing_rows(job):
     evaluation = result.get_asset_check_evaluations()[0]
     assert not evaluation.passed  # one of two shards ran: the other shard's rows are missing
     assert evaluation.metadata["missing"].value > 0
+
+
+def test_source_sensor_requests_a_plan_only_when_the_rows_change(job):
+    defs = build_batch_defs(job)
+    sensor = defs.resolve_sensor_def("e2e_source_changed")
+    with dg.instance_for_test() as instance:
+        context = dg.build_sensor_context(instance=instance)
+        first = sensor.evaluate_tick(context)
+        assert len(first.run_requests) == 1
+        context = dg.build_sensor_context(instance=instance, cursor=first.cursor)
+        assert not sensor.evaluate_tick(context).run_requests
+        with duckdb.connect(job.dataset.database) as con:
+            con.execute("UPDATE prompt_rows SET prompt = prompt || ' (edited)' WHERE id = 'doc0-q0'")
+        changed = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=first.cursor))
+        assert len(changed.run_requests) == 1 and changed.cursor != first.cursor
