@@ -27,9 +27,10 @@ demo: install
 test: install
 	$(PY) -m pytest
 
+# The Dagster webserver and daemon (backfills, sensors, schedules) on http://127.0.0.1:3000.
 ui: install
 	$(PY) -m dagster_project.demo --prepare-only
-	$(VENV)/bin/dagster-webserver -h 127.0.0.1 -p 3000 -m dagster_project.definitions
+	VIRTUAL_ENV=$(CURDIR)/$(VENV) PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/dg dev --host 127.0.0.1 --port 3000
 
 bench: install
 	$(VENV)/bin/batchllm bench

@@ -31,7 +31,7 @@ def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
         asset_key=prefix_groups.key,
         job=shards_job,
         name=f"{config.name}_run_shards",
-        default_status=dg.DefaultSensorStatus.RUNNING,
+        default_status=dg.DefaultSensorStatus.STOPPED,
         description="After a new plan, run each of its shards once (one run per shard partition).",
     )
     def run_shards(context: dg.SensorEvaluationContext, asset_event: dg.EventLogEntry):
