@@ -43,7 +43,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         deps=[dg.AssetKey([config.name, "prefix_groups"])],
         partitions_def=partitions,
         group_name=config.name,
-        pool="batchllm_inference",
+        pool=config.inference_pool,
         description=(
             f"One answer per prompt row, in DuckDB table {config.output_table!r} (and one Parquet file per shard "
             "under the job's completions/ folder); a partition per shard."

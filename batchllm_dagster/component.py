@@ -62,6 +62,7 @@ class BatchJobComponent(dg.Component, dg.Resolvable, dg.Model):
     storage_dir: str | None = Field(None, description="default: <data>/jobs")
     min_saving_vs_ideal: float = 0.9
     schedule: str | None = "0 2 * * *"
+    pool: str | None = None
 
     def to_config(self, component_dir: Path) -> BatchJobConfig:
         data = default_data_dir()
@@ -84,6 +85,7 @@ class BatchJobComponent(dg.Component, dg.Resolvable, dg.Model):
             storage_dir=str(data / self.storage_dir) if self.storage_dir else str(data / "jobs"),
             min_saving_vs_ideal=self.min_saving_vs_ideal,
             schedule=self.schedule,
+            pool=self.pool,
         )
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:

@@ -85,6 +85,11 @@ class BatchJobConfig(BaseModel):
     output_database: str
     output_table: str = "completions"
     storage_dir: str = Field(description="where prompt snapshots and plans are kept")
+    pool: str | None = Field(
+        None,
+        description="Dagster pool of the inference steps (default: one per hardware partition set, e.g. "
+        "inference_cpu); dagster.yaml limits each pool to one step at a time",
+    )
     min_saving_vs_ideal: float = Field(0.9, description="prefix_saving check warns below this share of the ideal")
     schedule: str | None = Field("0 2 * * *", description="cron of the nightly run (None: no schedule)")
 
@@ -100,6 +105,13 @@ class BatchJobConfig(BaseModel):
     @property
     def job_dir(self) -> Path:
         return Path(self.storage_dir) / self.name
+
+    @property
+    def inference_pool(self) -> str:
+        if self.pool:
+            return self.pool
+        slug = re.sub(r"[^A-Za-z0-9_]+", "_", "_".join(self.hardware)).strip("_").lower()
+        return f"inference_{slug}"
 
     @property
     def partitions_name(self) -> str:

@@ -1,0 +1,72 @@
+"""The YAML Component and the project's code location, as `dg` sees them."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import dagster as dg
+import yaml
+
+from batchllm_dagster import BatchJobComponent
+from batchllm_dagster.component import BatchJobScaffolder
+
+from .conftest import ROOT
+
+DG = str(ROOT / ".venv" / "bin" / "dg")
+
+
+def dg_cli(*args, env=None) -> str:
+    env = {**os.environ, "VIRTUAL_ENV": str(ROOT / ".venv"), "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}",
+           **(env or {})}
+    done = subprocess.run([DG, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_component_is_registered_and_the_project_validates(tmp_path):
+    assert "batchllm_dagster.BatchJobComponent" in dg_cli("list", "components")
+    out = dg_cli("check", "defs", env={"DAGSTER_HOME": str(tmp_path), "BATCHLLM_DATA_DIR": str(tmp_path / "data")})
+    assert "All definitions loaded successfully" in out
+
+
+def test_project_declares_yaml_and_python_jobs(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHLLM_DATA_DIR", str(tmp_path))
+    from dagster_project.definitions import defs
+
+    keys = {k.to_user_string() for k in defs().resolve_asset_graph().get_all_asset_keys()}
+    for job in ("reviews", "documents", "support"):  # two from YAML, one from Python
+        assert {f"{job}/prompts", f"{job}/prefix_groups", f"{job}/completions"} <= keys
+
+
+def test_scaffolded_job_resolves_to_a_config(tmp_path):
+    target = tmp_path / "nightly_reviews"
+    target.mkdir()
+    request = dg.ScaffoldRequest(type_name="batchllm_dagster.BatchJobComponent", target_path=target,
+                                 scaffold_format="yaml", project_root=tmp_path, params=None)
+    BatchJobScaffolder().scaffold(request)
+    written = yaml.safe_load((target / "defs.yaml").read_text())
+    assert written["type"] == "batchllm_dagster.BatchJobComponent"
+    assert (target / "prompts.sql").exists()
+    component = BatchJobComponent.resolve_from_yaml(yaml.safe_dump(written["attributes"]))
+    config = component.to_config(target)
+    assert config.name == "nightly_reviews"
+    assert Path(config.dataset.sql_file) == target / "prompts.sql"
+    assert config.output_database == config.dataset.database
+
+
+def test_bad_yaml_is_rejected_with_the_reason():
+    import pytest
+
+    with pytest.raises(Exception, match="exactly one of sql, sql_file, table, parquet"):
+        BatchJobComponent.resolve_from_yaml("name: x\ndataset:\n  sql: select 1\n  table: t\n  database: d.duckdb\n")
+
+
+def test_inference_steps_share_one_pool_per_hardware_partition(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHLLM_DATA_DIR", str(tmp_path))
+    from dagster_project.definitions import defs
+
+    graph = defs().resolve_asset_graph()
+    pools = {graph.assets_def_for_key(dg.AssetKey([job, "completions"])).op.pool for job in ("reviews", "support")}
+    assert pools == {"inference_cpu"}
+    config = yaml.safe_load((ROOT / "dagster_project" / "dagster.yaml").read_text())
+    assert config["concurrency"]["pools"]["default_limit"] == 1
