@@ -46,7 +46,10 @@ class Workload:
     prefix_tokens: int = 320  # shared by a group's rows (level 2)
     suffix_tokens: int = 32  # each row's own tokens
     output_tokens: int = 32
-    mixed_output: bool = False  # per-row output lengths between output/4 and 2*output
+    # Output lengths: "fixed" (every row output_tokens), "rows" (each row between output/4 and
+    # 2*output), "tasks" (each group is a short task, output/8, or a long one, 3*output: a table
+    # mixing classification and generation prompts).
+    output_mix: str = "fixed"
     seed: int = 0
 
     @property
@@ -68,8 +71,11 @@ def synthetic_tokens(workload: Workload, vocab: tuple[int, int]):
     rows = np.concatenate([np.broadcast_to(system, (workload.rows, system.size)), prefixes[group], suffixes], axis=1)
     length = rows.shape[1]
     offsets = np.arange(workload.rows + 1, dtype=np.int64) * length
-    if workload.mixed_output:
+    if workload.output_mix == "rows":
         max_tokens = rng.integers(max(1, workload.output_tokens // 4), 2 * workload.output_tokens + 1, workload.rows)
+    elif workload.output_mix == "tasks":
+        long_task = rng.permutation(workload.groups) < workload.groups // 2
+        max_tokens = np.where(long_task[group], 3 * workload.output_tokens, max(1, workload.output_tokens // 8))
     else:
         max_tokens = np.full(workload.rows, workload.output_tokens)
     return TokenizedBatch(tokens=rows.ravel(), offsets=offsets), max_tokens.astype(np.int64)
@@ -125,7 +131,7 @@ def run_bench(args) -> dict:
     workload = Workload(
         groups=args.groups, rows_per_group=args.rows_per_group, system_tokens=args.system_tokens,
         prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens, output_tokens=args.output_tokens,
-        mixed_output=args.mixed_output, seed=args.seed,
+        output_mix=args.output_mix, seed=args.seed,
     )
     model_path = resolve_model(args.model)
     tokenizer = load_tokenizer(model_path)
@@ -230,7 +236,8 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--prefix-tokens", type=int, default=Workload.prefix_tokens)
     bench.add_argument("--suffix-tokens", type=int, default=Workload.suffix_tokens)
     bench.add_argument("--output-tokens", type=int, default=Workload.output_tokens)
-    bench.add_argument("--mixed-output", action="store_true")
+    bench.add_argument("--output-mix", choices=["fixed", "rows", "tasks"], default=Workload.output_mix,
+                       help="fixed lengths, random per row, or a short or long task per group")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--block-size", type=int, default=32)
     bench.add_argument("--kv-cache-blocks", type=int, help="KV cache size (default: a third of the prefix working set)")

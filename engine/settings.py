@@ -47,13 +47,13 @@ class SamplingSettings:
 class SchedulerSettings:
     """BatchLLM scheduling knobs (see engine/scheduler.py)."""
 
-    kv_budget_fraction: float = 0.95  # share of the real KV capacity the in-flight working set may use
+    kv_budget_fraction: float = 0.97  # share of the real KV capacity the in-flight working set may use
     # How much of a row's future output KV is reserved when it is admitted: "full" reserves all of
     # max_tokens (no preemption ever, fewer rows in flight); "lookahead" reserves only the next
     # ``lookahead_tokens`` of every running row and counts what rows really hold (vLLM allocates
     # output blocks lazily, so this keeps more rows in flight; a rare preemption is the price).
     reserve_output: str = "lookahead"
-    lookahead_tokens: int = 64
+    lookahead_tokens: int = 32
     prefix_requests: bool = True  # compute each group's prefix once before its rows enter
     min_group_rows: int = 2
     log_every_s: float = 5.0
