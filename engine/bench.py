@@ -14,7 +14,6 @@ All four get the same token ids and greedy sampling with ``ignore_eos`` (fixed o
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import logging

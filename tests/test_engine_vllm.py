@@ -2,7 +2,6 @@
 
 import random
 
-import numpy as np
 import pyarrow as pa
 import pytest
 

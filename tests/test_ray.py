@@ -1,0 +1,90 @@
+"""Shards on a local Ray cluster: two vLLM replicas (tiny model, CPU), groups kept on one replica."""
+
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from engine.distributed import run_on_ray  # noqa: E402
+from engine.runner import BatchRun, open_engine, prepare_batch  # noqa: E402
+from engine.settings import EngineSettings, SamplingSettings  # noqa: E402
+from engine.tokenizing import load_tokenizer  # noqa: E402
+
+from .conftest import make_prompt_table  # noqa: E402
+
+SAMPLING = SamplingSettings(max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def local_answers(model: str, table, sampling=SAMPLING) -> dict:
+    settings = EngineSettings(model_path=model, kv_cache_blocks=256)
+    prepared = prepare_batch(table, load_tokenizer(model), settings, sampling)
+    with open_engine(settings, prepared) as engine:
+        return {r.id: r.text for r in BatchRun(prepared, engine, sampling)}
+
+
+def groups_by_id(model: str, table) -> dict:
+    settings = EngineSettings(model_path=model, kv_cache_blocks=256)
+    prepared = prepare_batch(table, load_tokenizer(model), settings, SAMPLING)
+    return {prepared.ids[i]: int(g) for i, g in enumerate(prepared.plan.group_of_row)}
+
+
+def assert_groups_on_one_replica(result, group_of: dict) -> None:
+    replica_of_group: dict[int, set] = {}
+    for r in result.results:
+        replica_of_group.setdefault(group_of[r.id], set()).add(result.replica_of_shard[r.shard])
+    assert all(len(replicas) == 1 for replicas in replica_of_group.values()), replica_of_group
+    assert len({next(iter(v)) for v in replica_of_group.values()}) == 2, "both replicas did work"
+
+
+def test_two_replicas_run_each_group_once_and_answer_like_a_local_run(cluster, tiny_model, tmp_path):
+    table = make_prompt_table(seed=5, documents=10, questions=4, singles=8)
+    settings = EngineSettings(model_path=tiny_model, kv_cache_blocks=256)
+    result = run_on_ray(table, settings, SAMPLING, tmp_path / "ckpt", replicas=2, bind_cpu_cores=True)
+    ids = [r.id for r in result.results]
+    assert sorted(ids) == sorted(table.column("id").to_pylist())  # every row exactly once
+    assert_groups_on_one_replica(result, groups_by_id(tiny_model, table))
+    assert {r.id: r.text for r in result.results} == local_answers(tiny_model, table)
+
+    # Whole groups per replica compute each prefix once; rows dealt round-robin recompute it.
+    spread = run_on_ray(table, settings, SAMPLING, tmp_path / "rr", replicas=2, placement="round_robin",
+                        bind_cpu_cores=True)
+    assert result.prefill_tokens < spread.prefill_tokens
+
+
+def test_a_replica_killed_midway_has_its_shard_rerun_elsewhere(cluster, tiny_model, tmp_path):
+    table = make_prompt_table(seed=6, documents=40, questions=10, singles=20)
+    settings = EngineSettings(model_path=tiny_model, kv_cache_blocks=256)
+    checkpoints = tmp_path / "ckpt"
+
+    def kill_replica_once_it_checkpoints():
+        folder = checkpoints / "shard-000"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not list(folder.glob("part-*.parquet")):
+            time.sleep(0.02)
+        ray.kill(ray.get_actor("victim-0"), no_restart=True)
+
+    killer = threading.Thread(target=kill_replica_once_it_checkpoints)
+    killer.start()
+    result = run_on_ray(table, settings, SamplingSettings(max_tokens=40), checkpoints, replicas=2,
+                        bind_cpu_cores=True, actor_prefix="victim")
+    killer.join()
+    assert result.reassigned_shards == [0]
+    assert result.replica_of_shard[0] == 1
+    ids = [r.id for r in result.results]
+    assert len(ids) == len(set(ids)) == table.num_rows
+    assert result.stats_of_shard[0]["reused_rows"] > 0  # resumed from the dead replica's checkpoint
+    group_of = groups_by_id(tiny_model, table)
+    shards_of_group: dict[int, set] = {}
+    for r in result.results:
+        shards_of_group.setdefault(group_of[r.id], set()).add(r.shard)
+    assert all(len(s) == 1 for s in shards_of_group.values())
+    assert {r.id: r.text for r in result.results} == local_answers(tiny_model, table, SamplingSettings(max_tokens=40))
