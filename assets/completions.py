@@ -15,7 +15,7 @@ from batchllm_dagster.metadata import run_metadata
 from batchllm_dagster.resources import VLLMResource
 from batchllm_dagster.warehouse import existing_rows, replace_partition
 from engine.models import resolve_model
-from engine.results import results_to_table
+from engine.results import merge_stats, results_to_table
 from engine.runner import prepare_batch, run_resumable
 from engine.settings import fingerprint
 from engine.tokenizing import load_tokenizer
@@ -35,6 +35,31 @@ def shard_rows(config: BatchJobConfig, partition_key: str) -> tuple[pa.Table, pa
     prompts = read_parquet(prompts_path(config), "prompt snapshot")
     rows = prompts.filter(pc.is_in(prompts[config.dataset.id_column], value_set=mine["id"]))
     return rows, mine
+
+
+def run_shard_locally(config, key, plan_rows, prepared, settings, sampling, scheduler, checkpoint, llm, log):
+    """The shard on one vLLM engine in this process, resuming from its checkpoint."""
+    # Rows already in the table with the same fingerprint (a nightly rerun of unchanged rows)
+    # are reused like checkpointed ones.
+    previous = existing_rows(config.warehouse(), config.output_table, plan_rows["id"])
+    reuse = []
+    if previous is not None and previous.num_rows:
+        reuse = [checkpoint / "previous.parquet"]
+        write_parquet(previous, reuse[0])
+    return run_resumable(prepared, settings, sampling, checkpoint, scheduler, reuse_from=reuse, progress_sink=log,
+                         start_engine=llm.open)
+
+
+def run_shard_on_ray(config, key, rows, settings, sampling, scheduler, checkpoint):
+    """The shard spread over ``ray_replicas`` vLLM replicas on the Ray cluster, whole groups each."""
+    from engine.distributed import run_on_ray
+
+    outcome = run_on_ray(rows, settings, sampling, checkpoint, replicas=config.ray_replicas, address=config.ray_address,
+                         columns=config.dataset.columns, scheduler=scheduler, actor_prefix=f"batchllm-{key}")
+    stats = merge_stats(list(outcome.stats_of_shard.values()))
+    info = {"vllm": "on Ray replicas", "replica_of_sub_shard": {str(s): r for s, r in outcome.replica_of_shard.items()},
+            "reassigned_sub_shards": outcome.reassigned_shards}
+    return outcome.results, stats, info
 
 
 def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDefinition) -> dg.AssetsDefinition:
@@ -66,18 +91,13 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
             f"ideal saving {100 * prepared.plan.ideal_saving:.1f}% on {llm.hardware()} ({hardware_partition})"
         )
         checkpoint = checkpoint_path(config, key)
-        # Rows already in the table with the same fingerprint (a nightly rerun of unchanged rows)
-        # are reused like checkpointed ones.
-        previous = existing_rows(config.warehouse(), config.output_table, plan_rows["id"])
-        reuse = []
-        if previous is not None and previous.num_rows:
-            reuse = [checkpoint / "previous.parquet"]
-            write_parquet(previous, reuse[0])
-        results, stats = run_resumable(
-            prepared, settings, sampling, checkpoint, scheduler, reuse_from=reuse, progress_sink=context.log.info,
-            start_engine=llm.open,
-        )
-        info = {**llm.engine_info, "settings": asdict(settings), "sampling": asdict(sampling)}
+        if config.backend == "ray":
+            results, stats, info = run_shard_on_ray(config, key, rows, settings, sampling, scheduler, checkpoint)
+        else:
+            results, stats = run_shard_locally(config, key, plan_rows, prepared, settings, sampling, scheduler,
+                                               checkpoint, llm, context.log.info)
+            info = dict(llm.engine_info)
+        info.update(settings=asdict(settings), sampling=asdict(sampling), backend=config.backend)
 
         group_of = dict(zip(plan_rows["id"].to_pylist(), plan_rows["group"].to_pylist()))
         for result in results:

@@ -63,6 +63,9 @@ class BatchJobComponent(dg.Component, dg.Resolvable, dg.Model):
     min_saving_vs_ideal: float = 0.9
     schedule: str | None = "0 2 * * *"
     pool: str | None = None
+    backend: str = "local"
+    ray_address: str | None = None
+    ray_replicas: int = 1
 
     def to_config(self, component_dir: Path) -> BatchJobConfig:
         data = default_data_dir()
@@ -86,6 +89,9 @@ class BatchJobComponent(dg.Component, dg.Resolvable, dg.Model):
             min_saving_vs_ideal=self.min_saving_vs_ideal,
             schedule=self.schedule,
             pool=self.pool,
+            backend=self.backend,
+            ray_address=self.ray_address,
+            ray_replicas=self.ray_replicas,
         )
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:

@@ -85,6 +85,9 @@ class BatchJobConfig(BaseModel):
     output_database: str
     output_table: str = "completions"
     storage_dir: str = Field(description="where prompt snapshots and plans are kept")
+    backend: str = Field("local", description="'local' (vLLM in the step's process) or 'ray' (replicas on a Ray cluster)")
+    ray_address: str | None = Field(None, description="Ray cluster address for backend 'ray' (None: start or join a local one)")
+    ray_replicas: int = Field(1, ge=1, description="vLLM replicas a shard is spread over (whole prefix groups each)")
     pool: str | None = Field(
         None,
         description="Dagster pool of the inference steps (default: one per hardware partition set, e.g. "
@@ -100,6 +103,8 @@ class BatchJobConfig(BaseModel):
                 raise ValueError(f"{label} {value!r} must be a plain identifier (letters, digits, _)")
         if not self.hardware:
             raise ValueError("hardware needs at least one partition name")
+        if self.backend not in ("local", "ray"):
+            raise ValueError(f"backend must be 'local' or 'ray', not {self.backend!r}")
         return self
 
     @property

@@ -88,3 +88,34 @@ def test_a_replica_killed_midway_has_its_shard_rerun_elsewhere(cluster, tiny_mod
         shards_of_group.setdefault(group_of[r.id], set()).add(r.shard)
     assert all(len(s) == 1 for s in shards_of_group.values())
     assert {r.id: r.text for r in result.results} == local_answers(tiny_model, table, SamplingSettings(max_tokens=40))
+
+
+def test_completions_partition_runs_on_ray_when_configured(cluster, tiny_model, tmp_path):
+    import dagster as dg
+    import duckdb
+    import pyarrow.parquet as pq
+
+    from batchllm_dagster import BatchJobConfig, DatasetSpec, ModelSpec, SamplingSpec, build_batch_defs
+
+    table = make_prompt_table(seed=7)
+    pq.write_table(table, tmp_path / "prompts.parquet")
+    config = BatchJobConfig(
+        name="on_ray", dataset=DatasetSpec(parquet=str(tmp_path / "prompts.parquet")),
+        llm=ModelSpec(path=tiny_model, kv_cache_blocks=256), sampling=SamplingSpec(max_tokens=24), shards=1,
+        output_database=str(tmp_path / "out.duckdb"), output_table="answers", storage_dir=str(tmp_path / "jobs"),
+        backend="ray", ray_replicas=2,
+    )
+    defs = build_batch_defs(config)
+    graph = defs.resolve_asset_graph()
+    assets = [graph.assets_def_for_key(dg.AssetKey(["on_ray", n])) for n in ("prompts", "prefix_groups", "completions")]
+    with dg.instance_for_test() as instance:
+        assert dg.materialize(assets[:2], instance=instance).success
+        (partition,) = instance.get_dynamic_partitions(config.partitions_name)
+        result = dg.materialize([assets[2]], partition_key=partition, instance=instance)
+    assert result.success
+    meta = result.asset_materializations_for_node("on_ray__completions")[0].metadata
+    assert meta["engine"].value["backend"] == "ray"
+    assert set(meta["engine"].value["replica_of_sub_shard"].values()) == {0, 1}
+    with duckdb.connect(config.output_database, read_only=True) as con:
+        answers = dict(con.execute("SELECT id, text FROM answers").fetchall())
+    assert answers == local_answers(tiny_model, table)
