@@ -63,7 +63,8 @@ def tokenize_rows(tokenizer, prompts: list[str | None], messages: list[str | Non
         else:
             texts[i] = str(prompt)
 
-    ids: list[list[int]] = [[] for _ in range(n)]
+    empty = np.zeros(0, dtype=np.int32)
+    rows: list[np.ndarray] = [empty] * n
     for chat_rows in (True, False):
         # A rendered chat template already holds its special tokens.
         todo = [i for i in range(n) if is_chat[i] == chat_rows and i not in errors]
@@ -71,11 +72,11 @@ def tokenize_rows(tokenizer, prompts: list[str | None], messages: list[str | Non
             chunk = todo[lo : lo + _BATCH]
             encoded = tokenizer([texts[i] for i in chunk], add_special_tokens=not chat_rows)["input_ids"]
             for i, row_ids in zip(chunk, encoded):
-                ids[i] = row_ids
+                rows[i] = np.asarray(row_ids, dtype=np.int32)
     for i in range(n):
-        if i not in errors and not ids[i]:
+        if i not in errors and not rows[i].size:
             errors[i] = "prompt has no tokens"
-    lengths = np.fromiter((len(r) for r in ids), dtype=np.int64, count=n)
+    lengths = np.fromiter((r.size for r in rows), dtype=np.int64, count=n)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    tokens = np.fromiter((t for r in ids for t in r), dtype=np.int32, count=int(offsets[-1]))
+    tokens = np.concatenate(rows) if n else empty
     return TokenizedBatch(tokens=tokens, offsets=offsets, errors=errors, seconds=time.perf_counter() - started)
