@@ -186,9 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batchllm: bad prompt table: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
+        from .models import ModelNotFound
         from .vllm_engine import EngineStartError
 
-        if isinstance(exc, EngineStartError):
+        if isinstance(exc, (EngineStartError, ModelNotFound)):
             print(f"batchllm: {exc}", file=sys.stderr)
             return 3
         raise

@@ -154,8 +154,16 @@ def models_dir() -> Path:
     return Path(os.environ.get("BATCHLLM_CACHE_DIR", Path.cwd() / ".cache")) / "models"
 
 
+class ModelNotFound(FileNotFoundError):
+    """The model is neither a built-in name nor an existing checkpoint directory."""
+
+
 def resolve_model(name_or_path: str) -> str:
     """A built-in model name (prepared on first use) or a local checkpoint directory."""
     if name_or_path in BUILT_IN:
         return str(BUILT_IN[name_or_path](models_dir() / name_or_path))
+    if not Path(name_or_path).is_dir():
+        raise ModelNotFound(
+            f"model path {name_or_path!r} does not exist (give a checkpoint directory or one of {sorted(BUILT_IN)})"
+        )
     return name_or_path

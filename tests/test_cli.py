@@ -44,3 +44,10 @@ def test_a_bad_table_exits_with_the_reason(tmp_path):
     done = batchllm("plan", str(path), "--model", "tiny", check=False)
     assert done.returncode == 2
     assert "duplicated id" in done.stderr
+
+
+def test_a_missing_model_exits_with_the_reason(prompt_parquet, tmp_path):
+    done = batchllm("run", str(prompt_parquet), "--model", str(tmp_path / "no-such-model"), "--output",
+                    str(tmp_path / "out.parquet"), check=False)
+    assert done.returncode == 3
+    assert "does not exist" in done.stderr and "no-such-model" in done.stderr
