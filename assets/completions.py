@@ -1,6 +1,5 @@
 """``completions``: one partition per shard; runs the engine on the shard's rows on real vLLM."""
 
-
 import datetime as dt
 import shutil
 from dataclasses import asdict
@@ -37,7 +36,7 @@ def shard_rows(config: BatchJobConfig, partition_key: str) -> tuple[pa.Table, pa
     return rows, mine
 
 
-def run_shard_locally(config, key, plan_rows, prepared, settings, sampling, scheduler, checkpoint, llm, log):
+def run_shard_locally(config, plan_rows, prepared, settings, sampling, scheduler, checkpoint, llm, log):
     """The shard on one vLLM engine in this process, resuming from its checkpoint."""
     # Rows already in the table with the same fingerprint (a nightly rerun of unchanged rows)
     # are reused like checkpointed ones.
@@ -94,7 +93,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         if config.backend == "ray":
             results, stats, info = run_shard_on_ray(config, key, rows, settings, sampling, scheduler, checkpoint)
         else:
-            results, stats = run_shard_locally(config, key, plan_rows, prepared, settings, sampling, scheduler,
+            results, stats = run_shard_locally(config, plan_rows, prepared, settings, sampling, scheduler,
                                                checkpoint, llm, context.log.info)
             info = dict(llm.engine_info)
         info.update(settings=asdict(settings), sampling=asdict(sampling), backend=config.backend)

@@ -1,6 +1,5 @@
 """``prefix_groups``: the global prefix plan of the batch, cut into shards (the partitions)."""
 
-
 import dagster as dg
 import numpy as np
 import pyarrow as pa

@@ -1,6 +1,5 @@
 """``prompts``: the prompt rows, read from DuckDB (read-only) or Parquet and snapshotted."""
 
-
 from pathlib import Path
 
 import dagster as dg

@@ -1,6 +1,5 @@
 """Build a batch job's Dagster definitions from its config (used from Python and by the Component)."""
 
-
 import dagster as dg
 
 from assets import build_completions, build_prefix_groups, build_prompts
