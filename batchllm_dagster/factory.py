@@ -22,9 +22,7 @@ def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
         selection=dg.AssetSelection.assets(prompts, prefix_groups),
         description="Snapshot the prompts and plan the shards; the shard sensor then runs every shard.",
     )
-    shards_job = dg.define_asset_job(
-        f"{config.name}_shards", selection=dg.AssetSelection.assets(completions), partitions_def=partitions
-    )
+    shards_job = dg.define_asset_job(f"{config.name}_shards", selection=dg.AssetSelection.assets(completions))
 
     @dg.asset_sensor(
         asset_key=prefix_groups.key,

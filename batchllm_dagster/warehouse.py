@@ -50,6 +50,6 @@ def existing_rows(warehouse: DuckDBResource, table: str, ids: pa.Array):
         if not exists:
             return None
         con.register("wanted", pa.table({"id": ids}))
-        rows = con.execute(f"SELECT * FROM {quote_identifier(table)} WHERE id IN (SELECT id FROM wanted)").to_arrow_table()
+        rows = con.sql(f"SELECT * FROM {quote_identifier(table)} WHERE id IN (SELECT id FROM wanted)").to_arrow_table()
         con.unregister("wanted")
         return rows

@@ -32,4 +32,4 @@ SUPPORT = BatchJobConfig(
 
 @dg.definitions
 def defs() -> dg.Definitions:
-    return dg.Definitions.merge(build_batch_defs(SUPPORT), dg.load_from_defs_folder(project_root=HERE.parent))
+    return dg.Definitions.merge(build_batch_defs(SUPPORT), dg.load_from_defs_folder(path_within_project=HERE))
