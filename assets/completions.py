@@ -83,16 +83,17 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         model_path = resolve_model(config.llm.path)
         settings = config.engine_settings(model_path, llm.kv_cache_gib)
         sampling, scheduler = config.sampling_settings(), config.scheduler_settings()
-        columns = config.dataset.columns
-        prepared = prepare_batch(rows, load_tokenizer(model_path), settings, sampling, columns, scheduler)
-        context.log.info(
-            f"shard {key}: {prepared.num_rows} rows, {prepared.plan.num_groups} groups, "
-            f"ideal saving {100 * prepared.plan.ideal_saving:.1f}% on {llm.hardware()} ({hardware_partition})"
-        )
         checkpoint = checkpoint_path(config, key)
-        if config.backend == "ray":
+        if config.backend == "ray":  # the replicas tokenize and plan their own rows
+            context.log.info(f"shard {key}: {rows.num_rows} rows on {config.ray_replicas} Ray replica(s)")
             results, stats, info = run_shard_on_ray(config, key, rows, settings, sampling, scheduler, checkpoint)
         else:
+            tokenizer = load_tokenizer(model_path)
+            prepared = prepare_batch(rows, tokenizer, settings, sampling, config.dataset.columns, scheduler)
+            context.log.info(
+                f"shard {key}: {prepared.num_rows} rows, {prepared.plan.num_groups} groups, "
+                f"ideal saving {100 * prepared.plan.ideal_saving:.1f}% on {llm.hardware()} ({hardware_partition})"
+            )
             results, stats = run_shard_locally(config, plan_rows, prepared, settings, sampling, scheduler,
                                                checkpoint, llm, context.log.info)
             info = dict(llm.engine_info)
@@ -102,7 +103,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         for result in results:
             result.group = group_of[result.id]
             result.shard = int(plan_rows["shard"][0].as_py())
-        table = results_to_table(results, prepared.id_type)
+        table = results_to_table(results, rows.schema.field(config.dataset.id_column).type)
         n = table.num_rows
         table = (
             table.append_column("partition_key", pa.array([key] * n, pa.string()))
