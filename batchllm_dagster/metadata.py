@@ -33,21 +33,25 @@ def plan_metadata(plan: PrefixPlan, error_rows: int, tokenize_s: float) -> dict:
 
 
 def run_metadata(stats: RunStats, hardware: str, hardware_partition: str, engine_info: dict) -> dict:
-    return {
-        "rows": stats.rows,
+    metadata = {
+        "rows": stats.rows,  # computed in this run; reused rows are counted apart
         "ok_rows": stats.ok_rows,
         "error_rows": stats.error_rows,
         "prompt_tokens": stats.prompt_tokens,
         "cached_prompt_tokens": stats.cached_tokens,
         "ideal_cached_tokens": stats.ideal_cached_tokens,
-        "saving_vs_ideal": float(round(stats.saving_vs_ideal, 4)),
         "prefill_tokens": stats.prefill_tokens,
         "output_tokens": stats.output_tokens,
         "preemptions": stats.preemptions,
-        "wall_s": float(round(stats.wall_s, 3)),
-        "tokens_per_s": float(round(stats.tokens_per_s, 2)),
-        "output_tokens_per_s": float(round(stats.output_tokens_per_s, 2)),
         "hardware": hardware,
         "hardware_partition": hardware_partition,
         "engine": dg.MetadataValue.json(engine_info),
     }
+    if stats.prompt_tokens:  # a rerun that reused every row has no throughput to plot
+        metadata.update(
+            saving_vs_ideal=float(round(stats.saving_vs_ideal, 4)),
+            wall_s=float(round(stats.wall_s, 3)),
+            tokens_per_s=float(round(stats.tokens_per_s, 2)),
+            output_tokens_per_s=float(round(stats.output_tokens_per_s, 2)),
+        )
+    return metadata
