@@ -12,6 +12,8 @@ import shutil
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# Progress lines (INFO) on the console, not every Dagster event (DEBUG); all of it is in the UI.
+QUIET = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
 
 
 def prepare_instance() -> Path:
@@ -46,13 +48,14 @@ def materialize_job(instance, defs, name: str, completions) -> list[str]:
     graph = defs.resolve_asset_graph()
     upstream = [graph.assets_def_for_key(dg.AssetKey([name, n])) for n in ("prompts", "prefix_groups")]
     # Assets from the resolved graph come with their resources bound.
-    assert dg.materialize(upstream, instance=instance).success, f"{name}: planning failed"
+    assert dg.materialize(upstream, instance=instance, run_config=QUIET).success, f"{name}: planning failed"
     partitions = instance.get_dynamic_partitions(completions.partitions_def.name)
     for partition in partitions:
-        result = dg.materialize([completions], partition_key=partition, instance=instance)
+        result = dg.materialize([completions], partition_key=partition, instance=instance, run_config=QUIET)
         assert result.success, f"{name}: partition {partition} failed"
     checks = [c for c in defs.asset_checks or [] if any(k.asset_key.path[0] == name for k in c.check_keys)]
-    dg.materialize([completions, *checks], selection=dg.AssetSelection.checks(*checks), instance=instance)
+    dg.materialize([completions, *checks], selection=dg.AssetSelection.checks(*checks), instance=instance,
+                   run_config=QUIET)
     return partitions
 
 
@@ -89,6 +92,7 @@ def main() -> None:
     parser.add_argument("--prepare-only", action="store_true", help="build the data and model, materialize nothing")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the engine's own progress lines are enough here
     prepare_instance()
     prepare_data()
     if not args.prepare_only:
