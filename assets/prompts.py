@@ -6,18 +6,9 @@ import dagster as dg
 
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import table_preview
-from batchllm_dagster.warehouse import quote_identifier
-from engine.dataset import load_prompts, read_sql, validate
+from engine.dataset import read_sql, source_sql, validate
 
 from .snapshots import prompts_path, write_parquet
-
-
-def load_dataset(config: BatchJobConfig):
-    spec = config.dataset
-    if spec.sql:
-        return validate(read_sql(spec.sql, spec.database), spec.columns)
-    source = spec.sql_file or spec.table or spec.parquet
-    return load_prompts(str(source), spec.database, spec.columns)
 
 
 def dataset_sql(config: BatchJobConfig) -> tuple[str, str | None]:
@@ -25,11 +16,11 @@ def dataset_sql(config: BatchJobConfig) -> tuple[str, str | None]:
     spec = config.dataset
     if spec.sql:
         return spec.sql, spec.database
-    if spec.sql_file:
-        return Path(spec.sql_file).read_text(), spec.database
-    if spec.table:
-        return f"SELECT * FROM {quote_identifier(spec.table)}", spec.database
-    return f"SELECT * FROM read_parquet('{spec.parquet.replace(chr(39), chr(39) * 2)}')", None
+    return source_sql(str(spec.sql_file or spec.table or spec.parquet), spec.database)
+
+
+def load_dataset(config: BatchJobConfig):
+    return validate(read_sql(*dataset_sql(config)), config.dataset.columns)
 
 
 def source_version(config: BatchJobConfig) -> str:

@@ -14,7 +14,7 @@ import dagster as dg
 from engine.results import RunStats
 
 from .config import BatchJobConfig
-from .warehouse import quote_identifier
+from .warehouse import quote_identifier, table_exists
 
 PARTITION_CHECKS = ("one_completion_per_row", "no_silent_empties", "prefix_saving")
 
@@ -87,10 +87,7 @@ def build_table_checks(config: BatchJobConfig) -> list[dg.AssetChecksDefinition]
         from assets.snapshots import prompts_path
 
         with config.warehouse().get_connection() as con:
-            exists = con.execute(
-                "SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [config.output_table]
-            ).fetchall()[0][0]
-            if not exists:
+            if not table_exists(con, config.output_table):
                 return dg.AssetCheckResult(passed=False, metadata={"reason": "no completions table yet"})
             missing, duplicated, orphaned = con.execute(
                 f"""

@@ -14,6 +14,10 @@ def quote_identifier(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+def table_exists(con, table: str) -> bool:
+    return con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [table]).fetchall()[0][0] > 0
+
+
 def replace_table(warehouse: DuckDBResource, table: str, data: pa.Table) -> None:
     with warehouse.get_connection() as con:
         con.register("incoming", data)
@@ -46,8 +50,7 @@ def replace_partition(warehouse: DuckDBResource, table: str, partition_key: str,
 def existing_rows(warehouse: DuckDBResource, table: str, ids: pa.Array):
     """The output table's rows for these ids (None if the table does not exist yet)."""
     with warehouse.get_connection() as con:
-        exists = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [table]).fetchall()[0][0]
-        if not exists:
+        if not table_exists(con, table):
             return None
         con.register("wanted", pa.table({"id": ids}))
         rows = con.sql(f"SELECT * FROM {quote_identifier(table)} WHERE id IN (SELECT id FROM wanted)").to_arrow_table()

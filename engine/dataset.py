@@ -62,20 +62,25 @@ def _connect_read_only(database: str, wait_s: float = 60.0):
             raise DatasetError(f"cannot open DuckDB database {database!r}: {exc}") from exc
 
 
-def read_source(source: str, database: str | None = None) -> pa.Table:
-    """A ``.sql`` file, a Parquet file or glob, or a DuckDB table name (with ``database``)."""
+def source_sql(source: str, database: str | None = None) -> tuple[str, str | None]:
+    """A ``.sql`` file, a Parquet file or glob, or a DuckDB table name (with ``database``) as one
+    query and the database it runs on."""
     path = Path(source)
     if source.endswith(".sql"):
         if not path.exists():
             raise DatasetError(f"SQL file {source!r} does not exist")
-        return read_sql(path.read_text(), database)
+        return path.read_text(), database
     if source.endswith(".parquet") or any(ch in source for ch in "*?["):
         if not glob.glob(source):
             raise DatasetError(f"no Parquet file matches {source!r}")
-        return read_sql(f"SELECT * FROM read_parquet({_quote(source)})", database=None)
+        return f"SELECT * FROM read_parquet({_quote(source)})", None
     if database:
-        return read_sql(f"SELECT * FROM {_quote_identifier(source)}", database)
+        return f"SELECT * FROM {_quote_identifier(source)}", database
     raise DatasetError(f"{source!r} is neither a .sql file, a Parquet file nor a table of a --database")
+
+
+def read_source(source: str, database: str | None = None) -> pa.Table:
+    return read_sql(*source_sql(source, database))
 
 
 def _quote(text: str) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import pyarrow as pa
 
@@ -99,8 +99,8 @@ class RunStats:
 def merge_stats(parts: list[dict]) -> RunStats:
     """One RunStats from the ``to_dict()`` of runs that ran side by side (wall time: the longest)."""
     merged = RunStats()
-    for name in ("rows", "ok_rows", "error_rows", "prompt_tokens", "cached_tokens", "output_tokens", "prefix_requests",
-                 "prefix_prompt_tokens", "prefix_cached_tokens", "ideal_cached_tokens", "preemptions"):
+    counters = [f.name for f in fields(RunStats) if isinstance(getattr(merged, f.name), int)]
+    for name in counters:
         setattr(merged, name, sum(int(p.get(name, 0)) for p in parts))
     merged.wall_s = max((float(p.get("wall_s", 0.0)) for p in parts), default=0.0)
     merged.extra["reused_rows"] = sum(int(p.get("reused_rows", 0)) for p in parts)

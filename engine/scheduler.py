@@ -5,9 +5,11 @@ BatchLLM's scheduling on top of an unmodified vLLM engine:
 * groups enter in plan order; a group's shared prefix is computed once, by a prefix request
   (the prefix alone, one output token), before any of its rows enter, so no two rows of the group
   prefill the same prefix in the same step;
-* rows are admitted while the KV working set of everything in flight (each row's own blocks for
-  prompt + output, each group's prefix once) stays under a share of the engine's KV capacity read
-  after start-up: a prefix is never evicted before its last row and rows are never preempted;
+* rows are admitted while the KV working set of everything in flight (each group's prefix once,
+  each row's own blocks so far plus the output it is reserved: all of it with
+  ``reserve_output="full"``, the next ``lookahead_tokens`` otherwise) stays under a share of the
+  engine's KV capacity read after start-up, so a prefix stays cached until its last row and rows
+  are not preempted ("full"), or only rarely (the lookahead);
 * the next group's prefix request runs while the current group's rows decode (pipelining);
 * results stream out as rows finish.
 
