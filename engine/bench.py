@@ -9,6 +9,14 @@ set, as in a real offline job with thousands of documents):
 * ``batchllm``         - this engine: global plan, prefix-first groups, KV-budgeted admission.
 
 All four get the same token ids and greedy sampling with ``ignore_eos`` (fixed output lengths).
+``--shape`` picks the synthetic table:
+
+* ``groups``    - groups x rows: a system prompt shared by all, a prefix per group, a suffix per row;
+* ``nested``    - one long instruction block shared by every row, documents each asked 2-6
+  questions, a question per row, outputs of 16-96 tokens;
+* ``templates`` - a dozen few-shot blocks each shared by many rows, unique row text, 15% of the
+  rows sharing nothing, outputs of 8-48 tokens.
+
 ``--analysis`` times the plan alone on synthetic token ids (no model).
 """
 
@@ -24,17 +32,19 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .plan import build_plan
 from .results import RunStats
-from .settings import EngineSettings, SamplingSettings, SchedulerSettings
+from .settings import DEFAULT_BLOCK_SIZE, EngineSettings, ReserveOutput, RunMode, SamplingSettings, SchedulerSettings
 
 log = logging.getLogger(__name__)
 
 RUNS = {
-    "vllm_nocache": ("in_order", False),
-    "vllm_apc": ("in_order", True),
-    "vllm_apc_sorted": ("sorted", True),
-    "batchllm": ("batchllm", True),
+    "vllm_nocache": (RunMode.IN_ORDER, False),
+    "vllm_apc": (RunMode.IN_ORDER, True),
+    "vllm_apc_sorted": (RunMode.SORTED, True),
+    "batchllm": (RunMode.BATCHLLM, True),
 }
+SHAPES = ("groups", "nested", "templates")
 
 
 @dataclass
@@ -80,22 +90,51 @@ def synthetic_tokens(workload: Workload, vocab: tuple[int, int]):
     return TokenizedBatch(tokens=rows.ravel(), offsets=offsets), max_tokens.astype(np.int64)
 
 
+def _concat(rows: list[np.ndarray]):
+    from .tokenizing import TokenizedBatch
+
+    lengths = np.fromiter((r.size for r in rows), dtype=np.int64, count=len(rows))
+    return TokenizedBatch(tokens=np.concatenate(rows).astype(np.int32), offsets=np.concatenate([[0], np.cumsum(lengths)]))
+
+
+def nested_tokens(vocab: tuple[int, int], seed: int = 0, documents: int = 45, instruction_tokens: int = 384):
+    """One instruction block above every row, documents of 160-320 tokens each asked 2-6
+    questions of 12-40 tokens, outputs of 16-96 tokens; rows in a shuffled (table) order."""
+    rng = np.random.default_rng(seed)
+    lo, hi = vocab
+    instruction = rng.integers(lo, hi, instruction_tokens)
+    rows, max_tokens = [], []
+    for _ in range(documents):
+        document = rng.integers(lo, hi, rng.integers(160, 321))
+        for _ in range(rng.integers(2, 7)):
+            rows.append(np.concatenate([instruction, document, rng.integers(lo, hi, rng.integers(12, 41))]))
+            max_tokens.append(rng.integers(16, 97))
+    order = rng.permutation(len(rows))
+    return _concat([rows[i] for i in order]), np.asarray(max_tokens, dtype=np.int64)[order]
+
+
+def templates_tokens(vocab: tuple[int, int], seed: int = 0, rows: int = 200, templates: int = 12):
+    """A dozen few-shot blocks of 256-448 tokens, each shared by many rows with 24-96 tokens of
+    their own; 15% of the rows share nothing (128-384 tokens); outputs of 8-48 tokens."""
+    rng = np.random.default_rng(seed)
+    lo, hi = vocab
+    blocks = [rng.integers(lo, hi, rng.integers(256, 449)) for _ in range(templates)]
+    out = []
+    for _ in range(rows):
+        if rng.random() < 0.15:
+            out.append(rng.integers(lo, hi, rng.integers(128, 385)))
+        else:
+            out.append(np.concatenate([blocks[rng.integers(templates)], rng.integers(lo, hi, rng.integers(24, 97))]))
+    return _concat(out), rng.integers(8, 49, rows).astype(np.int64)
+
+
 def _prepared(batch, max_tokens, block_size: int):
-    from .plan import build_plan
     from .runner import PreparedBatch
 
     started = time.perf_counter()
     plan = build_plan(batch.tokens, batch.offsets, max_tokens, block_size)
-    return PreparedBatch(
-        ids=[f"row-{i:06d}" for i in range(max_tokens.size)],
-        id_type=None,
-        batch=batch,
-        max_tokens=max_tokens,
-        errors={},
-        plan=plan,
-        tokenize_s=0.0,
-        plan_s=time.perf_counter() - started,
-    )
+    return PreparedBatch.from_plan([f"row-{i:06d}" for i in range(max_tokens.size)], None, batch, max_tokens, {},
+                                   plan, plan_s=time.perf_counter() - started)
 
 
 def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: SamplingSettings, scheduler: SchedulerSettings):
@@ -106,36 +145,43 @@ def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: Sam
     try:
         run = BatchRun(prepared, engine, sampling, scheduler, rows=list(range(prepared.num_rows)), mode=mode)
         outputs = {r.id: r.text for r in run}
-        run.stats.extra.update(max_num_seqs=engine.max_num_seqs, kv_capacity_blocks=engine.kv_capacity_blocks,
-                               engine_steps=engine.counters.steps,
-                               mean_running_rows=round(engine.counters.mean_running, 2))
+        info = engine.info
     finally:
         engine.close()
         gc.collect()
-    return run.stats, outputs
+    return run.stats, info, outputs
 
 
-def _report(stats: RunStats) -> dict:
-    out = stats.to_dict()
+def _report(stats: RunStats, info) -> dict:
+    out = {**stats.to_dict(), "max_num_seqs": info.max_num_seqs, "kv_capacity_blocks": info.kv_capacity_blocks}
     keep = ["tokens_per_s", "output_tokens_per_s", "wall_s", "prompt_tokens", "cached_tokens", "ideal_cached_tokens",
             "prefill_tokens", "saving_vs_ideal", "output_tokens", "preemptions", "prefix_requests", "max_num_seqs",
-            "kv_capacity_blocks", "engine_steps", "mean_running_rows"]
-    return {k: out[k] for k in keep if k in out}
+            "kv_capacity_blocks", "engine_steps", "rows_per_step", "mean_kv_usage"]
+    return {k: out[k] for k in keep}
 
 
 def run_bench(args) -> dict:
     from .models import resolve_model
     from .tokenizing import load_tokenizer
 
-    workload = Workload(
-        groups=args.groups, rows_per_group=args.rows_per_group, system_tokens=args.system_tokens,
-        prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens, output_tokens=args.output_tokens,
-        output_mix=args.output_mix, seed=args.seed,
-    )
     model_path = resolve_model(args.model)
     tokenizer = load_tokenizer(model_path)
     special = max(tokenizer.all_special_ids or [0])
-    batch, max_tokens = synthetic_tokens(workload, (special + 1, min(len(tokenizer), 32000)))
+    vocab = (special + 1, min(len(tokenizer), 32000))
+    if args.shape == "nested":
+        batch, max_tokens = nested_tokens(vocab, args.seed)
+        described = {"shape": "nested", "seed": args.seed}
+    elif args.shape == "templates":
+        batch, max_tokens = templates_tokens(vocab, args.seed)
+        described = {"shape": "templates", "seed": args.seed}
+    else:
+        workload = Workload(
+            groups=args.groups, rows_per_group=args.rows_per_group, system_tokens=args.system_tokens,
+            prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens, output_tokens=args.output_tokens,
+            output_mix=args.output_mix, seed=args.seed,
+        )
+        batch, max_tokens = synthetic_tokens(workload, vocab)
+        described = {"shape": "groups", **asdict(workload)}
     prepared = _prepared(batch, max_tokens, args.block_size)
     plan = prepared.plan
     working_set = int(plan.unique_tokens // args.block_size)
@@ -144,7 +190,7 @@ def run_bench(args) -> dict:
         model_path=model_path, dtype=args.dtype, block_size=args.block_size, kv_cache_blocks=kv_blocks,
         max_model_len=2048, max_num_batched_tokens=args.max_num_batched_tokens,
     )
-    sampling = SamplingSettings(max_tokens=workload.output_tokens, ignore_eos=True)
+    sampling = SamplingSettings(max_tokens=int(max_tokens.max()), ignore_eos=True)
     scheduler = SchedulerSettings(
         kv_budget_fraction=args.kv_budget_fraction, prefix_requests=not args.no_prefix_requests,
         reserve_output=args.reserve_output, lookahead_tokens=args.lookahead_tokens,
@@ -152,8 +198,8 @@ def run_bench(args) -> dict:
     runs, outputs = {}, {}
     for name in args.runs.split(","):
         log.info("bench: %s", name)
-        stats, outputs[name] = _one_run(name, prepared, engine_settings, sampling, scheduler)
-        runs[name] = _report(stats)
+        stats, info, outputs[name] = _one_run(name, prepared, engine_settings, sampling, scheduler)
+        runs[name] = _report(stats, info)
         log.info("bench: %s -> %s", name, runs[name])
 
     def ratio(a: str, b: str):
@@ -164,7 +210,7 @@ def run_bench(args) -> dict:
     reference = "vllm_apc" if "vllm_apc" in outputs else next(iter(outputs))
     mismatched = [i for i in outputs[reference] if any(outputs[n].get(i) != outputs[reference][i] for n in outputs)]
     return {
-        "workload": {**asdict(workload), "rows": workload.rows, "model": args.model, "dtype": args.dtype,
+        "workload": {**described, "rows": prepared.num_rows, "model": args.model, "dtype": args.dtype,
                      "block_size": args.block_size, "kv_cache_blocks": kv_blocks,
                      "prefix_working_set_blocks": working_set, "prompt_tokens": plan.prompt_tokens,
                      "unique_tokens": plan.unique_tokens, "ideal_cached_tokens": plan.ideal_cached_tokens,
@@ -194,8 +240,6 @@ def synthetic_analysis_tokens(rows: int, tokens_per_row: int, rows_per_group: in
 
 
 def run_analysis(args) -> dict:
-    from .plan import build_plan
-
     tokens, offsets = synthetic_analysis_tokens(args.rows, args.tokens_per_row, args.rows_per_group, args.seed)
     decode = np.full(args.rows, args.output_tokens, dtype=np.int64)
     gc.collect()
@@ -229,6 +273,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--model", default="smollm2")
     bench.add_argument("--dtype", default="float32")
     bench.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
+    bench.add_argument("--shape", choices=SHAPES, default="groups", help="the synthetic table (see the module doc)")
     bench.add_argument("--groups", type=int, default=Workload.groups)
     bench.add_argument("--rows-per-group", type=int, default=Workload.rows_per_group)
     bench.add_argument("--system-tokens", type=int, default=Workload.system_tokens)
@@ -238,12 +283,13 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--output-mix", choices=["fixed", "rows", "tasks"], default=Workload.output_mix,
                        help="fixed lengths, random per row, or a short or long task per group")
     bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--block-size", type=int, default=32)
+    bench.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     bench.add_argument("--kv-cache-blocks", type=int, help="KV cache size (default: a third of the prefix working set)")
     bench.add_argument("--kv-budget-fraction", type=float, default=SchedulerSettings.kv_budget_fraction)
     bench.add_argument("--max-num-batched-tokens", type=int)
     bench.add_argument("--no-prefix-requests", action="store_true", help="let the first rows compute their prefix")
-    bench.add_argument("--reserve-output", choices=["full", "lookahead"], default=SchedulerSettings.reserve_output)
+    bench.add_argument("--reserve-output", choices=[r.value for r in ReserveOutput],
+                       default=SchedulerSettings.reserve_output.value)
     bench.add_argument("--lookahead-tokens", type=int, default=SchedulerSettings.lookahead_tokens)
     bench.add_argument("--analysis", action="store_true", help="time the plan alone on synthetic token ids")
     bench.add_argument("--rows", type=int, default=1_000_000, help="rows for --analysis")

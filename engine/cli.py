@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from .dataset import Columns, DatasetError, load_prompts
-from .settings import EngineSettings, SamplingSettings, SchedulerSettings
+from .settings import DEFAULT_BLOCK_SIZE, EngineSettings, SamplingSettings, SchedulerSettings
 
 log = logging.getLogger("batchllm")
 
@@ -31,7 +31,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-column", default="prompt")
     parser.add_argument("--messages-column", default="messages")
     parser.add_argument("--max-tokens", type=int, default=64, help="default output tokens per row")
-    parser.add_argument("--block-size", type=int, default=32, help="KV block size (tokens)")
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="KV block size (tokens)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--shards", type=int, default=1, help="cut the plan into this many shards")
 
@@ -111,11 +111,12 @@ def cmd_run(args) -> int:
     engine_settings, sampling, _, prepared = _prepare(args)
     output = Path(args.output)
     checkpoint_dir = Path(args.checkpoint_dir or f"{output}.checkpoint")
-    results, stats = run_resumable(
+    outcome = run_resumable(
         prepared, engine_settings, sampling, checkpoint_dir, SchedulerSettings(),
         reuse_from=[output] if output.exists() else [], progress_sink=log.info,
         checkpoint_every_rows=args.checkpoint_every_rows,
     )
+    results, stats = outcome.results, outcome.stats
     position = {row_id: i for i, row_id in enumerate(prepared.ids)}
     results.sort(key=lambda r: position[r.id])  # one row per id, in input order
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 
 import pyarrow as pa
 
@@ -46,11 +46,15 @@ def results_to_table(results: list[RowResult], id_type: pa.DataType = pa.string(
 @dataclass
 class RunStats:
     """Counters of one run. ``prefill_tokens`` counts every prompt token the engine computed,
-    the prefix requests' included, so it can be held against the plan's minimum."""
+    the prefix requests' included, so it can be held against the plan's minimum. ``startup_s`` is
+    the time from the start of the run (or of the step that ran it) until the first row entered
+    vLLM; ``mean_kv_usage`` is vLLM's own KV usage (0..1) averaged over the engine's steps and
+    ``rows_per_step`` the mean number of requests vLLM ran per step."""
 
     rows: int = 0
     ok_rows: int = 0
     error_rows: int = 0
+    reused_rows: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
@@ -59,8 +63,11 @@ class RunStats:
     prefix_cached_tokens: int = 0
     ideal_cached_tokens: int = 0
     preemptions: int = 0
+    engine_steps: int = 0
+    mean_kv_usage: float = 0.0
+    rows_per_step: float = 0.0
+    startup_s: float = 0.0
     wall_s: float = 0.0
-    extra: dict = field(default_factory=dict)
 
     @property
     def prefill_tokens(self) -> int:
@@ -83,25 +90,45 @@ class RunStats:
         return self.output_tokens / self.wall_s if self.wall_s else 0.0
 
     def to_dict(self) -> dict:
-        out = {k: v for k, v in asdict(self).items() if k != "extra"}
+        out = asdict(self)
         out.update(
             prefill_tokens=self.prefill_tokens,
             saved_tokens=self.saved_tokens,
             saving_vs_ideal=round(self.saving_vs_ideal, 4),
             tokens_per_s=round(self.tokens_per_s, 2),
             output_tokens_per_s=round(self.output_tokens_per_s, 2),
+            mean_kv_usage=round(self.mean_kv_usage, 4),
+            rows_per_step=round(self.rows_per_step, 2),
+            startup_s=round(self.startup_s, 3),
             wall_s=round(self.wall_s, 3),
         )
-        out.update(self.extra)
         return out
 
+    @classmethod
+    def from_dict(cls, values: dict) -> "RunStats":
+        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
 
-def merge_stats(parts: list[dict]) -> RunStats:
-    """One RunStats from the ``to_dict()`` of runs that ran side by side (wall time: the longest)."""
+
+def merge_stats(parts: list[RunStats]) -> RunStats:
+    """One RunStats of runs that ran side by side: counts add up, times are the longest, the
+    per-step gauges are averaged over all their steps."""
     merged = RunStats()
-    counters = [f.name for f in fields(RunStats) if isinstance(getattr(merged, f.name), int)]
-    for name in counters:
-        setattr(merged, name, sum(int(p.get(name, 0)) for p in parts))
-    merged.wall_s = max((float(p.get("wall_s", 0.0)) for p in parts), default=0.0)
-    merged.extra["reused_rows"] = sum(int(p.get("reused_rows", 0)) for p in parts)
+    for f in fields(RunStats):
+        if f.type in ("int", int):
+            setattr(merged, f.name, sum(getattr(p, f.name) for p in parts))
+    merged.wall_s = max((p.wall_s for p in parts), default=0.0)
+    merged.startup_s = max((p.startup_s for p in parts), default=0.0)
+    if merged.engine_steps:
+        merged.mean_kv_usage = sum(p.mean_kv_usage * p.engine_steps for p in parts) / merged.engine_steps
+        merged.rows_per_step = sum(p.rows_per_step * p.engine_steps for p in parts) / merged.engine_steps
     return merged
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """The vLLM engine a run used, as it reported itself after start-up."""
+
+    vllm: str
+    kv_capacity_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int

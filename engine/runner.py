@@ -5,6 +5,11 @@
     for result in run: ...                               # RowResult, keyed by id, as rows finish
     run.stats                                            # RunStats
 
+A ``PreparedBatch`` is everything a run needs and nothing it must recompute: token ids, output
+budgets, errors, and the plan (run order, group and group prefix of each row). It is built once,
+by ``prepare_batch`` (tokenizer + planner), and can be stored and restored without either
+(``batchllm_dagster`` persists it as the ``prefix_groups`` plan and runs shards from it).
+
 Rows that cannot run (empty prompt, bad chat messages, too long for the model, bad max_tokens)
 come back as results with ``status="error"`` and a reason; the rest of the batch goes on.
 """
@@ -21,16 +26,16 @@ import numpy as np
 import pyarrow as pa
 
 from .dataset import Columns
-from .plan import PrefixPlan, build_plan, unique_tokens_per_row
-from .results import RowResult, RunStats
-from .scheduler import Progress, run_grouped, run_in_order
-from .settings import EngineSettings, SamplingSettings, SchedulerSettings
+from .drive import Rejected, StepTotals, drive
+from .plan import PrefixPlan, build_plan
+from .progress import Progress
+from .results import EngineInfo, RowResult, RunStats
+from .scheduler import GroupScheduler, InOrderScheduler, groups_in_run_order
+from .settings import EngineSettings, RunMode, SamplingSettings, SchedulerSettings
 from .tokenizing import TokenizedBatch, tokenize_rows
 from .vllm_engine import VLLMEngine
 
 log = logging.getLogger(__name__)
-
-MODES = ("batchllm", "in_order", "sorted")
 
 
 @dataclass
@@ -40,13 +45,23 @@ class PreparedBatch:
     batch: TokenizedBatch  # rows with an error have no tokens
     max_tokens: np.ndarray
     errors: dict[int, str]
-    plan: PrefixPlan
-    tokenize_s: float
-    plan_s: float
+    order: np.ndarray  # row indices in run order; each group's rows are contiguous
+    group_of_row: np.ndarray  # group id per row
+    prefix_len_of_row: np.ndarray  # tokens of the row's group prefix (whole blocks; 0 = none)
+    block_size: int
+    plan: PrefixPlan | None = None  # the whole plan, where this batch was planned (not restored)
+    tokenize_s: float = 0.0
+    plan_s: float = 0.0
 
     @property
     def num_rows(self) -> int:
         return len(self.ids)
+
+    @classmethod
+    def from_plan(cls, ids, id_type, batch, max_tokens, errors, plan: PrefixPlan, **kw) -> "PreparedBatch":
+        return cls(ids=ids, id_type=id_type, batch=batch, max_tokens=max_tokens, errors=errors, order=plan.order,
+                   group_of_row=plan.group_of_row, prefix_len_of_row=plan.group_prefix_tokens[plan.group_of_row],
+                   block_size=plan.block_size, plan=plan, **kw)
 
 
 def _column(table: pa.Table, name: str) -> list | None:
@@ -107,21 +122,29 @@ def prepare_batch(
         "planned %d rows: %d groups, %d prompt tokens, ideal saving %.1f%% (tokenize %.2fs, plan %.2fs)",
         n, plan.num_groups, plan.prompt_tokens, 100 * plan.ideal_saving, batch.seconds, plan_s,
     )
-    return PreparedBatch(
-        ids=ids,
-        id_type=table.schema.field(columns.id).type,
-        batch=batch,
-        max_tokens=max_tokens,
-        errors=errors,
-        plan=plan,
-        tokenize_s=batch.seconds,
-        plan_s=plan_s,
-    )
+    return PreparedBatch.from_plan(ids, table.schema.field(columns.id).type, batch, max_tokens, errors, plan,
+                                   tokenize_s=batch.seconds, plan_s=plan_s)
 
 
 def sorted_rows(prepared: PreparedBatch, rows: list[int]) -> list[int]:
     """The ``sorted()`` baseline: rows in lexicographic order of their token ids."""
     return sorted(rows, key=prepared.batch.row)
+
+
+def ideal_cached_tokens(batch: TokenizedBatch, rows_in_run_order: list[int], block_size: int) -> int:
+    """Prompt tokens these rows need not compute on one engine with a perfect cache, run in this
+    order: each row reuses the whole blocks it shares with the row before it. In plan order (a
+    depth-first order of the prefix tree) that is the unique tokens of the block-aligned tree."""
+    cached, previous = 0, None
+    for row in rows_in_run_order:
+        tokens = batch.tokens_of(row)
+        if previous is not None:
+            n = min(tokens.size, previous.size)
+            differ = np.flatnonzero(tokens[:n] != previous[:n])
+            common = int(differ[0]) if differ.size else n
+            cached += common // block_size * block_size
+        previous = tokens
+    return cached
 
 
 class BatchRun:
@@ -134,68 +157,82 @@ class BatchRun:
         sampling: SamplingSettings,
         scheduler: SchedulerSettings = SchedulerSettings(),
         rows: list[int] | None = None,
-        mode: str = "batchllm",
+        mode: RunMode | str = RunMode.BATCHLLM,
         progress_sink: Callable[[str], None] | None = None,
         row_fingerprints: list[str] | None = None,
+        started_at: float | None = None,
     ):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         self.prepared, self.engine, self.sampling, self.scheduler = prepared, engine, sampling, scheduler
-        self.rows = [int(r) for r in prepared.plan.order] if rows is None else list(rows)
-        self.mode = mode
+        self.rows = [int(r) for r in prepared.order] if rows is None else list(rows)
+        self.mode = RunMode.parse(mode)
         self.progress_sink = progress_sink
         self.fingerprints = row_fingerprints or [None] * prepared.num_rows
+        self.started_at = started_at
         self.stats = RunStats()
+
+    def _result(self, row: int, **fields) -> RowResult:
+        return RowResult(id=self.prepared.ids[row], group=int(self.prepared.group_of_row[row]),
+                         row_fingerprint=self.fingerprints[row], **fields)
+
+    def _error(self, row: int, reason: str) -> RowResult:
+        self.stats.rows += 1
+        self.stats.error_rows += 1
+        return self._result(row, status="error", error=reason)
+
+    def _scheduler(self, ok_rows: list[int]):
+        prepared = self.prepared
+        if self.mode is RunMode.BATCHLLM:
+            position = np.empty(prepared.num_rows, dtype=np.int64)
+            position[prepared.order] = np.arange(prepared.order.size)
+            in_plan_order = sorted(ok_rows, key=position.__getitem__)  # whatever order the caller gave
+            groups = groups_in_run_order(in_plan_order, prepared.group_of_row, prepared.prefix_len_of_row)
+            return in_plan_order, GroupScheduler(prepared.batch, prepared.max_tokens, groups, self.scheduler,
+                                                 self.engine.block_size, self.engine.kv_capacity_blocks)
+        order = ok_rows if self.mode is RunMode.IN_ORDER else sorted_rows(prepared, ok_rows)
+        return order, InOrderScheduler(prepared.batch, prepared.max_tokens, order)
 
     def __iter__(self) -> Iterator[RowResult]:
         prepared, stats = self.prepared, self.stats
-        ok_rows = [r for r in self.rows if r not in prepared.errors]
-        plan = prepared.plan
-        stats.ideal_cached_tokens = ideal_cached_tokens(plan, ok_rows)
         started = time.perf_counter()
         for row in self.rows:
             if row in prepared.errors:
-                stats.rows += 1
-                stats.error_rows += 1
-                yield RowResult(id=prepared.ids[row], status="error", error=prepared.errors[row],
-                                group=int(plan.group_of_row[row]), row_fingerprint=self.fingerprints[row])
+                yield self._error(row, prepared.errors[row])
+        ok_rows = [r for r in self.rows if r not in prepared.errors]
         if not ok_rows:
             return
-        progress = Progress(len(self.rows), stats, self.scheduler.log_every_s, self.progress_sink)
-        if self.mode == "batchllm":
-            position = np.empty(plan.num_rows, dtype=np.int64)
-            position[plan.order] = np.arange(plan.num_rows)
-            in_plan_order = sorted(ok_rows, key=position.__getitem__)  # whatever order the caller gave
-            stream = run_grouped(
-                self.engine, prepared.batch, plan, in_plan_order, prepared.max_tokens, self.sampling, self.scheduler,
-                stats, progress,
-            )
-        else:
-            order = ok_rows if self.mode == "in_order" else sorted_rows(prepared, ok_rows)
-            stream = run_in_order(self.engine, prepared.batch, order, prepared.max_tokens, self.sampling, stats, progress)
-        for row, finished in stream:
+        run_order, scheduler = self._scheduler(ok_rows)
+        stats.ideal_cached_tokens = ideal_cached_tokens(prepared.batch, run_order, prepared.block_size)
+        totals = StepTotals()
+        progress = Progress(len(self.rows), self.scheduler.log_every_s, self.progress_sink)
+
+        def on_step(report) -> None:
+            progress.maybe_log(stats.rows, stats.prompt_tokens + stats.output_tokens, stats.cached_tokens,
+                               report.running, report.kv_usage, totals.preemptions)
+
+        for item in drive(scheduler, self.engine, self.sampling, totals, on_step):
+            if isinstance(item, Rejected):
+                yield self._error(item.row, item.reason)
+                continue
+            stats.rows += 1
+            stats.ok_rows += 1
+            stats.prompt_tokens += item.prompt_tokens
+            stats.cached_tokens += item.cached_tokens
+            stats.output_tokens += len(item.token_ids)
             stats.wall_s = time.perf_counter() - started
-            yield RowResult(
-                id=prepared.ids[row],
-                status="ok",
-                text=finished.text,
-                prompt_tokens=finished.prompt_tokens,
-                cached_tokens=finished.cached_tokens,
-                output_tokens=len(finished.token_ids),
-                finish_reason=finished.finish_reason,
-                group=int(plan.group_of_row[row]),
-                row_fingerprint=self.fingerprints[row],
+            yield self._result(
+                item.submission.index, status="ok", text=item.text, prompt_tokens=item.prompt_tokens,
+                cached_tokens=item.cached_tokens, output_tokens=len(item.token_ids),
+                finish_reason=item.finish_reason,
             )
         stats.wall_s = time.perf_counter() - started
-        progress.maybe_log(force=True)
-
-
-def ideal_cached_tokens(plan: PrefixPlan, rows: list[int]) -> int:
-    """Prompt tokens these rows, run alone on one engine, need not compute with a perfect cache."""
-    part = np.ones(plan.num_rows, dtype=np.int64)
-    part[rows] = 0
-    unique = unique_tokens_per_row(plan, plan.order, part=part)
-    return int(plan.lengths[rows].sum() - unique[rows].sum()) if rows else 0
+        stats.startup_s = (totals.first_submit_at or started) - (self.started_at or started)
+        stats.preemptions, stats.engine_steps = totals.preemptions, totals.steps
+        stats.mean_kv_usage, stats.rows_per_step = totals.mean_kv_usage, totals.rows_per_step
+        scheduled = scheduler.stats
+        stats.prefix_requests = scheduled.prefix_requests
+        stats.prefix_prompt_tokens, stats.prefix_cached_tokens = scheduled.prefix_prompt_tokens, scheduled.prefix_cached_tokens
+        progress.maybe_log(stats.rows, stats.prompt_tokens + stats.output_tokens, stats.cached_tokens, 0,
+                           stats.mean_kv_usage, stats.preemptions, force=True)
 
 
 def open_engine(
@@ -206,12 +243,19 @@ def open_engine(
     if max_num_seqs is None and prepared is not None and engine_settings.kv_cache_blocks:
         ok = prepared.batch.lengths > 0
         if ok.any():
-            per_row = np.median(
-                np.ceil((prepared.batch.lengths[ok] + prepared.max_tokens[ok]) / engine_settings.block_size)
-                - prepared.plan.group_prefix_tokens[prepared.plan.group_of_row[ok]] // engine_settings.block_size
-            )
-            max_num_seqs = int(np.clip(engine_settings.kv_cache_blocks / max(per_row, 1), 16, 512))
+            own = (np.ceil((prepared.batch.lengths[ok] + prepared.max_tokens[ok]) / engine_settings.block_size)
+                   - prepared.prefix_len_of_row[ok] // engine_settings.block_size)
+            max_num_seqs = int(np.clip(engine_settings.kv_cache_blocks / max(float(np.median(own)), 1), 16, 512))
     return VLLMEngine(engine_settings, enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs)
+
+
+@dataclass
+class RunOutcome:
+    """What a resumable run returns: one result per row, the run's stats, the engine it used."""
+
+    results: list[RowResult]
+    stats: RunStats
+    engine: EngineInfo | None  # None when every row was reused or invalid: vLLM never started
 
 
 def run_resumable(
@@ -225,14 +269,16 @@ def run_resumable(
     progress_sink: Callable[[str], None] | None = None,
     checkpoint_every_rows: int = 256,
     start_engine: Callable[..., VLLMEngine] = None,
-) -> tuple[list[RowResult], RunStats]:
+    started_at: float | None = None,
+) -> RunOutcome:
     """Run the rows, writing results to a checkpoint as they finish; rows a previous (killed)
     run already wrote with the same fingerprint are reused, not recomputed. vLLM starts only
-    if some row still needs it. ``stats.extra['reused_rows']`` counts the reused rows."""
+    if some row still needs it."""
     from .checkpoint import Checkpoint, row_fingerprints, settings_fingerprint
 
+    started_at = time.perf_counter() if started_at is None else started_at
     start_engine = start_engine or open_engine
-    rows = [int(r) for r in prepared.plan.order] if rows is None else list(rows)
+    rows = [int(r) for r in prepared.order] if rows is None else list(rows)
     fingerprints = row_fingerprints(prepared, settings_fingerprint(engine_settings, sampling))
     checkpoint = Checkpoint(checkpoint_dir, prepared.id_type, every_rows=checkpoint_every_rows)
     reused = checkpoint.load({prepared.ids[r]: fingerprints[r] for r in rows}, also=list(reuse_from))
@@ -241,9 +287,10 @@ def run_resumable(
     results = list(reused.values())
     needs_engine = any(r not in prepared.errors for r in todo)
     engine = start_engine(engine_settings, prepared) if needs_engine else None
+    info = engine.info if engine is not None else None
     try:
         run = BatchRun(prepared, engine, sampling, scheduler, rows=todo, progress_sink=progress_sink,
-                       row_fingerprints=fingerprints)
+                       row_fingerprints=fingerprints, started_at=started_at)
         for result in run:
             checkpoint.add(result)
             results.append(result)
@@ -251,5 +298,5 @@ def run_resumable(
     finally:
         if engine is not None:
             engine.close()
-    run.stats.extra["reused_rows"] = len(reused)
-    return results, run.stats
+    run.stats.reused_rows = len(reused)
+    return RunOutcome(results, run.stats, info)

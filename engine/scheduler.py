@@ -1,210 +1,299 @@
-"""Feed a planned batch into vLLM: group-wise admission sized to the real KV capacity.
+"""Decide what enters the engine and when: BatchLLM's group-wise admission under a KV budget.
 
-BatchLLM's scheduling on top of an unmodified vLLM engine:
+A scheduler has four verbs, in the manner of vLLM V1's scheduler interface:
 
-* groups enter in plan order; a group's shared prefix is computed once, by a prefix request
-  (the prefix alone, one output token), before any of its rows enter, so no two rows of the group
+* it is built from the **planned groups** (rows in run order, each group's shared prefix);
+* ``schedule(generated)``: given how many tokens each unfinished request has generated so far
+  (what the engine reported after its last step), what to submit next, and which rows can never
+  run (a row that needs more KV than the whole cache is rejected, never a stall);
+* ``finish(finished)``: account a request the engine finished;
+* ``stats``: what it did (prefix requests, the budget, the most blocks it planned to use).
+
+``GroupScheduler`` is BatchLLM's policy on an unmodified vLLM:
+
+* groups enter in plan order; a group's shared prefix is computed once, by a prefix request (the
+  prefix alone, one output token), before any of its rows enter, so no two rows of the group
   prefill the same prefix in the same step;
-* rows are admitted while the KV working set of everything in flight (each group's prefix once,
-  each row's own blocks so far plus the output it is reserved: all of it with
-  ``reserve_output="full"``, the next ``lookahead_tokens`` otherwise) stays under a share of the
-  engine's KV capacity read after start-up, so a prefix stays cached until its last row and rows
-  are not preempted ("full"), or only rarely (the lookahead);
 * the next group's prefix request runs while the current group's rows decode (pipelining);
-* results stream out as rows finish.
+* rows are admitted while the KV blocks of everything in flight stay under a share of the
+  engine's capacity (read after start-up), counted **as vLLM holds them**: a prefix block is
+  identified by the chained hash of its tokens, as vLLM's prefix cache identifies it, so a block
+  that several groups share (a system prompt above every document) counts once, however many
+  groups are in flight. A group holds its prefix blocks from its prefix request until its last
+  row finishes (explicit retention: a prefix is not evicted while rows still need it). Each row
+  adds its own blocks beyond its group's prefix: what it holds now, plus what it is reserved for
+  its coming output (all of it with ``ReserveOutput.FULL``: no preemption ever; the next
+  ``lookahead_tokens`` with ``ReserveOutput.LOOKAHEAD``: vLLM allocates output blocks lazily, so
+  more rows fit, and a rare preemption is the price).
 
-``run_in_order`` is the plain baseline: every row submitted at once in the given order, which is
-what ``LLM.generate`` does.
+  Why the tree's identity and not vLLM's own KV gauge: the gauge lags a step, counts rows waiting
+  in vLLM's queue as holding nothing, and counts a finished group's cached prefix as free; the
+  block identity is exact for what is retained and known before a row is submitted. vLLM's gauge
+  is still read every step and reported (``mean_kv_usage``) to show how full the cache really ran.
+  Rows sharing blocks deeper than their group's prefix (two rows that happen to share more) are
+  counted as owning them: vLLM shares those only if one row's prefill ran a step earlier.
+
+``InOrderScheduler`` is the plain baseline: every row submitted at once in the given order, which
+is what ``LLM.generate`` does.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+import enum
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from .plan import PrefixPlan
-from .results import RunStats
-from .settings import SamplingSettings, SchedulerSettings
+from .requests import Finished, RequestKey, RequestKind, Submission
+from .settings import ReserveOutput, SchedulerSettings
 from .tokenizing import TokenizedBatch
-from .vllm_engine import Finished, VLLMEngine
-
-log = logging.getLogger(__name__)
-
-_PREFIX_ID = "prefix:"
-_ROW_ID = "row:"
 
 
 @dataclass
-class _Group:
-    prefix_tokens: int
+class PlannedGroup:
+    """A group of rows, in run order, that share their first ``prefix_len`` tokens (whole blocks)."""
+
+    prefix_len: int
     rows: list[int]
-    next_row: int = 0
-    outstanding: int = 0
-    prefix_state: str = "pending"  # pending -> running -> done
 
 
-class Progress:
-    """Logs a progress line at most every ``every_s`` seconds."""
-
-    def __init__(self, total_rows: int, stats: RunStats, every_s: float, sink: Callable[[str], None] | None = None):
-        self.total, self.stats, self.every_s = total_rows, stats, every_s
-        self.sink = sink or log.info
-        self.started = self.last = time.perf_counter()
-
-    def maybe_log(self, in_flight: int = 0, kv_blocks: int = 0, kv_usage: float = 0.0, force: bool = False) -> None:
-        now = time.perf_counter()
-        if not force and now - self.last < self.every_s:
-            return
-        self.last = now
-        done, elapsed = self.stats.rows, now - self.started
-        rate = done / elapsed if elapsed else 0.0
-        eta = (self.total - done) / rate if rate else float("nan")
-        self.sink(
-            f"{done}/{self.total} rows ({100 * done / max(self.total, 1):.0f}%), {rate:.1f} rows/s, "
-            f"{(self.stats.prompt_tokens + self.stats.output_tokens) / max(elapsed, 1e-9):.0f} tok/s, "
-            f"cached {self.stats.cached_tokens} tok, in flight {in_flight} rows / {kv_blocks} KV blocks "
-            f"(vLLM KV {100 * kv_usage:.0f}% used), "
-            f"preemptions {self.stats.preemptions}, eta {eta:.0f}s"
-        )
-
-
-def _count(stats: RunStats, finished: Finished, engine: VLLMEngine) -> None:
-    stats.rows += 1
-    stats.ok_rows += 1
-    stats.prompt_tokens += finished.prompt_tokens
-    stats.cached_tokens += finished.cached_tokens
-    stats.output_tokens += len(finished.token_ids)
-    stats.preemptions = engine.preemptions
-
-
-def run_in_order(
-    engine: VLLMEngine,
-    batch: TokenizedBatch,
-    rows: list[int],
-    max_tokens: np.ndarray,
-    sampling: SamplingSettings,
-    stats: RunStats,
-    progress: Progress | None = None,
-) -> Iterator[tuple[int, Finished]]:
-    """Baseline: submit every row at once, in the given order, and let vLLM schedule."""
-    for row in rows:
-        engine.submit(f"{_ROW_ID}{row}", batch.row(row), engine.sampling_params(sampling, int(max_tokens[row])))
-    while engine.has_unfinished():
-        for finished in engine.step():
-            _count(stats, finished, engine)
-            yield int(finished.request_id[len(_ROW_ID) :]), finished
-        if progress:
-            progress.maybe_log(in_flight=len(rows) - stats.rows, kv_usage=engine.counters.kv_usage)
-
-
-def _groups_in_order(plan: PrefixPlan, rows: list[int]) -> list[_Group]:
-    """Split rows (already in plan order) where the group changes."""
-    groups: list[_Group] = []
+def groups_in_run_order(rows: Iterable[int], group_of_row: np.ndarray, prefix_len_of_row: np.ndarray) -> list[PlannedGroup]:
+    """Split rows (already in run order) where the group changes."""
+    groups: list[PlannedGroup] = []
     last = None
     for row in rows:
-        group = int(plan.group_of_row[row])
+        group = int(group_of_row[row])
         if group != last:
-            groups.append(_Group(prefix_tokens=int(plan.group_prefix_tokens[group]), rows=[]))
+            groups.append(PlannedGroup(prefix_len=int(prefix_len_of_row[row]), rows=[]))
             last = group
-        groups[-1].rows.append(row)
+        groups[-1].rows.append(int(row))
     return groups
 
 
-def run_grouped(
-    engine: VLLMEngine,
-    batch: TokenizedBatch,
-    plan: PrefixPlan,
-    rows: list[int],
-    max_tokens: np.ndarray,
-    sampling: SamplingSettings,
-    settings: SchedulerSettings,
-    stats: RunStats,
-    progress: Progress | None = None,
-) -> Iterator[tuple[int, Finished]]:
-    """BatchLLM: groups in plan order, prefix first, rows admitted under a KV budget."""
-    block = engine.settings.block_size
-    budget = max(1, int(engine.kv_capacity_blocks * settings.kv_budget_fraction))
-    lookahead_blocks = None if settings.reserve_output == "full" else -(-settings.lookahead_tokens // block)
-    groups = _groups_in_order(plan, rows)
-    lengths = batch.lengths
-    running: dict[int, _Group] = {}  # admitted rows not yet finished
-    pinned = 0  # prefix blocks held for groups with rows still to run, plus running prefix requests
+@dataclass
+class Decision:
+    """What ``schedule`` decided: requests to submit, and rows rejected with the reason."""
 
-    def blocks_beyond_prefix(row: int, group: _Group, tokens: int) -> int:
-        return max(1, -(-tokens // block) - group.prefix_tokens // block)
+    submit: list[Submission] = field(default_factory=list)
+    reject: list[tuple[int, str]] = field(default_factory=list)
 
-    def demand(row: int, group: _Group) -> int:
-        """KV blocks the row holds now plus what is reserved for its coming output."""
-        generated = engine.generated.get(f"{_ROW_ID}{row}", 0)
-        held = blocks_beyond_prefix(row, group, int(lengths[row]) + generated)
-        final = blocks_beyond_prefix(row, group, int(lengths[row]) + int(max_tokens[row]))
+
+@dataclass
+class SchedulerStats:
+    prefix_requests: int = 0
+    prefix_prompt_tokens: int = 0
+    prefix_cached_tokens: int = 0
+    budget_blocks: int = 0
+    max_planned_blocks: int = 0  # the most blocks the scheduler counted in flight at once
+
+
+def prefix_block_keys(token_ids: np.ndarray, prefix_len: int, block_size: int) -> list[int]:
+    """One key per whole block of the prefix, chained like vLLM's block hashes: equal keys mean
+    equal tokens from the start of the prompt up to the end of that block."""
+    keys, previous = [], 0
+    for start in range(0, prefix_len - prefix_len % block_size, block_size):
+        previous = hash((previous, token_ids[start : start + block_size].tobytes()))
+        keys.append(previous)
+    return keys
+
+
+class _PrefixState(enum.Enum):
+    PENDING = "pending"  # not admitted yet
+    RUNNING = "running"  # its prefix request (or first row) is in the engine, not yet prefilled
+    READY = "ready"  # cached (or needs no prefix request): its rows may enter
+
+
+@dataclass
+class _GroupState:
+    position: int
+    planned: PlannedGroup
+    block_keys: list[int]
+    state: _PrefixState = _PrefixState.PENDING
+    next_row: int = 0
+    outstanding: int = 0
+    needs_pioneer: bool = False  # no prefix request: its first row to enter computes the prefix
+    pioneer: int | None = None  # that row, until it is past prefill
+    holding: bool = False  # counted in the scheduler's prefix blocks
+
+    @property
+    def all_admitted(self) -> bool:
+        return self.next_row == len(self.planned.rows)
+
+
+class GroupScheduler:
+    """BatchLLM admission: groups in plan order, prefix first, rows under a KV budget (see module doc)."""
+
+    def __init__(
+        self,
+        batch: TokenizedBatch,
+        max_tokens: np.ndarray,
+        groups: list[PlannedGroup],
+        settings: SchedulerSettings,
+        block_size: int,
+        capacity_blocks: int,
+    ):
+        self._batch, self._max_tokens, self._settings, self._block = batch, max_tokens, settings, block_size
+        self._lengths = batch.lengths
+        self._capacity = max(1, capacity_blocks - 1)  # vLLM keeps one block as its null block
+        self._budget = max(1, int(self._capacity * settings.kv_budget_fraction))
+        self._lookahead = None
+        if settings.reserve_output is ReserveOutput.LOOKAHEAD:
+            self._lookahead = -(-settings.lookahead_tokens // block_size)
+        self._queue = deque(
+            _GroupState(position, g, prefix_block_keys(batch.tokens_of(g.rows[0]), g.prefix_len, block_size))
+            for position, g in enumerate(groups)
+            if g.rows
+        )
+        self._holders: Counter[int] = Counter()  # prefix block key -> groups holding it
+        self._rows: dict[int, _GroupState] = {}  # rows in the engine
+        self._prefixes: dict[int, _GroupState] = {}  # prefix requests in the engine, by group position
+        self.stats = SchedulerStats(budget_blocks=self._budget)
+
+    @property
+    def done(self) -> bool:
+        """Every row submitted (or rejected) and finished."""
+        return not self._queue and not self._rows and not self._prefixes
+
+    # -- block accounting -------------------------------------------------------------------
+    def _own_blocks(self, row: int, group: _GroupState, tokens: int) -> int:
+        return max(1, -(-tokens // self._block) - group.planned.prefix_len // self._block)
+
+    def _row_demand(self, row: int, group: _GroupState, generated: int) -> int:
+        """Blocks the row holds beyond its group's prefix, plus what is reserved for its output."""
+        length = int(self._lengths[row])
+        held = self._own_blocks(row, group, length + generated)
+        final = self._own_blocks(row, group, length + int(self._max_tokens[row]))
         growth = final - held
-        return held + (growth if lookahead_blocks is None else min(growth, lookahead_blocks))
+        return held + (growth if self._lookahead is None else min(growth, self._lookahead))
 
-    def uses_prefix_request(group: _Group) -> bool:
-        return settings.prefix_requests and group.prefix_tokens >= block and len(group.rows) >= settings.min_group_rows
+    def planned_blocks(self, generated: Mapping[RequestKey, int]) -> int:
+        """Blocks of everything in flight, shared prefix blocks once."""
+        rows = sum(
+            self._row_demand(row, group, generated.get((RequestKind.ROW, row), 0)) for row, group in self._rows.items()
+        )
+        return len(self._holders) + len(self._prefixes) + rows
 
-    head = 0  # first group with rows still to admit
+    def _hold(self, group: _GroupState) -> int:
+        """The group now holds its prefix blocks; returns how many were not held before."""
+        new = sum(1 for key in group.block_keys if key not in self._holders)
+        self._holders.update(group.block_keys)
+        group.holding = True
+        return new
 
-    def admit() -> int:
-        nonlocal pinned, head
-        in_use = pinned + sum(demand(row, group) for row, group in running.items())
-        while head < len(groups):
-            group = groups[head]
-            if group.prefix_state == "pending":
-                need = group.prefix_tokens // block + 1 + demand(group.rows[0], group)
-                if in_use + need > budget and in_use > 0:
+    def _release(self, group: _GroupState) -> None:
+        if not group.holding:
+            return
+        group.holding = False
+        self._holders.subtract(group.block_keys)
+        for key in group.block_keys:
+            if self._holders[key] <= 0:
+                del self._holders[key]
+
+    # -- the verbs --------------------------------------------------------------------------
+    def schedule(self, generated: Mapping[RequestKey, int]) -> Decision:
+        decision = Decision()
+        in_use = self.planned_blocks(generated)
+
+        def busy() -> bool:  # into an idle engine something is always admitted: no stall
+            return bool(self._rows or self._prefixes)
+
+        while self._queue:
+            group = self._queue[0]
+            planned = group.planned
+            if group.state is _PrefixState.RUNNING and generated.get((RequestKind.ROW, group.pioneer), 0) >= 1:
+                group.state = _PrefixState.READY  # its first row is past prefill: the prefix is cached
+            if group.state is _PrefixState.PENDING:
+                new_blocks = sum(1 for key in group.block_keys if key not in self._holders)
+                need = new_blocks + 1 + self._row_demand(planned.rows[0], group, 0)
+                if busy() and in_use + need > self._budget:
                     break
-                pinned += group.prefix_tokens // block
-                in_use += group.prefix_tokens // block
-                if uses_prefix_request(group):
-                    prefix = batch.row(group.rows[0])[: group.prefix_tokens]
-                    engine.submit(f"{_PREFIX_ID}{head}", prefix, engine.sampling_params(sampling, 1))
-                    pinned += 1  # the prefix request's own output block
-                    in_use += 1
-                    group.prefix_state = "running"
-                    stats.prefix_requests += 1
+                in_use += self._hold(group)
+                if self._uses_prefix_request(group):
+                    prefix = self._batch.tokens_of(planned.rows[0])[: planned.prefix_len]
+                    decision.submit.append(Submission(RequestKind.PREFIX, group.position, prefix, 1))
+                    self._prefixes[group.position] = group
+                    self.stats.prefix_requests += 1
+                    in_use += 1  # the prefix request's own output block
+                    group.state = _PrefixState.RUNNING
                 else:
-                    group.prefix_state = "done"
-            if group.prefix_state == "running":
-                break  # rows wait for their prefix; later groups wait for their turn
-            while group.next_row < len(group.rows):
-                row = group.rows[group.next_row]
-                cost = demand(row, group)
-                if in_use + cost > budget and running:
-                    return in_use
-                engine.submit(f"{_ROW_ID}{row}", batch.row(row), engine.sampling_params(sampling, int(max_tokens[row])))
-                running[row] = group
-                in_use += cost
+                    # Without a prefix request the first row to enter computes the prefix (the pioneer);
+                    # the others wait for it to be cached, or each would compute (and hold) it again.
+                    group.needs_pioneer = self._shares_prefix(group)
+                    group.state = _PrefixState.READY
+            if group.state is _PrefixState.RUNNING:
+                break  # its rows wait for the prefix; later groups wait for their turn
+            while not group.all_admitted:
+                row = planned.rows[group.next_row]
+                alone = planned.prefix_len // self._block + self._own_blocks(
+                    row, group, int(self._lengths[row]) + int(self._max_tokens[row]))
+                if alone > self._capacity:
+                    decision.reject.append((row, f"needs {alone} KV blocks with its output; the KV cache has "
+                                                 f"{self._capacity} (block size {self._block})"))
+                    group.next_row += 1
+                    continue
+                cost = self._row_demand(row, group, 0)
+                if busy() and in_use + cost > self._budget:
+                    self.stats.max_planned_blocks = max(self.stats.max_planned_blocks, in_use)
+                    return decision
+                decision.submit.append(Submission(RequestKind.ROW, row, self._batch.tokens_of(row), int(self._max_tokens[row])))
+                self._rows[row] = group
                 group.outstanding += 1
                 group.next_row += 1
-            head += 1
-        return in_use
+                in_use += cost
+                if group.needs_pioneer:
+                    group.needs_pioneer, group.pioneer, group.state = False, row, _PrefixState.RUNNING
+                    break  # only the pioneer until the prefix is cached
+            if not group.all_admitted or group.state is _PrefixState.RUNNING:
+                break  # later groups wait until this group's prefix is cached
+            self._queue.popleft()
+            if group.outstanding == 0:  # every row was rejected
+                self._release(group)
+        self.stats.max_planned_blocks = max(self.stats.max_planned_blocks, in_use)
+        return decision
 
-    while True:
-        in_use = admit()
-        if not engine.has_unfinished():
-            if head < len(groups):  # admit() always admits into an idle engine
-                raise RuntimeError(f"scheduler stalled at group {head} of {len(groups)}")
-            break
-        for finished in engine.step():
-            if finished.request_id.startswith(_PREFIX_ID):
-                group = groups[int(finished.request_id[len(_PREFIX_ID) :])]
-                group.prefix_state = "done"
-                pinned -= 1
-                stats.prefix_prompt_tokens += finished.prompt_tokens
-                stats.prefix_cached_tokens += finished.cached_tokens
-                continue
-            row = int(finished.request_id[len(_ROW_ID) :])
-            group = running.pop(row)
-            group.outstanding -= 1
-            if group.outstanding == 0 and group.next_row == len(group.rows):
-                pinned -= group.prefix_tokens // block  # the prefix may now be evicted
-            _count(stats, finished, engine)
-            yield row, finished
-        if progress:
-            progress.maybe_log(in_flight=len(running), kv_blocks=in_use, kv_usage=engine.counters.kv_usage)
+    def finish(self, finished: Finished) -> None:
+        submission = finished.submission
+        if submission.kind is RequestKind.PREFIX:
+            group = self._prefixes.pop(submission.index)
+            group.state = _PrefixState.READY
+            self.stats.prefix_prompt_tokens += finished.prompt_tokens
+            self.stats.prefix_cached_tokens += finished.cached_tokens
+            return
+        group = self._rows.pop(submission.index)
+        if group.pioneer == submission.index and group.state is _PrefixState.RUNNING:
+            group.state = _PrefixState.READY
+        group.outstanding -= 1
+        if group.outstanding == 0 and group.all_admitted:
+            self._release(group)  # the prefix may now be evicted
+
+    def _shares_prefix(self, group: _GroupState) -> bool:
+        """A group with prefix blocks shares them with its rows, or with the groups around it (a
+        nested prefix): the first request to compute them must be past prefill before another enters."""
+        return group.planned.prefix_len >= self._block
+
+    def _uses_prefix_request(self, group: _GroupState) -> bool:
+        fits = group.planned.prefix_len // self._block + 1 <= self._capacity
+        many = len(group.planned.rows) >= self._settings.min_group_rows
+        return self._settings.prefix_requests and self._shares_prefix(group) and many and fits
+
+
+class InOrderScheduler:
+    """The plain baseline: every row at once, in the given order; vLLM schedules the rest."""
+
+    def __init__(self, batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[int]):
+        self._pending = [Submission(RequestKind.ROW, r, batch.tokens_of(r), int(max_tokens[r])) for r in rows]
+        self._unfinished = len(self._pending)
+        self.stats = SchedulerStats()
+
+    @property
+    def done(self) -> bool:
+        return self._unfinished == 0
+
+    def schedule(self, generated: Mapping[RequestKey, int]) -> Decision:
+        decision, self._pending = Decision(submit=self._pending), []
+        return decision
+
+    def finish(self, finished: Finished) -> None:
+        self._unfinished -= 1

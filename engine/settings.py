@@ -2,9 +2,45 @@
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
+
+
+class Policy(str, enum.Enum):
+    """A named choice. ``parse`` is the one place a text becomes a policy; a typo lists the choices."""
+
+    @classmethod
+    def parse(cls, value: "str | Policy") -> "Policy":
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"{cls.__name__} must be one of {choices}, not {value!r}") from None
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ReserveOutput(Policy):
+    """How much of a row's future output KV is reserved when it is admitted."""
+
+    FULL = "full"  # all of max_tokens: no preemption ever, fewer rows in flight
+    LOOKAHEAD = "lookahead"  # the next lookahead_tokens (vLLM allocates output blocks lazily)
+
+
+class RunMode(Policy):
+    """How the rows of a run enter the engine."""
+
+    BATCHLLM = "batchllm"  # plan order, group-wise admission under a KV budget
+    IN_ORDER = "in_order"  # every row at once, in the given order (plain vLLM)
+    SORTED = "sorted"  # every row at once, sorted by token ids (plain vLLM on sorted() rows)
+
+# Default KV block size (tokens) everywhere a block size is not given.
+DEFAULT_BLOCK_SIZE = 32
 
 
 @dataclass(frozen=True)
@@ -13,7 +49,7 @@ class EngineSettings:
 
     model_path: str
     dtype: str = "float32"
-    block_size: int = 32
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_blocks: int | None = None
     kv_cache_gib: int = 2
     max_model_len: int = 2048
@@ -48,15 +84,18 @@ class SchedulerSettings:
     """BatchLLM scheduling knobs (see engine/scheduler.py)."""
 
     kv_budget_fraction: float = 0.97  # share of the real KV capacity the in-flight working set may use
-    # How much of a row's future output KV is reserved when it is admitted: "full" reserves all of
-    # max_tokens (no preemption ever, fewer rows in flight); "lookahead" reserves only the next
-    # ``lookahead_tokens`` of every running row and counts what rows really hold (vLLM allocates
-    # output blocks lazily, so this keeps more rows in flight; a rare preemption is the price).
-    reserve_output: str = "lookahead"
+    reserve_output: ReserveOutput = ReserveOutput.LOOKAHEAD
     lookahead_tokens: int = 32
     prefix_requests: bool = True  # compute each group's prefix once before its rows enter
     min_group_rows: int = 2
     log_every_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reserve_output", ReserveOutput.parse(self.reserve_output))
+        if not 0 < self.kv_budget_fraction <= 1:
+            raise ValueError(f"kv_budget_fraction must be in (0, 1], not {self.kv_budget_fraction}")
+        if self.lookahead_tokens < 0 or self.min_group_rows < 2:
+            raise ValueError("lookahead_tokens must be >= 0 and min_group_rows >= 2")
 
 
 def fingerprint(*parts: object) -> str:

@@ -25,6 +25,9 @@ class TokenizedBatch:
     def row(self, i: int) -> list[int]:
         return self.tokens[self.offsets[i] : self.offsets[i + 1]].tolist()
 
+    def tokens_of(self, i: int) -> np.ndarray:
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+
     @property
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)

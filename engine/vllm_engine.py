@@ -10,6 +10,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from .requests import Finished, RequestKey, StepReport, Submission
+from .results import EngineInfo
+
 from .settings import EngineSettings, SamplingSettings
 from .vllm_env import configure
 
@@ -21,56 +24,36 @@ class EngineStartError(RuntimeError):
 
 
 @dataclass
-class Finished:
-    request_id: str
-    text: str
-    token_ids: list[int]
-    prompt_tokens: int
-    cached_tokens: int
-    finish_reason: str | None
+class _Gauges:
+    """What vLLM's scheduler reported for the last step."""
 
-
-@dataclass
-class EngineCounters:
-    """What vLLM's scheduler reports each step: preemptions, batch sizes, KV usage."""
-
-    preemptions: int = 0
-    steps: int = 0
-    running_sum: int = 0
     kv_usage: float = 0.0
     running: int = 0
-    waiting: int = 0
-
-    @property
-    def mean_running(self) -> float:
-        return self.running_sum / self.steps if self.steps else 0.0
+    preempted: int = 0
 
 
-def _stat_logger_factory(counters: EngineCounters):
+def _stat_logger_factory(gauges: _Gauges):
     from vllm.v1.metrics.loggers import StatLoggerBase
 
-    class CountingStatLogger(StatLoggerBase):
+    class GaugeStatLogger(StatLoggerBase):
         def __init__(self, vllm_config, engine_index: int = 0):
             pass
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
             if iteration_stats is not None:
-                counters.preemptions += iteration_stats.num_preempted_reqs
+                gauges.preempted += iteration_stats.num_preempted_reqs
             if scheduler_stats is not None:
-                counters.steps += 1
-                counters.running = scheduler_stats.num_running_reqs
-                counters.waiting = scheduler_stats.num_waiting_reqs
-                counters.running_sum += scheduler_stats.num_running_reqs
-                counters.kv_usage = scheduler_stats.kv_cache_usage
+                gauges.running = scheduler_stats.num_running_reqs
+                gauges.kv_usage = scheduler_stats.kv_cache_usage
 
         def log_engine_initialized(self):
             pass
 
-    return lambda vllm_config, engine_index=0: CountingStatLogger(vllm_config, engine_index)
+    return lambda vllm_config, engine_index=0: GaugeStatLogger(vllm_config, engine_index)
 
 
 class VLLMEngine:
-    """One vLLM ``LLMEngine`` driven step by step by the caller."""
+    """One vLLM ``LLMEngine`` driven step by step by the caller (implements ``requests.Engine``)."""
 
     def __init__(
         self,
@@ -87,8 +70,10 @@ class VLLMEngine:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         self.settings = settings
-        self.counters = EngineCounters()
-        self.generated: dict[str, int] = {}  # output tokens so far of each unfinished request
+        self.block_size = settings.block_size
+        self._gauges = _Gauges()
+        self._submitted: dict[str, Submission] = {}  # unfinished requests by vLLM request id
+        self._generated: dict[RequestKey, int] = {}  # output tokens so far of each unfinished request
         args = EngineArgs(
             model=settings.model_path,
             dtype=settings.dtype,
@@ -103,7 +88,7 @@ class VLLMEngine:
             disable_log_stats=False,
         )
         try:
-            self._engine = LLMEngine.from_engine_args(args, stat_loggers=[_stat_logger_factory(self.counters)])
+            self._engine = LLMEngine.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._gauges)])
         except Exception as exc:
             raise EngineStartError(f"vLLM failed to start for {settings.model_path!r}: {exc}") from exc
         config = self._engine.vllm_config
@@ -111,20 +96,17 @@ class VLLMEngine:
         self.max_num_seqs: int = int(config.scheduler_config.max_num_seqs)
         self.max_num_batched_tokens: int = int(config.scheduler_config.max_num_batched_tokens)
         self.version = _vllm_version()
+        self.info = EngineInfo(self.version, self.kv_capacity_blocks, self.max_num_seqs, self.max_num_batched_tokens)
         log.info(
             "vLLM %s started: KV capacity %d blocks x %d tokens, max_num_seqs=%d, max_num_batched_tokens=%d",
             self.version, self.kv_capacity_blocks, settings.block_size, self.max_num_seqs, self.max_num_batched_tokens,
         )
 
-    @property
-    def preemptions(self) -> int:
-        return self.counters.preemptions
-
-    def sampling_params(self, sampling: SamplingSettings, max_tokens: int | None = None):
+    def sampling_params(self, sampling: SamplingSettings, max_tokens: int):
         from vllm import SamplingParams
 
         return SamplingParams(
-            max_tokens=max_tokens or sampling.max_tokens,
+            max_tokens=max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             ignore_eos=sampling.ignore_eos,
@@ -132,25 +114,30 @@ class VLLMEngine:
             stop=list(sampling.stop) or None,
         )
 
-    def submit(self, request_id: str, token_ids: list[int], params) -> None:
-        engine_input = self._engine.renderer.render_cmpl([{"prompt_token_ids": token_ids}])[0]
-        self._engine.add_request(request_id, engine_input, params)
+    def submit(self, submission: Submission, sampling: SamplingSettings) -> None:
+        request_id = submission.request_id
+        engine_input = self._engine.renderer.render_cmpl([{"prompt_token_ids": submission.token_ids.tolist()}])[0]
+        self._engine.add_request(request_id, engine_input, self.sampling_params(sampling, submission.max_tokens))
+        self._submitted[request_id] = submission
 
     def has_unfinished(self) -> bool:
         return self._engine.has_unfinished_requests()
 
-    def step(self) -> list[Finished]:
-        """One engine step; returns the requests that finished. ``generated`` tracks the rest."""
-        done = []
+    def step(self) -> StepReport:
+        """One engine step: what finished, how far the others got, and vLLM's own gauges."""
+        self._gauges.preempted = 0
+        report = StepReport()
         for out in self._engine.step():
+            submission = self._submitted[out.request_id]
             if not out.finished:
-                self.generated[out.request_id] = len(out.outputs[0].token_ids)
+                self._generated[submission.key] = len(out.outputs[0].token_ids)
                 continue
-            self.generated.pop(out.request_id, None)
+            del self._submitted[out.request_id]
+            self._generated.pop(submission.key, None)
             completion = out.outputs[0]
-            done.append(
+            report.finished.append(
                 Finished(
-                    request_id=out.request_id,
+                    submission=submission,
                     text=completion.text,
                     token_ids=list(completion.token_ids),
                     prompt_tokens=len(out.prompt_token_ids or []),
@@ -158,7 +145,10 @@ class VLLMEngine:
                     finish_reason=completion.finish_reason,
                 )
             )
-        return done
+        report.generated = self._generated
+        report.kv_usage, report.running, report.preempted = (
+            self._gauges.kv_usage, self._gauges.running, self._gauges.preempted)
+        return report
 
     def close(self) -> None:
         engine, self._engine = getattr(self, "_engine", None), None

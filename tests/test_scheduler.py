@@ -1,0 +1,190 @@
+"""The scheduler without vLLM: admission, budgets, retention and pipelining on a block-accounting fake."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from engine.drive import Rejected, StepTotals, drive
+from engine.requests import RequestKind
+from engine.scheduler import GroupScheduler, InOrderScheduler, PlannedGroup, groups_in_run_order
+from engine.settings import ReserveOutput, SamplingSettings, SchedulerSettings
+from engine.tokenizing import TokenizedBatch
+
+from .fake_engine import FakeEngine
+
+BLOCK = 4
+SAMPLING = SamplingSettings()
+
+
+def make_batch(rows: list[np.ndarray]) -> TokenizedBatch:
+    lengths = [r.size for r in rows]
+    return TokenizedBatch(tokens=np.concatenate(rows).astype(np.int32), offsets=np.concatenate([[0], np.cumsum(lengths)]))
+
+
+def nested_batch(documents=6, rows_per_document=4, system_blocks=6, document_blocks=2, own_tokens=3, seed=0):
+    """A system prompt above every document, a document above each of its rows."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(100, 1000, system_blocks * BLOCK)
+    rows, groups = [], []
+    for d in range(documents):
+        document = rng.integers(1000, 2000, document_blocks * BLOCK)
+        members = []
+        for _ in range(rows_per_document):
+            members.append(len(rows))
+            rows.append(np.concatenate([system, document, rng.integers(2000, 3000, own_tokens)]))
+        groups.append(PlannedGroup(prefix_len=(system_blocks + document_blocks) * BLOCK, rows=members))
+    return make_batch(rows), groups
+
+
+class Watched:
+    """Checks, after every step, that the scheduler never counts fewer blocks than the engine holds."""
+
+    def __init__(self, engine: FakeEngine, scheduler: GroupScheduler):
+        self.engine, self.scheduler, self.undercounts = engine, scheduler, []
+
+    def __call__(self, report):
+        planned = self.scheduler.planned_blocks(report.generated)
+        if self.engine.referenced_blocks > planned:
+            self.undercounts.append((self.engine.step_count, self.engine.referenced_blocks, planned))
+
+
+def run(batch, groups, max_tokens, num_blocks, **scheduler_kw):
+    engine = FakeEngine(num_blocks, BLOCK)
+    scheduler = GroupScheduler(batch, np.asarray(max_tokens), groups, SchedulerSettings(**scheduler_kw), BLOCK, num_blocks)
+    watch = Watched(engine, scheduler)
+    totals = StepTotals()
+    out = list(drive(scheduler, engine, SAMPLING, totals, on_step=watch))
+    return engine, scheduler, out, watch, totals
+
+
+def test_the_budget_is_never_exceeded_and_never_undercounts_what_the_engine_holds():
+    batch, groups = nested_batch()
+    max_tokens = np.full(len(batch.lengths), 9)
+    engine, scheduler, out, watch, _ = run(batch, groups, max_tokens, num_blocks=40,
+                                           reserve_output=ReserveOutput.FULL)
+    assert scheduler.stats.max_planned_blocks <= scheduler.stats.budget_blocks
+    assert engine.peak_referenced <= scheduler.stats.budget_blocks
+    assert watch.undercounts == []
+    assert engine.preemptions == 0
+    assert sorted(f.submission.index for f in out) == list(range(len(batch.lengths)))
+
+
+def test_a_group_prefix_stays_cached_until_its_last_row():
+    batch, groups = nested_batch(documents=8, rows_per_document=5)
+    engine, _, out, _, _ = run(batch, groups, np.full(len(batch.lengths), 6), num_blocks=48)
+    prefix_len = groups[0].prefix_len
+    # Every row found its whole group prefix in the cache: computed once, by the prefix request.
+    assert all(f.cached_tokens >= prefix_len for f in out)
+    assert engine.prefill_tokens == sum(int(batch.lengths[r]) - prefix_len for g in groups for r in g.rows) + \
+        (6 * BLOCK) + len(groups) * 2 * BLOCK  # rows' own tokens + system prompt once + each document once
+
+
+def test_nested_prefix_blocks_shared_by_groups_count_once():
+    # 10 system blocks under every document; a group's 2 rows hold 2 blocks each beyond its prefix.
+    # Counting the system prompt once per group, a group in flight would cost 10 + 1 + 4 blocks and
+    # no more than 57 // 15 = 3 groups would fit the budget; counted once, more do.
+    batch, groups = nested_batch(documents=12, rows_per_document=2, system_blocks=10, document_blocks=1, own_tokens=2)
+    engine, scheduler, out, watch, totals = run(batch, groups, np.full(len(batch.lengths), 4), num_blocks=60,
+                                                reserve_output="full")
+    group_of = {r: g for g, group in enumerate(groups) for r in group.rows}
+    most_groups_in_flight = max(
+        len({group_of[sub.index] for s, sub in engine.submitted if s <= step and sub.kind is RequestKind.ROW
+             and engine.finished_at[sub.key] > step})
+        for step in range(engine.step_count + 1)
+    )
+    assert scheduler.stats.budget_blocks // (10 + 1 + 2 * 2) == 3
+    assert most_groups_in_flight > 3, most_groups_in_flight
+    assert watch.undercounts == []
+    assert engine.preemptions == 0
+
+
+def test_mixed_output_lengths_full_reservation_never_preempts():
+    batch, groups = nested_batch(documents=8, rows_per_document=4, system_blocks=2, document_blocks=2)
+    rng = np.random.default_rng(3)
+    max_tokens = rng.integers(1, 30, len(batch.lengths))
+    engine, scheduler, out, watch, _ = run(batch, groups, max_tokens, num_blocks=30, reserve_output="full")
+    assert engine.preemptions == 0
+    assert watch.undercounts == []
+    assert len(out) == len(batch.lengths)
+
+
+def test_lookahead_keeps_more_rows_in_flight_than_full_reservation():
+    batch, groups = nested_batch(documents=8, rows_per_document=6, system_blocks=2, document_blocks=2)
+    max_tokens = np.full(len(batch.lengths), 24)
+    _, _, _, _, full = run(batch, groups, max_tokens, num_blocks=40, reserve_output="full")
+    _, _, _, _, lookahead = run(batch, groups, max_tokens, num_blocks=40, reserve_output="lookahead", lookahead_tokens=4)
+    assert lookahead.rows_per_step > full.rows_per_step
+
+
+def test_the_next_prefix_is_computed_while_the_previous_group_decodes():
+    batch, groups = nested_batch(documents=4, rows_per_document=3)
+    engine, _, _, _, _ = run(batch, groups, np.full(len(batch.lengths), 12), num_blocks=200)
+    submitted_at = {sub.key: step for step, sub in engine.submitted}
+    for position in range(1, len(groups)):
+        last_row_before = max(engine.finished_at[(RequestKind.ROW, r)] for r in groups[position - 1].rows)
+        assert submitted_at[(RequestKind.PREFIX, position)] < last_row_before
+
+
+def test_a_row_larger_than_the_whole_cache_is_rejected_not_a_stall():
+    batch, groups = nested_batch(documents=2, rows_per_document=3)
+    max_tokens = np.full(len(batch.lengths), 4)
+    max_tokens[groups[1].rows[1]] = 500  # alone it needs more than 30 blocks
+    engine, scheduler, out, _, _ = run(batch, groups, max_tokens, num_blocks=30)
+    rejected = [o for o in out if isinstance(o, Rejected)]
+    assert [r.row for r in rejected] == [groups[1].rows[1]]
+    assert "KV blocks" in rejected[0].reason
+    assert len(out) == len(batch.lengths) and scheduler.done
+
+
+def test_in_order_scheduler_submits_everything_at_once():
+    batch, _ = nested_batch(documents=2, rows_per_document=2)
+    engine = FakeEngine(200, BLOCK)
+    scheduler = InOrderScheduler(batch, np.full(4, 3), [3, 1, 0, 2])
+    out = list(drive(scheduler, engine, SAMPLING, StepTotals()))
+    assert [sub.index for step, sub in engine.submitted] == [3, 1, 0, 2]
+    assert all(step == 0 for step, _ in engine.submitted)
+    assert sorted(f.submission.index for f in out) == [0, 1, 2, 3]
+
+
+def test_groups_in_run_order_splits_where_the_group_changes():
+    groups = groups_in_run_order([4, 2, 0, 1, 3], np.array([1, 2, 0, 2, 0]), np.array([8, 0, 4, 0, 8]))
+    assert [(g.prefix_len, g.rows) for g in groups] == [(8, [4, 2]), (8, [0]), (0, [1, 3])]
+
+
+def test_policies_are_enums_and_a_typo_lists_the_choices():
+    assert SchedulerSettings(reserve_output="full").reserve_output is ReserveOutput.FULL
+    with pytest.raises(ValueError, match="'full', 'lookahead'"):
+        SchedulerSettings(reserve_output="ful")
+
+
+@st.composite
+def random_plans(draw):
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    system = rng.integers(1, 50, draw(st.integers(0, 3)) * BLOCK)
+    rows, groups, max_tokens = [], [], []
+    for _ in range(draw(st.integers(1, 8))):
+        prefix = np.concatenate([system, rng.integers(50, 99, draw(st.integers(0, 4)) * BLOCK)])
+        members = []
+        for _ in range(draw(st.integers(1, 6))):
+            members.append(len(rows))
+            rows.append(np.concatenate([prefix, rng.integers(100, 200, draw(st.integers(1, 9)))]))
+            max_tokens.append(draw(st.integers(1, 40)))
+        groups.append(PlannedGroup(prefix_len=prefix.size, rows=members))
+    return make_batch(rows), groups, np.array(max_tokens)
+
+
+@settings(max_examples=150, deadline=None)
+@given(plan=random_plans(), num_blocks=st.integers(4, 80), reserve=st.sampled_from(["full", "lookahead"]),
+       prefix_requests=st.booleans())
+def test_every_row_is_submitted_exactly_once_or_rejected(plan, num_blocks, reserve, prefix_requests):
+    batch, groups, max_tokens = plan
+    engine, scheduler, out, watch, _ = run(batch, groups, max_tokens, num_blocks, reserve_output=reserve,
+                                           prefix_requests=prefix_requests)
+    submitted_rows = [sub.index for _, sub in engine.submitted if sub.kind is RequestKind.ROW]
+    rejected = [o.row for o in out if isinstance(o, Rejected)]
+    assert len(submitted_rows) == len(set(submitted_rows))
+    assert sorted(submitted_rows + rejected) == list(range(len(batch.lengths)))
+    assert scheduler.done
+    assert watch.undercounts == []
+    if reserve == "full":
+        assert engine.preemptions == 0
