@@ -1,64 +1,71 @@
-"""``completions``: one partition per shard; runs the engine on the shard's rows on real vLLM."""
+"""``completions``: one partition per shard; runs the shard's rows of the materialized plan on vLLM.
+
+A partition never tokenizes or plans: it reads its rows from the plan ``prefix_groups`` wrote
+(token ids, groups, run order) and runs exactly those, after checking that the model, the prompt
+snapshot and the settings that shaped the plan have not changed since.
+"""
 
 import datetime as dt
 import shutil
+import time
 from dataclasses import asdict
 
 import dagster as dg
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from batchllm_dagster.checks import partition_check_results, partition_check_specs
-from batchllm_dagster.config import BatchJobConfig
+from batchllm_dagster.config import BatchJobConfig, Backend
 from batchllm_dagster.metadata import run_metadata
 from batchllm_dagster.resources import VLLMResource
 from batchllm_dagster.warehouse import existing_rows, replace_partition
 from engine.models import resolve_model
-from engine.results import merge_stats, results_to_table
-from engine.runner import prepare_batch, run_resumable
+from engine.results import results_to_table
+from engine.runner import PreparedBatch, RunOutcome, run_resumable
 from engine.settings import fingerprint
-from engine.tokenizing import load_tokenizer
 
-from .snapshots import checkpoint_path, completions_parquet_path, plan_path, prompts_path, read_parquet, write_parquet
+from .snapshots import (checkpoint_path, completions_parquet_path, plan_path, plan_stamp, read_parquet,
+                        stale_plan_reasons, write_parquet)
 
 
-def shard_rows(config: BatchJobConfig, partition_key: str) -> tuple[pa.Table, pa.Table]:
-    """The shard's prompt rows and their plan rows."""
-    plan = read_parquet(plan_path(config), "plan")
-    mine = plan.filter(pc.equal(plan["partition_key"], partition_key))
-    if mine.num_rows == 0:
+def shard_plan(config: BatchJobConfig, partition_key: str, model_path: str) -> pa.Table:
+    """The shard's rows of the plan, refused if the plan no longer holds."""
+    plan = read_parquet(plan_path(config), "plan", filters=[("partition_key", "=", partition_key)])
+    if plan.num_rows == 0:
         raise dg.Failure(
             f"partition {partition_key!r} is not in the current plan of {config.name!r}: "
             "rematerialize prefix_groups and run the partitions it lists"
         )
-    prompts = read_parquet(prompts_path(config), "prompt snapshot")
-    rows = prompts.filter(pc.is_in(prompts[config.dataset.id_column], value_set=mine["id"]))
-    return rows, mine
+    stale = stale_plan_reasons(plan.schema.metadata, plan_stamp(config, model_path))
+    if stale:
+        raise dg.Failure(
+            f"the plan of {config.name!r} is stale: {', '.join(stale)} changed since prefix_groups was "
+            f"materialized; rematerialize {config.name}/prefix_groups, then run its partitions"
+        )
+    return plan
 
 
-def run_shard_locally(config, plan_rows, prepared, settings, sampling, scheduler, checkpoint, llm, log):
+def run_shard_locally(config, prepared, settings, sampling, checkpoint, llm, log, started_at) -> RunOutcome:
     """The shard on one vLLM engine in this process, resuming from its checkpoint."""
     # Rows already in the table with the same fingerprint (a nightly rerun of unchanged rows)
     # are reused like checkpointed ones.
-    previous = existing_rows(config.warehouse(), config.output_table, plan_rows["id"])
+    previous = existing_rows(config.warehouse(), config.output_table, pa.array(prepared.ids, prepared.id_type))
     reuse = []
     if previous is not None and previous.num_rows:
         reuse = [checkpoint / "previous.parquet"]
         write_parquet(previous, reuse[0])
-    return run_resumable(prepared, settings, sampling, checkpoint, scheduler, reuse_from=reuse, progress_sink=log,
-                         start_engine=llm.open)
+    return run_resumable(prepared, settings, sampling, checkpoint, config.scheduler, reuse_from=reuse,
+                         progress_sink=log, start_engine=llm.open, started_at=started_at)
 
 
-def run_shard_on_ray(config, key, rows, settings, sampling, scheduler, checkpoint):
+def run_shard_on_ray(config, key, prepared, settings, sampling, checkpoint) -> tuple[RunOutcome, dict]:
     """The shard spread over ``ray_replicas`` vLLM replicas on the Ray cluster, whole groups each."""
     from engine.distributed import run_on_ray
 
-    outcome = run_on_ray(rows, settings, sampling, checkpoint, replicas=config.ray_replicas, address=config.ray_address,
-                         columns=config.dataset.columns, scheduler=scheduler, actor_prefix=f"batchllm-{key}")
-    stats = merge_stats(list(outcome.stats_of_shard.values()))
+    outcome = run_on_ray(prepared, settings, sampling, checkpoint, replicas=config.ray_replicas,
+                         address=config.ray_address, scheduler=config.scheduler, actor_prefix=f"batchllm-{key}")
     info = {"vllm": "on Ray replicas", "replica_of_sub_shard": {str(s): r for s, r in outcome.replica_of_shard.items()},
             "reassigned_sub_shards": outcome.reassigned_shards}
-    return outcome.results, stats, info
+    return outcome.merged(), info
 
 
 def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDefinition) -> dg.AssetsDefinition:
@@ -77,33 +84,29 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         op_tags={"batchllm/output_table": config.output_table},
     )
     def completions(context: dg.AssetExecutionContext, llm: VLLMResource) -> dg.MaterializeResult:
+        started_at = time.perf_counter()
         key = context.partition_key
-        rows, plan_rows = shard_rows(config, key)
-        hardware_partition = config.hardware[int(plan_rows["shard"][0].as_py()) % len(config.hardware)]
         model_path = resolve_model(config.llm.path)
+        plan_rows = shard_plan(config, key, model_path)
+        prepared = PreparedBatch.from_table(plan_rows)
+        shard = int(plan_rows["shard"][0].as_py())
+        hardware_partition = config.hardware[shard % len(config.hardware)]
         settings = config.engine_settings(model_path, llm.kv_cache_gib)
-        sampling, scheduler = config.sampling_settings(), config.scheduler_settings()
+        sampling = config.sampling_settings()
         checkpoint = checkpoint_path(config, key)
-        if config.backend == "ray":  # the replicas tokenize and plan their own rows
-            context.log.info(f"shard {key}: {rows.num_rows} rows on {config.ray_replicas} Ray replica(s)")
-            results, stats, info = run_shard_on_ray(config, key, rows, settings, sampling, scheduler, checkpoint)
+        context.log.info(f"shard {key}: {prepared.num_rows} planned rows on {llm.hardware()} ({hardware_partition})")
+        if config.backend is Backend.RAY:
+            outcome, info = run_shard_on_ray(config, key, prepared, settings, sampling, checkpoint)
         else:
-            tokenizer = load_tokenizer(model_path)
-            prepared = prepare_batch(rows, tokenizer, settings, sampling, config.dataset.columns, scheduler)
-            context.log.info(
-                f"shard {key}: {prepared.num_rows} rows, {prepared.plan.num_groups} groups, "
-                f"ideal saving {100 * prepared.plan.ideal_saving:.1f}% on {llm.hardware()} ({hardware_partition})"
-            )
-            results, stats = run_shard_locally(config, plan_rows, prepared, settings, sampling, scheduler,
-                                               checkpoint, llm, context.log.info)
-            info = dict(llm.engine_info)
-        info.update(settings=asdict(settings), sampling=asdict(sampling), backend=config.backend)
+            outcome = run_shard_locally(config, prepared, settings, sampling, checkpoint, llm, context.log.info,
+                                        started_at)
+            info = asdict(outcome.engine) if outcome.engine else {"vllm": "not started: every row was reused or invalid"}
+        info.update(settings=asdict(settings), sampling=asdict(sampling), scheduler=config.scheduler.model_dump(mode="json"),
+                    backend=str(config.backend))
 
-        group_of = dict(zip(plan_rows["id"].to_pylist(), plan_rows["group"].to_pylist()))
-        for result in results:
-            result.group = group_of[result.id]
-            result.shard = int(plan_rows["shard"][0].as_py())
-        table = results_to_table(results, rows.schema.field(config.dataset.id_column).type)
+        for result in outcome.results:
+            result.shard = shard
+        table = results_to_table(outcome.results, prepared.id_type)
         n = table.num_rows
         table = (
             table.append_column("partition_key", pa.array([key] * n, pa.string()))
@@ -118,11 +121,10 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         context.log.info(f"wrote {written} rows of partition {key} to {config.output_table}")
         return dg.MaterializeResult(
             metadata={
-                **run_metadata(stats, llm.hardware(), hardware_partition, info),
-                "reused_rows": stats.extra["reused_rows"],
+                **run_metadata(outcome.stats, llm.hardware(), hardware_partition, info),
                 "dagster/row_count": written,
             },
-            check_results=partition_check_results(config, key, plan_rows["id"].to_pylist(), stats),
+            check_results=partition_check_results(config, key, prepared.ids, outcome.stats),
         )
 
     return completions

@@ -13,7 +13,7 @@ from engine.runner import prepare_batch
 from engine.shards import assign_shards
 from engine.tokenizing import load_tokenizer
 
-from .snapshots import plan_path, prompts_path, read_parquet, write_parquet
+from .snapshots import plan_path, plan_stamp, prompts_path, read_parquet, write_parquet
 
 
 def groups_table(prepared, shards, keys: list[str], hardware: list[str]) -> pa.Table:
@@ -50,8 +50,9 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
     def prefix_groups(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         table = read_parquet(prompts_path(config), "prompt snapshot")
         model_path = resolve_model(config.llm.path)
-        settings = config.engine_settings(model_path, kv_cache_gib=1)
-        prepared = prepare_batch(table, load_tokenizer(model_path), settings, config.sampling_settings(), config.dataset.columns)
+        settings = config.engine_settings(model_path)
+        prepared = prepare_batch(table, load_tokenizer(model_path), settings, config.sampling_settings(),
+                                 config.dataset.columns, config.scheduler)
         plan = prepared.plan
         shards = assign_shards(plan, config.shards)
         ids_by_shard = [[] for _ in range(config.shards)]
@@ -60,23 +61,27 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         keys = [shard_key(hardware_of(config.hardware, s), s, ids) for s, ids in enumerate(ids_by_shard)]
         used = [k for k, ids in zip(keys, ids_by_shard) if ids]  # fewer groups than shards: no empty partitions
 
-        position = np.empty(plan.num_rows, dtype=np.int64)
-        position[plan.order] = np.arange(plan.num_rows)
-        write_parquet(pa.table({
-            "id": table.column(config.dataset.id_column),
-            "group": plan.group_of_row,
-            "shard": shards.shard_of_row,
-            "partition_key": [keys[s] for s in shards.shard_of_row],
-            "position": position,
-        }), plan_path(config))
+        # The plan is the contract: every row with its tokens, group, shard and run position,
+        # stamped with what it was made from. completions runs it as written.
+        plan_table = (
+            prepared.to_table()
+            .append_column("shard", pa.array(shards.shard_of_row, pa.int64()))
+            .append_column("partition_key", pa.array([keys[s] for s in shards.shard_of_row], pa.string()))
+        )
+        plan_table = plan_table.replace_schema_metadata({**plan_table.schema.metadata, **plan_stamp(config, model_path)})
+        write_parquet(plan_table, plan_path(config))
+        plan_bytes = plan_path(config).stat().st_size
         groups = groups_table(prepared, shards, keys, config.hardware)
         replace_table(config.warehouse(), f"{config.output_table}_prefix_groups", groups)
         added, removed = sync_partitions(context.instance, config.partitions_name, used)
-        context.log.info(f"{plan.num_groups} groups in {len(used)} shards; partitions added {added}, removed {removed}")
+        context.log.info(f"{plan.num_groups} groups in {len(used)} shards; partitions added {added}, removed {removed}; "
+                         f"plan {plan_bytes} bytes ({plan_bytes / max(plan.prompt_tokens, 1):.2f} per prompt token)")
         shard_rows = {keys[s]: len(ids) for s, ids in enumerate(ids_by_shard) if ids}
         return dg.MaterializeResult(metadata={
             **plan_metadata(plan, len(prepared.errors), prepared.tokenize_s),
             "plan_s": float(round(prepared.plan_s, 4)),
+            "plan_bytes": plan_bytes,
+            "plan_bytes_per_prompt_token": float(round(plan_bytes / max(plan.prompt_tokens, 1), 3)),
             "shards": len(used),
             "split_groups": shards.split_groups,
             "partition_keys": dg.MetadataValue.json(shard_rows),

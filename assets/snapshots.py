@@ -1,13 +1,22 @@
-"""Files an asset hands to the next: the prompt snapshot and the plan, written atomically."""
+"""Files an asset hands to the next: the prompt snapshot and the plan, written atomically.
+
+The plan is the contract between ``prefix_groups`` and ``completions``: one row per prompt row
+with its token ids, group, shard and run position (``PreparedBatch.to_table``), stamped with what
+it was made from (the model, tokenizer and chat template; the prompt snapshot; the settings that
+shape a plan). A partition runs exactly those rows and refuses a plan whose stamp no longer holds.
+"""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchllm_dagster.config import BatchJobConfig
+from engine.settings import fingerprint
+from engine.tokenizing import model_fingerprint
 
 
 def prompts_path(config: BatchJobConfig) -> Path:
@@ -33,7 +42,37 @@ def write_parquet(table: pa.Table, path: Path) -> None:
     staging.replace(path)  # readers see the old file or the new one, never half of one
 
 
-def read_parquet(path: Path, what: str) -> pa.Table:
+def read_parquet(path: Path, what: str, filters=None) -> pa.Table:
     if not path.exists():
         raise FileNotFoundError(f"{what} not found at {path}: materialize the upstream asset first")
-    return pq.read_table(path)
+    return pq.read_table(path, filters=filters)
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.blake2b(digest_size=12)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def plan_stamp(config: BatchJobConfig, model_path: str) -> dict[str, str]:
+    """What a plan is made from, as it is now."""
+    settings = config.engine_settings(model_path)
+    shaping = fingerprint(settings.block_size, settings.context_len, config.sampling.max_tokens,
+                          config.scheduler.min_group_rows, config.dataset.columns)
+    return {
+        "batchllm.model": model_fingerprint(model_path),
+        "batchllm.snapshot": file_digest(prompts_path(config)),
+        "batchllm.settings": shaping,
+    }
+
+
+_STAMP_WHAT = {"batchllm.model": "the model, tokenizer or chat template", "batchllm.snapshot": "the prompt snapshot",
+               "batchllm.settings": "the job's block size, context, max_tokens or columns"}
+
+
+def stale_plan_reasons(plan_metadata: dict[bytes, bytes] | None, stamp: dict[str, str]) -> list[str]:
+    """What changed since the plan was made (empty: the plan still holds)."""
+    recorded = {k.decode(): v.decode() for k, v in (plan_metadata or {}).items()}
+    return [_STAMP_WHAT[k] for k, v in stamp.items() if recorded.get(k) != v]

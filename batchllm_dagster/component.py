@@ -24,7 +24,9 @@ import dagster as dg
 from dagster.components.component_scaffolding import scaffold_component
 from pydantic import Field
 
-from .config import BatchJobConfig, DatasetSpec, ModelSpec, SamplingSpec, default_data_dir
+from engine.settings import SchedulerSettings
+
+from .config import Backend, BatchJobConfig, DatasetSpec, ModelSpec, SamplingSpec, default_data_dir
 from .factory import build_batch_defs
 
 
@@ -55,6 +57,7 @@ class BatchJobComponent(dg.Component, dg.Resolvable, dg.Model):
     dataset: DatasetSpec
     llm: ModelSpec = ModelSpec()
     sampling: SamplingSpec = SamplingSpec()
+    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings, description="BatchLLM admission knobs")
     shards: int = 2
     hardware: list[str] = Field(default_factory=lambda: ["cpu"])
     output_table: str = "completions"
@@ -63,7 +66,7 @@ class BatchJobComponent(dg.Component, dg.Resolvable, dg.Model):
     min_saving_vs_ideal: float = 0.9
     schedule: str | None = "0 2 * * *"
     pool: str | None = None
-    backend: str = "local"
+    backend: Backend = Backend.LOCAL
     ray_address: str | None = None
     ray_replicas: int = 1
 
@@ -80,6 +83,7 @@ class BatchJobComponent(dg.Component, dg.Resolvable, dg.Model):
             dataset=resolved,
             llm=self.llm,
             sampling=self.sampling,
+            scheduler=self.scheduler,
             shards=self.shards,
             hardware=self.hardware,
             output_table=self.output_table,

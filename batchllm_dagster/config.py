@@ -12,9 +12,16 @@ from pathlib import Path
 from pydantic import BaseModel, Field, model_validator
 
 from engine.dataset import Columns
-from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
+from engine.settings import DEFAULT_BLOCK_SIZE, EngineSettings, Policy, SamplingSettings, SchedulerSettings
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class Backend(Policy):
+    """Where a shard's rows run."""
+
+    LOCAL = "local"  # one vLLM engine in the step's process
+    RAY = "ray"  # vLLM replicas on a Ray cluster, whole prefix groups each
 
 
 class DatasetSpec(BaseModel):
@@ -56,7 +63,7 @@ class DatasetSpec(BaseModel):
 class ModelSpec(BaseModel):
     path: str = Field("smollm2", description="local checkpoint directory, or a built-in: smollm2, tiny")
     dtype: str = "float32"
-    block_size: int = 32
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_blocks: int | None = None
     max_model_len: int = 2048
     max_num_batched_tokens: int | None = None
@@ -80,12 +87,13 @@ class BatchJobConfig(BaseModel):
     dataset: DatasetSpec
     llm: ModelSpec = ModelSpec()
     sampling: SamplingSpec = SamplingSpec()
+    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings, description="BatchLLM admission knobs")
     shards: int = Field(2, ge=1)
     hardware: list[str] = Field(default_factory=lambda: ["cpu"], description="hardware partitions; shards cycle over them")
     output_database: str
     output_table: str = "completions"
     storage_dir: str = Field(description="where prompt snapshots and plans are kept")
-    backend: str = Field("local", description="'local' (vLLM in the step's process) or 'ray' (replicas on a Ray cluster)")
+    backend: Backend = Field(Backend.LOCAL, description="'local' (vLLM in the step's process) or 'ray' (replicas on a Ray cluster)")
     ray_address: str | None = Field(None, description="Ray cluster address for backend 'ray' (None: start or join a local one)")
     ray_replicas: int = Field(1, ge=1, description="vLLM replicas a shard is spread over (whole prefix groups each)")
     pool: str | None = Field(
@@ -103,8 +111,6 @@ class BatchJobConfig(BaseModel):
                 raise ValueError(f"{label} {value!r} must be a plain identifier (letters, digits, _)")
         if not self.hardware:
             raise ValueError("hardware needs at least one partition name")
-        if self.backend not in ("local", "ray"):
-            raise ValueError(f"backend must be 'local' or 'ray', not {self.backend!r}")
         return self
 
     @property
@@ -129,7 +135,7 @@ class BatchJobConfig(BaseModel):
         Path(self.output_database).parent.mkdir(parents=True, exist_ok=True)
         return DuckDBResource(database=self.output_database)
 
-    def engine_settings(self, model_path: str, kv_cache_gib: int) -> EngineSettings:
+    def engine_settings(self, model_path: str, kv_cache_gib: int = 2) -> EngineSettings:
         spec = self.llm
         return EngineSettings(
             model_path=model_path, dtype=spec.dtype, block_size=spec.block_size, kv_cache_blocks=spec.kv_cache_blocks,
@@ -142,8 +148,6 @@ class BatchJobConfig(BaseModel):
         return SamplingSettings(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                                 ignore_eos=s.ignore_eos, seed=s.seed, stop=tuple(s.stop))
 
-    def scheduler_settings(self) -> SchedulerSettings:
-        return SchedulerSettings()
 
 
 def default_data_dir() -> Path:

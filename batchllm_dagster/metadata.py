@@ -35,6 +35,7 @@ def plan_metadata(plan: PrefixPlan, error_rows: int, tokenize_s: float) -> dict:
 def run_metadata(stats: RunStats, hardware: str, hardware_partition: str, engine_info: dict) -> dict:
     metadata = {
         "rows": stats.rows,  # computed in this run; reused rows are counted apart
+        "reused_rows": stats.reused_rows,
         "ok_rows": stats.ok_rows,
         "error_rows": stats.error_rows,
         "prompt_tokens": stats.prompt_tokens,
@@ -43,6 +44,7 @@ def run_metadata(stats: RunStats, hardware: str, hardware_partition: str, engine
         "prefill_tokens": stats.prefill_tokens,
         "output_tokens": stats.output_tokens,
         "preemptions": stats.preemptions,
+        "engine_steps": stats.engine_steps,
         "hardware": hardware,
         "hardware_partition": hardware_partition,
         "engine": dg.MetadataValue.json(engine_info),
@@ -50,7 +52,10 @@ def run_metadata(stats: RunStats, hardware: str, hardware_partition: str, engine
     if stats.prompt_tokens:  # a rerun that reused every row has no throughput to plot
         metadata.update(
             saving_vs_ideal=float(round(stats.saving_vs_ideal, 4)),
+            startup_s=float(round(stats.startup_s, 3)),  # from the step's start until the first row entered vLLM
             wall_s=float(round(stats.wall_s, 3)),
+            mean_kv_usage=float(round(stats.mean_kv_usage, 4)),
+            rows_per_step=float(round(stats.rows_per_step, 2)),
             tokens_per_s=float(round(stats.tokens_per_s, 2)),
             output_tokens_per_s=float(round(stats.output_tokens_per_s, 2)),
         )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dagster as dg
-from pydantic import Field, PrivateAttr
+from pydantic import Field
 
 from engine.runner import PreparedBatch, open_engine
 from engine.settings import EngineSettings
@@ -16,25 +16,12 @@ class VLLMResource(dg.ConfigurableResource):
 
     kv_cache_gib: int = Field(2, description="KV cache memory on CPU (GiB); on a GPU vLLM sizes it itself")
     hardware_label: str | None = Field(None, description="name recorded as the hardware (default: GPU or CPU model)")
-    _engine_info: dict = PrivateAttr(default_factory=dict)
 
     def hardware(self) -> str:
         return self.hardware_label or hardware_name()
 
     def open(self, settings: EngineSettings, prepared: PreparedBatch) -> VLLMEngine:
-        engine = open_engine(settings, prepared)
-        # Recorded for the materialization's metadata (the engine closes before it is written).
-        self._engine_info = {
-            "vllm": engine.version,
-            "kv_capacity_blocks": engine.kv_capacity_blocks,
-            "max_num_seqs": engine.max_num_seqs,
-            "max_num_batched_tokens": engine.max_num_batched_tokens,
-        }
-        return engine
-
-    @property
-    def engine_info(self) -> dict:
-        return self._engine_info or {"vllm": "not started: every row was reused or invalid"}
+        return open_engine(settings, prepared)
 
 
 # One instance shared by every job's definitions, so that merging them finds no conflict.

@@ -14,7 +14,9 @@ import ray
 from engine.dataset import load_prompts
 from engine.distributed import run_on_ray
 from engine.models import resolve_model
+from engine.runner import prepare_batch
 from engine.settings import EngineSettings, SamplingSettings
+from engine.tokenizing import load_tokenizer
 
 
 def main(source: str, database: str | None, replicas: int = 2) -> None:
@@ -22,11 +24,12 @@ def main(source: str, database: str | None, replicas: int = 2) -> None:
     table = load_prompts(source, database)
     settings = EngineSettings(model_path=resolve_model("smollm2"), kv_cache_blocks=256)
     sampling = SamplingSettings(max_tokens=16)
+    prepared = prepare_batch(table, load_tokenizer(settings.model_path), settings, sampling)
     for placement in ("groups", "round_robin"):
         started = time.perf_counter()
-        result = run_on_ray(table, settings, sampling, f".cache/ray_placement/{placement}-{time.time_ns()}",
+        result = run_on_ray(prepared, settings, sampling, f".cache/ray_placement/{placement}-{time.time_ns()}",
                             replicas=replicas, placement=placement, bind_cpu_cores=True)
-        prompt = sum(s["prompt_tokens"] for s in result.stats_of_shard.values())
+        prompt = sum(s.prompt_tokens for s in result.stats_of_shard.values())
         print(json.dumps({
             "placement": placement, "rows": len(result.results), "prompt_tokens": prompt,
             "prefill_tokens": result.prefill_tokens, "saving": round(1 - result.prefill_tokens / prompt, 4),

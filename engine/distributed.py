@@ -1,9 +1,10 @@
 """Run a batch on a Ray cluster: one long-lived vLLM replica per GPU (or CPU slot), prefix groups
 kept whole on one replica.
 
-The driver plans the whole batch, cuts it into one shard per replica with ``assign_shards``
-(weighted by each replica's speed when known), and sends each shard's rows to a replica actor.
-The actor prepares and runs them with ``run_resumable``, checkpointing finished rows to the
+The driver takes a prepared (planned) batch, cuts it into one shard per replica along the run
+order without splitting a group (weighted by each replica's speed when known), and sends each
+shard's prepared rows (token ids, groups, order: no tokenizer or planner on the replica) to a
+replica actor, which runs them with ``run_resumable``, checkpointing finished rows to the
 shard's folder (a path every node can reach). A replica that dies has its shard rerun on another
 live replica, which resumes from the checkpoint: nothing is lost or computed twice.
 
@@ -17,19 +18,22 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 
-from .dataset import Columns
-from .results import RowResult
-from .runner import prepare_batch
-from .settings import EngineSettings, SamplingSettings, SchedulerSettings
-from .shards import assign_shards
+from .results import RowResult, RunStats, merge_stats
+from .runner import PreparedBatch, RunOutcome
+from .settings import EngineSettings, Policy, SamplingSettings, SchedulerSettings
+from .shards import split_prepared
 
 log = logging.getLogger(__name__)
+
+
+class Placement(Policy):
+    GROUPS = "groups"  # whole prefix groups per replica, balanced by cost
+    ROUND_ROBIN = "round_robin"  # rows dealt one by one, as a plain data-parallel runner does
 
 
 class ReplicaWorker:
@@ -46,78 +50,70 @@ class ReplicaWorker:
     def ping(self) -> int:
         return os.getpid()
 
-    def run_shard(self, shard: int, rows: pa.Table, engine: dict, sampling: dict, scheduler: dict,
-                  columns: dict, checkpoint_dir: str) -> dict:
+    def run_shard(self, shard: int, prepared: PreparedBatch, engine: EngineSettings, sampling: SamplingSettings,
+                  scheduler: SchedulerSettings, checkpoint_dir: str) -> dict:
         from .runner import run_resumable
-        from .tokenizing import load_tokenizer
 
-        engine_settings = EngineSettings(**engine)
-        sampling_settings = SamplingSettings(**{**sampling, "stop": tuple(sampling.get("stop", ()))})
-        scheduler_settings = SchedulerSettings(**scheduler)
-        prepared = prepare_batch(rows, load_tokenizer(engine_settings.model_path), engine_settings,
-                                 sampling_settings, Columns(**columns), scheduler_settings)
-        results, stats = run_resumable(prepared, engine_settings, sampling_settings, checkpoint_dir,
-                                       scheduler_settings, checkpoint_every_rows=32)
-        return {
-            "shard": shard,
-            "replica": self.replica,
-            "pid": os.getpid(),
-            "hardware": self.hardware,
-            "results": [asdict(r) for r in results],
-            "stats": stats.to_dict(),
-        }
+        outcome = run_resumable(prepared, engine, sampling, checkpoint_dir, scheduler, checkpoint_every_rows=32)
+        return {"shard": shard, "replica": self.replica, "pid": os.getpid(), "hardware": self.hardware,
+                "outcome": outcome}
 
 
 @dataclass
 class RayRunResult:
-    results: list[RowResult]
+    outcomes: dict[int, RunOutcome]  # shard -> what its replica returned
     shard_of_row: np.ndarray  # input row -> shard
     replica_of_shard: dict[int, int]  # shard -> replica that finished it
-    stats_of_shard: dict[int, dict] = field(default_factory=dict)
     reassigned_shards: list[int] = field(default_factory=list)
 
     @property
+    def results(self) -> list[RowResult]:
+        return [r for outcome in self.outcomes.values() for r in outcome.results]
+
+    @property
+    def stats_of_shard(self) -> dict[int, RunStats]:
+        return {s: outcome.stats for s, outcome in self.outcomes.items()}
+
+    @property
     def prefill_tokens(self) -> int:
-        return sum(s["prefill_tokens"] for s in self.stats_of_shard.values())
+        return sum(stats.prefill_tokens for stats in self.stats_of_shard.values())
+
+    def merged(self) -> RunOutcome:
+        """One outcome for the whole batch (the replicas ran side by side)."""
+        return RunOutcome(self.results, merge_stats(list(self.stats_of_shard.values())), None)
 
 
-def _shards(prepared, replicas: int, placement: str, weights: list[float] | None) -> np.ndarray:
-    if placement == "groups":
-        return assign_shards(prepared.plan, replicas, weights=weights).shard_of_row
-    if placement == "round_robin":
-        return np.arange(prepared.num_rows) % replicas
-    raise ValueError(f"placement must be 'groups' or 'round_robin', not {placement!r}")
+def _shards(prepared: PreparedBatch, replicas: int, placement: Placement, weights: list[float] | None) -> np.ndarray:
+    if placement is Placement.GROUPS:
+        return split_prepared(prepared, replicas, weights)
+    return np.arange(prepared.num_rows) % replicas
 
 
 def run_on_ray(
-    table: pa.Table,
+    prepared: PreparedBatch,
     engine_settings: EngineSettings,
     sampling: SamplingSettings,
     checkpoint_root: str | Path,
     *,
     replicas: int = 2,
     address: str | None = None,
-    columns: Columns = Columns(),
     scheduler: SchedulerSettings = SchedulerSettings(),
-    placement: str = "groups",
+    placement: Placement | str = Placement.GROUPS,
     replica_weights: list[float] | None = None,
     resources_per_replica: dict | None = None,
     bind_cpu_cores: bool = False,
     actor_prefix: str = "batchllm-replica",
     max_attempts: int = 3,
 ) -> RayRunResult:
-    """Run every row of ``table`` on ``replicas`` Ray actors; shards are whole prefix groups.
+    """Run every row of ``prepared`` on ``replicas`` Ray actors; shards are whole prefix groups.
 
     ``resources_per_replica`` defaults to one GPU where the cluster has GPUs, else one CPU.
     """
     import ray
 
-    from .tokenizing import load_tokenizer
-
     if not ray.is_initialized():
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
-    prepared = prepare_batch(table, load_tokenizer(engine_settings.model_path), engine_settings, sampling, columns, scheduler)
-    shard_of_row = _shards(prepared, replicas, placement, replica_weights)
+    shard_of_row = _shards(prepared, replicas, Placement.parse(placement), replica_weights)
     if resources_per_replica is None:
         resources_per_replica = {"num_gpus": 1} if ray.cluster_resources().get("GPU", 0) >= replicas else {"num_cpus": 1}
     actor_class = ray.remote(max_restarts=0, **resources_per_replica)(ReplicaWorker)
@@ -127,14 +123,10 @@ def run_on_ray(
     }
     ray.get([a.ping.remote() for a in actors.values()])
 
-    payload = dict(engine=asdict(engine_settings), sampling={**asdict(sampling), "stop": list(sampling.stop)},
-                   scheduler=asdict(scheduler), columns=asdict(columns))
-
     def submit(shard: int, replica: int):
-        rows = table.take(pa.array(np.flatnonzero(shard_of_row == shard)))
+        part = prepared.subset(np.flatnonzero(shard_of_row == shard))
         folder = str(Path(checkpoint_root) / f"shard-{shard:03d}")
-        return actors[replica].run_shard.remote(shard, rows, checkpoint_dir=folder, **payload)
-
+        return actors[replica].run_shard.remote(shard, part, engine_settings, sampling, scheduler, checkpoint_dir=folder)
     pending = {submit(s, s): (s, s) for s in range(replicas) if (shard_of_row == s).any()}
     attempts = {s: 1 for s, _ in pending.values()}
     done: dict[int, dict] = {}
@@ -159,14 +151,9 @@ def run_on_ray(
     for actor in actors.values():
         ray.kill(actor)
 
-    results = []
-    for out in done.values():
-        for record in out["results"]:
-            results.append(RowResult(**{**record, "shard": out["shard"]}))
     return RayRunResult(
-        results=results,
+        outcomes={s: out["outcome"] for s, out in done.items()},
         shard_of_row=shard_of_row,
         replica_of_shard={s: out["replica"] for s, out in done.items()},
-        stats_of_shard={s: out["stats"] for s, out in done.items()},
         reassigned_shards=reassigned,
     )

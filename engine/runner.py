@@ -64,6 +64,60 @@ class PreparedBatch:
                    block_size=plan.block_size, plan=plan, **kw)
 
 
+    def subset(self, rows) -> "PreparedBatch":
+        """The same batch restricted to ``rows`` (kept in input order, plan order preserved)."""
+        rows = np.sort(np.asarray(rows, dtype=np.int64))
+        new_index = np.full(self.num_rows, -1, dtype=np.int64)
+        new_index[rows] = np.arange(rows.size)
+        in_subset = new_index[self.order] >= 0
+        parts = [self.batch.tokens_of(int(r)) for r in rows]
+        lengths = np.fromiter((t.size for t in parts), dtype=np.int64, count=rows.size)
+        tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        batch = TokenizedBatch(tokens.astype(np.int32), np.concatenate([[0], np.cumsum(lengths)]))
+        return PreparedBatch(
+            ids=[self.ids[r] for r in rows], id_type=self.id_type, batch=batch, max_tokens=self.max_tokens[rows],
+            errors={int(new_index[r]): e for r, e in self.errors.items() if new_index[r] >= 0},
+            order=new_index[self.order[in_subset]], group_of_row=self.group_of_row[rows],
+            prefix_len_of_row=self.prefix_len_of_row[rows], block_size=self.block_size,
+        )
+
+    def to_table(self) -> pa.Table:
+        """The batch as a plan table, one row per prompt row in input order: everything a run needs
+        without the tokenizer or the planner (``from_table`` reads it back)."""
+        position = np.empty(self.num_rows, dtype=np.int64)
+        position[self.order] = np.arange(self.order.size)
+        token_ids = pa.ListArray.from_arrays(pa.array(self.batch.offsets.astype(np.int32)),
+                                             pa.array(self.batch.tokens, pa.int32()))
+        return pa.table({
+            "id": pa.array(self.ids, self.id_type),
+            "position": position,
+            "group": self.group_of_row.astype(np.int64),
+            "prefix_tokens": self.prefix_len_of_row.astype(np.int64),
+            "max_tokens": self.max_tokens.astype(np.int64),
+            "token_ids": token_ids,
+            "error": pa.array([self.errors.get(i) for i in range(self.num_rows)], pa.string()),
+        }, metadata={"batchllm.block_size": str(self.block_size)})
+
+    @classmethod
+    def from_table(cls, table: pa.Table) -> "PreparedBatch":
+        """A batch from (a filtered part of) a plan table written by ``to_table``."""
+        token_ids = table.column("token_ids").combine_chunks()
+        offsets = token_ids.offsets.to_numpy().astype(np.int64)
+        offsets -= offsets[0]
+        errors = {i: e for i, e in enumerate(table.column("error").to_pylist()) if e is not None}
+        block_size = int((table.schema.metadata or {}).get(b"batchllm.block_size", b"0"))
+        if block_size < 1:
+            raise ValueError("not a plan table: it has no batchllm.block_size")
+        return cls(
+            ids=table.column("id").to_pylist(), id_type=table.schema.field("id").type,
+            batch=TokenizedBatch(token_ids.values.to_numpy(zero_copy_only=False).astype(np.int32), offsets),
+            max_tokens=table.column("max_tokens").to_numpy(), errors=errors,
+            order=np.argsort(table.column("position").to_numpy(), kind="stable"),
+            group_of_row=table.column("group").to_numpy(), prefix_len_of_row=table.column("prefix_tokens").to_numpy(),
+            block_size=block_size,
+        )
+
+
 def _column(table: pa.Table, name: str) -> list | None:
     return table.column(name).to_pylist() if name in table.column_names else None
 

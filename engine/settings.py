@@ -7,6 +7,8 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 
 class Policy(str, enum.Enum):
     """A named choice. ``parse`` is the one place a text becomes a policy; a typo lists the choices."""
@@ -79,26 +81,37 @@ class SamplingSettings:
     stop: tuple[str, ...] = field(default_factory=tuple)
 
 
-@dataclass(frozen=True)
-class SchedulerSettings:
-    """BatchLLM scheduling knobs (see engine/scheduler.py)."""
+class SchedulerSettings(BaseModel):
+    """BatchLLM scheduling knobs (see engine/scheduler.py); the same model is a job's YAML ``scheduler:``."""
 
-    kv_budget_fraction: float = 0.97  # share of the real KV capacity the in-flight working set may use
-    reserve_output: ReserveOutput = ReserveOutput.LOOKAHEAD
-    lookahead_tokens: int = 32
-    prefix_requests: bool = True  # compute each group's prefix once before its rows enter
-    min_group_rows: int = 2
-    log_every_s: float = 5.0
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "reserve_output", ReserveOutput.parse(self.reserve_output))
+    kv_budget_fraction: float = Field(
+        0.97, description="share of the engine's KV capacity the blocks in flight may use, in (0, 1]")
+    reserve_output: ReserveOutput = Field(
+        ReserveOutput.LOOKAHEAD, description="output KV reserved at admission: 'full' (never preempt) or "
+        "'lookahead' (the next lookahead_tokens; more rows in flight)")
+    lookahead_tokens: int = Field(32, description="output tokens reserved per running row with 'lookahead' (>= 0)")
+    prefix_requests: bool = Field(True, description="compute each group's prefix once, before its rows enter")
+    min_group_rows: int = Field(2, description="rows a prefix must be shared by to form a group (>= 2)")
+    log_every_s: float = Field(5.0, description="seconds between progress lines (> 0)")
+
+    # Checked by a validator, not Field(gt=...): Dagster's YAML resolution takes plain fields only.
+    @model_validator(mode="after")
+    def _in_range(self) -> "SchedulerSettings":
         if not 0 < self.kv_budget_fraction <= 1:
             raise ValueError(f"kv_budget_fraction must be in (0, 1], not {self.kv_budget_fraction}")
-        if self.lookahead_tokens < 0 or self.min_group_rows < 2:
-            raise ValueError("lookahead_tokens must be >= 0 and min_group_rows >= 2")
+        if self.lookahead_tokens < 0 or self.min_group_rows < 2 or self.log_every_s <= 0:
+            raise ValueError("lookahead_tokens must be >= 0, min_group_rows >= 2 and log_every_s > 0")
+        return self
 
 
 def fingerprint(*parts: object) -> str:
     """A short stable hash of settings objects (dataclasses or plain JSON values)."""
-    payload = json.dumps([asdict(p) if hasattr(p, "__dataclass_fields__") else p for p in parts], sort_keys=True)
+    def plain(p):
+        if hasattr(p, "__dataclass_fields__"):
+            return asdict(p)
+        return p.model_dump(mode="json") if isinstance(p, BaseModel) else p
+
+    payload = json.dumps([plain(p) for p in parts], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]

@@ -31,34 +31,42 @@ class ShardPlan:
         return [int(r) for r in plan.order if self.shard_of_row[r] == shard]
 
 
-def assign_shards(
-    plan: PrefixPlan, num_shards: int, weights: list[float] | None = None, decode_cost: float = 2.0
-) -> ShardPlan:
-    """``weights`` (one per shard) give faster hardware a larger share; equal when omitted."""
-    if num_shards < 1:
-        raise ValueError("num_shards must be at least 1")
-    weights_arr = np.ones(num_shards) if weights is None else np.asarray(weights, dtype=float)
-    if weights_arr.size != num_shards or (weights_arr <= 0).any():
-        raise ValueError(f"need {num_shards} positive shard weights, got {weights}")
-    order = plan.order
-    row_cost = plan.row_unique_tokens[order] + decode_cost * plan.decode_tokens[order]
+def _cut(row_cost: np.ndarray, group_starts: np.ndarray, weights: list[float] | None, parts: int):
+    """Shard of each position of the run order: contiguous, balanced by cost, groups kept whole
+    unless a group alone costs more than its shard's share. Returns (shard per position, too_big
+    per group)."""
+    if parts < 1:
+        raise ValueError("the number of shards must be at least 1")
+    weights_arr = np.ones(parts) if weights is None else np.asarray(weights, dtype=float)
+    if weights_arr.size != parts or (weights_arr <= 0).any():
+        raise ValueError(f"need {parts} positive shard weights, got {weights}")
     cum_end = np.cumsum(row_cost)
     total = float(cum_end[-1]) if cum_end.size else 0.0
     bounds = np.cumsum(weights_arr)[:-1] / weights_arr.sum() * total
     shares = weights_arr / weights_arr.sum() * total
-
-    groups_in_order = plan.group_of_row[order]
-    starts = plan.group_starts()
-    group_cost = np.add.reduceat(row_cost, starts[:-1]) if order.size else np.zeros(0)
-    group_mid = cum_end[starts[1:] - 1] - group_cost / 2 if order.size else np.zeros(0)
+    if not row_cost.size:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
+    group_of_position = np.repeat(np.arange(group_starts.size - 1), np.diff(group_starts))
+    group_cost = np.add.reduceat(row_cost, group_starts[:-1])
+    group_mid = cum_end[group_starts[1:] - 1] - group_cost / 2
     shard_of_group = np.searchsorted(bounds, group_mid, side="right")
-    shard_in_order = shard_of_group[groups_in_order]
+    shard_in_order = shard_of_group[group_of_position]
     # A group that alone is larger than its shard's share is cut at the row level.
     too_big = group_cost > shares[shard_of_group]
     if too_big.any():
         by_row = np.searchsorted(bounds, cum_end - row_cost / 2, side="right")
-        cut = too_big[groups_in_order]
-        shard_in_order = np.where(cut, by_row, shard_in_order)
+        shard_in_order = np.where(too_big[group_of_position], by_row, shard_in_order)
+    return shard_in_order, too_big
+
+
+def assign_shards(
+    plan: PrefixPlan, num_shards: int, weights: list[float] | None = None, decode_cost: float = 2.0
+) -> ShardPlan:
+    """``weights`` (one per shard) give faster hardware a larger share; equal when omitted."""
+    order = plan.order
+    row_cost = plan.row_unique_tokens[order] + decode_cost * plan.decode_tokens[order]
+    starts = plan.group_starts()
+    shard_in_order, too_big = _cut(row_cost, starts, weights, num_shards)
 
     shard_of_row = np.empty(order.size, dtype=np.int64)
     shard_of_row[order] = shard_in_order
@@ -75,3 +83,19 @@ def assign_shards(
         estimated_cost=prefill_per_shard + decode_cost * decode_per_shard,
         split_groups=split,
     )
+
+
+def split_prepared(prepared, parts: int, weights: list[float] | None = None, decode_cost: float = 2.0) -> np.ndarray:
+    """Shard per row of a prepared batch (no planner needed: its run order and groups are enough).
+    A row's cost is its tokens beyond its group's prefix, plus the prefix once per group."""
+    order = prepared.order
+    shard_of_row = np.zeros(prepared.num_rows, dtype=np.int64)
+    if not order.size:
+        return shard_of_row
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(prepared.group_of_row[order])) + 1, [order.size]])
+    prefix = prepared.prefix_len_of_row[order]
+    row_cost = (prepared.batch.lengths[order] - prefix + decode_cost * prepared.max_tokens[order]).astype(float)
+    row_cost[starts[:-1]] += prefix[starts[:-1]]  # each group computes its prefix once
+    shard_in_order, _ = _cut(row_cost, starts, weights, parts)
+    shard_of_row[order] = shard_in_order
+    return shard_of_row

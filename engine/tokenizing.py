@@ -83,3 +83,28 @@ def tokenize_rows(tokenizer, prompts: list[str | None], messages: list[str | Non
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     tokens = np.concatenate(rows) if n else empty
     return TokenizedBatch(tokens=tokens, offsets=offsets, errors=errors, seconds=time.perf_counter() - started)
+
+
+# Files whose content decides the token ids and the chat rendering; hashed whole (they are small).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                    "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "config.json",
+                    "generation_config.json")
+
+
+def model_fingerprint(model_path: str) -> str:
+    """A short hash of the model, its tokenizer and its chat template: the content of the tokenizer
+    and config files, and the name, size and modification time of every weight file (hashing a
+    70B model's weights would take minutes)."""
+    import hashlib
+    from pathlib import Path
+
+    root = Path(model_path)
+    digest = hashlib.blake2b(digest_size=12)
+    for name in _TOKENIZER_FILES:
+        path = root / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + path.read_bytes())
+    for path in sorted(root.glob("*.safetensors")) + sorted(root.glob("*.bin")) + sorted(root.glob("*.gguf")):
+        stat = path.stat()
+        digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()

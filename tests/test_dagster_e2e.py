@@ -2,6 +2,7 @@
 
 import dagster as dg
 import duckdb
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -56,8 +57,10 @@ def test_materializes_prompts_groups_and_one_completion_per_row(job):
         for partition, result in results.items():
             meta = result.asset_materializations_for_node("e2e__completions")[0].metadata
             for name in ("rows", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "wall_s", "tokens_per_s",
-                         "output_tokens_per_s"):
+                         "output_tokens_per_s", "startup_s", "mean_kv_usage", "rows_per_step", "engine_steps"):
                 assert isinstance(meta[name].value, (int, float)), name
+            assert 0 < meta["startup_s"].value < meta["wall_s"].value + 120
+            assert 0 < meta["mean_kv_usage"].value <= 1 and meta["rows_per_step"].value >= 1
             assert meta["rows"].value > 0 and meta["tokens_per_s"].value > 0
             assert meta["hardware"].value and meta["hardware_partition"].value == "cpu"
             assert "vllm" in meta["engine"].value["vllm"]
@@ -115,3 +118,42 @@ def test_source_sensor_requests_a_plan_only_when_the_rows_change(job):
             con.execute("UPDATE prompt_rows SET prompt = prompt || ' (edited)' WHERE id = 'doc0-q0'")
         changed = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=first.cursor))
         assert len(changed.run_requests) == 1 and changed.cursor != first.cursor
+
+
+def test_a_partition_runs_the_materialized_plan_without_tokenizer_or_planner(job, monkeypatch):
+    defs = build_batch_defs(job)
+    graph = defs.resolve_asset_graph()
+    assets = {n: graph.assets_def_for_key(dg.AssetKey(["e2e", n])) for n in ("prompts", "prefix_groups", "completions")}
+    with dg.instance_for_test() as instance:
+        assert dg.materialize([assets["prompts"], assets["prefix_groups"]], instance=instance).success
+        plan = pq.read_table(job.job_dir / "plan.parquet")
+
+        def forbidden(*args, **kwargs):
+            raise AssertionError("a completions partition must not tokenize or plan")
+
+        import engine.plan
+        import engine.runner
+        import engine.tokenizing
+
+        for module, name in ((engine.tokenizing, "load_tokenizer"), (engine.tokenizing, "tokenize_rows"),
+                             (engine.runner, "tokenize_rows"), (engine.plan, "build_plan"), (engine.runner, "build_plan")):
+            monkeypatch.setattr(module, name, forbidden)
+        partition = instance.get_dynamic_partitions(job.partitions_name)[0]
+        assert dg.materialize([assets["completions"]], partition_key=partition, instance=instance).success
+        monkeypatch.undo()
+
+        # Answers carry the plan's global group ids.
+        mine = plan.filter(pc.equal(plan["partition_key"], partition))
+        with duckdb.connect(job.output_database, read_only=True) as con:
+            groups = dict(con.execute("SELECT id, \"group\" FROM answers").fetchall())
+        assert groups == dict(zip(mine["id"].to_pylist(), mine["group"].to_pylist()))
+
+        # A new prompt snapshot makes the plan stale: the partition refuses it before starting vLLM.
+        with duckdb.connect(job.dataset.database) as con:
+            con.execute("UPDATE prompt_rows SET prompt = prompt || ' (edited)' WHERE id = 'doc0-q0'")
+        assert dg.materialize([assets["prompts"]], instance=instance).success
+        stale = dg.materialize([assets["completions"]], partition_key=partition, instance=instance,
+                               raise_on_error=False)
+    assert not stale.success
+    failure = stale.get_step_failure_events()[0].event_specific_data.error.message
+    assert "the prompt snapshot changed" in failure and "rematerialize e2e/prefix_groups" in failure

@@ -45,11 +45,13 @@ def test_engine_equals_plain_vllm_and_reaches_the_ideal_saving_without_preemptio
     ours, ours_stats = run(tiny_model, table, mode="batchllm", input_order=True)
     plain, plain_stats = run(tiny_model, table, mode="in_order", input_order=True)
     assert {i: r.text for i, r in ours.items()} == {i: r.text for i, r in plain.items()}
-    assert all(r.status == "ok" and r.output_tokens == SAMPLING.max_tokens or r.finish_reason == "stop" for r in ours.values())
+    assert all(r.status == "ok" for r in ours.values())
+    assert all(r.output_tokens == SAMPLING.max_tokens or r.finish_reason == "stop" for r in ours.values())
     assert ours_stats.prompt_tokens == plain_stats.prompt_tokens
     assert ours_stats.saving_vs_ideal >= 0.95, ours_stats.to_dict()
     assert ours_stats.prefix_requests == 9  # one per document group, one for the chat rows
     assert ours_stats.preemptions == 0
+    assert ours_stats.engine_steps > 0 and 0 < ours_stats.mean_kv_usage <= 1 and ours_stats.rows_per_step >= 1
 
 
 def test_bad_rows_become_error_results_and_the_batch_goes_on(tiny_model):

@@ -153,7 +153,7 @@ def test_groups_in_run_order_splits_where_the_group_changes():
 
 def test_policies_are_enums_and_a_typo_lists_the_choices():
     assert SchedulerSettings(reserve_output="full").reserve_output is ReserveOutput.FULL
-    with pytest.raises(ValueError, match="'full', 'lookahead'"):
+    with pytest.raises(ValueError, match="'full' or 'lookahead'"):
         SchedulerSettings(reserve_output="ful")
 
 
