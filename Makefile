@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(EXTRAS)
 export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
 export BATCHLLM_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: install demo test ui bench clean
+.PHONY: install demo test test-fast ui bench clean
 
 install: $(STAMP)
 
@@ -26,6 +26,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest
+
+# Everything but what needs real vLLM, the dg CLI, Ray or a browser: under a minute.
+test-fast: install
+	$(PY) -m pytest -m "not slow"
 
 # The Dagster webserver and daemon (backfills, sensors, schedules) on http://127.0.0.1:3000.
 ui: install

@@ -99,9 +99,15 @@ def prefix_block_keys(token_ids: np.ndarray, prefix_len: int, block_size: int) -
     return keys
 
 
+def _common_blocks(a: np.ndarray, b: np.ndarray, block_size: int) -> int:
+    n = min(a.size, b.size)
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return (int(differ[0]) if differ.size else n) // block_size
+
+
 class _PrefixState(enum.Enum):
     PENDING = "pending"  # not admitted yet
-    RUNNING = "running"  # its prefix request (or first row) is in the engine, not yet prefilled
+    RUNNING = "running"  # its prefix request is in the engine
     READY = "ready"  # cached (or needs no prefix request): its rows may enter
 
 
@@ -113,8 +119,6 @@ class _GroupState:
     state: _PrefixState = _PrefixState.PENDING
     next_row: int = 0
     outstanding: int = 0
-    needs_pioneer: bool = False  # no prefix request: its first row to enter computes the prefix
-    pioneer: int | None = None  # that row, until it is past prefill
     holding: bool = False  # counted in the scheduler's prefix blocks
 
     @property
@@ -146,6 +150,14 @@ class GroupScheduler:
             for position, g in enumerate(groups)
             if g.rows
         )
+        # Rows sharing more than their group's prefix with the row before them (a document asked
+        # two questions inside a larger group): row -> (that row, whole-block tokens they share).
+        self._shares_deeper: dict[int, tuple[int, int]] = {}
+        for g in groups:
+            for previous, row in zip(g.rows, g.rows[1:]):
+                common = _common_blocks(batch.tokens_of(previous), batch.tokens_of(row), block_size) * block_size
+                if common > g.prefix_len:
+                    self._shares_deeper[row] = (previous, common)
         self._holders: Counter[int] = Counter()  # prefix block key -> groups holding it
         self._rows: dict[int, _GroupState] = {}  # rows in the engine
         self._prefixes: dict[int, _GroupState] = {}  # prefix requests in the engine, by group position
@@ -157,14 +169,21 @@ class GroupScheduler:
         return not self._queue and not self._rows and not self._prefixes
 
     # -- block accounting -------------------------------------------------------------------
-    def _own_blocks(self, row: int, group: _GroupState, tokens: int) -> int:
-        return max(1, -(-tokens // self._block) - group.planned.prefix_len // self._block)
+    def _own_blocks(self, row: int, group: _GroupState, tokens: int, shared: int | None = None) -> int:
+        shared = group.planned.prefix_len if shared is None else shared
+        return max(1, -(-tokens // self._block) - shared // self._block)
+
+    def _shared_len(self, row: int, group: _GroupState) -> int:
+        """Leading tokens the row shares with what is in flight: its group's prefix, or more while
+        the row before it, with which it shares more, is in the engine too."""
+        previous, common = self._shares_deeper.get(row, (None, 0))
+        return common if previous in self._rows else group.planned.prefix_len
 
     def _row_demand(self, row: int, group: _GroupState, generated: int) -> int:
-        """Blocks the row holds beyond its group's prefix, plus what is reserved for its output."""
-        length = int(self._lengths[row])
-        held = self._own_blocks(row, group, length + generated)
-        final = self._own_blocks(row, group, length + int(self._max_tokens[row]))
+        """Blocks the row holds beyond what it shares, plus what is reserved for its output."""
+        length, shared = int(self._lengths[row]), self._shared_len(row, group)
+        held = self._own_blocks(row, group, length + generated, shared)
+        final = self._own_blocks(row, group, length + int(self._max_tokens[row]), shared)
         growth = final - held
         return held + (growth if self._lookahead is None else min(growth, self._lookahead))
 
@@ -202,8 +221,6 @@ class GroupScheduler:
         while self._queue:
             group = self._queue[0]
             planned = group.planned
-            if group.state is _PrefixState.RUNNING and generated.get((RequestKind.ROW, group.pioneer), 0) >= 1:
-                group.state = _PrefixState.READY  # its first row is past prefill: the prefix is cached
             if group.state is _PrefixState.PENDING:
                 new_blocks = sum(1 for key in group.block_keys if key not in self._holders)
                 need = new_blocks + 1 + self._row_demand(planned.rows[0], group, 0)
@@ -218,9 +235,6 @@ class GroupScheduler:
                     in_use += 1  # the prefix request's own output block
                     group.state = _PrefixState.RUNNING
                 else:
-                    # Without a prefix request the first row to enter computes the prefix (the pioneer);
-                    # the others wait for it to be cached, or each would compute (and hold) it again.
-                    group.needs_pioneer = self._shares_prefix(group)
                     group.state = _PrefixState.READY
             if group.state is _PrefixState.RUNNING:
                 break  # its rows wait for the prefix; later groups wait for their turn
@@ -242,11 +256,8 @@ class GroupScheduler:
                 group.outstanding += 1
                 group.next_row += 1
                 in_use += cost
-                if group.needs_pioneer:
-                    group.needs_pioneer, group.pioneer, group.state = False, row, _PrefixState.RUNNING
-                    break  # only the pioneer until the prefix is cached
-            if not group.all_admitted or group.state is _PrefixState.RUNNING:
-                break  # later groups wait until this group's prefix is cached
+            if not group.all_admitted:
+                break
             self._queue.popleft()
             if group.outstanding == 0:  # every row was rejected
                 self._release(group)
@@ -262,21 +273,18 @@ class GroupScheduler:
             self.stats.prefix_cached_tokens += finished.cached_tokens
             return
         group = self._rows.pop(submission.index)
-        if group.pioneer == submission.index and group.state is _PrefixState.RUNNING:
-            group.state = _PrefixState.READY
         group.outstanding -= 1
         if group.outstanding == 0 and group.all_admitted:
             self._release(group)  # the prefix may now be evicted
 
-    def _shares_prefix(self, group: _GroupState) -> bool:
-        """A group with prefix blocks shares them with its rows, or with the groups around it (a
-        nested prefix): the first request to compute them must be past prefill before another enters."""
-        return group.planned.prefix_len >= self._block
-
     def _uses_prefix_request(self, group: _GroupState) -> bool:
-        fits = group.planned.prefix_len // self._block + 1 <= self._capacity
-        many = len(group.planned.rows) >= self._settings.min_group_rows
-        return self._settings.prefix_requests and self._shares_prefix(group) and many and fits
+        planned = group.planned
+        return (
+            self._settings.prefix_requests
+            and planned.prefix_len >= self._block
+            and len(planned.rows) >= self._settings.min_group_rows
+            and planned.prefix_len // self._block + 1 <= self._capacity
+        )
 
 
 class InOrderScheduler:

@@ -3,7 +3,8 @@
 What it models, as vLLM's ``KVCacheManager`` does: a pool of ``num_blocks`` blocks (one kept as
 the null block); full prompt blocks cached by the chained hash of their tokens and shared by
 reference count; a new request reuses the cached blocks of its longest cached prefix and
-allocates the rest; requests prefilled in the same step do not share blocks they both miss;
+allocates the rest; blocks are cached when they are allocated (``allocate_slots`` caches the
+tokens it schedules), so a request admitted later in the same step shares them too;
 output blocks allocated lazily, one when a decode crosses a block boundary; freed blocks stay
 cached (evictable, least recently freed first); when a running request cannot get a block, the
 most recently admitted one is preempted (its blocks freed, recomputed later). The KV usage it
@@ -69,11 +70,9 @@ class FakeEngine:
     def step(self) -> StepReport:
         self.step_count += 1
         preempted = self._grow_running()
-        newly = self._admit_waiting()
+        self._admit_waiting()
         report = StepReport()
         for request in list(self._running):
-            if request in newly:
-                self._cache_prompt_blocks(request)
             request.generated += 1
             if request.generated >= request.submission.max_tokens:
                 self._running.remove(request)
@@ -155,8 +154,7 @@ class FakeEngine:
             hashes.append(previous)
         return hashes
 
-    def _admit_waiting(self) -> list[_Request]:
-        admitted = []
+    def _admit_waiting(self) -> None:
         while self._waiting and len(self._running) < self.max_num_seqs:
             request = self._waiting[0]
             hits = []
@@ -184,8 +182,7 @@ class FakeEngine:
             self.prefill_tokens += request.tokens - len(hits) * self.block_size
             request.prefilled = True
             self._running.append(request)
-            admitted.append(request)
-        return admitted
+            self._cache_prompt_blocks(request)
 
     def _cache_prompt_blocks(self, request: _Request) -> None:
         for block, h in zip(request.blocks, self._prompt_hashes(request)):

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pyarrow.parquet as pq
+import pytest
 
 from .conftest import make_prompt_table
 
@@ -24,6 +25,7 @@ def test_plan_prints_groups_and_the_ideal_saving(prompt_parquet, tiny_model):
     assert "ideal saving" in text
 
 
+@pytest.mark.slow
 def test_run_writes_one_answer_per_id(prompt_parquet, tiny_model, tmp_path):
     output = tmp_path / "out" / "answers.parquet"
     done = batchllm("run", str(prompt_parquet), "--model", tiny_model, "--output", str(output),

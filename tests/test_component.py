@@ -1,5 +1,6 @@
 """The YAML Component and the project's code location, as `dg` sees them."""
 
+import pytest
 import os
 import subprocess
 from pathlib import Path
@@ -11,6 +12,8 @@ from batchllm_dagster import BatchJobComponent
 from batchllm_dagster.component import BatchJobScaffolder
 
 from .conftest import ROOT
+
+pytestmark = pytest.mark.slow  # real vLLM, dg, Ray or a browser
 
 DG = str(ROOT / ".venv" / "bin" / "dg")
 

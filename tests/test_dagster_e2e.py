@@ -10,6 +10,8 @@ from batchllm_dagster import BatchJobConfig, DatasetSpec, ModelSpec, SamplingSpe
 
 from .conftest import make_prompt_table
 
+pytestmark = pytest.mark.slow  # real vLLM, dg, Ray or a browser
+
 
 @pytest.fixture
 def job(tmp_path, tiny_model):

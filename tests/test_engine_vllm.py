@@ -11,6 +11,8 @@ from engine.tokenizing import load_tokenizer
 
 from .conftest import make_prompt_table
 
+pytestmark = pytest.mark.slow  # real vLLM, dg, Ray or a browser
+
 SAMPLING = SamplingSettings(max_tokens=8)
 
 

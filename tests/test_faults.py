@@ -18,6 +18,8 @@ from batchllm_dagster import BatchJobConfig, DatasetSpec, ModelSpec, SamplingSpe
 from .conftest import ROOT, make_prompt_table
 from .fault_job import completions_and_plan
 
+pytestmark = pytest.mark.slow  # real vLLM, dg, Ray or a browser
+
 ROWS = dict(documents=60, questions=12, singles=30)
 MAX_TOKENS = "40"
 

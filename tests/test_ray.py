@@ -16,6 +16,8 @@ from engine.tokenizing import load_tokenizer  # noqa: E402
 
 from .conftest import make_prompt_table  # noqa: E402
 
+pytestmark = pytest.mark.slow  # real vLLM, dg, Ray or a browser
+
 SAMPLING = SamplingSettings(max_tokens=24)
 
 

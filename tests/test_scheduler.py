@@ -98,6 +98,24 @@ def test_nested_prefix_blocks_shared_by_groups_count_once():
     assert engine.preemptions == 0
 
 
+def test_rows_sharing_more_than_their_group_prefix_count_the_shared_blocks_once():
+    # One group (a system prompt); inside it, pairs of rows share a 3-block document.
+    rng = np.random.default_rng(1)
+    system = rng.integers(100, 200, 2 * BLOCK)
+    rows = []
+    for _ in range(6):
+        document = rng.integers(200, 300, 3 * BLOCK)
+        rows += [np.concatenate([system, document, rng.integers(300, 400, 2)]) for _ in range(2)]
+    batch = make_batch(rows)
+    groups = [PlannedGroup(prefix_len=2 * BLOCK, rows=list(range(12)))]
+    engine, scheduler, out, watch, _ = run(batch, groups, np.full(12, 3), num_blocks=200, reserve_output="full")
+    assert watch.undercounts == []
+    # All 12 rows in flight at once: 2 system + 6 x 3 document blocks, each counted once, + 12 rows
+    # x 2 own blocks (2 own prompt tokens + 3 reserved output tokens, past the 20 shared tokens).
+    assert scheduler.stats.max_planned_blocks == 2 + 6 * 3 + 12 * 2
+    assert engine.prefill_tokens == 2 * BLOCK + 6 * 3 * BLOCK + 12 * 2
+
+
 def test_mixed_output_lengths_full_reservation_never_preempts():
     batch, groups = nested_batch(documents=8, rows_per_document=4, system_blocks=2, document_blocks=2)
     rng = np.random.default_rng(3)
@@ -164,10 +182,12 @@ def random_plans(draw):
     rows, groups, max_tokens = [], [], []
     for _ in range(draw(st.integers(1, 8))):
         prefix = np.concatenate([system, rng.integers(50, 99, draw(st.integers(0, 4)) * BLOCK)])
-        members = []
+        members, middle = [], np.zeros(0, dtype=np.int64)
         for _ in range(draw(st.integers(1, 6))):
+            if not draw(st.booleans()):  # else: shares a middle part (a document) with the row before
+                middle = rng.integers(200, 300, draw(st.integers(0, 3)) * BLOCK)
             members.append(len(rows))
-            rows.append(np.concatenate([prefix, rng.integers(100, 200, draw(st.integers(1, 9)))]))
+            rows.append(np.concatenate([prefix, middle, rng.integers(300, 400, draw(st.integers(1, 9)))]))
             max_tokens.append(draw(st.integers(1, 40)))
         groups.append(PlannedGroup(prefix_len=prefix.size, rows=members))
     return make_batch(rows), groups, np.array(max_tokens)

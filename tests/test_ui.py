@@ -19,7 +19,7 @@ import pytest
 from .conftest import ROOT
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"), reason="Debian chromium not installed")
+pytestmark = pytest.mark.slow  # dg dev, the daemon, real vLLM and a browser
 
 LAUNCH_BACKFILL = """
 mutation Launch($params: LaunchBackfillParams!) {
@@ -135,6 +135,8 @@ def test_backfill_from_the_ui_runs_every_shard_and_the_page_shows_its_metadata(p
         runs = instance.get_run_records(dg.RunsFilter(tags={"dagster/backfill": launched["backfillId"]}))
         assert sorted(r.dagster_run.tags["dagster/partition"] for r in runs) == sorted(partitions)  # each shard once
 
+        if CHROMIUM is None and not os.environ.get("CI"):  # in CI a missing Chromium fails the render
+            pytest.skip("the backfill ran; rendering the page needs Debian chromium (apt-get install chromium)")
         shard = sorted(partitions)[0]
         page = render(f"http://127.0.0.1:{port}/assets/support/completions?view=partitions&partition={shard}", tmp_path)
         (tmp_path / "page.html").write_text(page)

@@ -1,0 +1,97 @@
+"""Fast unit tests of the run's bookkeeping: checkpoints, progress lines, merged stats, partitions."""
+
+import re
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from engine.checkpoint import Checkpoint
+from engine.progress import Progress, format_eta
+from engine.results import RowResult, RunStats, merge_stats
+from engine.runner import PreparedBatch, ideal_cached_tokens
+from engine.tokenizing import TokenizedBatch
+
+
+def result(i, fingerprint="fp", status="ok"):
+    return RowResult(id=f"r{i}", status=status, text=f"answer {i}", output_tokens=3, row_fingerprint=fingerprint)
+
+
+def test_checkpoint_writes_parts_and_reuses_only_matching_ok_rows(tmp_path):
+    checkpoint = Checkpoint(tmp_path / "ckpt", pa.string(), every_rows=2, every_s=3600)
+    for i in range(5):
+        checkpoint.add(result(i, status="error" if i == 4 else "ok"))
+    assert len(list((tmp_path / "ckpt").glob("part-*.parquet"))) == 2  # 4 rows flushed, 1 pending
+    checkpoint.flush()
+    assert checkpoint.written == 5 and not list((tmp_path / "ckpt").glob("*.partial"))
+    expected = {"r0": "fp", "r1": "other", "r2": "fp", "r3": "fp", "r4": "fp"}
+    reused = Checkpoint(tmp_path / "ckpt", pa.string()).load(expected)
+    assert sorted(reused) == ["r0", "r2", "r3"]  # r1: changed fingerprint; r4: an error is retried
+    assert reused["r2"].text == "answer 2"
+
+
+def test_a_damaged_checkpoint_part_is_recomputed_not_trusted(tmp_path):
+    checkpoint = Checkpoint(tmp_path / "ckpt", pa.string(), every_rows=1)
+    checkpoint.add(result(0))
+    (tmp_path / "ckpt" / "part-99999999999999999999.parquet").write_bytes(b"not parquet")
+    assert sorted(Checkpoint(tmp_path / "ckpt", pa.string()).load({"r0": "fp"})) == ["r0"]
+
+
+def test_progress_never_prints_nan(monkeypatch):
+    lines = []
+    progress = Progress(total_rows=100, every_s=0, sink=lines.append)
+    progress.maybe_log(0, 0, 0, in_flight=5, kv_usage=0.5, preemptions=0)
+    progress.started -= 10
+    progress.maybe_log(50, 5000, 100, in_flight=5, kv_usage=0.9, preemptions=1)
+    assert "nan" not in " ".join(lines).lower()
+    assert "eta ?" in lines[0]
+    assert re.search(r"50/100 rows \(50%\), 5\.0 rows/s, \d+ tok/s", lines[1]) and "eta 10s" in lines[1]
+    assert format_eta(125) == "2m05s" and format_eta(float("nan")) == "?"
+
+
+def test_merge_stats_adds_counts_takes_the_longest_time_and_weights_gauges_by_steps():
+    a = RunStats(rows=3, ok_rows=3, prompt_tokens=30, cached_tokens=10, reused_rows=1, engine_steps=10,
+                 mean_kv_usage=0.5, rows_per_step=2.0, wall_s=4.0, startup_s=1.0)
+    b = RunStats(rows=2, ok_rows=1, error_rows=1, prompt_tokens=20, cached_tokens=20, reused_rows=2, engine_steps=30,
+                 mean_kv_usage=0.9, rows_per_step=4.0, wall_s=6.0, startup_s=2.0)
+    merged = merge_stats([a, b])
+    assert (merged.rows, merged.ok_rows, merged.error_rows, merged.reused_rows) == (5, 4, 1, 3)
+    assert (merged.prompt_tokens, merged.cached_tokens, merged.engine_steps) == (50, 30, 40)
+    assert (merged.wall_s, merged.startup_s) == (6.0, 2.0)
+    assert merged.mean_kv_usage == pytest.approx((0.5 * 10 + 0.9 * 30) / 40)
+    assert merged.rows_per_step == pytest.approx((2 * 10 + 4 * 30) / 40)
+    assert RunStats.from_dict(merged.to_dict()) == merged
+
+
+def prepared_of(rows: list[list[int]], order, groups, prefix) -> PreparedBatch:
+    lengths = [len(r) for r in rows]
+    batch = TokenizedBatch(np.concatenate([np.asarray(r, np.int32) for r in rows]), np.concatenate([[0], np.cumsum(lengths)]))
+    return PreparedBatch(ids=[f"r{i}" for i in range(len(rows))], id_type=pa.string(), batch=batch,
+                         max_tokens=np.full(len(rows), 4), errors={1: "bad"}, order=np.asarray(order),
+                         group_of_row=np.asarray(groups), prefix_len_of_row=np.asarray(prefix), block_size=2)
+
+
+def test_a_plan_table_round_trips_and_a_subset_keeps_the_plan_order():
+    prepared = prepared_of([[1, 2, 3, 4, 9], [], [1, 2, 3, 4, 8], [5, 6, 7]], order=[2, 0, 3, 1], groups=[0, 2, 0, 1],
+                           prefix=[4, 0, 4, 0])
+    back = PreparedBatch.from_table(prepared.to_table())
+    assert back.ids == prepared.ids and back.errors == prepared.errors and back.block_size == 2
+    assert list(back.order) == [2, 0, 3, 1] and back.batch.row(2) == [1, 2, 3, 4, 8]
+    part = prepared.subset([3, 0, 2])
+    assert part.ids == ["r0", "r2", "r3"] and [part.ids[i] for i in part.order] == ["r2", "r0", "r3"]
+    assert part.batch.row(1) == [1, 2, 3, 4, 8] and part.errors == {}
+    # r2 then r0 share two whole blocks; r3 shares nothing.
+    assert ideal_cached_tokens(prepared.batch, [2, 0, 3], block_size=2) == 4
+
+
+def test_partition_sync_adds_new_keys_and_removes_stale_ones():
+    import dagster as dg
+
+    from batchllm_dagster.partitions import shard_key, sync_partitions
+
+    with dg.instance_for_test() as instance:
+        assert sync_partitions(instance, "jobs", ["a", "b"]) == (["a", "b"], [])
+        assert sync_partitions(instance, "jobs", ["b", "c"]) == (["c"], ["a"])
+        assert sorted(instance.get_dynamic_partitions("jobs")) == ["b", "c"]
+    assert shard_key("GPU A100", 3, ["x", "y"]) == shard_key("GPU A100", 3, ["y", "x"])  # same rows, same key
+    assert shard_key("GPU A100", 3, ["x"]).startswith("gpu-a100-03-")
