@@ -24,7 +24,7 @@ from engine.runner import PreparedBatch, RunOutcome, run_resumable
 from engine.settings import fingerprint
 
 from .snapshots import (checkpoint_path, completions_parquet_path, plan_path, plan_stamp, read_parquet,
-                        stale_plan_reasons, write_parquet)
+                        stage_parquet, stale_plan_reasons, write_parquet)
 
 
 def shard_plan(config: BatchJobConfig, partition_key: str, model_path: str) -> pa.Table:
@@ -115,8 +115,16 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
             .append_column("settings_fingerprint", pa.array([fingerprint(settings, sampling)] * n, pa.string()))
             .append_column("completed_at", pa.array([dt.datetime.now(dt.timezone.utc)] * n, pa.timestamp("us", tz="UTC")))
         )
-        write_parquet(table, completions_parquet_path(config, key))
-        written = replace_partition(config.warehouse(), config.output_table, key, table)
+        # Parquet staged, DuckDB committed, then Parquet renamed into place: a failure at any point
+        # (a DuckDB lock timeout, say) leaves both as they were and keeps the checkpoint for the rerun.
+        parquet = completions_parquet_path(config, key)
+        staging = stage_parquet(table, parquet)
+        try:
+            written = replace_partition(config.warehouse(), config.output_table, key, table)
+        except BaseException:
+            staging.unlink(missing_ok=True)
+            raise
+        staging.replace(parquet)
         shutil.rmtree(checkpoint, ignore_errors=True)  # the table now holds every row of the shard
         context.log.info(f"wrote {written} rows of partition {key} to {config.output_table}")
         return dg.MaterializeResult(

@@ -6,17 +6,19 @@ import dagster as dg
 
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import table_preview
-from engine.dataset import read_sql, source_sql, validate
+from engine.dataset import read_sql, single_query, source_sql, validate
 
 from .snapshots import prompts_path, write_parquet
 
 
-def dataset_sql(config: BatchJobConfig) -> tuple[str, str | None]:
-    """The dataset as one SQL query and the database it runs on."""
+def dataset_sql(config: BatchJobConfig) -> tuple[str, str | None, list[str]]:
+    """The dataset as one SQL query, the database it runs on and the folders it may read."""
     spec = config.dataset
     if spec.sql:
-        return spec.sql, spec.database
-    return source_sql(str(spec.sql_file or spec.table or spec.parquet), spec.database)
+        sql, database, allowed = spec.sql, spec.database, []
+    else:
+        sql, database, allowed = source_sql(str(spec.sql_file or spec.table or spec.parquet), spec.database)
+    return sql, database, [*allowed, *spec.allowed_paths]
 
 
 def load_dataset(config: BatchJobConfig):
@@ -24,12 +26,13 @@ def load_dataset(config: BatchJobConfig):
 
 
 def source_version(config: BatchJobConfig) -> str:
-    """A fingerprint of the dataset's content (row count and a hash of every row), read-only.
-
-    Content, not file times: the output table may live in the same database file."""
-    sql, database = dataset_sql(config)
-    table = read_sql(f"SELECT count(*) AS n, sum(hash(t))::VARCHAR AS h FROM ({sql}) t", database)
-    return f"{sql.strip()}|{table['n'][0].as_py()}|{table['h'][0].as_py()}"
+    """A fingerprint of the dataset's content (row count and a hash of every row), read-only and
+    sandboxed like ``prompts``. Content, not file times: the output table may live in the same
+    database file."""
+    sql, database, allowed = dataset_sql(config)
+    query = single_query(sql)  # the same rules as prompts; a trailing ``;`` or comment is fine
+    table = read_sql(f"SELECT count(*) AS n, sum(hash(t))::VARCHAR AS h FROM (\n{query}\n) t", database, allowed)
+    return f"{query.strip()}|{table['n'][0].as_py()}|{table['h'][0].as_py()}"
 
 
 def build_prompts(config: BatchJobConfig) -> dg.AssetsDefinition:

@@ -9,6 +9,7 @@ shape a plan). A partition runs exactly those rows and refuses a plan whose stam
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -35,11 +36,16 @@ def completions_parquet_path(config: BatchJobConfig, partition_key: str) -> Path
     return config.job_dir / "completions" / f"{partition_key}.parquet"
 
 
-def write_parquet(table: pa.Table, path: Path) -> None:
+def stage_parquet(table: pa.Table, path: Path) -> Path:
+    """Write next to ``path`` under a temporary name; rename it to ``path`` to publish it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(path.name + ".partial")
+    staging = path.with_name(f".{path.name}.{os.getpid()}.partial")
     pq.write_table(table, staging)
-    staging.replace(path)  # readers see the old file or the new one, never half of one
+    return staging
+
+
+def write_parquet(table: pa.Table, path: Path) -> None:
+    stage_parquet(table, path).replace(path)  # readers see the old file or the new one, never half of one
 
 
 def read_parquet(path: Path, what: str, filters=None) -> pa.Table:

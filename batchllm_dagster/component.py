@@ -77,6 +77,7 @@ class BatchJobComponent(dg.Component, dg.Resolvable, dg.Model):
             "sql_file": str(component_dir / spec.sql_file) if spec.sql_file else None,
             "parquet": str(data / spec.parquet) if spec.parquet else None,
             "database": str(data / spec.database) if spec.database else None,
+            "allowed_paths": [str(data / path) for path in spec.allowed_paths],
         })
         return BatchJobConfig(
             name=self.name,

@@ -12,7 +12,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, model_validator
 
 from engine.dataset import Columns
-from engine.settings import DEFAULT_BLOCK_SIZE, EngineSettings, Policy, SamplingSettings, SchedulerSettings
+from engine.settings import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, EngineSettings, Policy, SamplingSettings, SchedulerSettings
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -32,6 +32,9 @@ class DatasetSpec(BaseModel):
     table: str | None = None
     parquet: str | None = None
     database: str | None = Field(None, description="DuckDB database the SQL or table reads (opened read-only)")
+    allowed_paths: list[str] = Field(
+        default_factory=list,
+        description="more folders the dataset SQL may read (the database's folder and a Parquet source's are allowed)")
     id_column: str = "id"
     prompt_column: str = "prompt"
     messages_column: str = "messages"
@@ -70,14 +73,29 @@ class ModelSpec(BaseModel):
     enforce_eager: bool = True
     seed: int = 0
 
+    @model_validator(mode="after")
+    def _valid(self) -> "ModelSpec":
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size must be one of {BLOCK_SIZES} (what vLLM supports), not {self.block_size}")
+        return self
+
 
 class SamplingSpec(BaseModel):
-    max_tokens: int = 64
+    max_tokens: int = Field(64, description="default output tokens per row (>= 1; a row's max_tokens column overrides)")
     temperature: float = 0.0
     top_p: float = 1.0
     ignore_eos: bool = False
     seed: int = 0
     stop: list[str] = Field(default_factory=list, description="strings that end an answer")
+
+    @model_validator(mode="after")
+    def _valid(self) -> "SamplingSpec":
+        self.to_settings()  # one set of rules: the engine's
+        return self
+
+    def to_settings(self) -> SamplingSettings:
+        return SamplingSettings(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                                ignore_eos=self.ignore_eos, seed=self.seed, stop=tuple(self.stop))
 
 
 class BatchJobConfig(BaseModel):
@@ -144,9 +162,7 @@ class BatchJobConfig(BaseModel):
         )
 
     def sampling_settings(self) -> SamplingSettings:
-        s = self.sampling
-        return SamplingSettings(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                                ignore_eos=s.ignore_eos, seed=s.seed, stop=tuple(s.stop))
+        return self.sampling.to_settings()
 
 
 

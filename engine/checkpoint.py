@@ -56,6 +56,7 @@ class Checkpoint:
         self._pending: list[RowResult] = []
         self._last_flush = time.monotonic()
         self.written = 0
+        self.reused_from: dict = {}  # row id -> where load() found it
 
     def load(self, expected: dict, also: list[Path] = ()) -> dict:
         """Reusable ok results by id: those whose fingerprint equals ``expected[id]``.
@@ -63,6 +64,7 @@ class Checkpoint:
         ``also`` names more result files to reuse from (a previous run's output)."""
         parts = sorted(self.folder.glob("part-*.parquet")) if self.folder.exists() else []
         reusable: dict = {}
+        self.reused_from = {}
         for part in [*also, *parts]:
             try:
                 table = pq.read_table(part)
@@ -76,7 +78,20 @@ class Checkpoint:
                 row_id = record.pop("id")
                 if record["row_fingerprint"] == expected.get(row_id) and record["status"] == "ok":
                     reusable[row_id] = RowResult(id=row_id, **record)
+                    self.reused_from[row_id] = "checkpoint" if part in parts else str(part)
         return reusable
+
+    def describe_reuse(self) -> str:
+        """Where the reused rows came from, e.g. ``12 from the checkpoint, 3 from out.parquet``."""
+        counts: dict[str, int] = {}
+        for source in self.reused_from.values():
+            counts[source] = counts.get(source, 0) + 1
+        return ", ".join(f"{n} from {'the checkpoint ' + str(self.folder) if s == 'checkpoint' else s}"
+                         for s, n in counts.items()) or "none"
+
+    def restart_timer(self) -> None:
+        """Count the time between parts from now (when rows start running, not from start-up)."""
+        self._last_flush = time.monotonic()
 
     def add(self, result: RowResult) -> None:
         self._pending.append(result)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from .dataset import Columns, DatasetError, load_prompts
-from .settings import DEFAULT_BLOCK_SIZE, EngineSettings, SamplingSettings, SchedulerSettings
+from .settings import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, EngineSettings, SamplingSettings, SchedulerSettings
 
 log = logging.getLogger("batchllm")
 
@@ -30,10 +30,18 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--id-column", default="id")
     parser.add_argument("--prompt-column", default="prompt")
     parser.add_argument("--messages-column", default="messages")
-    parser.add_argument("--max-tokens", type=int, default=64, help="default output tokens per row")
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="KV block size (tokens)")
+    parser.add_argument("--max-tokens", type=_at_least_one, default=64, help="default output tokens per row")
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, choices=BLOCK_SIZES,
+                        help="KV block size (tokens)")
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--shards", type=int, default=1, help="cut the plan into this many shards")
+    parser.add_argument("--shards", type=_at_least_one, default=1, help="cut the plan into this many shards")
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def _settings(args) -> tuple[EngineSettings, SamplingSettings, Columns]:
@@ -103,27 +111,25 @@ def cmd_plan(args) -> int:
 
 
 def cmd_run(args) -> int:
-    import pyarrow.parquet as pq
-
+    from .output import OutputLock, check_output, write_result
     from .results import results_to_table
     from .runner import run_resumable
 
-    engine_settings, sampling, _, prepared = _prepare(args)
     output = Path(args.output)
-    checkpoint_dir = Path(args.checkpoint_dir or f"{output}.checkpoint")
-    outcome = run_resumable(
-        prepared, engine_settings, sampling, checkpoint_dir, SchedulerSettings(),
-        reuse_from=[output] if output.exists() else [], progress_sink=log.info,
-        checkpoint_every_rows=args.checkpoint_every_rows,
-    )
-    results, stats = outcome.results, outcome.stats
-    position = {row_id: i for i, row_id in enumerate(prepared.ids)}
-    results.sort(key=lambda r: position[r.id])  # one row per id, in input order
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = output.with_name(output.name + ".partial")
-    pq.write_table(results_to_table(results, prepared.id_type), staging)
-    staging.replace(output)
-    shutil.rmtree(checkpoint_dir, ignore_errors=True)  # the output now holds every row
+    check_output(output, args.prompts, args.overwrite)  # before any work
+    with OutputLock(output):
+        engine_settings, sampling, _, prepared = _prepare(args)
+        checkpoint_dir = Path(args.checkpoint_dir or f"{output}.checkpoint")
+        outcome = run_resumable(
+            prepared, engine_settings, sampling, checkpoint_dir, SchedulerSettings(),
+            reuse_from=[output] if output.exists() else [], progress_sink=log.info,
+            checkpoint_every_rows=args.checkpoint_every_rows,
+        )
+        results, stats = outcome.results, outcome.stats
+        position = {row_id: i for i, row_id in enumerate(prepared.ids)}
+        results.sort(key=lambda r: position[r.id])  # one row per id, in input order
+        write_result(results_to_table(results, prepared.id_type), output, args.prompts)
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)  # the output now holds every row
     summary = stats.to_dict()
     summary.update(
         rows=len(results),
@@ -168,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--kv-cache-blocks", type=int, help="cap the KV cache at this many blocks")
     run.add_argument("--json", action="store_true", help="print the run's statistics as JSON")
     run.add_argument("--checkpoint-dir", help="where finished rows are kept while running (default OUT.checkpoint)")
-    run.add_argument("--checkpoint-every-rows", type=int, default=256, help="write a checkpoint part this often")
+    run.add_argument("--checkpoint-every-rows", type=_at_least_one, default=256, help="write a checkpoint part this often")
+    run.add_argument("--overwrite", action="store_true", help="replace an existing --output that is not a result of these prompts")
     run.set_defaults(func=cmd_run)
 
     prep = sub.add_parser("prepare-model", help="build a built-in offline model")
@@ -181,19 +188,27 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from .models import ModelNotFound
+    from .output import OutputError
+    from .vllm_engine import EngineStartError
+
     try:
         return args.func(args)
-    except DatasetError as exc:
-        print(f"batchllm: bad prompt table: {exc}", file=sys.stderr)
-        return 2
     except Exception as exc:
-        from .models import ModelNotFound
-        from .vllm_engine import EngineStartError
-
+        if args.verbose:
+            raise
+        # A mistake the user can fix is one line and an exit code; --verbose shows the traceback.
+        if isinstance(exc, DatasetError):
+            print(f"batchllm: bad prompt table: {exc}", file=sys.stderr)
+            return 2
+        if isinstance(exc, (OutputError, ValueError)):
+            print(f"batchllm: {exc}", file=sys.stderr)
+            return 2
         if isinstance(exc, (EngineStartError, ModelNotFound)):
             print(f"batchllm: {exc}", file=sys.stderr)
             return 3
-        raise
+        print(f"batchllm: failed: {type(exc).__name__}: {exc} (run with --verbose for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

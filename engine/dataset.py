@@ -2,7 +2,8 @@
 
 A prompt table has an id column (unique, non-NULL) and a prompt column (text) and/or a messages
 column (a JSON list of ``{"role", "content"}`` chat messages); an optional integer column gives a
-row its own ``max_tokens``. Dataset SQL always runs on a read-only connection.
+row its own ``max_tokens``. Dataset SQL runs in DuckDB's sandbox (see ``read_sql``): one query,
+read-only, reading only the job's own files.
 """
 
 from __future__ import annotations
@@ -27,21 +28,53 @@ class Columns:
     max_tokens: str = "max_tokens"
 
 
-def read_sql(sql: str, database: str | None = None) -> pa.Table:
-    """Run dataset SQL with DuckDB on a read-only connection (in memory when no database is given)."""
+def single_query(sql: str) -> str:
+    """The one query the dataset SQL holds (without a trailing ``;``); anything else is refused."""
     import duckdb
 
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.Error as exc:
+        raise DatasetError(f"dataset SQL failed: {exc}") from exc
+    if len(statements) != 1:
+        raise DatasetError(f"dataset SQL must be exactly one query; it has {len(statements)} statements")
+    if statements[0].type != duckdb.StatementType.SELECT:
+        raise DatasetError(f"dataset SQL must be a query (SELECT ...), not a {statements[0].type.name} statement")
+    return statements[0].query
+
+
+def read_sql(sql: str, database: str | None = None, allowed_paths: list[str] = ()) -> pa.Table:
+    """Run dataset SQL in DuckDB's sandbox: exactly one query; the database (if any) read-only;
+    no file outside ``allowed_paths`` (and the database's folder) readable; no extension installed
+    or loaded; the configuration locked so the SQL cannot undo any of it."""
+    import duckdb
+
+    query = single_query(sql)
     if database and not Path(database).exists():
         raise DatasetError(f"DuckDB database {database!r} does not exist")
-    con = _connect_read_only(database) if database else duckdb.connect()
+    con = _connect_read_only(database) if database else duckdb.connect(config=_NO_EXTENSIONS)
     try:
-        return con.sql(sql).to_arrow_table()
+        _sandbox(con, [*allowed_paths, *([str(Path(database).parent)] if database else [])])
+        return con.sql(query).to_arrow_table()
     except AttributeError:  # pragma: no cover - statements that return nothing
         raise DatasetError(f"dataset SQL returned no rows: {sql!r}") from None
+    except duckdb.PermissionException as exc:
+        raise DatasetError(f"dataset SQL may only read the job's own data ({', '.join(allowed_paths) or 'its database'}): "
+                           f"{exc}") from exc
     except duckdb.Error as exc:
         raise DatasetError(f"dataset SQL failed: {exc}") from exc
     finally:
         con.close()
+
+
+_NO_EXTENSIONS = {"autoinstall_known_extensions": False, "autoload_known_extensions": False}
+
+
+def _sandbox(con, allowed_paths: list[str]) -> None:
+    folders = sorted({str(Path(p).resolve()) + "/" for p in allowed_paths})
+    con.execute("SET allowed_directories = ?", [folders])
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
 
 
 def _connect_read_only(database: str, wait_s: float = 60.0):
@@ -52,7 +85,7 @@ def _connect_read_only(database: str, wait_s: float = 60.0):
     delay = 0.05
     while True:
         try:
-            return duckdb.connect(database, read_only=True)
+            return duckdb.connect(database, read_only=True, config=_NO_EXTENSIONS)
         except duckdb.IOException as exc:
             if "lock" not in str(exc).lower() or time.monotonic() > deadline:
                 raise DatasetError(f"cannot open DuckDB database {database!r}: {exc}") from exc
@@ -62,21 +95,27 @@ def _connect_read_only(database: str, wait_s: float = 60.0):
             raise DatasetError(f"cannot open DuckDB database {database!r}: {exc}") from exc
 
 
-def source_sql(source: str, database: str | None = None) -> tuple[str, str | None]:
+def source_sql(source: str, database: str | None = None) -> tuple[str, str | None, list[str]]:
     """A ``.sql`` file, a Parquet file or glob, or a DuckDB table name (with ``database``) as one
-    query and the database it runs on."""
+    query, the database it runs on, and the folders it may read."""
     path = Path(source)
     if source.endswith(".sql"):
         if not path.exists():
             raise DatasetError(f"SQL file {source!r} does not exist")
-        return path.read_text(), database
+        return path.read_text(), database, []
     if source.endswith(".parquet") or any(ch in source for ch in "*?["):
         if not glob.glob(source):
             raise DatasetError(f"no Parquet file matches {source!r}")
-        return f"SELECT * FROM read_parquet({_quote(source)})", None
+        return f"SELECT * FROM read_parquet({_quote(source)})", None, [parquet_folder(source)]
     if database:
-        return f"SELECT * FROM {_quote_identifier(source)}", database
+        return f"SELECT * FROM {_quote_identifier(source)}", database, []
     raise DatasetError(f"{source!r} is neither a .sql file, a Parquet file nor a table of a --database")
+
+
+def parquet_folder(source: str) -> str:
+    """The folder a Parquet file or glob reads from (the part before the first wildcard)."""
+    fixed = source.split("*")[0].split("?")[0].split("[")[0]
+    return str(Path(fixed).parent if not fixed.endswith("/") else Path(fixed))
 
 
 def read_source(source: str, database: str | None = None) -> pa.Table:

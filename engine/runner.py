@@ -149,19 +149,19 @@ def prepare_batch(
     batch = tokenize_rows(tokenizer, prompts, _column(table, columns.messages))
     errors = dict(batch.errors)
 
+    lengths = batch.lengths
+    limit = engine_settings.context_len
     row_max = _column(table, columns.max_tokens)
     max_tokens = np.full(n, sampling.max_tokens, dtype=np.int64)
     if row_max is not None:
         for i, value in enumerate(row_max):
             if value is None:
                 continue
-            if value < 1:
-                errors.setdefault(i, f"invalid max_tokens {value}: must be at least 1")
+            if not 1 <= value <= limit:  # checked as Python ints: no int64 overflow
+                errors.setdefault(i, f"invalid max_tokens {value}: must be between 1 and the context of {limit} tokens")
             else:
                 max_tokens[i] = value
-    lengths = batch.lengths
-    limit = engine_settings.context_len
-    for i in np.flatnonzero(lengths + max_tokens > limit):
+    for i in np.flatnonzero(max_tokens > limit - lengths):
         errors.setdefault(
             int(i),
             f"prompt of {lengths[i]} tokens + max_tokens {max_tokens[i]} exceeds the model's context of {limit} "
@@ -337,11 +337,13 @@ def run_resumable(
     checkpoint = Checkpoint(checkpoint_dir, prepared.id_type, every_rows=checkpoint_every_rows)
     reused = checkpoint.load({prepared.ids[r]: fingerprints[r] for r in rows}, also=list(reuse_from))
     todo = [r for r in rows if prepared.ids[r] not in reused]
-    (progress_sink or log.info)(f"reusing {len(reused)} of {len(rows)} rows from {checkpoint_dir}; {len(todo)} to run")
+    (progress_sink or log.info)(
+        f"reusing {len(reused)} of {len(rows)} rows ({checkpoint.describe_reuse()}); {len(todo)} to run")
     results = list(reused.values())
     needs_engine = any(r not in prepared.errors for r in todo)
     engine = start_engine(engine_settings, prepared) if needs_engine else None
     info = engine.info if engine is not None else None
+    checkpoint.restart_timer()  # a kill early in the run keeps what finished after start-up
     try:
         run = BatchRun(prepared, engine, sampling, scheduler, rows=todo, progress_sink=progress_sink,
                        row_fingerprints=fingerprints, started_at=started_at)

@@ -41,8 +41,10 @@ class RunMode(Policy):
     IN_ORDER = "in_order"  # every row at once, in the given order (plain vLLM)
     SORTED = "sorted"  # every row at once, sorted by token ids (plain vLLM on sorted() rows)
 
-# Default KV block size (tokens) everywhere a block size is not given.
+
+# Default KV block size (tokens) everywhere a block size is not given; vLLM accepts these.
 DEFAULT_BLOCK_SIZE = 32
+BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,12 @@ class EngineSettings:
     max_num_seqs: int | None = None
     enforce_eager: bool = True
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size must be one of {BLOCK_SIZES} (what vLLM supports), not {self.block_size}")
+        if self.max_model_len < 1 or (self.kv_cache_blocks is not None and self.kv_cache_blocks < 2):
+            raise ValueError("max_model_len must be >= 1 and kv_cache_blocks (when given) >= 2")
 
     @property
     def context_len(self) -> int:
@@ -79,6 +87,12 @@ class SamplingSettings:
     ignore_eos: bool = False
     seed: int = 0
     stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, not {self.max_tokens}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1] (got {self.temperature}, {self.top_p})")
 
 
 class SchedulerSettings(BaseModel):

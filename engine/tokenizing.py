@@ -39,10 +39,17 @@ def load_tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path)
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
 def _render_chat(tokenizer, messages: str) -> str:
     conversation = json.loads(messages) if isinstance(messages, str) else messages
     if not isinstance(conversation, list) or not conversation:
         raise ValueError("messages must be a non-empty JSON list of {role, content} objects")
+    for k, message in enumerate(conversation):
+        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES or not isinstance(message.get("content"), str):
+            raise ValueError(f"message {k} must be an object with a role in {CHAT_ROLES} and text content, "
+                             f"not {str(message)[:80]!r}")
     return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
 
 

@@ -53,3 +53,80 @@ def test_a_missing_model_exits_with_the_reason(prompt_parquet, tmp_path):
                     str(tmp_path / "out.parquet"), check=False)
     assert done.returncode == 3
     assert "does not exist" in done.stderr and "no-such-model" in done.stderr
+
+
+# -- what a careful or hostile user tries: each ends in one line, an exit code, and nothing written --
+
+
+def refused(done, code: int, *words: str) -> None:
+    assert done.returncode == code, (done.returncode, done.stderr[-2000:])
+    assert "Traceback" not in done.stderr
+    assert all(w in done.stderr for w in words), done.stderr[-2000:]
+
+
+def test_an_output_that_is_the_input_is_refused(prompt_parquet):
+    before = prompt_parquet.read_bytes()
+    refused(batchllm("run", str(prompt_parquet), "--model", "tiny", "--output", str(prompt_parquet), check=False),
+            2, "one of the inputs")
+    assert prompt_parquet.read_bytes() == before
+
+
+def test_an_unrelated_existing_output_needs_overwrite(prompt_parquet, tmp_path):
+    other = tmp_path / "precious.parquet"
+    pq.write_table(make_prompt_table(seed=3), other)
+    before = other.read_bytes()
+    refused(batchllm("run", str(prompt_parquet), "--model", "tiny", "--output", str(other), check=False),
+            2, "not a batchllm result", "--overwrite")
+    assert other.read_bytes() == before
+
+
+@pytest.mark.parametrize("where", ["directory", "under_a_file"])
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(prompt_parquet, tmp_path, where):
+    output = tmp_path if where == "directory" else prompt_parquet / "answers.parquet"
+    refused(batchllm("run", str(prompt_parquet), "--model", "tiny", "--output", str(output), check=False),
+            2, "--output")
+    assert not list(tmp_path.glob("*.partial")) and not list(tmp_path.glob("*.checkpoint"))
+
+
+def test_a_second_run_into_the_same_output_is_refused_and_named(prompt_parquet, tmp_path):
+    import json as _json
+    import os
+
+    output = tmp_path / "answers.parquet"
+    (tmp_path / "answers.parquet.lock").write_text(_json.dumps({"pid": os.getpid(), "host": os.uname().nodename}))
+    refused(batchllm("run", str(prompt_parquet), "--model", "tiny", "--output", str(output), check=False),
+            2, f"pid {os.getpid()}")
+
+
+@pytest.mark.parametrize("flag, value", [("--max-tokens", "0"), ("--shards", "0"), ("--block-size", "0"),
+                                         ("--block-size", "12")])
+def test_bad_numbers_are_refused_where_they_enter(prompt_parquet, flag, value):
+    refused(batchllm("plan", str(prompt_parquet), "--model", "tiny", flag, value, check=False), 2, flag)
+
+
+def test_bad_rows_become_error_rows_in_the_plan_not_negative_numbers(tmp_path):
+    import pyarrow as pa
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({
+        "id": [1, 2, 3, 4],
+        "prompt": ["fine", "fine too", None, None],
+        "messages": [None, None, '[{"content": "no role"}]', '["just", "strings"]'],
+        "max_tokens": [4, 2**63 - 1, None, None],
+    }), path)
+    summary = json.loads(batchllm("plan", str(path), "--model", "tiny", "--json").stdout)
+    assert summary["error_rows"] == 3
+    assert all(s["decode_tokens"] >= 0 for s in summary["shards"])
+
+
+def test_a_directory_that_is_not_a_model_is_one_line(prompt_parquet, tmp_path):
+    (tmp_path / "not-a-model").mkdir()
+    refused(batchllm("plan", str(prompt_parquet), "--model", str(tmp_path / "not-a-model"), check=False),
+            3, "is not a model checkpoint")
+
+
+def test_dataset_sql_that_writes_is_refused_and_writes_nothing(tmp_path):
+    sql = tmp_path / "evil.sql"
+    sql.write_text(f"COPY (SELECT 1 AS id, 'x' AS prompt) TO '{tmp_path}/stolen.csv'")
+    refused(batchllm("plan", str(sql), "--model", "tiny", check=False), 2, "must be a query")
+    assert not (tmp_path / "stolen.csv").exists()

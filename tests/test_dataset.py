@@ -26,9 +26,36 @@ def test_sql_file_table_and_parquet_sources(tmp_path, database):
     assert load_prompts(str(tmp_path / "*.parquet")).num_rows == 1
 
 
-def test_dataset_sql_runs_read_only(database):
-    with pytest.raises(DatasetError, match="read-only"):
-        read_sql("CREATE TABLE evil AS SELECT 1", database)
+@pytest.mark.parametrize("with_database", [True, False])
+@pytest.mark.parametrize(
+    "sql, rule",
+    [
+        ("CREATE TABLE evil AS SELECT 1", "must be a query"),
+        ("COPY (SELECT 42) TO '{out}/stolen.csv'", "must be a query"),
+        ("ATTACH '{out}/other.duckdb' AS other (READ_WRITE); CREATE TABLE other.t AS SELECT 1", "exactly one query"),
+        ("INSTALL httpfs", "must be a query"),
+        ("SELECT 1 AS id, 'a' AS prompt; SELECT 2 AS id, 'b' AS prompt", "exactly one query"),
+        ("SELECT * FROM read_csv('/etc/passwd')", "may only read the job's own data"),
+        ("SELECT 1 AS id, content AS prompt FROM read_text('/etc/hostname')", "may only read the job's own data"),
+        ("SELECT * FROM read_parquet('{out}/elsewhere.parquet')", "may only read the job's own data"),
+        ("WITH x AS (SELECT * FROM read_csv('/etc/passwd')) SELECT * FROM x", "may only read the job's own data"),
+    ],
+)
+def test_dataset_sql_is_sandboxed_and_writes_nothing(tmp_path, database, sql, rule, with_database):
+    out = tmp_path.parent / f"{tmp_path.name}-elsewhere"  # outside the database's folder
+    out.mkdir()
+    pq.write_table(pa.table({"id": [1], "prompt": ["secret"]}), out / "elsewhere.parquet")
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(DatasetError, match=rule):
+        read_sql(sql.format(out=out), database if with_database else None)
+    assert sorted(p.name for p in out.iterdir()) == before  # nothing written, nothing attached
+
+
+def test_dataset_sql_may_read_the_declared_folders_and_end_with_a_semicolon_or_comment(tmp_path, database):
+    pq.write_table(pa.table({"id": [7], "prompt": ["x"]}), tmp_path / "extra.parquet")
+    sql = f"SELECT * FROM read_parquet('{tmp_path}/extra.parquet'); -- the extra rows"
+    assert read_sql(sql, None, [str(tmp_path)]).column("id").to_pylist() == [7]
+    assert read_sql("SELECT id FROM p ORDER BY id; -- comment", database).column("id").to_pylist() == [1, 2]
 
 
 @pytest.mark.parametrize(
