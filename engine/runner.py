@@ -233,17 +233,15 @@ class BatchRun:
         self.stats.error_rows += 1
         return self._result(row, status="error", error=reason)
 
-    def _scheduler(self, ok_rows: list[int]):
+    def _scheduler(self, in_plan_order: list[int]):
         prepared = self.prepared
         if self.mode is RunMode.BATCHLLM:
-            position = np.empty(prepared.num_rows, dtype=np.int64)
-            position[prepared.order] = np.arange(prepared.order.size)
-            in_plan_order = sorted(ok_rows, key=position.__getitem__)  # whatever order the caller gave
             groups = groups_in_run_order(in_plan_order, prepared.group_of_row, prepared.prefix_len_of_row)
-            return in_plan_order, GroupScheduler(prepared.batch, prepared.max_tokens, groups, self.scheduler,
-                                                 self.engine.block_size, self.engine.kv_capacity_blocks)
+            return GroupScheduler(prepared.batch, prepared.max_tokens, groups, self.scheduler,
+                                  self.engine.block_size, self.engine.kv_capacity_blocks)
+        ok_rows = [r for r in self.rows if r not in self.prepared.errors]
         order = ok_rows if self.mode is RunMode.IN_ORDER else sorted_rows(prepared, ok_rows)
-        return order, InOrderScheduler(prepared.batch, prepared.max_tokens, order)
+        return InOrderScheduler(prepared.batch, prepared.max_tokens, order)
 
     def __iter__(self) -> Iterator[RowResult]:
         prepared, stats = self.prepared, self.stats
@@ -254,8 +252,12 @@ class BatchRun:
         ok_rows = [r for r in self.rows if r not in prepared.errors]
         if not ok_rows:
             return
-        run_order, scheduler = self._scheduler(ok_rows)
-        stats.ideal_cached_tokens = ideal_cached_tokens(prepared.batch, run_order, prepared.block_size)
+        position = np.empty(prepared.num_rows, dtype=np.int64)
+        position[prepared.order] = np.arange(prepared.order.size)
+        in_plan_order = sorted(ok_rows, key=position.__getitem__)  # whatever order the caller gave
+        scheduler = self._scheduler(in_plan_order)
+        # The minimum, whatever order the rows run in: the plan's order shares every prefix it can.
+        stats.ideal_cached_tokens = ideal_cached_tokens(prepared.batch, in_plan_order, prepared.block_size)
         totals = StepTotals()
         progress = Progress(len(self.rows), self.scheduler.log_every_s, self.progress_sink)
 

@@ -21,7 +21,8 @@ def job(tmp_path, tiny_model):
     con.execute("CREATE TABLE prompt_rows AS SELECT * FROM incoming")
     con.close()
     sql = tmp_path / "batch.sql"
-    sql.write_text("SELECT id, prompt, messages FROM prompt_rows")
+    # A trailing ``;`` and comment are fine for prompts and the source sensor alike.
+    sql.write_text("SELECT id, prompt, messages FROM prompt_rows; -- the whole batch")
     return BatchJobConfig(
         name="e2e",
         dataset=DatasetSpec(sql_file=str(sql), database=str(database)),
