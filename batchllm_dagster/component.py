@@ -24,9 +24,7 @@ import dagster as dg
 from dagster.components.component_scaffolding import scaffold_component
 from pydantic import Field
 
-from engine.settings import SchedulerSettings
-
-from .config import Backend, BatchJobConfig, DatasetSpec, ModelSpec, SamplingSpec, default_data_dir
+from .config import BatchJobConfig, JobSpec, default_data_dir
 from .factory import build_batch_defs
 
 
@@ -50,25 +48,14 @@ class BatchJobScaffolder(dg.Scaffolder):
 
 
 @dg.scaffold_with(BatchJobScaffolder)
-class BatchJobComponent(dg.Component, dg.Resolvable, dg.Model):
-    """An offline LLM batch job over a SQL/Parquet prompt dataset, run by the batchllm engine on vLLM."""
+class BatchJobComponent(JobSpec, dg.Component, dg.Resolvable, dg.Model):
+    """An offline LLM batch job over a SQL/Parquet prompt dataset, run by the batchllm engine on vLLM.
 
-    name: str = Field(description="asset key prefix and partition set name")
-    dataset: DatasetSpec
-    llm: ModelSpec = ModelSpec()
-    sampling: SamplingSpec = SamplingSpec()
-    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings, description="BatchLLM admission knobs")
-    shards: int = 2
-    hardware: list[str] = Field(default_factory=lambda: ["cpu"])
-    output_table: str = "completions"
+    Its fields are ``JobSpec``'s (the same model the Python factory takes); paths are relative to
+    the component's folder (SQL files) or to the data directory (databases, Parquet, storage)."""
+
     output_database: str | None = Field(None, description="default: the dataset's database, else <data>/batchllm.duckdb")
     storage_dir: str | None = Field(None, description="default: <data>/jobs")
-    min_saving_vs_ideal: float = 0.9
-    schedule: str | None = "0 2 * * *"
-    pool: str | None = None
-    backend: Backend = Backend.LOCAL
-    ray_address: str | None = None
-    ray_replicas: int = 1
 
     def to_config(self, component_dir: Path) -> BatchJobConfig:
         data = default_data_dir()
@@ -79,24 +66,12 @@ class BatchJobComponent(dg.Component, dg.Resolvable, dg.Model):
             "database": str(data / spec.database) if spec.database else None,
             "allowed_paths": [str(data / path) for path in spec.allowed_paths],
         })
+        shared = {name: getattr(self, name) for name in JobSpec.model_fields}
         return BatchJobConfig(
-            name=self.name,
-            dataset=resolved,
-            llm=self.llm,
-            sampling=self.sampling,
-            scheduler=self.scheduler,
-            shards=self.shards,
-            hardware=self.hardware,
-            output_table=self.output_table,
+            **{**shared, "dataset": resolved},
             output_database=str(data / self.output_database) if self.output_database
             else resolved.database or str(data / "batchllm.duckdb"),
             storage_dir=str(data / self.storage_dir) if self.storage_dir else str(data / "jobs"),
-            min_saving_vs_ideal=self.min_saving_vs_ideal,
-            schedule=self.schedule,
-            pool=self.pool,
-            backend=self.backend,
-            ray_address=self.ray_address,
-            ray_replicas=self.ray_replicas,
         )
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -98,38 +99,56 @@ class SamplingSpec(BaseModel):
                                 ignore_eos=self.ignore_eos, seed=self.seed, stop=tuple(self.stop))
 
 
-class BatchJobConfig(BaseModel):
-    """One batch job: ``{name}/prompts`` -> ``{name}/prefix_groups`` -> ``{name}/completions``."""
+def described(text: str) -> tuple:
+    """A field's description for pydantic and for Dagster's YAML schema alike (Dagster rebuilds a
+    Component's top-level fields and keeps only a Resolver's description):
+    ``name: Annotated[int, *described("...")] = 2``."""
+    import dagster as dg
 
-    name: str
-    dataset: DatasetSpec
-    llm: ModelSpec = ModelSpec()
-    sampling: SamplingSpec = SamplingSpec()
-    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings, description="BatchLLM admission knobs")
-    shards: int = Field(2, ge=1)
-    hardware: list[str] = Field(default_factory=lambda: ["cpu"], description="hardware partitions; shards cycle over them")
-    output_database: str
-    output_table: str = "completions"
-    storage_dir: str = Field(description="where prompt snapshots and plans are kept")
-    backend: Backend = Field(Backend.LOCAL, description="'local' (vLLM in the step's process) or 'ray' (replicas on a Ray cluster)")
-    ray_address: str | None = Field(None, description="Ray cluster address for backend 'ray' (None: start or join a local one)")
-    ray_replicas: int = Field(1, ge=1, description="vLLM replicas a shard is spread over (whole prefix groups each)")
-    pool: str | None = Field(
-        None,
-        description="Dagster pool of the inference steps (default: one per hardware partition set, e.g. "
-        "inference_cpu); dagster.yaml limits each pool to one step at a time",
-    )
-    min_saving_vs_ideal: float = Field(0.9, description="prefix_saving check warns below this share of the ideal")
-    schedule: str | None = Field("0 2 * * *", description="cron of the nightly run (None: no schedule)")
+    return Field(description=text), dg.Resolver.default(description=text)
+
+
+class JobSpec(BaseModel):
+    """What a batch job declares, in Python (``BatchJobConfig``) and in YAML (``BatchJobComponent``)
+    alike. Ranges are checked by a validator, not ``Field(ge=...)``: Dagster's YAML resolution takes
+    plain fields only."""
+
+    name: Annotated[str, *described("asset key prefix and partition set name (letters, digits, _)")]
+    dataset: Annotated[DatasetSpec, *described("where the prompts come from")]
+    llm: Annotated[ModelSpec, *described("the model and how vLLM runs it")] = ModelSpec()
+    sampling: Annotated[SamplingSpec, *described("how rows are answered")] = SamplingSpec()
+    scheduler: Annotated[SchedulerSettings, *described("BatchLLM admission knobs")] = SchedulerSettings()
+    shards: Annotated[int, *described("partitions of completions (>= 1)")] = 2
+    hardware: Annotated[list[str], *described("hardware partitions; shards cycle over them")] = ["cpu"]
+    output_table: Annotated[str, *described("DuckDB table of the answers")] = "completions"
+    backend: Annotated[Backend, *described(
+        "'local' (vLLM in the step's process) or 'ray' (replicas on a Ray cluster)")] = Backend.LOCAL
+    ray_address: Annotated[str | None, *described(
+        "Ray cluster address for backend 'ray' (None: start or join a local one)")] = None
+    ray_replicas: Annotated[int, *described("vLLM replicas a shard is spread over, whole prefix groups each (>= 1)")] = 1
+    pool: Annotated[str | None, *described(
+        "Dagster pool of the inference steps (default: one per hardware partition set, e.g. inference_cpu); "
+        "dagster.yaml limits each pool to one step at a time")] = None
+    min_saving_vs_ideal: Annotated[float, *described("prefix_saving check warns below this share of the ideal")] = 0.9
+    schedule: Annotated[str | None, *described("cron of the nightly run (None: no schedule)")] = "0 2 * * *"
 
     @model_validator(mode="after")
-    def _names(self) -> "BatchJobConfig":
+    def _names(self) -> "JobSpec":
         for label, value in (("name", self.name), ("output_table", self.output_table)):
             if not _IDENTIFIER.match(value):
                 raise ValueError(f"{label} {value!r} must be a plain identifier (letters, digits, _)")
         if not self.hardware:
             raise ValueError("hardware needs at least one partition name")
+        if self.shards < 1 or self.ray_replicas < 1:
+            raise ValueError(f"shards and ray_replicas must be at least 1 (got {self.shards}, {self.ray_replicas})")
         return self
+
+
+class BatchJobConfig(JobSpec):
+    """One batch job: ``{name}/prompts`` -> ``{name}/prefix_groups`` -> ``{name}/completions``."""
+
+    output_database: str = Field(description="DuckDB database the answers go to")
+    storage_dir: str = Field(description="where prompt snapshots and plans are kept")
 
     @property
     def job_dir(self) -> Path:

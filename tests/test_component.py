@@ -1,19 +1,17 @@
 """The YAML Component and the project's code location, as `dg` sees them."""
 
-import pytest
 import os
 import subprocess
 from pathlib import Path
 
 import dagster as dg
+import pytest
 import yaml
 
 from batchllm_dagster import BatchJobComponent
 from batchllm_dagster.component import BatchJobScaffolder
 
 from .conftest import ROOT
-
-pytestmark = pytest.mark.slow  # real vLLM, dg, Ray or a browser
 
 DG = str(ROOT / ".venv" / "bin" / "dg")
 
@@ -26,12 +24,17 @@ def dg_cli(*args, env=None) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_component_is_registered_and_the_project_validates(tmp_path):
     assert "batchllm_dagster.BatchJobComponent" in dg_cli("list", "components")
+    # The job model's own descriptions reach dg's component schema, the nested scheduler's included.
+    schema = dg_cli("utils", "inspect-component", "batchllm_dagster.BatchJobComponent")
+    assert "partitions of completions (>= 1)" in schema and "share of the engine's KV capacity" in schema
     out = dg_cli("check", "defs", env={"DAGSTER_HOME": str(tmp_path), "BATCHLLM_DATA_DIR": str(tmp_path / "data")})
     assert "All definitions loaded successfully" in out
 
 
+@pytest.mark.slow
 def test_project_declares_yaml_and_python_jobs(tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHLLM_DATA_DIR", str(tmp_path))
     from dagster_project.definitions import defs
@@ -58,12 +61,11 @@ def test_scaffolded_job_resolves_to_a_config(tmp_path):
 
 
 def test_bad_yaml_is_rejected_with_the_reason():
-    import pytest
-
     with pytest.raises(Exception, match="exactly one of sql, sql_file, table, parquet"):
         BatchJobComponent.resolve_from_yaml("name: x\ndataset:\n  sql: select 1\n  table: t\n  database: d.duckdb\n")
 
 
+@pytest.mark.slow
 def test_inference_steps_share_one_pool_per_hardware_partition(tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHLLM_DATA_DIR", str(tmp_path))
     from dagster_project.definitions import defs
@@ -73,3 +75,25 @@ def test_inference_steps_share_one_pool_per_hardware_partition(tmp_path, monkeyp
     assert pools == {"inference_cpu"}
     config = yaml.safe_load((ROOT / "dagster_project" / "dagster.yaml").read_text())
     assert config["concurrency"]["pools"]["default_limit"] == 1
+
+
+@pytest.mark.parametrize("yaml_text, message", [
+    ("shards: 0", "shards and ray_replicas must be at least 1"),
+    ("sampling: {max_tokens: 0}", "max_tokens must be at least 1"),
+    ("llm: {block_size: 12}", "block_size must be one of"),
+    ("scheduler: {reserve_output: ful}", "'full' or 'lookahead'"),
+    ("backend: rai", "'local' or 'ray'"),
+])
+def test_yaml_numbers_and_policies_are_checked_with_the_choices(yaml_text, message):
+    with pytest.raises(Exception, match=message):
+        BatchJobComponent.resolve_from_yaml(f"name: x\ndataset: {{sql: select 1, database: d.duckdb}}\n{yaml_text}\n")
+
+
+def test_the_component_and_the_python_factory_take_one_job_model(tmp_path):
+    from batchllm_dagster.config import BatchJobConfig, JobSpec
+
+    component = BatchJobComponent.resolve_from_yaml(
+        "name: x\ndataset: {sql: select 1, database: d.duckdb}\nscheduler: {reserve_output: full, lookahead_tokens: 8}\n")
+    config = component.to_config(tmp_path)
+    assert set(JobSpec.model_fields) <= set(BatchJobComponent.model_fields) & set(BatchJobConfig.model_fields)
+    assert config.scheduler.reserve_output.value == "full" and config.scheduler.lookahead_tokens == 8
