@@ -12,6 +12,7 @@ from dataclasses import asdict
 
 import dagster as dg
 import pyarrow as pa
+from dagster_duckdb import DuckDBResource
 
 from batchllm_dagster.checks import partition_check_results, partition_check_specs
 from batchllm_dagster.config import BatchJobConfig, Backend
@@ -23,13 +24,12 @@ from engine.results import results_to_table
 from engine.runner import PreparedBatch, RunOutcome, run_resumable
 from engine.settings import fingerprint
 
-from .snapshots import (checkpoint_path, completions_parquet_path, plan_path, plan_stamp, read_parquet,
-                        stage_parquet, stale_plan_reasons, write_parquet)
+from .snapshots import plan_stamp, read_parquet, stage_parquet, stale_plan_reasons, write_parquet
 
 
 def shard_plan(config: BatchJobConfig, partition_key: str, model_path: str) -> pa.Table:
     """The shard's rows of the plan, refused if the plan no longer holds."""
-    plan = read_parquet(plan_path(config), "plan", filters=[("partition_key", "=", partition_key)])
+    plan = read_parquet(config.plan_path, "plan", filters=[("partition_key", "=", partition_key)])
     if plan.num_rows == 0:
         raise dg.Failure(
             f"partition {partition_key!r} is not in the current plan of {config.name!r}: "
@@ -44,11 +44,11 @@ def shard_plan(config: BatchJobConfig, partition_key: str, model_path: str) -> p
     return plan
 
 
-def run_shard_locally(config, prepared, settings, sampling, checkpoint, llm, log, started_at) -> RunOutcome:
+def run_shard_locally(config, prepared, settings, sampling, checkpoint, llm, warehouse, log, started_at) -> RunOutcome:
     """The shard on one vLLM engine in this process, resuming from its checkpoint."""
     # Rows already in the table with the same fingerprint (a nightly rerun of unchanged rows)
     # are reused like checkpointed ones.
-    previous = existing_rows(config.warehouse(), config.output_table, pa.array(prepared.ids, prepared.id_type))
+    previous = existing_rows(warehouse, config.output_table, pa.array(prepared.ids, prepared.id_type))
     reuse = []
     if previous is not None and previous.num_rows:
         reuse = [checkpoint / "previous.parquet"]
@@ -82,9 +82,12 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         kinds={"vllm", "duckdb"},
         check_specs=partition_check_specs(config),
         op_tags={"batchllm/output_table": config.output_table},
+        required_resource_keys={"llm", config.warehouse_key},
     )
-    def completions(context: dg.AssetExecutionContext, llm: VLLMResource) -> dg.MaterializeResult:
+    def completions(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         started_at = time.perf_counter()
+        llm: VLLMResource = context.resources.llm
+        warehouse: DuckDBResource = getattr(context.resources, config.warehouse_key)
         key = context.partition_key
         model_path = resolve_model(config.llm.path)
         plan_rows = shard_plan(config, key, model_path)
@@ -93,13 +96,13 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         hardware_partition = config.hardware[shard % len(config.hardware)]
         settings = config.engine_settings(model_path, llm.kv_cache_gib)
         sampling = config.sampling_settings()
-        checkpoint = checkpoint_path(config, key)
+        checkpoint = config.checkpoint_path(key)
         context.log.info(f"shard {key}: {prepared.num_rows} planned rows on {llm.hardware()} ({hardware_partition})")
         if config.backend is Backend.RAY:
             outcome, info = run_shard_on_ray(config, key, prepared, settings, sampling, checkpoint)
         else:
-            outcome = run_shard_locally(config, prepared, settings, sampling, checkpoint, llm, context.log.info,
-                                        started_at)
+            outcome = run_shard_locally(config, prepared, settings, sampling, checkpoint, llm, warehouse,
+                                        context.log.info, started_at)
             info = asdict(outcome.engine) if outcome.engine else {"vllm": "not started: every row was reused or invalid"}
         info.update(settings=asdict(settings), sampling=asdict(sampling), scheduler=config.scheduler.model_dump(mode="json"),
                     backend=str(config.backend))
@@ -117,10 +120,10 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         )
         # Parquet staged, DuckDB committed, then Parquet renamed into place: a failure at any point
         # (a DuckDB lock timeout, say) leaves both as they were and keeps the checkpoint for the rerun.
-        parquet = completions_parquet_path(config, key)
+        parquet = config.completions_parquet_path(key)
         staging = stage_parquet(table, parquet)
         try:
-            written = replace_partition(config.warehouse(), config.output_table, key, table)
+            written = replace_partition(warehouse, config.output_table, key, table)
         except BaseException:
             staging.unlink(missing_ok=True)
             raise
@@ -132,7 +135,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
                 **run_metadata(outcome.stats, llm.hardware(), hardware_partition, info),
                 "dagster/row_count": written,
             },
-            check_results=partition_check_results(config, key, prepared.ids, outcome.stats),
+            check_results=partition_check_results(config, warehouse, key, prepared.ids, outcome.stats),
         )
 
     return completions

@@ -13,7 +13,7 @@ from engine.runner import prepare_batch
 from engine.shards import assign_shards
 from engine.tokenizing import load_tokenizer
 
-from .snapshots import plan_path, plan_stamp, prompts_path, read_parquet, write_parquet
+from .snapshots import plan_stamp, read_parquet, write_parquet
 
 
 def groups_table(prepared, shards, keys: list[str], hardware: list[str]) -> pa.Table:
@@ -46,9 +46,10 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         group_name=config.name,
         description="Prefix groups found over the whole batch, and the shard (partition) each belongs to.",
         kinds={"duckdb"},
+        required_resource_keys={config.warehouse_key},
     )
     def prefix_groups(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
-        table = read_parquet(prompts_path(config), "prompt snapshot")
+        table = read_parquet(config.prompts_path, "prompt snapshot")
         model_path = resolve_model(config.llm.path)
         settings = config.engine_settings(model_path)
         prepared = prepare_batch(table, load_tokenizer(model_path), settings, config.sampling_settings(),
@@ -69,10 +70,10 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
             .append_column("partition_key", pa.array([keys[s] for s in shards.shard_of_row], pa.string()))
         )
         plan_table = plan_table.replace_schema_metadata({**plan_table.schema.metadata, **plan_stamp(config, model_path)})
-        write_parquet(plan_table, plan_path(config))
-        plan_bytes = plan_path(config).stat().st_size
+        write_parquet(plan_table, config.plan_path)
+        plan_bytes = config.plan_path.stat().st_size
         groups = groups_table(prepared, shards, keys, config.hardware)
-        replace_table(config.warehouse(), f"{config.output_table}_prefix_groups", groups)
+        replace_table(getattr(context.resources, config.warehouse_key), f"{config.output_table}_prefix_groups", groups)
         added, removed = sync_partitions(context.instance, config.partitions_name, used)
         context.log.info(f"{plan.num_groups} groups in {len(used)} shards; partitions added {added}, removed {removed}; "
                          f"plan {plan_bytes} bytes ({plan_bytes / max(plan.prompt_tokens, 1):.2f} per prompt token)")

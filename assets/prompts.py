@@ -8,7 +8,7 @@ from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import table_preview
 from engine.dataset import read_sql, single_query, source_sql, validate
 
-from .snapshots import prompts_path, write_parquet
+from .snapshots import write_parquet
 
 
 def dataset_sql(config: BatchJobConfig) -> tuple[str, str | None, list[str]]:
@@ -44,7 +44,7 @@ def build_prompts(config: BatchJobConfig) -> dg.AssetsDefinition:
     )
     def prompts(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         table = load_dataset(config)
-        path = prompts_path(config)
+        path = config.prompts_path
         write_parquet(table, path)
         spec = config.dataset
         context.log.info(f"{table.num_rows} prompt rows from {spec.describe()} -> {path}")

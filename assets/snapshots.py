@@ -20,22 +20,6 @@ from engine.settings import fingerprint
 from engine.tokenizing import model_fingerprint
 
 
-def prompts_path(config: BatchJobConfig) -> Path:
-    return config.job_dir / "prompts.parquet"
-
-
-def plan_path(config: BatchJobConfig) -> Path:
-    return config.job_dir / "plan.parquet"
-
-
-def checkpoint_path(config: BatchJobConfig, partition_key: str) -> Path:
-    return config.job_dir / "checkpoints" / partition_key
-
-
-def completions_parquet_path(config: BatchJobConfig, partition_key: str) -> Path:
-    return config.job_dir / "completions" / f"{partition_key}.parquet"
-
-
 def stage_parquet(table: pa.Table, path: Path) -> Path:
     """Write next to ``path`` under a temporary name; rename it to ``path`` to publish it."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,7 +53,7 @@ def plan_stamp(config: BatchJobConfig, model_path: str) -> dict[str, str]:
                           config.scheduler.min_group_rows, config.dataset.columns)
     return {
         "batchllm.model": model_fingerprint(model_path),
-        "batchllm.snapshot": file_digest(prompts_path(config)),
+        "batchllm.snapshot": file_digest(config.prompts_path),
         "batchllm.settings": shaping,
     }
 

@@ -10,6 +10,7 @@ For the whole table: ``all_prompts_answered`` (missing, duplicated and orphaned 
 from __future__ import annotations
 
 import dagster as dg
+from dagster_duckdb import DuckDBResource
 
 from engine.results import RunStats
 
@@ -29,9 +30,10 @@ def partition_check_specs(config: BatchJobConfig) -> list[dg.AssetCheckSpec]:
     ]
 
 
-def partition_check_results(config: BatchJobConfig, partition_key: str, shard_ids: list, stats: RunStats) -> list[dg.AssetCheckResult]:
+def partition_check_results(config: BatchJobConfig, warehouse: DuckDBResource, partition_key: str, shard_ids: list,
+                            stats: RunStats) -> list[dg.AssetCheckResult]:
     table = quote_identifier(config.output_table)
-    with config.warehouse().get_connection() as con:
+    with warehouse.get_connection() as con:
         con.register("expected", _ids_table(shard_ids))
         missing, extra = con.execute(
             f"""
@@ -82,11 +84,10 @@ def build_table_checks(config: BatchJobConfig) -> list[dg.AssetChecksDefinition]
     table = quote_identifier(config.output_table)
 
     @dg.asset_check(asset=key, name="all_prompts_answered", blocking=False,
-                    description="Every prompt row of the snapshot has exactly one completion; none is orphaned.")
-    def all_prompts_answered() -> dg.AssetCheckResult:
-        from assets.snapshots import prompts_path
-
-        with config.warehouse().get_connection() as con:
+                    description="Every prompt row of the snapshot has exactly one completion; none is orphaned.",
+                    required_resource_keys={config.warehouse_key})
+    def all_prompts_answered(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
+        with getattr(context.resources, config.warehouse_key).get_connection() as con:
             if not table_exists(con, config.output_table):
                 return dg.AssetCheckResult(passed=False, metadata={"reason": "no completions table yet"})
             missing, duplicated, orphaned = con.execute(
@@ -97,7 +98,7 @@ def build_table_checks(config: BatchJobConfig) -> list[dg.AssetChecksDefinition]
                        (SELECT count(*) FROM answers WHERE n > 1),
                        (SELECT count(*) FROM answers WHERE id NOT IN (SELECT id FROM prompts))
                 """,
-                [str(prompts_path(config))],
+                [str(config.prompts_path)],
             ).fetchall()[0]
         return dg.AssetCheckResult(
             passed=missing == 0 and duplicated == 0 and orphaned == 0,

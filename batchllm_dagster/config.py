@@ -165,12 +165,25 @@ class BatchJobConfig(JobSpec):
     def partitions_name(self) -> str:
         return f"{self.name}_shards"
 
-    def warehouse(self):
-        """The output database, opened only for each short write."""
-        from dagster_duckdb import DuckDBResource
+    @property
+    def warehouse_key(self) -> str:
+        """Resource key of the job's output database (a dagster-duckdb ``DuckDBResource``)."""
+        return f"{self.name}_warehouse"
 
-        Path(self.output_database).parent.mkdir(parents=True, exist_ok=True)
-        return DuckDBResource(database=self.output_database)
+    # Files the job's assets hand to each other, under its storage folder.
+    @property
+    def prompts_path(self) -> Path:
+        return self.job_dir / "prompts.parquet"
+
+    @property
+    def plan_path(self) -> Path:
+        return self.job_dir / "plan.parquet"
+
+    def checkpoint_path(self, partition_key: str) -> Path:
+        return self.job_dir / "checkpoints" / partition_key
+
+    def completions_parquet_path(self, partition_key: str) -> Path:
+        return self.job_dir / "completions" / f"{partition_key}.parquet"
 
     def engine_settings(self, model_path: str, kv_cache_gib: int = 2) -> EngineSettings:
         spec = self.llm

@@ -1,6 +1,7 @@
 """Build a batch job's Dagster definitions from its config (used from Python and by the Component)."""
 
 import dagster as dg
+from dagster_duckdb import DuckDBResource
 
 from assets import build_completions, build_prefix_groups, build_prompts
 from assets.prompts import source_version
@@ -64,5 +65,6 @@ def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
         jobs=[plan_job, shards_job],
         sensors=[run_shards, source_changed],
         schedules=schedules,
-        resources={"llm": DEFAULT_LLM},
+        # The output database is a resource: a deployment binds another one to <name>_warehouse.
+        resources={"llm": DEFAULT_LLM, config.warehouse_key: DuckDBResource(database=config.output_database)},
     )

@@ -6,6 +6,8 @@ resource retries while another process holds the lock) and never while the model
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pyarrow as pa
 from dagster_duckdb import DuckDBResource
 
@@ -18,7 +20,14 @@ def table_exists(con, table: str) -> bool:
     return con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [table]).fetchall()[0][0] > 0
 
 
+def _ensure_folder(warehouse: DuckDBResource) -> None:
+    """DuckDB creates a database file, not the folders above it."""
+    if warehouse.database and warehouse.database != ":memory:" and "://" not in warehouse.database:
+        Path(warehouse.database).parent.mkdir(parents=True, exist_ok=True)
+
+
 def replace_table(warehouse: DuckDBResource, table: str, data: pa.Table) -> None:
+    _ensure_folder(warehouse)
     with warehouse.get_connection() as con:
         con.register("incoming", data)
         con.execute(f"CREATE OR REPLACE TABLE {quote_identifier(table)} AS SELECT * FROM incoming")
@@ -28,6 +37,7 @@ def replace_table(warehouse: DuckDBResource, table: str, data: pa.Table) -> None
 def replace_partition(warehouse: DuckDBResource, table: str, partition_key: str, rows: pa.Table) -> int:
     """Make ``rows`` the partition's rows: one row per id, whatever ran before (idempotent)."""
     target = quote_identifier(table)
+    _ensure_folder(warehouse)
     with warehouse.get_connection() as con:
         con.register("incoming", rows)
         try:
@@ -49,6 +59,7 @@ def replace_partition(warehouse: DuckDBResource, table: str, partition_key: str,
 
 def existing_rows(warehouse: DuckDBResource, table: str, ids: pa.Array):
     """The output table's rows for these ids (None if the table does not exist yet)."""
+    _ensure_folder(warehouse)
     with warehouse.get_connection() as con:
         if not table_exists(con, table):
             return None
