@@ -30,8 +30,9 @@ A scheduler has four verbs, in the manner of vLLM V1's scheduler interface:
   in vLLM's queue as holding nothing, and counts a finished group's cached prefix as free; the
   block identity is exact for what is retained and known before a row is submitted. vLLM's gauge
   is still read every step and reported (``mean_kv_usage``) to show how full the cache really ran.
-  Rows sharing blocks deeper than their group's prefix (two rows that happen to share more) are
-  counted as owning them: vLLM shares those only if one row's prefill ran a step earlier.
+  A row that shares more than its group's prefix with the row before it (a document asked two
+  questions inside a larger group) counts those blocks once while both are in flight: vLLM caches
+  a block when it allocates it, so rows admitted in the same step share it too.
 
 ``InOrderScheduler`` is the plain baseline: every row submitted at once in the given order, which
 is what ``LLM.generate`` does.
