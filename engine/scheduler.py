@@ -143,9 +143,7 @@ class GroupScheduler:
         self._lengths = batch.lengths
         self._capacity = max(1, capacity_blocks - 1)  # vLLM keeps one block as its null block
         self._budget = max(1, int(self._capacity * settings.kv_budget_fraction))
-        self._lookahead = None
-        if settings.reserve_output is ReserveOutput.LOOKAHEAD:
-            self._lookahead = -(-settings.lookahead_tokens // block_size)
+        self._lookahead = settings.lookahead_tokens if settings.reserve_output is ReserveOutput.LOOKAHEAD else None
         self._queue = deque(
             _GroupState(position, g, prefix_block_keys(batch.tokens_of(g.rows[0]), g.prefix_len, block_size))
             for position, g in enumerate(groups)
@@ -181,12 +179,12 @@ class GroupScheduler:
         return common if previous in self._rows else group.planned.prefix_len
 
     def _row_demand(self, row: int, group: _GroupState, generated: int) -> int:
-        """Blocks the row holds beyond what it shares, plus what is reserved for its output."""
+        """Blocks the row holds beyond what it shares, plus what is reserved for its output: all
+        of it, or the blocks its next ``lookahead_tokens`` tokens will need."""
         length, shared = int(self._lengths[row]), self._shared_len(row, group)
-        held = self._own_blocks(row, group, length + generated, shared)
-        final = self._own_blocks(row, group, length + int(self._max_tokens[row]), shared)
-        growth = final - held
-        return held + (growth if self._lookahead is None else min(growth, self._lookahead))
+        remaining = int(self._max_tokens[row]) - generated
+        ahead = remaining if self._lookahead is None else min(remaining, self._lookahead)
+        return self._own_blocks(row, group, length + generated + ahead, shared)
 
     def planned_blocks(self, generated: Mapping[RequestKey, int]) -> int:
         """Blocks of everything in flight, shared prefix blocks once."""
