@@ -324,6 +324,7 @@ def run_resumable(
     reuse_from: list[Path] = (),
     progress_sink: Callable[[str], None] | None = None,
     checkpoint_every_rows: int = 256,
+    checkpoint_every_s: float = 10.0,
     start_engine: Callable[..., VLLMEngine] = None,
     started_at: float | None = None,
 ) -> RunOutcome:
@@ -336,7 +337,7 @@ def run_resumable(
     start_engine = start_engine or open_engine
     rows = [int(r) for r in prepared.order] if rows is None else list(rows)
     fingerprints = row_fingerprints(prepared, settings_fingerprint(engine_settings, sampling))
-    checkpoint = Checkpoint(checkpoint_dir, prepared.id_type, every_rows=checkpoint_every_rows)
+    checkpoint = Checkpoint(checkpoint_dir, prepared.id_type, every_rows=checkpoint_every_rows, every_s=checkpoint_every_s)
     reused = checkpoint.load({prepared.ids[r]: fingerprints[r] for r in rows}, also=list(reuse_from))
     todo = [r for r in rows if prepared.ids[r] not in reused]
     (progress_sink or log.info)(

@@ -95,3 +95,41 @@ def test_partition_sync_adds_new_keys_and_removes_stale_ones():
         assert sorted(instance.get_dynamic_partitions("jobs")) == ["b", "c"]
     assert shard_key("GPU A100", 3, ["x", "y"]) == shard_key("GPU A100", 3, ["y", "x"])  # same rows, same key
     assert shard_key("GPU A100", 3, ["x"]).startswith("gpu-a100-03-")
+
+
+def test_a_resumable_run_on_a_fake_engine_checkpoints_from_the_first_row_not_from_start_up(tmp_path):
+    """run_resumable end to end without vLLM: the checkpoint's timer starts when rows start running,
+    so a slow engine start-up does not make the first part hold a single row; a rerun reuses all."""
+    import time
+
+    from engine.runner import run_resumable
+    from engine.settings import EngineSettings, SamplingSettings
+
+    from .fake_engine import FakeEngine
+
+    rows = [[1, 2, 3, 4, 5, 6, 7, i] for i in range(12)]
+    prepared = prepared_of(rows, order=list(range(12)), groups=[0] * 12, prefix=[6] * 12)
+    prepared.errors.clear()
+
+    class SlowStartingEngine(FakeEngine):
+        info = None
+
+        def close(self):
+            pass
+
+    def start_engine(settings, prepared):
+        time.sleep(0.6)  # longer than the checkpoint interval
+        return SlowStartingEngine(num_blocks=64, block_size=2)
+
+    lines = []
+    outcome = run_resumable(prepared, EngineSettings(model_path="unused", block_size=8), SamplingSettings(max_tokens=4),
+                            tmp_path / "ckpt", checkpoint_every_s=0.5, start_engine=start_engine,
+                            progress_sink=lines.append)
+    assert sorted(r.id for r in outcome.results) == sorted(prepared.ids)
+    assert outcome.stats.ok_rows == 12 and outcome.stats.startup_s >= 0.6
+    parts = sorted((tmp_path / "ckpt").glob("part-*.parquet"))
+    assert len(parts) == 1  # all rows finished within the first interval after start-up
+    again = run_resumable(prepared, EngineSettings(model_path="unused", block_size=8), SamplingSettings(max_tokens=4),
+                          tmp_path / "ckpt", start_engine=start_engine, progress_sink=lines.append)
+    assert again.stats.reused_rows == 12 and again.engine is None
+    assert "reusing 12 of 12 rows (12 from the checkpoint" in lines[-1]
