@@ -52,7 +52,7 @@ def run_metadata(stats: RunStats, hardware: str, hardware_partition: str, engine
     if stats.prompt_tokens:  # a rerun that reused every row has no throughput to plot
         metadata.update(
             saving_vs_ideal=float(round(stats.saving_vs_ideal, 4)),
-            startup_s=float(round(stats.startup_s, 3)),  # from the step's start until the first row entered vLLM
+            startup_s=float(round(stats.startup_s, 3)),  # from the step's start until vLLM got its first request
             wall_s=float(round(stats.wall_s, 3)),
             mean_kv_usage=float(round(stats.mean_kv_usage, 4)),
             rows_per_step=float(round(stats.rows_per_step, 2)),

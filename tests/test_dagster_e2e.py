@@ -160,3 +160,30 @@ def test_a_partition_runs_the_materialized_plan_without_tokenizer_or_planner(job
     assert not stale.success
     failure = stale.get_step_failure_events()[0].event_specific_data.error.message
     assert "the prompt snapshot changed" in failure and "rematerialize e2e/prefix_groups" in failure
+
+
+def test_a_failed_duckdb_write_leaves_parquet_and_duckdb_agreeing_and_keeps_the_checkpoint(job, monkeypatch):
+    import assets.completions
+
+    defs = build_batch_defs(job)
+    graph = defs.resolve_asset_graph()
+    assets_by_name = {n: graph.assets_def_for_key(dg.AssetKey(["e2e", n])) for n in ("prompts", "prefix_groups", "completions")}
+    with dg.instance_for_test() as instance:
+        assert dg.materialize([assets_by_name["prompts"], assets_by_name["prefix_groups"]], instance=instance).success
+        partition = instance.get_dynamic_partitions(job.partitions_name)[0]
+
+        def lock_timeout(*args, **kwargs):
+            raise TimeoutError("simulated: another process held the DuckDB lock for too long")
+
+        monkeypatch.setattr(assets.completions, "replace_partition", lock_timeout)
+        failed = dg.materialize([assets_by_name["completions"]], partition_key=partition, instance=instance,
+                                raise_on_error=False)
+        assert not failed.success
+        assert not job.completions_parquet_path(partition).exists()  # not published without the table rows
+        assert not list(job.completions_parquet_path(partition).parent.glob("*.partial"))
+        assert list(job.checkpoint_path(partition).glob("part-*.parquet"))  # the rerun will reuse them
+        monkeypatch.undo()
+        rerun = dg.materialize([assets_by_name["completions"]], partition_key=partition, instance=instance)
+    meta = rerun.asset_materializations_for_node("e2e__completions")[0].metadata
+    assert meta["reused_rows"].value == meta["dagster/row_count"].value > 0 and meta["rows"].value == 0
+    assert job.completions_parquet_path(partition).exists()
