@@ -45,11 +45,13 @@ def results_to_table(results: list[RowResult], id_type: pa.DataType = pa.string(
 
 @dataclass
 class RunStats:
-    """Counters of one run. ``prefill_tokens`` counts every prompt token the engine computed,
-    the prefix requests' included, so it can be held against the plan's minimum. ``startup_s`` is
-    the time from the start of the run (or of the step that ran it) until vLLM got its first
-    request (a group's prefix or a row): reading the plan, the checks, starting vLLM; ``mean_kv_usage`` is vLLM's own KV usage (0..1) averaged over the engine's steps and
-    ``rows_per_step`` the mean number of requests vLLM ran per step."""
+    """Counters of one run.
+
+    ``prefill_tokens`` counts every prompt token the engine computed, the prefix requests'
+    included, so it can be held against the plan's minimum. ``startup_s`` is the time from the
+    start of the run (or of the step that ran it) until vLLM got its first request: reading the
+    plan, checking it, starting vLLM. ``mean_kv_usage`` is vLLM's own KV usage (0..1) averaged
+    over the engine's steps, ``rows_per_step`` the mean number of requests it ran per step."""
 
     rows: int = 0
     ok_rows: int = 0
