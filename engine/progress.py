@@ -26,19 +26,22 @@ class Progress:
         self.started = self.last = time.perf_counter()
 
     def line(self, done: int, tokens: int, cached: int, in_flight: int, kv_usage: float, preemptions: int,
-             now: float | None = None) -> str:
+             planned_blocks: int | None = None, now: float | None = None) -> str:
         elapsed = (now or time.perf_counter()) - self.started
         rate = done / elapsed if elapsed > 0 else 0.0
         eta = (self.total - done) / rate if rate > 0 else None
         return (
             f"{done}/{self.total} rows ({100 * done / max(self.total, 1):.0f}%), {rate:.1f} rows/s, "
-            f"{tokens / elapsed if elapsed > 0 else 0.0:.0f} tok/s, cached {cached} tok, in flight {in_flight} rows "
-            f"(vLLM KV {100 * kv_usage:.0f}% used), preemptions {preemptions}, eta {format_eta(eta)}"
+            f"{tokens / elapsed if elapsed > 0 else 0.0:.0f} tok/s, cached {cached} tok, in flight {in_flight} rows"
+            + (f" / {planned_blocks} planned KV blocks" if planned_blocks is not None else "")
+            + f" (vLLM KV {100 * kv_usage:.0f}% used), preemptions {preemptions}, eta {format_eta(eta)}"
         )
 
+    def due(self) -> bool:
+        return time.perf_counter() - self.last >= self.every_s
+
     def maybe_log(self, *args, force: bool = False, **kwargs) -> None:
-        now = time.perf_counter()
-        if not force and now - self.last < self.every_s:
+        if not (force or self.due()):
             return
-        self.last = now
+        self.last = now = time.perf_counter()
         self.sink(self.line(*args, now=now, **kwargs))

@@ -261,9 +261,14 @@ class BatchRun:
         totals = StepTotals()
         progress = Progress(len(self.rows), self.scheduler.log_every_s, self.progress_sink)
 
+        planned = getattr(scheduler, "planned_blocks", None)
+
         def on_step(report) -> None:
+            if not progress.due():
+                return
             progress.maybe_log(stats.rows, stats.prompt_tokens + stats.output_tokens, stats.cached_tokens,
-                               report.running, report.kv_usage, totals.preemptions)
+                               report.running, report.kv_usage, totals.preemptions,
+                               planned_blocks=planned(report.generated) if planned else None)
 
         for item in drive(scheduler, self.engine, self.sampling, totals, on_step):
             if isinstance(item, Rejected):
