@@ -105,7 +105,7 @@ class SchedulerSettings(BaseModel):
     reserve_output: ReserveOutput = Field(
         ReserveOutput.LOOKAHEAD, description="output KV reserved at admission: 'full' (never preempt) or "
         "'lookahead' (the next lookahead_tokens; more rows in flight)")
-    lookahead_tokens: int = Field(32, description="output tokens reserved per running row with 'lookahead' (>= 0)")
+    lookahead_tokens: int = Field(16, description="output tokens reserved per running row with 'lookahead' (>= 0)")
     prefix_requests: bool = Field(True, description="compute each group's prefix once, before its rows enter")
     min_group_rows: int = Field(2, description="rows a prefix must be shared by to form a group (>= 2)")
     log_every_s: float = Field(5.0, description="seconds between progress lines (> 0)")
