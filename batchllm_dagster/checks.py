@@ -86,7 +86,7 @@ def build_table_checks(config: BatchJobConfig) -> list[dg.AssetChecksDefinition]
     @dg.asset_check(asset=key, name="all_prompts_answered", blocking=False,
                     description="Every prompt row of the snapshot has exactly one completion; none is orphaned.",
                     required_resource_keys={config.warehouse_key})
-    def all_prompts_answered(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
+    def all_prompts_answered(context) -> dg.AssetCheckResult:
         with getattr(context.resources, config.warehouse_key).get_connection() as con:
             if not table_exists(con, config.output_table):
                 return dg.AssetCheckResult(passed=False, metadata={"reason": "no completions table yet"})

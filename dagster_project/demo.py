@@ -53,7 +53,8 @@ def materialize_job(instance, defs, name: str, completions) -> list[str]:
     for partition in partitions:
         result = dg.materialize([completions], partition_key=partition, instance=instance, run_config=QUIET)
         assert result.success, f"{name}: partition {partition} failed"
-    checks = [c for c in defs.asset_checks or [] if any(k.asset_key.path[0] == name for k in c.check_keys)]
+    checks = [c for c in graph.assets_defs  # checks of the resolved graph, their resources bound
+              if c.check_keys and not c.keys and any(k.asset_key.path[0] == name for k in c.check_keys)]
     dg.materialize([completions, *checks], selection=dg.AssetSelection.checks(*checks), instance=instance,
                    run_config=QUIET)
     return partitions

@@ -70,6 +70,7 @@ class OutputLock:
 
     def __enter__(self) -> "OutputLock":
         me = {"pid": os.getpid(), "host": socket.gethostname()}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)

@@ -97,3 +97,16 @@ def test_the_component_and_the_python_factory_take_one_job_model(tmp_path):
     config = component.to_config(tmp_path)
     assert set(JobSpec.model_fields) <= set(BatchJobComponent.model_fields) & set(BatchJobConfig.model_fields)
     assert config.scheduler.reserve_output.value == "full" and config.scheduler.lookahead_tokens == 8
+
+
+def test_a_job_builds_definitions_with_its_warehouse_resource_bound(tmp_path):
+    from batchllm_dagster import BatchJobConfig, DatasetSpec, build_batch_defs
+
+    config = BatchJobConfig(name="nightly", dataset=DatasetSpec(parquet=str(tmp_path / "p.parquet")),
+                            output_database=str(tmp_path / "out" / "answers.duckdb"), storage_dir=str(tmp_path / "jobs"))
+    graph = build_batch_defs(config).resolve_asset_graph()
+    for assets_def in graph.assets_defs:
+        if assets_def.keys and assets_def.key.path[-1] in ("prefix_groups", "completions") or not assets_def.keys:
+            resource = assets_def.resource_defs["nightly_warehouse"]
+            assert resource.configurable_resource_cls.__name__ == "DuckDBResource"
+            assert resource.config_schema.default_value["database"] == config.output_database
