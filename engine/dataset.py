@@ -40,7 +40,16 @@ def single_query(sql: str) -> str:
         raise DatasetError(f"dataset SQL must be exactly one query; it has {len(statements)} statements")
     if statements[0].type != duckdb.StatementType.SELECT:
         raise DatasetError(f"dataset SQL must be a query (SELECT ...), not a {statements[0].type.name} statement")
-    return statements[0].query
+    query = statements[0].query
+    # Drop trailing ``;`` and comments (found by DuckDB's tokenizer, not by string search), so the
+    # query can be wrapped in another one.
+    end = len(query)
+    for position, kind in reversed(duckdb.tokenize(query)):
+        if kind == duckdb.token_type.comment or query[position:end].strip() == ";":
+            end = position
+        else:
+            break
+    return query[:end].rstrip()
 
 
 def read_sql(sql: str, database: str | None = None, allowed_paths: list[str] = ()) -> pa.Table:

@@ -55,6 +55,8 @@ class ReplicaWorker:
         from .runner import run_resumable
 
         outcome = run_resumable(prepared, engine, sampling, checkpoint_dir, scheduler, checkpoint_every_rows=32)
+        for result in outcome.results:
+            result.shard = shard
         return {"shard": shard, "replica": self.replica, "pid": os.getpid(), "hardware": self.hardware,
                 "outcome": outcome}
 

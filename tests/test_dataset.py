@@ -113,3 +113,10 @@ def test_reading_waits_while_another_process_writes(database):
     assert ready.wait(60)
     assert read_sql("SELECT count(*) AS n FROM p", database).column("n").to_pylist() == [2]
     writer.join(30)
+
+
+def test_single_query_drops_a_trailing_semicolon_and_comments_but_not_inside_strings():
+    from engine.dataset import single_query
+
+    assert single_query("SELECT id, '--x;' AS p FROM t; -- the whole batch") == "SELECT id, '--x;' AS p FROM t"
+    assert single_query("WITH a AS (SELECT 1) SELECT * FROM a /* note */ ;\n") == "WITH a AS (SELECT 1) SELECT * FROM a"
