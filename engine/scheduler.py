@@ -168,8 +168,8 @@ class GroupScheduler:
         return not self._queue and not self._rows and not self._prefixes
 
     # -- block accounting -------------------------------------------------------------------
-    def _own_blocks(self, row: int, group: _GroupState, tokens: int, shared: int | None = None) -> int:
-        shared = group.planned.prefix_len if shared is None else shared
+    def _own_blocks(self, tokens: int, shared: int) -> int:
+        """Blocks of ``tokens`` beyond the first ``shared`` (whole blocks), at least one."""
         return max(1, -(-tokens // self._block) - shared // self._block)
 
     def _shared_len(self, row: int, group: _GroupState) -> int:
@@ -184,7 +184,7 @@ class GroupScheduler:
         length, shared = int(self._lengths[row]), self._shared_len(row, group)
         remaining = int(self._max_tokens[row]) - generated
         ahead = remaining if self._lookahead is None else min(remaining, self._lookahead)
-        return self._own_blocks(row, group, length + generated + ahead, shared)
+        return self._own_blocks(length + generated + ahead, shared)
 
     def planned_blocks(self, generated: Mapping[RequestKey, int]) -> int:
         """Blocks of everything in flight, shared prefix blocks once."""
@@ -240,7 +240,7 @@ class GroupScheduler:
             while not group.all_admitted:
                 row = planned.rows[group.next_row]
                 alone = planned.prefix_len // self._block + self._own_blocks(
-                    row, group, int(self._lengths[row]) + int(self._max_tokens[row]))
+                    int(self._lengths[row]) + int(self._max_tokens[row]), planned.prefix_len)
                 if alone > self._capacity:
                     decision.reject.append((row, f"needs {alone} KV blocks with its output; the KV cache has "
                                                  f"{self._capacity} (block size {self._block})"))
