@@ -133,3 +133,33 @@ def test_a_resumable_run_on_a_fake_engine_checkpoints_from_the_first_row_not_fro
                           tmp_path / "ckpt", start_engine=start_engine, progress_sink=lines.append)
     assert again.stats.reused_rows == 12 and again.engine is None
     assert "reusing 12 of 12 rows (12 from the checkpoint" in lines[-1]
+
+
+def test_a_changed_chat_template_or_snapshot_makes_the_plan_stale(tmp_path, tiny_model):
+    import json
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from assets.snapshots import plan_stamp, stale_plan_reasons
+    from batchllm_dagster.config import BatchJobConfig, DatasetSpec, ModelSpec
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    config = BatchJobConfig(name="j", dataset=DatasetSpec(parquet=str(tmp_path / "p.parquet")),
+                            llm=ModelSpec(path=str(model)), output_database=str(tmp_path / "o.duckdb"),
+                            storage_dir=str(tmp_path / "jobs"))
+    config.prompts_path.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"id": [1], "prompt": ["a"]}), config.prompts_path)
+    stamp = plan_stamp(config, str(model))
+    recorded = {k.encode(): v.encode() for k, v in stamp.items()}
+    assert stale_plan_reasons(recorded, plan_stamp(config, str(model))) == []
+
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    settings["chat_template"] = "{{ messages[0]['content'] }}"
+    (model / "tokenizer_config.json").write_text(json.dumps(settings))
+    assert stale_plan_reasons(recorded, plan_stamp(config, str(model))) == ["the model, tokenizer or chat template"]
+
+    pq.write_table(pa.table({"id": [1], "prompt": ["b"]}), config.prompts_path)
+    assert "the prompt snapshot" in stale_plan_reasons(recorded, plan_stamp(config, str(model)))
+    assert stale_plan_reasons(None, stamp)  # a plan without a stamp is stale too
