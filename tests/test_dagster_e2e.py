@@ -123,10 +123,14 @@ def test_source_sensor_requests_a_plan_only_when_the_rows_change(job):
         assert len(changed.run_requests) == 1 and changed.cursor != first.cursor
 
 
+def job_assets(job) -> dict:
+    """The job's three assets by name, from the resolved graph (their resources bound)."""
+    graph = build_batch_defs(job).resolve_asset_graph()
+    return {n: graph.assets_def_for_key(dg.AssetKey([job.name, n])) for n in ("prompts", "prefix_groups", "completions")}
+
+
 def test_a_partition_runs_the_materialized_plan_without_tokenizer_or_planner(job, monkeypatch):
-    defs = build_batch_defs(job)
-    graph = defs.resolve_asset_graph()
-    assets = {n: graph.assets_def_for_key(dg.AssetKey(["e2e", n])) for n in ("prompts", "prefix_groups", "completions")}
+    assets = job_assets(job)
     with dg.instance_for_test() as instance:
         assert dg.materialize([assets["prompts"], assets["prefix_groups"]], instance=instance).success
         plan = pq.read_table(job.job_dir / "plan.parquet")
@@ -165,9 +169,7 @@ def test_a_partition_runs_the_materialized_plan_without_tokenizer_or_planner(job
 def test_a_failed_duckdb_write_leaves_parquet_and_duckdb_agreeing_and_keeps_the_checkpoint(job, monkeypatch):
     import assets.completions
 
-    defs = build_batch_defs(job)
-    graph = defs.resolve_asset_graph()
-    assets_by_name = {n: graph.assets_def_for_key(dg.AssetKey(["e2e", n])) for n in ("prompts", "prefix_groups", "completions")}
+    assets_by_name = job_assets(job)
     with dg.instance_for_test() as instance:
         assert dg.materialize([assets_by_name["prompts"], assets_by_name["prefix_groups"]], instance=instance).success
         partition = instance.get_dynamic_partitions(job.partitions_name)[0]
