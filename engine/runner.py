@@ -63,7 +63,6 @@ class PreparedBatch:
                    group_of_row=plan.group_of_row, prefix_len_of_row=plan.group_prefix_tokens[plan.group_of_row],
                    block_size=plan.block_size, plan=plan, **kw)
 
-
     def subset(self, rows) -> "PreparedBatch":
         """The same batch restricted to ``rows`` (kept in input order, plan order preserved)."""
         rows = np.sort(np.asarray(rows, dtype=np.int64))
@@ -86,8 +85,9 @@ class PreparedBatch:
         without the tokenizer or the planner (``from_table`` reads it back)."""
         position = np.empty(self.num_rows, dtype=np.int64)
         position[self.order] = np.arange(self.order.size)
-        token_ids = pa.ListArray.from_arrays(pa.array(self.batch.offsets.astype(np.int32)),
-                                             pa.array(self.batch.tokens, pa.int32()))
+        # 64-bit offsets: a big batch holds more than 2^31 tokens.
+        token_ids = pa.LargeListArray.from_arrays(pa.array(self.batch.offsets.astype(np.int64)),
+                                                  pa.array(self.batch.tokens, pa.int32()))
         return pa.table({
             "id": pa.array(self.ids, self.id_type),
             "position": position,
