@@ -35,6 +35,7 @@ import numpy as np
 from .plan import build_plan
 from .results import RunStats
 from .settings import DEFAULT_BLOCK_SIZE, EngineSettings, ReserveOutput, RunMode, SamplingSettings, SchedulerSettings
+from .tokenizing import TokenizedBatch
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,6 @@ class Workload:
 
 def synthetic_tokens(workload: Workload, vocab: tuple[int, int]):
     """Token ids and per-row output lengths of the workload, rows in a shuffled (table) order."""
-    from .tokenizing import TokenizedBatch
-
     rng = np.random.default_rng(workload.seed)
     lo, hi = vocab
     system = rng.integers(lo, hi, workload.system_tokens, dtype=np.int32)
@@ -90,13 +89,6 @@ def synthetic_tokens(workload: Workload, vocab: tuple[int, int]):
     return TokenizedBatch(tokens=rows.ravel(), offsets=offsets), max_tokens.astype(np.int64)
 
 
-def _concat(rows: list[np.ndarray]):
-    from .tokenizing import TokenizedBatch
-
-    lengths = np.fromiter((r.size for r in rows), dtype=np.int64, count=len(rows))
-    return TokenizedBatch(tokens=np.concatenate(rows).astype(np.int32), offsets=np.concatenate([[0], np.cumsum(lengths)]))
-
-
 def nested_tokens(vocab: tuple[int, int], seed: int = 0, documents: int = 45, instruction_tokens: int = 384):
     """One instruction block above every row, documents of 160-320 tokens each asked 2-6
     questions of 12-40 tokens, outputs of 16-96 tokens; rows in a shuffled (table) order."""
@@ -110,7 +102,7 @@ def nested_tokens(vocab: tuple[int, int], seed: int = 0, documents: int = 45, in
             rows.append(np.concatenate([instruction, document, rng.integers(lo, hi, rng.integers(12, 41))]))
             max_tokens.append(rng.integers(16, 97))
     order = rng.permutation(len(rows))
-    return _concat([rows[i] for i in order]), np.asarray(max_tokens, dtype=np.int64)[order]
+    return TokenizedBatch.from_rows([rows[i] for i in order]), np.asarray(max_tokens, dtype=np.int64)[order]
 
 
 def templates_tokens(vocab: tuple[int, int], seed: int = 0, rows: int = 200, templates: int = 12):
@@ -125,7 +117,7 @@ def templates_tokens(vocab: tuple[int, int], seed: int = 0, rows: int = 200, tem
             out.append(rng.integers(lo, hi, rng.integers(128, 385)))
         else:
             out.append(np.concatenate([blocks[rng.integers(templates)], rng.integers(lo, hi, rng.integers(24, 97))]))
-    return _concat(out), rng.integers(8, 49, rows).astype(np.int64)
+    return TokenizedBatch.from_rows(out), rng.integers(8, 49, rows).astype(np.int64)
 
 
 def _prepared(batch, max_tokens, block_size: int):

@@ -69,10 +69,7 @@ class PreparedBatch:
         new_index = np.full(self.num_rows, -1, dtype=np.int64)
         new_index[rows] = np.arange(rows.size)
         in_subset = new_index[self.order] >= 0
-        parts = [self.batch.tokens_of(int(r)) for r in rows]
-        lengths = np.fromiter((t.size for t in parts), dtype=np.int64, count=rows.size)
-        tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-        batch = TokenizedBatch(tokens.astype(np.int32), np.concatenate([[0], np.cumsum(lengths)]))
+        batch = TokenizedBatch.from_rows([self.batch.tokens_of(int(r)) for r in rows])
         return PreparedBatch(
             ids=[self.ids[r] for r in rows], id_type=self.id_type, batch=batch, max_tokens=self.max_tokens[rows],
             errors={int(new_index[r]): e for r, e in self.errors.items() if new_index[r] >= 0},

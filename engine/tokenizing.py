@@ -22,6 +22,14 @@ class TokenizedBatch:
     errors: dict[int, str] = field(default_factory=dict)  # row index -> reason (those rows are empty)
     seconds: float = 0.0
 
+    @classmethod
+    def from_rows(cls, rows: list, errors: dict[int, str] | None = None, seconds: float = 0.0) -> "TokenizedBatch":
+        """One flat batch from per-row token id arrays (or lists)."""
+        arrays = [np.asarray(r, dtype=np.int32) for r in rows]
+        lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+        tokens = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int32)
+        return cls(tokens=tokens, offsets=np.concatenate([[0], np.cumsum(lengths)]), errors=errors or {}, seconds=seconds)
+
     def row(self, i: int) -> list[int]:
         return self.tokens[self.offsets[i] : self.offsets[i + 1]].tolist()
 
@@ -86,10 +94,7 @@ def tokenize_rows(tokenizer, prompts: list[str | None], messages: list[str | Non
     for i in range(n):
         if i not in errors and not rows[i].size:
             errors[i] = "prompt has no tokens"
-    lengths = np.fromiter((r.size for r in rows), dtype=np.int64, count=n)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    tokens = np.concatenate(rows) if n else empty
-    return TokenizedBatch(tokens=tokens, offsets=offsets, errors=errors, seconds=time.perf_counter() - started)
+    return TokenizedBatch.from_rows(rows, errors, seconds=time.perf_counter() - started)
 
 
 # Files whose content decides the token ids and the chat rendering; hashed whole (they are small).

@@ -64,8 +64,7 @@ def test_merge_stats_adds_counts_takes_the_longest_time_and_weights_gauges_by_st
 
 
 def prepared_of(rows: list[list[int]], order, groups, prefix) -> PreparedBatch:
-    lengths = [len(r) for r in rows]
-    batch = TokenizedBatch(np.concatenate([np.asarray(r, np.int32) for r in rows]), np.concatenate([[0], np.cumsum(lengths)]))
+    batch = TokenizedBatch.from_rows(rows)
     return PreparedBatch(ids=[f"r{i}" for i in range(len(rows))], id_type=pa.string(), batch=batch,
                          max_tokens=np.full(len(rows), 4), errors={1: "bad"}, order=np.asarray(order),
                          group_of_row=np.asarray(groups), prefix_len_of_row=np.asarray(prefix), block_size=2)

@@ -17,8 +17,7 @@ SAMPLING = SamplingSettings()
 
 
 def make_batch(rows: list[np.ndarray]) -> TokenizedBatch:
-    lengths = [r.size for r in rows]
-    return TokenizedBatch(tokens=np.concatenate(rows).astype(np.int32), offsets=np.concatenate([[0], np.cumsum(lengths)]))
+    return TokenizedBatch.from_rows(rows)
 
 
 def nested_batch(documents=6, rows_per_document=4, system_blocks=6, document_blocks=2, own_tokens=3, seed=0):
