@@ -19,15 +19,14 @@ from batchllm_dagster.config import BatchJobConfig, Backend
 from batchllm_dagster.metadata import run_metadata
 from batchllm_dagster.resources import VLLMResource
 from batchllm_dagster.warehouse import existing_rows, replace_partition
-from engine.models import resolve_model
 from engine.results import results_to_table
 from engine.runner import PreparedBatch, RunOutcome, run_resumable
-from engine.settings import fingerprint
+from engine.settings import EngineSettings, SamplingSettings, fingerprint
 
 from .snapshots import plan_stamp, read_parquet, stage_parquet, stale_plan_reasons, write_parquet
 
 
-def shard_plan(config: BatchJobConfig, partition_key: str, model_path: str) -> pa.Table:
+def shard_plan(config: BatchJobConfig, partition_key: str, settings: EngineSettings) -> pa.Table:
     """The shard's rows of the plan, refused if the plan no longer holds."""
     plan = read_parquet(config.plan_path, "plan", filters=[("partition_key", "=", partition_key)])
     if plan.num_rows == 0:
@@ -35,7 +34,7 @@ def shard_plan(config: BatchJobConfig, partition_key: str, model_path: str) -> p
             f"partition {partition_key!r} is not in the current plan of {config.name!r}: "
             "rematerialize prefix_groups and run the partitions it lists"
         )
-    stale = stale_plan_reasons(plan.schema.metadata, plan_stamp(config, model_path))
+    stale = stale_plan_reasons(plan.schema.metadata, plan_stamp(config, settings))
     if stale:
         raise dg.Failure(
             f"the plan of {config.name!r} is stale: {', '.join(stale)} changed since prefix_groups was "
@@ -89,13 +88,12 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         llm: VLLMResource = context.resources.llm
         warehouse: DuckDBResource = getattr(context.resources, config.warehouse_key)
         key = context.partition_key
-        model_path = resolve_model(config.llm.path)
-        plan_rows = shard_plan(config, key, model_path)
+        settings = config.engine_settings()
+        plan_rows = shard_plan(config, key, settings)
         prepared = PreparedBatch.from_table(plan_rows)
         shard = int(plan_rows["shard"][0].as_py())
         hardware_partition = config.hardware[shard % len(config.hardware)]
-        settings = config.engine_settings(model_path, llm.kv_cache_gib)
-        sampling = config.sampling_settings()
+        sampling = config.sampling
         checkpoint = config.checkpoint_path(key)
         context.log.info(f"shard {key}: {prepared.num_rows} planned rows on {llm.hardware()} ({hardware_partition})")
         if config.backend is Backend.RAY:
@@ -104,7 +102,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
             outcome = run_shard_locally(config, prepared, settings, sampling, checkpoint, llm, warehouse,
                                         context.log.info, started_at)
             info = asdict(outcome.engine) if outcome.engine else {"vllm": "not started: every row was reused or invalid"}
-        info.update(settings=asdict(settings), sampling=asdict(sampling), scheduler=config.scheduler.model_dump(mode="json"),
+        info.update(settings=settings.model_dump(mode="json"), sampling=sampling.model_dump(mode="json"), scheduler=config.scheduler.model_dump(mode="json"),
                     backend=str(config.backend))
 
         for result in outcome.results:
@@ -114,7 +112,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         table = (
             table.append_column("partition_key", pa.array([key] * n, pa.string()))
             .append_column("hardware", pa.array([hardware_partition] * n, pa.string()))
-            .append_column("model", pa.array([config.llm.path] * n, pa.string()))
+            .append_column("model", pa.array([config.llm.model_path] * n, pa.string()))
             .append_column("settings_fingerprint", pa.array([fingerprint(settings, sampling)] * n, pa.string()))
             .append_column("completed_at", pa.array([dt.datetime.now(dt.timezone.utc)] * n, pa.timestamp("us", tz="UTC")))
         )
@@ -135,7 +133,15 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
                 **run_metadata(outcome.stats, llm.hardware(), hardware_partition, info),
                 "dagster/row_count": written,
             },
-            check_results=partition_check_results(config, warehouse, key, prepared.ids, outcome.stats),
+            check_results=partition_check_results(config, warehouse, key, prepared.ids, outcome.stats,
+                                                  constrained_answers(prepared, outcome.results, sampling)),
         )
 
     return completions
+
+
+def constrained_answers(prepared: PreparedBatch, results: list, sampling: SamplingSettings) -> list[tuple]:
+    """(id, answer, format) of each ok row with a response format: its own, else the job's."""
+    row_of = {row_id: i for i, row_id in enumerate(prepared.ids)}
+    return [(r.id, r.text, fmt) for r in results if r.status == "ok"
+            and (fmt := prepared.response_formats.get(row_of[r.id], sampling.response_format)) is not None]

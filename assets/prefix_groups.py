@@ -8,7 +8,6 @@ from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import plan_metadata
 from batchllm_dagster.partitions import hardware_of, shard_key, sync_partitions
 from batchllm_dagster.warehouse import replace_table
-from engine.models import resolve_model
 from engine.runner import prepare_batch
 from engine.shards import assign_shards
 from engine.tokenizing import load_tokenizer
@@ -50,9 +49,8 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
     )
     def prefix_groups(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         table = read_parquet(config.prompts_path, "prompt snapshot")
-        model_path = resolve_model(config.llm.path)
-        settings = config.engine_settings(model_path)
-        prepared = prepare_batch(table, load_tokenizer(model_path), settings, config.sampling_settings(),
+        settings = config.engine_settings()
+        prepared = prepare_batch(table, load_tokenizer(settings.model_path), settings, config.sampling,
                                  config.dataset.columns, config.scheduler)
         plan = prepared.plan
         shards = assign_shards(plan, config.shards)
@@ -69,7 +67,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
             .append_column("shard", pa.array(shards.shard_of_row, pa.int64()))
             .append_column("partition_key", pa.array([keys[s] for s in shards.shard_of_row], pa.string()))
         )
-        plan_table = plan_table.replace_schema_metadata({**plan_table.schema.metadata, **plan_stamp(config, model_path)})
+        plan_table = plan_table.replace_schema_metadata({**plan_table.schema.metadata, **plan_stamp(config, settings)})
         write_parquet(plan_table, config.plan_path)
         plan_bytes = config.plan_path.stat().st_size
         groups = groups_table(prepared, shards, keys, config.hardware)

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchllm_dagster.config import BatchJobConfig
-from engine.settings import fingerprint
+from engine.settings import EngineSettings, fingerprint
 from engine.tokenizing import model_fingerprint
 
 
@@ -46,13 +46,12 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def plan_stamp(config: BatchJobConfig, model_path: str) -> dict[str, str]:
-    """What a plan is made from, as it is now."""
-    settings = config.engine_settings(model_path)
+def plan_stamp(config: BatchJobConfig, settings: EngineSettings) -> dict[str, str]:
+    """What a plan is made from, as it is now (``settings``: the job's, model resolved)."""
     shaping = fingerprint(settings.block_size, settings.context_len, config.sampling.max_tokens,
                           config.scheduler.min_group_rows, config.dataset.columns)
     return {
-        "batchllm.model": model_fingerprint(model_path),
+        "batchllm.model": model_fingerprint(settings.model_path),
         "batchllm.snapshot": file_digest(config.prompts_path),
         "batchllm.settings": shaping,
     }

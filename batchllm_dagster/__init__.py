@@ -1,10 +1,11 @@
-"""Dagster integration of the batchllm engine: config, resources, partitions, checks, factory."""
+"""Dagster building blocks of the batchllm engine: a job's declaration (config), the vLLM resource,
+shard partitions, metadata, checks and DuckDB writes. The asset graph built from them is ``assets``;
+this package never imports it."""
 
-from .component import BatchJobComponent
-from .config import BatchJobConfig, DatasetSpec, ModelSpec, SamplingSpec
-from .factory import build_batch_defs
+from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
+
+from .config import BatchJobConfig, DatasetSpec
 from .resources import VLLMResource
 
-__all__ = [
-    "BatchJobComponent", "BatchJobConfig", "DatasetSpec", "ModelSpec", "SamplingSpec", "VLLMResource", "build_batch_defs",
-]
+# The engine's settings are a job's ``llm:``, ``sampling:`` and ``scheduler:`` (one model each).
+__all__ = ["BatchJobConfig", "DatasetSpec", "EngineSettings", "SamplingSettings", "SchedulerSettings", "VLLMResource"]

@@ -3,7 +3,9 @@
 Per partition (evaluated by the completions step itself, so backfills run them too):
 * ``one_completion_per_row``: every row of the shard has exactly one row in the output table;
 * ``no_silent_empties``: an ok row has text, an error row has a reason;
-* ``prefix_saving``: saved prompt tokens / the plan's ideal is above a floor (a warning).
+* ``prefix_saving``: saved prompt tokens / the plan's ideal is above a floor (a warning);
+* ``answers_follow_response_format``: every ok answer of a constrained row (the job's
+  ``sampling.response_format`` or the row's own) parses and follows it (JSON schema, choice, regex).
 For the whole table: ``all_prompts_answered`` (missing, duplicated and orphaned ids).
 """
 
@@ -12,12 +14,12 @@ from __future__ import annotations
 import dagster as dg
 from dagster_duckdb import DuckDBResource
 
+from engine.response_format import ResponseFormat
 from engine.results import RunStats
 
 from .config import BatchJobConfig
 from .warehouse import quote_identifier, table_exists
 
-PARTITION_CHECKS = ("one_completion_per_row", "no_silent_empties", "prefix_saving")
 
 
 def partition_check_specs(config: BatchJobConfig) -> list[dg.AssetCheckSpec]:
@@ -27,11 +29,15 @@ def partition_check_specs(config: BatchJobConfig) -> list[dg.AssetCheckSpec]:
         dg.AssetCheckSpec("no_silent_empties", asset=key, description="Ok rows have text; error rows say why."),
         dg.AssetCheckSpec("prefix_saving", asset=key,
                           description=f"Prompt tokens saved / ideal saving >= {config.min_saving_vs_ideal} (warning)."),
+        dg.AssetCheckSpec("answers_follow_response_format", asset=key,
+                          description="Answers of constrained rows parse and follow their JSON schema, choices or regex."),
     ]
 
 
 def partition_check_results(config: BatchJobConfig, warehouse: DuckDBResource, partition_key: str, shard_ids: list,
-                            stats: RunStats) -> list[dg.AssetCheckResult]:
+                            stats: RunStats, constrained: list[tuple[object, str, ResponseFormat]]
+                            ) -> list[dg.AssetCheckResult]:
+    """``constrained``: (id, answer, format) of the shard's ok rows that have a response format."""
     table = quote_identifier(config.output_table)
     with warehouse.get_connection() as con:
         con.register("expected", _ids_table(shard_ids))
@@ -70,7 +76,18 @@ def partition_check_results(config: BatchJobConfig, warehouse: DuckDBResource, p
             passed=saving >= config.min_saving_vs_ideal, severity=dg.AssetCheckSeverity.WARN,
             metadata={"saving_vs_ideal": float(round(saving, 4)), "floor": config.min_saving_vs_ideal},
         ),
+        _format_check(config, constrained),
     ]
+
+
+def _format_check(config: BatchJobConfig, constrained: list[tuple[object, str, ResponseFormat]]) -> dg.AssetCheckResult:
+    violations = [(row_id, why) for row_id, text, fmt in constrained if (why := fmt.violation(text or ""))]
+    return dg.AssetCheckResult(
+        check_name="answers_follow_response_format", asset_key=dg.AssetKey([config.name, "completions"]),
+        passed=not violations,
+        metadata={"rows_checked": len(constrained), "violations": len(violations),
+                  "examples": dg.MetadataValue.json([{"id": str(i), "why": w} for i, w in violations[:5]])},
+    )
 
 
 def _ids_table(ids: list):

@@ -13,7 +13,7 @@ from typing import Annotated
 from pydantic import BaseModel, Field, model_validator
 
 from engine.dataset import Columns
-from engine.settings import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, EngineSettings, Policy, SamplingSettings, SchedulerSettings
+from engine.settings import EngineSettings, Policy, SamplingSettings, SchedulerSettings
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -40,6 +40,8 @@ class DatasetSpec(BaseModel):
     prompt_column: str = "prompt"
     messages_column: str = "messages"
     max_tokens_column: str = "max_tokens"
+    response_format_column: str = Field(
+        "response_format", description="optional JSON text per row, e.g. {\"choice\": [\"yes\", \"no\"]}; overrides the job's")
 
     @model_validator(mode="after")
     def _one_source(self) -> "DatasetSpec":
@@ -52,7 +54,8 @@ class DatasetSpec(BaseModel):
 
     @property
     def columns(self) -> Columns:
-        return Columns(self.id_column, self.prompt_column, self.messages_column, self.max_tokens_column)
+        return Columns(self.id_column, self.prompt_column, self.messages_column, self.max_tokens_column,
+                       self.response_format_column)
 
     def describe(self) -> str:
         if self.sql_file:
@@ -62,41 +65,6 @@ class DatasetSpec(BaseModel):
         if self.table:
             return f"table {self.table} of {self.database}"
         return f"parquet {self.parquet}"
-
-
-class ModelSpec(BaseModel):
-    path: str = Field("smollm2", description="local checkpoint directory, or a built-in: smollm2, tiny")
-    dtype: str = "float32"
-    block_size: int = DEFAULT_BLOCK_SIZE
-    kv_cache_blocks: int | None = None
-    max_model_len: int = 2048
-    max_num_batched_tokens: int | None = None
-    enforce_eager: bool = True
-    seed: int = 0
-
-    @model_validator(mode="after")
-    def _valid(self) -> "ModelSpec":
-        if self.block_size not in BLOCK_SIZES:
-            raise ValueError(f"block_size must be one of {BLOCK_SIZES} (what vLLM supports), not {self.block_size}")
-        return self
-
-
-class SamplingSpec(BaseModel):
-    max_tokens: int = Field(64, description="default output tokens per row (>= 1; a row's max_tokens column overrides)")
-    temperature: float = 0.0
-    top_p: float = 1.0
-    ignore_eos: bool = False
-    seed: int = 0
-    stop: list[str] = Field(default_factory=list, description="strings that end an answer")
-
-    @model_validator(mode="after")
-    def _valid(self) -> "SamplingSpec":
-        self.to_settings()  # one set of rules: the engine's
-        return self
-
-    def to_settings(self) -> SamplingSettings:
-        return SamplingSettings(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                                ignore_eos=self.ignore_eos, seed=self.seed, stop=tuple(self.stop))
 
 
 def described(text: str) -> tuple:
@@ -115,8 +83,8 @@ class JobSpec(BaseModel):
 
     name: Annotated[str, *described("asset key prefix and partition set name (letters, digits, _)")]
     dataset: Annotated[DatasetSpec, *described("where the prompts come from")]
-    llm: Annotated[ModelSpec, *described("the model and how vLLM runs it")] = ModelSpec()
-    sampling: Annotated[SamplingSpec, *described("how rows are answered")] = SamplingSpec()
+    llm: Annotated[EngineSettings, *described("the model and how vLLM runs it")] = EngineSettings()
+    sampling: Annotated[SamplingSettings, *described("how rows are answered")] = SamplingSettings()
     scheduler: Annotated[SchedulerSettings, *described("BatchLLM admission knobs")] = SchedulerSettings()
     shards: Annotated[int, *described("partitions of completions (>= 1)")] = 2
     hardware: Annotated[list[str], *described("hardware partitions; shards cycle over them")] = ["cpu"]
@@ -185,17 +153,11 @@ class BatchJobConfig(JobSpec):
     def completions_parquet_path(self, partition_key: str) -> Path:
         return self.job_dir / "completions" / f"{partition_key}.parquet"
 
-    def engine_settings(self, model_path: str, kv_cache_gib: int = 2) -> EngineSettings:
-        spec = self.llm
-        return EngineSettings(
-            model_path=model_path, dtype=spec.dtype, block_size=spec.block_size, kv_cache_blocks=spec.kv_cache_blocks,
-            kv_cache_gib=kv_cache_gib, max_model_len=spec.max_model_len,
-            max_num_batched_tokens=spec.max_num_batched_tokens, enforce_eager=spec.enforce_eager, seed=spec.seed,
-        )
+    def engine_settings(self) -> EngineSettings:
+        """``llm`` with its model (a built-in name or a path) resolved to a checkpoint directory."""
+        from engine.models import resolve_model
 
-    def sampling_settings(self) -> SamplingSettings:
-        return self.sampling.to_settings()
-
+        return self.llm.model_copy(update={"model_path": resolve_model(self.llm.model_path)})
 
 
 def default_data_dir() -> Path:

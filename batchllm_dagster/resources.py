@@ -12,9 +12,8 @@ from engine.vllm_env import hardware_name
 
 
 class VLLMResource(dg.ConfigurableResource):
-    """Per-deployment vLLM settings: how much memory the KV cache gets and what the hardware is called."""
+    """Per-deployment: what the hardware is called (how vLLM runs is the job's ``llm:``)."""
 
-    kv_cache_gib: int = Field(2, description="KV cache memory on CPU (GiB); on a GPU vLLM sizes it itself")
     hardware_label: str | None = Field(None, description="name recorded as the hardware (default: GPU or CPU model)")
 
     def hardware(self) -> str:

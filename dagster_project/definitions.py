@@ -10,7 +10,8 @@ from pathlib import Path
 
 import dagster as dg
 
-from batchllm_dagster import BatchJobConfig, DatasetSpec, ModelSpec, SamplingSpec, build_batch_defs
+from assets import build_batch_defs
+from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings, SamplingSettings
 from batchllm_dagster.config import default_data_dir
 
 HERE = Path(__file__).parent
@@ -20,8 +21,8 @@ DATABASE = DATA_DIR / "batchllm.duckdb"
 SUPPORT = BatchJobConfig(
     name="support",
     dataset=DatasetSpec(sql_file=str(HERE / "datasets" / "support_replies.sql"), database=str(DATABASE)),
-    llm=ModelSpec(path="smollm2"),
-    sampling=SamplingSpec(max_tokens=48),
+    llm=EngineSettings(model_path="smollm2"),
+    sampling=SamplingSettings(max_tokens=48),
     shards=2,
     hardware=["cpu"],
     output_database=str(DATABASE),  # answers live next to the prompts

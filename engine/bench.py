@@ -34,8 +34,10 @@ import numpy as np
 
 from .plan import build_plan
 from .results import RunStats
-from .settings import DEFAULT_BLOCK_SIZE, EngineSettings, ReserveOutput, RunMode, SamplingSettings, SchedulerSettings
+from .cli_options import add_engine_options, engine_settings_from
+from .settings import EngineSettings, ReserveOutput, RunMode, SamplingSettings, SchedulerSettings
 from .tokenizing import TokenizedBatch
+from .vllm_env import current_platform
 
 log = logging.getLogger(__name__)
 
@@ -178,10 +180,7 @@ def run_bench(args) -> dict:
     plan = prepared.plan
     working_set = int(plan.unique_tokens // args.block_size)
     kv_blocks = args.kv_cache_blocks or max(64, working_set // 3)
-    engine_settings = EngineSettings(
-        model_path=model_path, dtype=args.dtype, block_size=args.block_size, kv_cache_blocks=kv_blocks,
-        max_model_len=2048, max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+    engine_settings = engine_settings_from(args, model_path).model_copy(update={"kv_cache_blocks": kv_blocks})
     sampling = SamplingSettings(max_tokens=int(max_tokens.max()), ignore_eos=True)
     scheduler = SchedulerSettings(
         kv_budget_fraction=args.kv_budget_fraction, prefix_requests=not args.no_prefix_requests,
@@ -202,7 +201,7 @@ def run_bench(args) -> dict:
     reference = "vllm_apc" if "vllm_apc" in outputs else next(iter(outputs))
     mismatched = [i for i in outputs[reference] if any(outputs[n].get(i) != outputs[reference][i] for n in outputs)]
     return {
-        "workload": {**described, "rows": prepared.num_rows, "model": args.model, "dtype": args.dtype,
+        "workload": {**described, "rows": prepared.num_rows, "model": args.model, "dtype": engine_settings.for_platform(current_platform()).dtype,
                      "block_size": args.block_size, "kv_cache_blocks": kv_blocks,
                      "prefix_working_set_blocks": working_set, "prompt_tokens": plan.prompt_tokens,
                      "unique_tokens": plan.unique_tokens, "ideal_cached_tokens": plan.ideal_cached_tokens,
@@ -262,8 +261,6 @@ def cmd_bench(args) -> int:
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="compare this engine with plain vLLM in one run")
     bench.add_argument("--json", action="store_true", help="JSON on stdout (always; logs go to stderr)")
-    bench.add_argument("--model", default="smollm2")
-    bench.add_argument("--dtype", default="float32")
     bench.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
     bench.add_argument("--shape", choices=SHAPES, default="groups", help="the synthetic table (see the module doc)")
     bench.add_argument("--groups", type=int, default=Workload.groups)
@@ -275,10 +272,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--output-mix", choices=["fixed", "rows", "tasks"], default=Workload.output_mix,
                        help="fixed lengths, random per row, or a short or long task per group")
     bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
-    bench.add_argument("--kv-cache-blocks", type=int, help="KV cache size (default: a third of the prefix working set)")
     bench.add_argument("--kv-budget-fraction", type=float, default=SchedulerSettings().kv_budget_fraction)
-    bench.add_argument("--max-num-batched-tokens", type=int)
     bench.add_argument("--no-prefix-requests", action="store_true", help="let the first rows compute their prefix")
     bench.add_argument("--reserve-output", choices=[r.value for r in ReserveOutput],
                        default=SchedulerSettings().reserve_output.value)
@@ -286,4 +280,5 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--analysis", action="store_true", help="time the plan alone on synthetic token ids")
     bench.add_argument("--rows", type=int, default=1_000_000, help="rows for --analysis")
     bench.add_argument("--tokens-per-row", type=int, default=500, help="tokens per row for --analysis")
+    add_engine_options(bench)  # --kv-cache-blocks defaults to a third of the prefix working set here
     bench.set_defaults(func=cmd_bench)

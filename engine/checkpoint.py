@@ -12,7 +12,6 @@ import hashlib
 import logging
 import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow as pa
@@ -25,11 +24,12 @@ log = logging.getLogger(__name__)
 
 # Settings that can change an answer; cache sizes and batching knobs do not (greedy outputs were
 # equal whatever the order and batch shape).
-_ANSWER_SETTINGS = ("model_path", "dtype", "enforce_eager", "seed", "max_model_len")
+_ANSWER_SETTINGS = {"model_path", "dtype", "enforce_eager", "seed", "max_model_len", "tensor_parallel_size"}
 
 
 def settings_fingerprint(engine: EngineSettings, sampling: SamplingSettings) -> str:
-    relevant = {k: v for k, v in asdict(engine).items() if k in _ANSWER_SETTINGS}
+    """``engine`` as resolved for the platform (``for_platform``): a CPU and a GPU run differ."""
+    relevant = engine.model_dump(include=_ANSWER_SETTINGS)
     return fingerprint(relevant, sampling)
 
 
@@ -42,6 +42,8 @@ def row_fingerprints(prepared, settings_fp: str) -> list[str]:
         digest.update(tokens[offsets[i] : offsets[i + 1]].tobytes())
         digest.update(int(prepared.max_tokens[i]).to_bytes(8, "little"))
         digest.update(str(prepared.errors.get(i, "")).encode())
+        if i in prepared.response_formats:  # the row's own constraint changes its answer
+            digest.update(prepared.response_formats[i].to_text().encode())
         out.append(digest.hexdigest())
     return out
 

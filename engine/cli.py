@@ -17,8 +17,13 @@ import shutil
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from .dataset import Columns, DatasetError, load_prompts
-from .settings import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, EngineSettings, SamplingSettings, SchedulerSettings
+from .response_format import ResponseFormat
+from .validation import one_line
+from .cli_options import add_engine_options, at_least_one, engine_settings_from
+from .settings import EngineSettings, SamplingSettings, SchedulerSettings
 
 log = logging.getLogger("batchllm")
 
@@ -26,37 +31,39 @@ log = logging.getLogger("batchllm")
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", help="Parquet file or glob, .sql file, or a table of --database")
     parser.add_argument("--database", help="DuckDB database the SQL or table refers to (opened read-only)")
-    parser.add_argument("--model", default="smollm2", help="built-in model name (smollm2, tiny) or checkpoint path")
     parser.add_argument("--id-column", default="id")
     parser.add_argument("--prompt-column", default="prompt")
     parser.add_argument("--messages-column", default="messages")
-    parser.add_argument("--max-tokens", type=_at_least_one, default=64, help="default output tokens per row")
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, choices=BLOCK_SIZES,
-                        help="KV block size (tokens)")
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--shards", type=_at_least_one, default=1, help="cut the plan into this many shards")
-
-
-def _at_least_one(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
+    parser.add_argument("--max-tokens", type=at_least_one, default=64, help="default output tokens per row")
+    parser.add_argument("--shards", type=at_least_one, default=1, help="cut the plan into this many shards")
+    add_engine_options(parser)
 
 
 def _settings(args) -> tuple[EngineSettings, SamplingSettings, Columns]:
     from .models import resolve_model
 
-    engine = EngineSettings(
-        model_path=resolve_model(args.model),
-        dtype=getattr(args, "dtype", "float32"),
-        block_size=args.block_size,
-        kv_cache_blocks=getattr(args, "kv_cache_blocks", None),
-        max_model_len=args.max_model_len,
-    )
-    sampling = SamplingSettings(max_tokens=args.max_tokens, temperature=getattr(args, "temperature", 0.0))
+    engine = engine_settings_from(args, resolve_model(args.model))
+    sampling = SamplingSettings(max_tokens=args.max_tokens, temperature=getattr(args, "temperature", 0.0),
+                                response_format=_response_format(args))
     columns = Columns(id=args.id_column, prompt=args.prompt_column, messages=args.messages_column)
     return engine, sampling, columns
+
+
+def _response_format(args) -> ResponseFormat | None:
+    """``--choice``/``--json-schema``/``--regex`` (one kind), checked before any work."""
+    given = {"choice": getattr(args, "choice", None), "regex": getattr(args, "regex", None)}
+    if getattr(args, "json_schema", None):
+        try:
+            given["json_schema"] = json.loads(Path(args.json_schema).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--json-schema {args.json_schema}: {exc}") from None
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return None
+    try:
+        return ResponseFormat(**given)
+    except ValidationError as exc:
+        raise ValueError(f"response format: {one_line(exc)}") from None
 
 
 def _prepare(args):
@@ -169,12 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="answer every row with vLLM; write OUT.parquet keyed by id")
     _add_common(run)
     run.add_argument("--output", required=True)
-    run.add_argument("--dtype", default="float32")
     run.add_argument("--temperature", type=float, default=0.0)
-    run.add_argument("--kv-cache-blocks", type=int, help="cap the KV cache at this many blocks")
+    constrain = run.add_argument_group("constrained answers (one kind; a row's response_format column overrides)")
+    constrain.add_argument("--choice", action="append", help="an allowed answer (repeat for each)")
+    constrain.add_argument("--json-schema", metavar="FILE", help="answers are JSON valid against this schema file")
+    constrain.add_argument("--regex", metavar="PATTERN", help="answers match this regular expression")
     run.add_argument("--json", action="store_true", help="print the run's statistics as JSON")
     run.add_argument("--checkpoint-dir", help="where finished rows are kept while running (default OUT.checkpoint)")
-    run.add_argument("--checkpoint-every-rows", type=_at_least_one, default=256, help="write a checkpoint part this often")
+    run.add_argument("--checkpoint-every-rows", type=at_least_one, default=256, help="write a checkpoint part this often")
     run.add_argument("--overwrite", action="store_true", help="replace an existing --output that is not a result of these prompts")
     run.set_defaults(func=cmd_run)
 

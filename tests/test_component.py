@@ -8,8 +8,8 @@ import dagster as dg
 import pytest
 import yaml
 
-from batchllm_dagster import BatchJobComponent
-from batchllm_dagster.component import BatchJobScaffolder
+from assets import BatchJobComponent
+from assets.component import BatchJobScaffolder
 
 from .conftest import ROOT
 
@@ -26,9 +26,9 @@ def dg_cli(*args, env=None) -> str:
 
 @pytest.mark.slow
 def test_component_is_registered_and_the_project_validates(tmp_path):
-    assert "batchllm_dagster.BatchJobComponent" in dg_cli("list", "components")
+    assert "assets.BatchJobComponent" in dg_cli("list", "components")
     # The job model's own descriptions reach dg's component schema, the nested scheduler's included.
-    schema = dg_cli("utils", "inspect-component", "batchllm_dagster.BatchJobComponent")
+    schema = dg_cli("utils", "inspect-component", "assets.BatchJobComponent")
     assert "partitions of completions (>= 1)" in schema and "share of the engine's KV capacity" in schema
     out = dg_cli("check", "defs", env={"DAGSTER_HOME": str(tmp_path), "BATCHLLM_DATA_DIR": str(tmp_path / "data")})
     assert "All definitions loaded successfully" in out
@@ -47,11 +47,11 @@ def test_project_declares_yaml_and_python_jobs(tmp_path, monkeypatch):
 def test_scaffolded_job_resolves_to_a_config(tmp_path):
     target = tmp_path / "nightly_reviews"
     target.mkdir()
-    request = dg.ScaffoldRequest(type_name="batchllm_dagster.BatchJobComponent", target_path=target,
+    request = dg.ScaffoldRequest(type_name="assets.BatchJobComponent", target_path=target,
                                  scaffold_format="yaml", project_root=tmp_path, params=None)
     BatchJobScaffolder().scaffold(request)
     written = yaml.safe_load((target / "defs.yaml").read_text())
-    assert written["type"] == "batchllm_dagster.BatchJobComponent"
+    assert written["type"] == "assets.BatchJobComponent"
     assert (target / "prompts.sql").exists()
     component = BatchJobComponent.resolve_from_yaml(yaml.safe_dump(written["attributes"]))
     config = component.to_config(target)
@@ -100,7 +100,8 @@ def test_the_component_and_the_python_factory_take_one_job_model(tmp_path):
 
 
 def test_a_job_builds_definitions_with_its_warehouse_resource_bound(tmp_path):
-    from batchllm_dagster import BatchJobConfig, DatasetSpec, build_batch_defs
+    from assets import build_batch_defs
+    from batchllm_dagster import BatchJobConfig, DatasetSpec
 
     config = BatchJobConfig(name="nightly", dataset=DatasetSpec(parquet=str(tmp_path / "p.parquet")),
                             output_database=str(tmp_path / "out" / "answers.duckdb"), storage_dir=str(tmp_path / "jobs"))

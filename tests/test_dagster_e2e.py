@@ -6,7 +6,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from batchllm_dagster import BatchJobConfig, DatasetSpec, ModelSpec, SamplingSpec, build_batch_defs
+from assets import build_batch_defs
+from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings, SamplingSettings
 
 from .conftest import make_prompt_table
 
@@ -26,8 +27,8 @@ def job(tmp_path, tiny_model):
     return BatchJobConfig(
         name="e2e",
         dataset=DatasetSpec(sql_file=str(sql), database=str(database)),
-        llm=ModelSpec(path=tiny_model, kv_cache_blocks=64),
-        sampling=SamplingSpec(max_tokens=6),
+        llm=EngineSettings(model_path=tiny_model, kv_cache_blocks=64),
+        sampling=SamplingSettings(max_tokens=6),
         shards=2,
         output_database=str(database),
         output_table="answers",

@@ -86,3 +86,23 @@ def test_rows_too_long_for_a_small_kv_cache_are_errors(tiny_model):
     results, _ = run(tiny_model, table, engine_settings=settings(tiny_model, kv_cache_blocks=8))
     assert results["short"].status == "ok"
     assert results["long"].status == "error" and "KV cache 8 blocks" in results["long"].error
+
+
+def test_constrained_answers_follow_their_format_on_real_vllm(tiny_model):
+    """The tiny model's weights are random: without the constraint it answers noise."""
+    from engine.response_format import ResponseFormat
+
+    labels = ResponseFormat(choice=["positive", "negative", "neutral"])
+    code = ResponseFormat(regex=r"[A-Z]{2}-[0-9]{3}")
+    flag = ResponseFormat(json_schema={"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                       "required": ["ok"], "additionalProperties": False})
+    table = make_prompt_table(documents=3, questions=3, singles=3)
+    row_formats = [None, code.to_text(), flag.to_text()] * (table.num_rows // 3) + [None] * (table.num_rows % 3)
+    table = table.append_column("response_format", pa.array(row_formats, pa.string()))
+    sampling = SamplingSettings(max_tokens=24, response_format=labels)
+    results, _ = run(tiny_model, table, sampling=sampling)
+    formats = dict(zip(table.column("id").to_pylist(), row_formats))
+    for row_id, result in results.items():
+        fmt = ResponseFormat.from_text(formats[row_id]) if formats[row_id] else labels
+        assert result.status == "ok" and fmt.violation(result.text) is None, (row_id, result.text)
+    assert {r.text for i, r in results.items() if not formats[i]} <= set(labels.choice)

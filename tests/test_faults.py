@@ -13,7 +13,7 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 
-from batchllm_dagster import BatchJobConfig, DatasetSpec, ModelSpec, SamplingSpec
+from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings, SamplingSettings
 
 from .conftest import ROOT, make_prompt_table
 from .fault_job import completions_and_plan
@@ -95,8 +95,8 @@ def test_dagster_partition_killed_midway_resumes(big_prompts, tmp_path, tiny_mod
     config = BatchJobConfig(
         name="faulty",
         dataset=DatasetSpec(parquet=str(big_prompts)),
-        llm=ModelSpec(path=tiny_model, kv_cache_blocks=256),
-        sampling=SamplingSpec(max_tokens=int(MAX_TOKENS)),
+        llm=EngineSettings(model_path=tiny_model, kv_cache_blocks=256),
+        sampling=SamplingSettings(max_tokens=int(MAX_TOKENS)),
         shards=1,
         output_database=str(tmp_path / "out.duckdb"),
         output_table="answers",

@@ -104,13 +104,14 @@ def test_completions_partition_runs_on_ray_when_configured(cluster, tiny_model, 
     import duckdb
     import pyarrow.parquet as pq
 
-    from batchllm_dagster import BatchJobConfig, DatasetSpec, ModelSpec, SamplingSpec, build_batch_defs
+    from assets import build_batch_defs
+    from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings, SamplingSettings
 
     table = make_prompt_table(seed=7)
     pq.write_table(table, tmp_path / "prompts.parquet")
     config = BatchJobConfig(
         name="on_ray", dataset=DatasetSpec(parquet=str(tmp_path / "prompts.parquet")),
-        llm=ModelSpec(path=tiny_model, kv_cache_blocks=256), sampling=SamplingSpec(max_tokens=24), shards=1,
+        llm=EngineSettings(model_path=tiny_model, kv_cache_blocks=256), sampling=SamplingSettings(max_tokens=24), shards=1,
         output_database=str(tmp_path / "out.duckdb"), output_table="answers", storage_dir=str(tmp_path / "jobs"),
         backend="ray", ray_replicas=2,
     )

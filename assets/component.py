@@ -1,12 +1,12 @@
 """``BatchJobComponent``: one batch job declared in a ``defs.yaml``.
 
-    type: batchllm_dagster.BatchJobComponent
+    type: assets.BatchJobComponent
     attributes:
       name: reviews
       dataset:
         sql_file: reviews.sql          # relative to this folder
         database: batchllm.duckdb      # relative to BATCHLLM_DATA_DIR (default ./data)
-      llm: {path: smollm2}
+      llm: {model_path: smollm2}
       sampling: {max_tokens: 8}
       shards: 2
       hardware: [cpu]
@@ -24,12 +24,13 @@ import dagster as dg
 from dagster.components.component_scaffolding import scaffold_component
 from pydantic import Field
 
-from .config import BatchJobConfig, JobSpec, default_data_dir
+from batchllm_dagster.config import BatchJobConfig, JobSpec, default_data_dir
+
 from .factory import build_batch_defs
 
 
 class BatchJobScaffolder(dg.Scaffolder):
-    """``dg scaffold defs batchllm_dagster.BatchJobComponent NAME``: a working example job."""
+    """``dg scaffold defs assets.BatchJobComponent NAME``: a working example job."""
 
     def scaffold(self, request: dg.ScaffoldRequest) -> None:
         name = request.target_path.name.replace("-", "_")
@@ -39,7 +40,7 @@ class BatchJobScaffolder(dg.Scaffolder):
         scaffold_component(request, {
             "name": name,
             "dataset": {"sql_file": "prompts.sql", "database": "batchllm.duckdb"},
-            "llm": {"path": "smollm2"},
+            "llm": {"model_path": "smollm2"},
             "sampling": {"max_tokens": 32},
             "shards": 2,
             "hardware": ["cpu"],

@@ -3,13 +3,14 @@
 import dagster as dg
 from dagster_duckdb import DuckDBResource
 
-from assets import build_completions, build_prefix_groups, build_prompts
-from assets.prompts import source_version
+from batchllm_dagster.checks import build_table_checks
+from batchllm_dagster.config import BatchJobConfig
+from batchllm_dagster.partitions import shard_partitions
+from batchllm_dagster.resources import DEFAULT_LLM
 
-from .checks import build_table_checks
-from .config import BatchJobConfig
-from .partitions import shard_partitions
-from .resources import DEFAULT_LLM
+from .completions import build_completions
+from .prefix_groups import build_prefix_groups
+from .prompts import build_prompts, source_version
 
 
 def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:

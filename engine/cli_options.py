@@ -1,0 +1,44 @@
+"""Command-line options that become ``EngineSettings``: declared once for ``run`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+
+from pydantic import ValidationError
+
+from .settings import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, EngineSettings
+from .validation import one_line
+
+
+def at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """vLLM's settings; an option left out takes the platform's default (see ``EngineSettings``)."""
+    fields = EngineSettings.model_fields
+    group = parser.add_argument_group("engine (vLLM)")
+    group.add_argument("--model", default="smollm2", help="built-in model name (smollm2, tiny) or checkpoint path")
+    group.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, choices=BLOCK_SIZES,
+                       help=fields["block_size"].description)
+    group.add_argument("--max-model-len", type=at_least_one, default=fields["max_model_len"].default,
+                       help=fields["max_model_len"].description)
+    for name, kind in (("dtype", str), ("kv_cache_blocks", int), ("max_num_seqs", at_least_one),
+                       ("max_num_batched_tokens", at_least_one), ("tensor_parallel_size", at_least_one),
+                       ("gpu_memory_utilization", float), ("cpu_kv_cache_gib", at_least_one)):
+        group.add_argument("--" + name.replace("_", "-"), type=kind, help=fields[name].description)
+    group.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                       help=fields["enforce_eager"].description)
+
+
+def engine_settings_from(args: argparse.Namespace, model_path: str) -> EngineSettings:
+    """The settings the options give, for an already resolved ``model_path``."""
+    given = {name: getattr(args, name) for name in EngineSettings.model_fields
+             if name != "model_path" and getattr(args, name, None) is not None}
+    try:
+        return EngineSettings(model_path=model_path, **given)
+    except ValidationError as exc:
+        raise ValueError(f"engine settings: {one_line(exc)}") from None

