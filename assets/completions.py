@@ -92,7 +92,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         plan_rows = shard_plan(config, key, settings)
         prepared = PreparedBatch.from_table(plan_rows)
         shard = int(plan_rows["shard"][0].as_py())
-        hardware_partition = config.hardware[shard % len(config.hardware)]
+        hardware_partition = config.hardware_of_shard(shard).name
         sampling = config.sampling
         checkpoint = config.checkpoint_path(key)
         context.log.info(f"shard {key}: {prepared.num_rows} planned rows on {llm.hardware()} ({hardware_partition})")

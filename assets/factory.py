@@ -5,7 +5,7 @@ from dagster_duckdb import DuckDBResource
 
 from batchllm_dagster.checks import build_table_checks
 from batchllm_dagster.config import BatchJobConfig
-from batchllm_dagster.partitions import shard_partitions
+from batchllm_dagster.partitions import hardware_of_key, shard_partitions
 from batchllm_dagster.resources import DEFAULT_LLM
 
 from .completions import build_completions
@@ -24,19 +24,28 @@ def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
         selection=dg.AssetSelection.assets(prompts, prefix_groups),
         description="Snapshot the prompts and plan the shards; the shard sensor then runs every shard.",
     )
-    shards_job = dg.define_asset_job(f"{config.name}_shards", selection=dg.AssetSelection.assets(completions))
+    # One job per hardware partition: its runs carry the hardware's tags (placement, run pool), in
+    # the sensor's runs and in a backfill of that job from the UI alike.
+    shards_jobs = {
+        hardware.name: dg.define_asset_job(
+            config.shards_job_name(hardware), selection=dg.AssetSelection.assets(completions), tags=hardware.tags(),
+            description=f"Run shards bound to hardware partition {hardware.name!r} (backfill its partitions here).")
+        for hardware in config.hardware
+    }
 
     @dg.asset_sensor(
         asset_key=prefix_groups.key,
-        job=shards_job,
+        jobs=list(shards_jobs.values()),
         name=f"{config.name}_run_shards",
         default_status=dg.DefaultSensorStatus.STOPPED,
-        description="After a new plan, run each of its shards once (one run per shard partition).",
+        description="After a new plan, run each of its shards once (one run per shard partition, on its hardware's job).",
     )
     def run_shards(context: dg.SensorEvaluationContext, asset_event: dg.EventLogEntry):
-        keys = context.instance.get_dynamic_partitions(config.partitions_name)
-        run_key = asset_event.run_id
-        return [dg.RunRequest(run_key=f"{run_key}:{k}", partition_key=k) for k in keys]
+        return [
+            dg.RunRequest(run_key=f"{asset_event.run_id}:{key}", partition_key=key,
+                          job_name=shards_jobs[hardware_of_key(config, key).name].name)
+            for key in context.instance.get_dynamic_partitions(config.partitions_name)
+        ]
 
     @dg.sensor(
         job=plan_job,
@@ -63,7 +72,7 @@ def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
     return dg.Definitions(
         assets=[prompts, prefix_groups, completions],
         asset_checks=build_table_checks(config),
-        jobs=[plan_job, shards_job],
+        jobs=[plan_job, *shards_jobs.values()],
         sensors=[run_shards, source_changed],
         schedules=schedules,
         # The output database is a resource: a deployment binds another one to <name>_warehouse.

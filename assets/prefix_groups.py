@@ -6,7 +6,7 @@ import pyarrow as pa
 
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import plan_metadata
-from batchllm_dagster.partitions import hardware_of, shard_key, sync_partitions
+from batchllm_dagster.partitions import shard_key, sync_partitions
 from batchllm_dagster.warehouse import replace_table
 from engine.runner import prepare_batch
 from engine.shards import assign_shards
@@ -15,7 +15,7 @@ from engine.tokenizing import load_tokenizer
 from .snapshots import plan_stamp, read_parquet, write_parquet
 
 
-def groups_table(prepared, shards, keys: list[str], hardware: list[str]) -> pa.Table:
+def groups_table(prepared, shards, keys: list[str], config: BatchJobConfig) -> pa.Table:
     """One row per group: its shard, prefix length, rows and estimated tokens."""
     plan = prepared.plan
     starts = plan.group_starts()
@@ -28,7 +28,7 @@ def groups_table(prepared, shards, keys: list[str], hardware: list[str]) -> pa.T
         "group": np.arange(plan.num_groups),
         "shard": shard,
         "partition_key": [keys[s] for s in shard],
-        "hardware": [hardware_of(hardware, int(s)) for s in shard],
+        "hardware": [config.hardware_of_shard(int(s)).name for s in shard],
         "rows": plan.group_sizes,
         "prefix_tokens": plan.group_prefix_tokens,
         "prompt_tokens": prompt.astype(np.int64),
@@ -57,7 +57,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         ids_by_shard = [[] for _ in range(config.shards)]
         for row in plan.order:
             ids_by_shard[shards.shard_of_row[row]].append(prepared.ids[row])
-        keys = [shard_key(hardware_of(config.hardware, s), s, ids) for s, ids in enumerate(ids_by_shard)]
+        keys = [shard_key(config.hardware_of_shard(s).name, s, ids) for s, ids in enumerate(ids_by_shard)]
         used = [k for k, ids in zip(keys, ids_by_shard) if ids]  # fewer groups than shards: no empty partitions
 
         # The plan is the contract: every row with its tokens, group, shard and run position,
@@ -70,7 +70,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         plan_table = plan_table.replace_schema_metadata({**plan_table.schema.metadata, **plan_stamp(config, settings)})
         write_parquet(plan_table, config.plan_path)
         plan_bytes = config.plan_path.stat().st_size
-        groups = groups_table(prepared, shards, keys, config.hardware)
+        groups = groups_table(prepared, shards, keys, config)
         replace_table(getattr(context.resources, config.warehouse_key), f"{config.output_table}_prefix_groups", groups)
         added, removed = sync_partitions(context.instance, config.partitions_name, used)
         context.log.info(f"{plan.num_groups} groups in {len(used)} shards; partitions added {added}, removed {removed}; "

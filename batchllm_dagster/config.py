@@ -25,6 +25,38 @@ class Backend(Policy):
     RAY = "ray"  # vLLM replicas on a Ray cluster, whole prefix groups each
 
 
+class HardwarePartition(BaseModel):
+    """A kind of machine the shards run on. Every run of its shards carries ``run_tags`` (what the
+    deployment places runs by: dagster-k8s node selectors and GPU limits, say) and the tag
+    ``batchllm/pool`` = ``pool``, which dagster.yaml's run queue limits to one run at a time."""
+
+    name: str = Field(description="letters, digits, '.', '_' or '-'; it starts the shard partition keys")
+    pool: str | None = Field(None, description="runs of this hardware queue in this pool (default: inference_<name>)")
+    run_tags: dict[str, str] = Field(default_factory=dict, description="tags every run of its shards carries")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, value):
+        return {"name": value} if isinstance(value, str) else value  # `hardware: [cpu]` is short for [{name: cpu}]
+
+    @model_validator(mode="after")
+    def _valid(self) -> "HardwarePartition":
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
+            raise ValueError(f"hardware name {self.name!r} must be letters, digits, '.', '_' or '-'")
+        return self
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^a-z0-9_]+", "_", self.name.lower()).strip("_")
+
+    @property
+    def run_pool(self) -> str:
+        return self.pool or f"inference_{self.slug}"
+
+    def tags(self) -> dict[str, str]:
+        return {**self.run_tags, "batchllm/hardware": self.name, "batchllm/pool": self.run_pool}
+
+
 class DatasetSpec(BaseModel):
     """Where the prompts come from: exactly one of ``sql``, ``sql_file``, ``table``, ``parquet``."""
 
@@ -87,7 +119,9 @@ class JobSpec(BaseModel):
     sampling: Annotated[SamplingSettings, *described("how rows are answered")] = SamplingSettings()
     scheduler: Annotated[SchedulerSettings, *described("BatchLLM admission knobs")] = SchedulerSettings()
     shards: Annotated[int, *described("partitions of completions (>= 1)")] = 2
-    hardware: Annotated[list[str], *described("hardware partitions; shards cycle over them")] = ["cpu"]
+    hardware: Annotated[list[HardwarePartition], *described(
+        "hardware partitions, shards cycle over them: names ([cpu]) or {name, pool, run_tags}")] = [
+        HardwarePartition(name="cpu")]
     output_table: Annotated[str, *described("DuckDB table of the answers")] = "completions"
     backend: Annotated[Backend, *described(
         "'local' (vLLM in the step's process) or 'ray' (replicas on a Ray cluster)")] = Backend.LOCAL
@@ -95,8 +129,8 @@ class JobSpec(BaseModel):
         "Ray cluster address for backend 'ray' (None: start or join a local one)")] = None
     ray_replicas: Annotated[int, *described("vLLM replicas a shard is spread over, whole prefix groups each (>= 1)")] = 1
     pool: Annotated[str | None, *described(
-        "Dagster pool of the inference steps (default: one per hardware partition set, e.g. inference_cpu); "
-        "dagster.yaml limits each pool to one step at a time")] = None
+        "Dagster pool of the inference steps (default: the hardware partition's pool when the job has one, "
+        "none when several: their runs queue per hardware pool instead); dagster.yaml limits each to one")] = None
     min_saving_vs_ideal: Annotated[float, *described("prefix_saving check warns below this share of the ideal")] = 0.9
     schedule: Annotated[str | None, *described("cron of the nightly run (None: no schedule)")] = "0 2 * * *"
 
@@ -107,6 +141,9 @@ class JobSpec(BaseModel):
                 raise ValueError(f"{label} {value!r} must be a plain identifier (letters, digits, _)")
         if not self.hardware:
             raise ValueError("hardware needs at least one partition name")
+        names = [h.name for h in self.hardware]
+        if len(set(names)) != len(names):
+            raise ValueError(f"hardware partition names must differ: {names}")
         if self.shards < 1 or self.ray_replicas < 1:
             raise ValueError(f"shards and ray_replicas must be at least 1 (got {self.shards}, {self.ray_replicas})")
         return self
@@ -123,11 +160,19 @@ class BatchJobConfig(JobSpec):
         return Path(self.storage_dir) / self.name
 
     @property
-    def inference_pool(self) -> str:
+    def inference_pool(self) -> str | None:
+        """The op-level pool: one step at a time, for runs and UI backfills alike. With several
+        hardware partitions there is none (it would serialize them); their runs queue per pool."""
         if self.pool:
             return self.pool
-        slug = re.sub(r"[^A-Za-z0-9_]+", "_", "_".join(self.hardware)).strip("_").lower()
-        return f"inference_{slug}"
+        return self.hardware[0].run_pool if len(self.hardware) == 1 else None
+
+    def hardware_of_shard(self, shard: int) -> HardwarePartition:
+        """Shards are bound to hardware partitions round-robin."""
+        return self.hardware[shard % len(self.hardware)]
+
+    def shards_job_name(self, hardware: HardwarePartition) -> str:
+        return f"{self.name}_shards_{hardware.slug}"
 
     @property
     def partitions_name(self) -> str:

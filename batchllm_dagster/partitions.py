@@ -11,6 +11,8 @@ import re
 
 import dagster as dg
 
+from .config import BatchJobConfig, HardwarePartition
+
 
 def shard_partitions(name: str) -> dg.DynamicPartitionsDefinition:
     return dg.DynamicPartitionsDefinition(name=name)
@@ -25,9 +27,12 @@ def shard_key(hardware: str, shard: int, ids: list) -> str:
     return f"{_slug(hardware)}-{shard:02d}-{digest}"
 
 
-def hardware_of(hardware: list[str], shard: int) -> str:
-    """Shards are bound to hardware partitions round-robin."""
-    return hardware[shard % len(hardware)]
+def hardware_of_key(config: BatchJobConfig, key: str) -> HardwarePartition:
+    """The hardware partition of a shard key (``<hardware>-<shard>-<digest>``)."""
+    hardware = config.hardware_of_shard(int(key.rsplit("-", 2)[1]))
+    if not key.startswith(_slug(hardware.name) + "-"):
+        raise ValueError(f"partition key {key!r} is not a shard of hardware {hardware.name!r}: plan the job again")
+    return hardware
 
 
 def sync_partitions(instance: dg.DagsterInstance, name: str, keys: list[str]) -> tuple[list[str], list[str]]:

@@ -41,6 +41,23 @@ def batch_jobs(defs) -> list[tuple[str, object]]:
             if key.path[-1] == "completions"]
 
 
+def run_planned_shards(instance, defs, name: str) -> list:
+    """The runs the job's ``run_shards`` sensor asks for after a new plan, run here and now: one per
+    shard, each on its hardware partition's job, so each carries that hardware's tags."""
+    import dagster as dg
+
+    sensor = defs.resolve_sensor_def(f"{name}_run_shards")
+    with dg.partition_loading_context(dynamic_partitions_store=instance):  # the shard keys live in the instance
+        requests = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, definitions=defs)).run_requests
+    results = []
+    for request in requests:
+        result = defs.resolve_job_def(request.job_name).execute_in_process(
+            partition_key=request.partition_key, instance=instance, run_config=QUIET, tags=request.tags)
+        assert result.success, f"{name}: partition {request.partition_key} failed"
+        results.append(result)
+    return results
+
+
 def materialize_job(instance, defs, name: str, completions) -> list[str]:
     """prompts + prefix_groups, then every shard partition of completions, then the table check."""
     import dagster as dg
@@ -49,10 +66,7 @@ def materialize_job(instance, defs, name: str, completions) -> list[str]:
     upstream = [graph.assets_def_for_key(dg.AssetKey([name, n])) for n in ("prompts", "prefix_groups")]
     # Assets from the resolved graph come with their resources bound.
     assert dg.materialize(upstream, instance=instance, run_config=QUIET).success, f"{name}: planning failed"
-    partitions = instance.get_dynamic_partitions(completions.partitions_def.name)
-    for partition in partitions:
-        result = dg.materialize([completions], partition_key=partition, instance=instance, run_config=QUIET)
-        assert result.success, f"{name}: partition {partition} failed"
+    partitions = [result.dagster_run.tags["dagster/partition"] for result in run_planned_shards(instance, defs, name)]
     checks = [c for c in graph.assets_defs  # checks of the resolved graph, their resources bound
               if c.check_keys and not c.keys and any(k.asset_key.path[0] == name for k in c.check_keys)]
     dg.materialize([completions, *checks], selection=dg.AssetSelection.checks(*checks), instance=instance,

@@ -109,7 +109,7 @@ def run_on_ray(
 ) -> RayRunResult:
     """Run every row of ``prepared`` on ``replicas`` Ray actors; shards are whole prefix groups.
 
-    ``resources_per_replica`` defaults to one GPU where the cluster has GPUs, else one CPU.
+    ``resources_per_replica`` defaults to ``tensor_parallel_size`` GPUs where the cluster has them, else one CPU.
     """
     import ray
 
@@ -117,7 +117,9 @@ def run_on_ray(
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
     shard_of_row = _shards(prepared, replicas, Placement.parse(placement), replica_weights)
     if resources_per_replica is None:
-        resources_per_replica = {"num_gpus": 1} if ray.cluster_resources().get("GPU", 0) >= replicas else {"num_cpus": 1}
+        gpus = engine_settings.tensor_parallel_size  # a replica holds the GPUs its model is split over
+        enough = ray.cluster_resources().get("GPU", 0) >= replicas * gpus
+        resources_per_replica = {"num_gpus": gpus} if enough else {"num_cpus": 1}
     actor_class = ray.remote(max_restarts=0, **resources_per_replica)(ReplicaWorker)
     actors = {
         i: actor_class.options(name=f"{actor_prefix}-{i}").remote(i, i if bind_cpu_cores else None)

@@ -73,8 +73,15 @@ def test_inference_steps_share_one_pool_per_hardware_partition(tmp_path, monkeyp
     graph = defs().resolve_asset_graph()
     pools = {graph.assets_def_for_key(dg.AssetKey([job, "completions"])).op.pool for job in ("reviews", "support")}
     assert pools == {"inference_cpu"}
-    config = yaml.safe_load((ROOT / "dagster_project" / "dagster.yaml").read_text())
-    assert config["concurrency"]["pools"]["default_limit"] == 1
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text((ROOT / "dagster_project" / "dagster.yaml").read_text())
+    with dg.instance_for_test(temp_dir=str(home), overrides=yaml.safe_load((home / "dagster.yaml").read_text())) as instance:
+        concurrency = instance.get_concurrency_config()
+    assert concurrency.pool_config.default_pool_limit == 1
+    # Runs of a hardware partition's shards queue one at a time per batchllm/pool value.
+    assert concurrency.run_queue_config.tag_concurrency_limits == [
+        {"key": "batchllm/pool", "value": {"applyLimitPerUniqueValue": True}, "limit": 1}]
 
 
 @pytest.mark.parametrize("yaml_text, message", [

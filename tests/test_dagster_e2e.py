@@ -190,3 +190,27 @@ def test_a_failed_duckdb_write_leaves_parquet_and_duckdb_agreeing_and_keeps_the_
     meta = rerun.asset_materializations_for_node("e2e__completions")[0].metadata
     assert meta["reused_rows"].value == meta["dagster/row_count"].value > 0 and meta["rows"].value == 0
     assert job.completions_parquet_path(partition).exists()
+
+
+def test_every_run_of_a_hardware_partition_carries_its_tags_and_pool(job):
+    """Two hardware partitions: the demo's way of running a plan (the run_shards sensor's requests)
+    launches each shard on its hardware's job, with that hardware's placement tags and run pool."""
+    from dagster_project.demo import run_planned_shards
+
+    k8s = '{"pod_spec_config": {"node_selector": {"gpu": "h200"}}}'
+    job = BatchJobConfig.model_validate({**job.model_dump(), "hardware": [
+        {"name": "gpu-h200", "pool": "h200_pool", "run_tags": {"dagster-k8s/config": k8s}}, "cpu"]})
+    defs = build_batch_defs(job)
+    assert job.inference_pool is None  # no op pool that would serialize the two kinds of machine
+    with dg.instance_for_test() as instance:
+        graph = defs.resolve_asset_graph()
+        upstream = [graph.assets_def_for_key(dg.AssetKey(["e2e", n])) for n in ("prompts", "prefix_groups")]
+        assert dg.materialize(upstream, instance=instance).success
+        results = run_planned_shards(instance, defs, "e2e")
+        tags = {r.dagster_run.tags["dagster/partition"]: r.dagster_run.tags for r in results}
+    assert len(tags) == 2
+    gpu = next(t for key, t in tags.items() if key.startswith("gpu-h200-00-"))
+    cpu = next(t for key, t in tags.items() if key.startswith("cpu-01-"))
+    assert gpu["dagster-k8s/config"] == k8s and gpu["batchllm/pool"] == "h200_pool"
+    assert gpu["batchllm/hardware"] == "gpu-h200"
+    assert cpu["batchllm/pool"] == "inference_cpu" and "dagster-k8s/config" not in cpu
