@@ -19,6 +19,7 @@ from batchllm_dagster.config import BatchJobConfig, Backend
 from batchllm_dagster.metadata import run_metadata
 from batchllm_dagster.resources import VLLMResource
 from batchllm_dagster.warehouse import existing_rows, replace_partition
+from engine.console import ProgressBar
 from engine.results import results_to_table
 from engine.runner import PreparedBatch, RunOutcome, run_resumable
 from engine.settings import EngineSettings, SamplingSettings, fingerprint
@@ -43,8 +44,9 @@ def shard_plan(config: BatchJobConfig, partition_key: str, settings: EngineSetti
     return plan
 
 
-def run_shard_locally(config, prepared, settings, sampling, checkpoint, llm, warehouse, log, started_at) -> RunOutcome:
-    """The shard on one vLLM engine in this process, resuming from its checkpoint."""
+def run_shard_locally(config, key, prepared, settings, sampling, checkpoint, llm, warehouse, log, started_at) -> RunOutcome:
+    """The shard on one vLLM engine in this process, resuming from its checkpoint; a progress bar
+    when the step's stderr is a terminal (the demo), progress lines in the run's log always."""
     # Rows already in the table with the same fingerprint (a nightly rerun of unchanged rows)
     # are reused like checkpointed ones.
     previous = existing_rows(warehouse, config.output_table, pa.array(prepared.ids, prepared.id_type))
@@ -52,8 +54,13 @@ def run_shard_locally(config, prepared, settings, sampling, checkpoint, llm, war
     if previous is not None and previous.num_rows:
         reuse = [checkpoint / "previous.parquet"]
         write_parquet(previous, reuse[0])
-    return run_resumable(prepared, settings, sampling, checkpoint, config.scheduler, reuse_from=reuse,
-                         progress_sink=log, start_engine=llm.open, started_at=started_at)
+    bar = ProgressBar.on_terminal(f"{config.name} {key}")
+    try:
+        return run_resumable(prepared, settings, sampling, checkpoint, config.scheduler, reuse_from=reuse,
+                             progress_sink=log, start_engine=llm.open, started_at=started_at, display=bar)
+    finally:
+        if bar:
+            bar.close()
 
 
 def run_shard_on_ray(config, key, prepared, settings, sampling, checkpoint) -> tuple[RunOutcome, dict]:
@@ -99,7 +106,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         if config.backend is Backend.RAY:
             outcome, info = run_shard_on_ray(config, key, prepared, settings, sampling, checkpoint)
         else:
-            outcome = run_shard_locally(config, prepared, settings, sampling, checkpoint, llm, warehouse,
+            outcome = run_shard_locally(config, key, prepared, settings, sampling, checkpoint, llm, warehouse,
                                         context.log.info, started_at)
             info = asdict(outcome.engine) if outcome.engine else {"vllm": "not started: every row was reused or invalid"}
         info.update(settings=settings.model_dump(mode="json"), sampling=sampling.model_dump(mode="json"), scheduler=config.scheduler.model_dump(mode="json"),

@@ -12,7 +12,8 @@ import shutil
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Progress lines (INFO) on the console, not every Dagster event (DEBUG); all of it is in the UI.
+# On a terminal a progress bar per shard shows the progress and Dagster's console says only what
+# went wrong; in a log (CI) its progress lines (INFO) stay. Every event is in the UI either way.
 QUIET = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
 
 
@@ -58,20 +59,30 @@ def run_planned_shards(instance, defs, name: str) -> list:
     return results
 
 
-def materialize_job(instance, defs, name: str, completions) -> list[str]:
-    """prompts + prefix_groups, then every shard partition of completions, then the table check."""
+def materialize_job(instance, defs, name: str, completions) -> dict:
+    """prompts + prefix_groups, then every shard partition of completions, then the table check.
+    Returns what the summary shows: partitions, their throughput metadata, the checks' outcomes."""
     import dagster as dg
 
     graph = defs.resolve_asset_graph()
     upstream = [graph.assets_def_for_key(dg.AssetKey([name, n])) for n in ("prompts", "prefix_groups")]
     # Assets from the resolved graph come with their resources bound.
     assert dg.materialize(upstream, instance=instance, run_config=QUIET).success, f"{name}: planning failed"
-    partitions = [result.dagster_run.tags["dagster/partition"] for result in run_planned_shards(instance, defs, name)]
+    shard_runs = run_planned_shards(instance, defs, name)
     checks = [c for c in graph.assets_defs  # checks of the resolved graph, their resources bound
               if c.check_keys and not c.keys and any(k.asset_key.path[0] == name for k in c.check_keys)]
-    dg.materialize([completions, *checks], selection=dg.AssetSelection.checks(*checks), instance=instance,
-                   run_config=QUIET)
-    return partitions
+    table_check = dg.materialize([completions, *checks], selection=dg.AssetSelection.checks(*checks),
+                                 instance=instance, run_config=QUIET)
+    evaluations = [e for run in [*shard_runs, table_check] for e in run.get_asset_check_evaluations()]
+    metadata = [m.metadata for run in shard_runs for m in run.asset_materializations_for_node(f"{name}__completions")
+                if "tokens_per_s" in m.metadata]  # a shard whose rows were all reused ran nothing
+    return {
+        "partitions": [run.dagster_run.tags["dagster/partition"] for run in shard_runs],
+        "tokens_per_s": sum(m["tokens_per_s"].value for m in metadata) / max(len(metadata), 1),
+        "saving_vs_ideal": min((m["saving_vs_ideal"].value for m in metadata), default=1.0),
+        "failed_checks": sorted({e.check_name for e in evaluations if not e.passed}),
+        "checks": len(evaluations),
+    }
 
 
 def materialize_all() -> None:
@@ -80,23 +91,31 @@ def materialize_all() -> None:
 
     from .definitions import DATABASE, defs
 
+    from engine.console import summary_table
+
     instance = dg.DagsterInstance.get()
     code_location = defs()
-    tables = {}
+    tables, outcomes = {}, {}
     for name, completions in batch_jobs(code_location):
-        partitions = materialize_job(instance, code_location, name, completions)
+        print(f"{name}: planning, then its shards")
+        outcomes[name] = materialize_job(instance, code_location, name, completions)
         tables[name] = completions.op.tags.get("batchllm/output_table")
-        print(f"{name}: shards {partitions}")
 
+    rows, examples = [], []
     with duckdb.connect(str(DATABASE), read_only=True) as con:
-        print()
         for name, table in tables.items():
             total, ok, errors = con.execute(
                 f'SELECT count(*), count(*) FILTER (WHERE status = \'ok\'), count(*) FILTER (WHERE status = \'error\') '
                 f'FROM "{table}"').fetchall()[0]
             row_id, text = con.execute(f'SELECT id, text FROM "{table}" ORDER BY id LIMIT 1').fetchall()[0]
-            print(f"{name}: {total} completions ({ok} ok, {errors} errors) in table {table}")
-            print(f"    {row_id}: {text.strip()[:100]!r}")
+            done = outcomes[name]
+            checks = (f"{done['checks']} checks passed" if not done["failed_checks"]
+                      else f"FAILED checks: {', '.join(done['failed_checks'])}")
+            rows.append((name, f"{total} rows ({ok} ok, {errors} errors) in {table}; {len(done['partitions'])} shard(s), "
+                               f"{done['tokens_per_s']:,.0f} tok/s, cache {100 * done['saving_vs_ideal']:.0f}% of "
+                               f"the ideal; {checks}"))
+            examples.append((row_id, repr(text.strip()[:90])))
+    print("\nSummary\n" + summary_table(rows) + "\n\nFirst answers\n" + summary_table(examples))
     print(f"\nAll in {DATABASE}. Query them:\n  .venv/bin/python -c \"import duckdb; "
           f"print(duckdb.connect('{DATABASE}', read_only=True).sql('SELECT id, status, text FROM {table} LIMIT 5'))\"")
     print("See the runs and their metadata: make ui  (http://127.0.0.1:3000)")
@@ -106,8 +125,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prepare-only", action="store_true", help="build the data and model, materialize nothing")
     args = parser.parse_args()
+    from engine.console import LOG_DIR, is_terminal, route_library_output
+
+    log_file = route_library_output(LOG_DIR / "demo.log")  # before vLLM is imported
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the engine's own progress lines are enough here
+    if is_terminal():  # the bars show progress; Dagster's console keeps to warnings and errors
+        QUIET["loggers"]["console"]["config"]["log_level"] = "WARNING"
+    print(f"libraries' warnings and logs: {log_file}")
     prepare_instance()
     prepare_data()
     if not args.prepare_only:

@@ -17,6 +17,9 @@ All four get the same token ids and greedy sampling with ``ignore_eos`` (fixed o
 * ``templates`` - a dozen few-shot blocks each shared by many rows, unique row text, 15% of the
   rows sharing nothing, outputs of 8-48 tokens.
 
+``batchllm bench PROMPTS`` runs the same four on a sample of the user's own table instead (whole
+prefix groups, so the sample shares what the table shares), each row with its own ``max_tokens``.
+
 ``--analysis`` times the plan alone on synthetic token ids (no model).
 """
 
@@ -34,7 +37,7 @@ import numpy as np
 
 from .plan import build_plan
 from .results import RunStats
-from .cli_options import add_engine_options, engine_settings_from
+from .cli_options import add_engine_options, add_response_format_options, at_least_one, engine_settings_from, response_format_from
 from .settings import EngineSettings, ReserveOutput, RunMode, SamplingSettings, SchedulerSettings
 from .tokenizing import TokenizedBatch
 from .vllm_env import current_platform
@@ -122,13 +125,40 @@ def templates_tokens(vocab: tuple[int, int], seed: int = 0, rows: int = 200, tem
     return TokenizedBatch.from_rows(out), rng.integers(8, 49, rows).astype(np.int64)
 
 
-def _prepared(batch, max_tokens, block_size: int):
+def _prepared(batch, max_tokens, block_size: int, ids: list | None = None, response_formats: dict | None = None):
     from .runner import PreparedBatch
 
     started = time.perf_counter()
     plan = build_plan(batch.tokens, batch.offsets, max_tokens, block_size)
-    return PreparedBatch.from_plan([f"row-{i:06d}" for i in range(max_tokens.size)], None, batch, max_tokens, {},
-                                   plan, plan_s=time.perf_counter() - started)
+    ids = ids or [f"row-{i:06d}" for i in range(max_tokens.size)]
+    return PreparedBatch.from_plan(ids, None, batch, max_tokens, {}, plan, response_formats=response_formats or {},
+                                   plan_s=time.perf_counter() - started)
+
+
+def table_sample(args, tokenizer, model_path: str):
+    """Whole prefix groups of the user's table, picked at random until ``--sample`` rows, in the
+    table's own order (what plain vLLM would be handed); rows that cannot run are left out."""
+    from .dataset import load_prompts
+    from .runner import prepare_batch
+
+    table = load_prompts(args.prompts, args.database)
+    whole = prepare_batch(table, tokenizer, engine_settings_from(args, model_path),
+                          SamplingSettings(max_tokens=args.max_tokens))
+    ok = np.asarray([r not in whole.errors for r in range(whole.num_rows)])
+    groups = np.unique(whole.group_of_row[ok])
+    rng = np.random.default_rng(args.seed)
+    picked, rows = set(), 0
+    sizes = np.bincount(whole.group_of_row[ok])
+    for group in rng.permutation(groups):
+        if rows >= args.sample:
+            break
+        picked.add(int(group))
+        rows += int(sizes[group])
+    chosen = [r for r in range(whole.num_rows) if ok[r] and int(whole.group_of_row[r]) in picked]
+    sample = whole.subset(chosen)
+    described = {"shape": "table", "source": args.prompts, "table_rows": whole.num_rows,
+                 "error_rows_left_out": len(whole.errors), "sampled_groups": len(picked), "seed": args.seed}
+    return sample, described
 
 
 def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: SamplingSettings, scheduler: SchedulerSettings):
@@ -162,7 +192,11 @@ def run_bench(args) -> dict:
     tokenizer = load_tokenizer(model_path)
     special = max(tokenizer.all_special_ids or [0])
     vocab = (special + 1, min(len(tokenizer), 32000))
-    if args.shape == "nested":
+    response_formats, ids = {}, None
+    if args.prompts:
+        sample, described = table_sample(args, tokenizer, model_path)
+        batch, max_tokens, ids, response_formats = sample.batch, sample.max_tokens, sample.ids, sample.response_formats
+    elif args.shape == "nested":
         batch, max_tokens = nested_tokens(vocab, args.seed)
         described = {"shape": "nested", "seed": args.seed}
     elif args.shape == "templates":
@@ -176,12 +210,17 @@ def run_bench(args) -> dict:
         )
         batch, max_tokens = synthetic_tokens(workload, vocab)
         described = {"shape": "groups", **asdict(workload)}
-    prepared = _prepared(batch, max_tokens, args.block_size)
+    prepared = _prepared(batch, max_tokens, args.block_size, ids, response_formats)
     plan = prepared.plan
     working_set = int(plan.unique_tokens // args.block_size)
     kv_blocks = args.kv_cache_blocks or max(64, working_set // 3)
     engine_settings = engine_settings_from(args, model_path).model_copy(update={"kv_cache_blocks": kv_blocks})
-    sampling = SamplingSettings(max_tokens=int(max_tokens.max()), ignore_eos=True)
+    # Fixed output lengths (ignore_eos) make the runs' token counts equal; a constrained answer ends
+    # where its format does, in every run alike.
+    response_format = response_format_from(args)
+    constrained = response_format is not None or bool(response_formats)
+    sampling = SamplingSettings(max_tokens=int(max_tokens.max()), ignore_eos=not constrained,
+                                response_format=response_format)
     scheduler = SchedulerSettings(
         kv_budget_fraction=args.kv_budget_fraction, prefix_requests=not args.no_prefix_requests,
         reserve_output=args.reserve_output, lookahead_tokens=args.lookahead_tokens,
@@ -200,6 +239,8 @@ def run_bench(args) -> dict:
 
     reference = "vllm_apc" if "vllm_apc" in outputs else next(iter(outputs))
     mismatched = [i for i in outputs[reference] if any(outputs[n].get(i) != outputs[reference][i] for n in outputs)]
+    ratios = {"vs_vllm_nocache": ratio("batchllm", "vllm_nocache"), "vs_vllm_apc": ratio("batchllm", "vllm_apc"),
+              "vs_vllm_apc_sorted": ratio("batchllm", "vllm_apc_sorted")}
     return {
         "workload": {**described, "rows": prepared.num_rows, "model": args.model, "dtype": engine_settings.for_platform(current_platform()).dtype,
                      "block_size": args.block_size, "kv_cache_blocks": kv_blocks,
@@ -207,11 +248,26 @@ def run_bench(args) -> dict:
                      "unique_tokens": plan.unique_tokens, "ideal_cached_tokens": plan.ideal_cached_tokens,
                      "plan_s": round(prepared.plan_s, 4)},
         "runs": runs,
-        "ratios": {"vs_vllm_nocache": ratio("batchllm", "vllm_nocache"), "vs_vllm_apc": ratio("batchllm", "vllm_apc"),
-                   "vs_vllm_apc_sorted": ratio("batchllm", "vllm_apc_sorted")},
+        "ratios": ratios,
         "outputs_equal": not mismatched,
         "rows_with_different_outputs": len(mismatched),
+        "verdict": verdict(ratios, not mismatched, prepared.num_rows, described),
     }
+
+
+def verdict(ratios: dict, outputs_equal: bool, rows: int, described: dict) -> str:
+    """One line a team can act on: how this engine compared with plain vLLM on this batch."""
+    what = f"{rows} rows of {described['source']}" if described["shape"] == "table" else f"the {described['shape']} shape"
+    parts = [f"{ratios[key]:.2f}x {label}" for key, label in (
+        ("vs_vllm_apc_sorted", "vLLM on sorted rows"), ("vs_vllm_apc", "vLLM with prefix caching"),
+        ("vs_vllm_nocache", "vLLM without it")) if ratios.get(key)]
+    if not parts:
+        return f"on {what}: run batchllm and a vLLM run to compare"
+    best_plain = ratios.get("vs_vllm_apc") or ratios.get("vs_vllm_apc_sorted") or ratios.get("vs_vllm_nocache")
+    call = ("worth it" if best_plain >= 1.1 else "on par: little is shared under this KV cache" if best_plain >= 0.95
+            else "slower here: please report it")
+    equal = "outputs equal" if outputs_equal else "OUTPUTS DIFFER"
+    return f"on {what}: batchllm ran {', '.join(parts)} ({equal}); {call}"
 
 
 def synthetic_analysis_tokens(rows: int, tokens_per_row: int, rows_per_group: int, seed: int = 0):
@@ -254,12 +310,20 @@ def run_analysis(args) -> dict:
 
 def cmd_bench(args) -> int:
     result = run_analysis(args) if args.analysis else run_bench(args)
+    if "verdict" in result:
+        log.info("bench: %s", result["verdict"])
     print(json.dumps(result, indent=2))
     return 0
 
 
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="compare this engine with plain vLLM in one run")
+    bench.add_argument("prompts", nargs="?", help="a prompt table (Parquet, .sql, or a table of --database): bench a "
+                       "sample of its rows instead of a synthetic --shape")
+    bench.add_argument("--database", help="DuckDB database PROMPTS refers to (opened read-only)")
+    bench.add_argument("--sample", type=at_least_one, default=500,
+                       help="rows of PROMPTS to bench, as whole prefix groups (default 500)")
+    bench.add_argument("--max-tokens", type=at_least_one, default=64, help="output tokens of a PROMPTS row without its own")
     bench.add_argument("--json", action="store_true", help="JSON on stdout (always; logs go to stderr)")
     bench.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
     bench.add_argument("--shape", choices=SHAPES, default="groups", help="the synthetic table (see the module doc)")
@@ -281,4 +345,5 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--rows", type=int, default=1_000_000, help="rows for --analysis")
     bench.add_argument("--tokens-per-row", type=int, default=500, help="tokens per row for --analysis")
     add_engine_options(bench)  # --kv-cache-blocks defaults to a third of the prefix working set here
+    add_response_format_options(bench)
     bench.set_defaults(func=cmd_bench)

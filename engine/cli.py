@@ -17,12 +17,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from pydantic import ValidationError
-
+from .console import LOG_DIR, ProgressBar, file_logger, route_library_output, run_summary, summary_table
 from .dataset import Columns, DatasetError, load_prompts
-from .response_format import ResponseFormat
-from .validation import one_line
-from .cli_options import add_engine_options, at_least_one, engine_settings_from
+from .cli_options import add_engine_options, add_response_format_options, at_least_one, engine_settings_from, response_format_from
 from .settings import EngineSettings, SamplingSettings, SchedulerSettings
 
 log = logging.getLogger("batchllm")
@@ -44,26 +41,9 @@ def _settings(args) -> tuple[EngineSettings, SamplingSettings, Columns]:
 
     engine = engine_settings_from(args, resolve_model(args.model))
     sampling = SamplingSettings(max_tokens=args.max_tokens, temperature=getattr(args, "temperature", 0.0),
-                                response_format=_response_format(args))
+                                response_format=response_format_from(args))
     columns = Columns(id=args.id_column, prompt=args.prompt_column, messages=args.messages_column)
     return engine, sampling, columns
-
-
-def _response_format(args) -> ResponseFormat | None:
-    """``--choice``/``--json-schema``/``--regex`` (one kind), checked before any work."""
-    given = {"choice": getattr(args, "choice", None), "regex": getattr(args, "regex", None)}
-    if getattr(args, "json_schema", None):
-        try:
-            given["json_schema"] = json.loads(Path(args.json_schema).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"--json-schema {args.json_schema}: {exc}") from None
-    given = {k: v for k, v in given.items() if v is not None}
-    if not given:
-        return None
-    try:
-        return ResponseFormat(**given)
-    except ValidationError as exc:
-        raise ValueError(f"response format: {one_line(exc)}") from None
 
 
 def _prepare(args):
@@ -127,11 +107,18 @@ def cmd_run(args) -> int:
     with OutputLock(output):
         engine_settings, sampling, _, prepared = _prepare(args)
         checkpoint_dir = Path(args.checkpoint_dir or f"{output}.checkpoint")
-        outcome = run_resumable(
-            prepared, engine_settings, sampling, checkpoint_dir, SchedulerSettings(),
-            reuse_from=[output] if output.exists() else [], progress_sink=log.info,
-            checkpoint_every_rows=args.checkpoint_every_rows,
-        )
+        bar = ProgressBar.on_terminal() if not args.json else None
+        # With a bar on screen the progress lines go to the log file only.
+        sink = file_logger("batchllm.progress").info if bar else log.info
+        try:
+            outcome = run_resumable(
+                prepared, engine_settings, sampling, checkpoint_dir, SchedulerSettings(),
+                reuse_from=[output] if output.exists() else [], progress_sink=sink,
+                checkpoint_every_rows=args.checkpoint_every_rows, display=bar,
+            )
+        finally:
+            if bar:
+                bar.close()
         results, stats = outcome.results, outcome.stats
         position = {row_id: i for i, row_id in enumerate(prepared.ids)}
         results.sort(key=lambda r: position[r.id])  # one row per id, in input order
@@ -148,10 +135,8 @@ def cmd_run(args) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"{summary['ok_rows']} ok, {summary['error_rows']} errors ({summary['reused_rows']} reused, "
-              f"{summary['computed_rows']} computed) -> {output}; {summary['tokens_per_s']} tok/s, cached "
-              f"{summary['cached_tokens']} of {summary['prompt_tokens']} prompt tokens "
-              f"({summary['saving_vs_ideal']:.2f} of the ideal saving), {summary['wall_s']} s")
+        print(f"{summary['ok_rows']} ok, {summary['error_rows']} errors -> {output}")
+        print(summary_table(run_summary(summary) + [("log", str(args.log_file))]))
     return 0
 
 
@@ -165,6 +150,8 @@ def cmd_prepare_model(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="batchllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--log-file", type=Path, default=LOG_DIR / "batchllm.log",
+                        help="where vLLM's, torch's and other libraries' warnings go (default: %(default)s)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     plan = sub.add_parser("plan", help="show prefix groups and the ideal saving")
@@ -177,10 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_common(run)
     run.add_argument("--output", required=True)
     run.add_argument("--temperature", type=float, default=0.0)
-    constrain = run.add_argument_group("constrained answers (one kind; a row's response_format column overrides)")
-    constrain.add_argument("--choice", action="append", help="an allowed answer (repeat for each)")
-    constrain.add_argument("--json-schema", metavar="FILE", help="answers are JSON valid against this schema file")
-    constrain.add_argument("--regex", metavar="PATTERN", help="answers match this regular expression")
+    add_response_format_options(run)
     run.add_argument("--json", action="store_true", help="print the run's statistics as JSON")
     run.add_argument("--checkpoint-dir", help="where finished rows are kept while running (default OUT.checkpoint)")
     run.add_argument("--checkpoint-every-rows", type=at_least_one, default=256, help="write a checkpoint part this often")
@@ -196,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_parser(sub)
 
     args = parser.parse_args(argv)
+    if args.command in ("run", "bench"):  # they start vLLM: its and torch's warnings go to the log file
+        args.log_file = route_library_output(args.log_file)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from .models import ModelNotFound
     from .output import OutputError

@@ -1,11 +1,15 @@
-"""Command-line options that become ``EngineSettings``: declared once for ``run`` and ``bench``."""
+"""Command-line options that become settings (``EngineSettings``, a ``ResponseFormat``): declared once
+for ``run`` and ``bench``."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from pydantic import ValidationError
 
+from .response_format import ResponseFormat
 from .settings import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, EngineSettings
 from .validation import one_line
 
@@ -42,3 +46,27 @@ def engine_settings_from(args: argparse.Namespace, model_path: str) -> EngineSet
         return EngineSettings(model_path=model_path, **given)
     except ValidationError as exc:
         raise ValueError(f"engine settings: {one_line(exc)}") from None
+
+
+def add_response_format_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("constrained answers (one kind; a row's response_format column overrides)")
+    group.add_argument("--choice", action="append", help="an allowed answer (repeat for each)")
+    group.add_argument("--json-schema", metavar="FILE", help="answers are JSON valid against this schema file")
+    group.add_argument("--regex", metavar="PATTERN", help="answers match this regular expression")
+
+
+def response_format_from(args: argparse.Namespace) -> ResponseFormat | None:
+    """``--choice``/``--json-schema``/``--regex`` (one kind), checked before any work."""
+    given = {"choice": getattr(args, "choice", None), "regex": getattr(args, "regex", None)}
+    if getattr(args, "json_schema", None):
+        try:
+            given["json_schema"] = json.loads(Path(args.json_schema).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--json-schema {args.json_schema}: {exc}") from None
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return None
+    try:
+        return ResponseFormat(**given)
+    except ValidationError as exc:
+        raise ValueError(f"response format: {one_line(exc)}") from None

@@ -1,10 +1,16 @@
-"""A progress line for long runs: rows, throughput, cache hits, what is in flight, time left."""
+"""Progress of a long run: rows, throughput, cache hits against the ideal, what is in flight, time left.
+
+``Progress`` takes a snapshot after every engine step; a log line goes to ``sink`` every ``every_s``
+seconds, and a live display (``console.ProgressBar`` on a terminal) sees every snapshot.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -17,31 +23,78 @@ def format_eta(seconds: float | None) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-class Progress:
-    """Logs a progress line at most every ``every_s`` seconds."""
+@dataclass
+class Snapshot:
+    done: int
+    total: int
+    tokens: int  # prompt + output tokens of the finished rows
+    saved: int  # prompt tokens not computed so far (cache hits, less what the prefix requests computed)
+    ideal_saved: int  # what a perfect cache saves over the whole run
+    in_flight: int
+    kv_usage: float
+    preemptions: int
+    elapsed: float
+    planned_blocks: int | None = None
 
-    def __init__(self, total_rows: int, every_s: float, sink: Callable[[str], None] | None = None):
-        self.total, self.every_s = total_rows, every_s
+    @property
+    def rows_per_s(self) -> float:
+        return self.done / self.elapsed if self.elapsed > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.elapsed if self.elapsed > 0 else 0.0
+
+    @property
+    def eta_s(self) -> float | None:
+        return (self.total - self.done) / self.rows_per_s if self.rows_per_s > 0 else None
+
+    def line(self) -> str:
+        return (
+            f"{self.done}/{self.total} rows ({100 * self.done / max(self.total, 1):.0f}%), {self.rows_per_s:.1f} rows/s, "
+            f"{self.tokens_per_s:.0f} tok/s, saved {self.saved} of ideal {self.ideal_saved} prompt tok, "
+            f"in flight {self.in_flight} rows"
+            + (f" / {self.planned_blocks} planned KV blocks" if self.planned_blocks is not None else "")
+            + f" (vLLM KV {100 * self.kv_usage:.0f}% used), preemptions {self.preemptions}, eta {format_eta(self.eta_s)}"
+        )
+
+
+class Display(Protocol):
+    """A live view of the run (a progress bar); sees every snapshot."""
+
+    def show(self, snapshot: Snapshot) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Progress:
+    def __init__(self, total_rows: int, every_s: float, sink: Callable[[str], None] | None = None,
+                 display: Display | None = None, ideal_saved: int = 0):
+        self.total, self.every_s, self.ideal_saved = total_rows, every_s, ideal_saved
         self.sink = sink or log.info
+        self.display = display
         self.started = self.last = time.perf_counter()
 
-    def line(self, done: int, tokens: int, cached: int, in_flight: int, kv_usage: float, preemptions: int,
-             planned_blocks: int | None = None, now: float | None = None) -> str:
-        elapsed = (now or time.perf_counter()) - self.started
-        rate = done / elapsed if elapsed > 0 else 0.0
-        eta = (self.total - done) / rate if rate > 0 else None
-        return (
-            f"{done}/{self.total} rows ({100 * done / max(self.total, 1):.0f}%), {rate:.1f} rows/s, "
-            f"{tokens / elapsed if elapsed > 0 else 0.0:.0f} tok/s, cached {cached} tok, in flight {in_flight} rows"
-            + (f" / {planned_blocks} planned KV blocks" if planned_blocks is not None else "")
-            + f" (vLLM KV {100 * kv_usage:.0f}% used), preemptions {preemptions}, eta {format_eta(eta)}"
-        )
+    def snapshot(self, done: int, tokens: int, saved: int, in_flight: int, kv_usage: float, preemptions: int,
+                 planned_blocks: int | None = None, now: float | None = None) -> Snapshot:
+        return Snapshot(done, self.total, tokens, saved, self.ideal_saved, in_flight, kv_usage, preemptions,
+                        (now or time.perf_counter()) - self.started, planned_blocks)
+
+    def line(self, *args, **kwargs) -> str:
+        return self.snapshot(*args, **kwargs).line()
 
     def due(self) -> bool:
         return time.perf_counter() - self.last >= self.every_s
 
-    def maybe_log(self, *args, force: bool = False, **kwargs) -> None:
-        if not (force or self.due()):
-            return
-        self.last = now = time.perf_counter()
-        self.sink(self.line(*args, now=now, **kwargs))
+    def update(self, done: int, tokens: int, saved: int, in_flight: int, kv_usage: float, preemptions: int,
+               planned_blocks: Callable[[], int] | None = None, force: bool = False) -> None:
+        """After a step: the display always, a line when one is due (``planned_blocks`` is only
+        counted then)."""
+        now = time.perf_counter()
+        due = force or now - self.last >= self.every_s
+        snap = self.snapshot(done, tokens, saved, in_flight, kv_usage, preemptions,
+                             planned_blocks() if due and planned_blocks else None, now=now)
+        if self.display is not None:
+            self.display.show(snap)
+        if due:
+            self.last = now
+            self.sink(snap.line())

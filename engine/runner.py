@@ -28,7 +28,7 @@ import pyarrow as pa
 from .dataset import Columns
 from .drive import Rejected, StepTotals, drive
 from .plan import PrefixPlan, build_plan
-from .progress import Progress
+from .progress import Display, Progress
 from .results import EngineInfo, RowResult, RunStats
 from .scheduler import GroupScheduler, InOrderScheduler, groups_in_run_order
 from .response_format import ResponseFormat
@@ -240,6 +240,7 @@ class BatchRun:
         progress_sink: Callable[[str], None] | None = None,
         row_fingerprints: list[str] | None = None,
         started_at: float | None = None,
+        display: Display | None = None,
     ):
         self.prepared, self.engine, self.sampling, self.scheduler = prepared, engine, sampling, scheduler
         self.rows = [int(r) for r in prepared.order] if rows is None else list(rows)
@@ -247,6 +248,7 @@ class BatchRun:
         self.progress_sink = progress_sink
         self.fingerprints = row_fingerprints or [None] * prepared.num_rows
         self.started_at = started_at
+        self.display = display  # a live view (a progress bar) besides the progress lines
         self.stats = RunStats()
 
     def _result(self, row: int, **fields) -> RowResult:
@@ -284,16 +286,18 @@ class BatchRun:
         # The minimum, whatever order the rows run in: the plan's order shares every prefix it can.
         stats.ideal_cached_tokens = ideal_cached_tokens(prepared.batch, in_plan_order, prepared.block_size)
         totals = StepTotals()
-        progress = Progress(len(self.rows), self.scheduler.log_every_s, self.progress_sink)
+        progress = Progress(len(self.rows), self.scheduler.log_every_s, self.progress_sink, self.display,
+                            ideal_saved=stats.ideal_cached_tokens)
 
         planned = getattr(scheduler, "planned_blocks", None)
 
+        def saved() -> int:  # prompt tokens not computed: the rows' cache hits less what prefix requests computed
+            return stats.cached_tokens - (scheduler.stats.prefix_prompt_tokens - scheduler.stats.prefix_cached_tokens)
+
         def on_step(report) -> None:
-            if not progress.due():
-                return
-            progress.maybe_log(stats.rows, stats.prompt_tokens + stats.output_tokens, stats.cached_tokens,
-                               report.running, report.kv_usage, totals.preemptions,
-                               planned_blocks=planned(report.generated) if planned else None)
+            progress.update(stats.rows, stats.prompt_tokens + stats.output_tokens, saved(),
+                            report.running, report.kv_usage, totals.preemptions,
+                            planned_blocks=(lambda: planned(report.generated)) if planned else None)
 
         for item in drive(scheduler, self.engine, self.sampling, totals, on_step, prepared.response_formats):
             if isinstance(item, Rejected):
@@ -317,8 +321,8 @@ class BatchRun:
         scheduled = scheduler.stats
         stats.prefix_requests = scheduled.prefix_requests
         stats.prefix_prompt_tokens, stats.prefix_cached_tokens = scheduled.prefix_prompt_tokens, scheduled.prefix_cached_tokens
-        progress.maybe_log(stats.rows, stats.prompt_tokens + stats.output_tokens, stats.cached_tokens, 0,
-                           stats.mean_kv_usage, stats.preemptions, force=True)
+        progress.update(stats.rows, stats.prompt_tokens + stats.output_tokens, stats.saved_tokens, 0,
+                        stats.mean_kv_usage, stats.preemptions, force=True)
 
 
 def open_engine(
@@ -357,6 +361,7 @@ def run_resumable(
     checkpoint_every_s: float = 10.0,
     start_engine: Callable[..., VLLMEngine] = None,
     started_at: float | None = None,
+    display: Display | None = None,
 ) -> RunOutcome:
     """Run the rows, writing results to a checkpoint as they finish; rows a previous (killed)
     run already wrote with the same fingerprint are reused, not recomputed. vLLM starts only
@@ -381,7 +386,7 @@ def run_resumable(
     checkpoint.restart_timer()  # a kill early in the run keeps what finished after start-up
     try:
         run = BatchRun(prepared, engine, sampling, scheduler, rows=todo, progress_sink=progress_sink,
-                       row_fingerprints=fingerprints, started_at=started_at)
+                       row_fingerprints=fingerprints, started_at=started_at, display=display)
         for result in run:
             checkpoint.add(result)
             results.append(result)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .settings import EngineSettings, Platform
 
-_CACHE_ROOT = Path(os.environ.get("BATCHLLM_CACHE_DIR", Path.cwd() / ".cache"))
+CACHE_ROOT = Path(os.environ.get("BATCHLLM_CACHE_DIR", Path.cwd() / ".cache"))
 
 # The vLLM release whose internals the engine drives (``renderer.render_cmpl``, the V1 stat logger);
 # the ``cpu`` and ``gpu`` extras of pyproject.toml pin it (a test checks they agree).
@@ -35,9 +35,9 @@ def process_env(settings: EngineSettings, platform: Platform, cores: int | None 
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
-        "VLLM_CACHE_ROOT": str(_CACHE_ROOT / "vllm"),
-        "TORCHINDUCTOR_CACHE_DIR": str(_CACHE_ROOT / "inductor"),
-        "VLLM_RPC_BASE_PATH": str(_CACHE_ROOT / "rpc"),
+        "VLLMCACHE_ROOT": str(CACHE_ROOT / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(CACHE_ROOT / "inductor"),
+        "VLLM_RPC_BASE_PATH": str(CACHE_ROOT / "rpc"),
         "TOKENIZERS_PARALLELISM": "true",
         # vLLM logs to stdout by default; keep stdout for results (``--json``).
         "VLLM_LOGGING_STREAM": "ext://sys.stderr",
@@ -77,6 +77,8 @@ def engine_args(
     )
     if platform is Platform.CUDA and resolved.gpu_memory_utilization is not None:
         args["gpu_memory_utilization"] = resolved.gpu_memory_utilization
+    if platform is Platform.CPU:  # the small CPU models load in a second: no loading bar between ours
+        args["use_tqdm_on_load"] = False
     return args
 
 

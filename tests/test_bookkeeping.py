@@ -40,9 +40,9 @@ def test_a_damaged_checkpoint_part_is_recomputed_not_trusted(tmp_path):
 def test_progress_never_prints_nan(monkeypatch):
     lines = []
     progress = Progress(total_rows=100, every_s=0, sink=lines.append)
-    progress.maybe_log(0, 0, 0, in_flight=5, kv_usage=0.5, preemptions=0)
+    progress.update(0, 0, 0, in_flight=5, kv_usage=0.5, preemptions=0)
     progress.started -= 10
-    progress.maybe_log(50, 5000, 100, in_flight=5, kv_usage=0.9, preemptions=1)
+    progress.update(50, 5000, 100, in_flight=5, kv_usage=0.9, preemptions=1)
     assert "nan" not in " ".join(lines).lower()
     assert "eta ?" in lines[0]
     assert re.search(r"50/100 rows \(50%\), 5\.0 rows/s, \d+ tok/s", lines[1]) and "eta 10s" in lines[1]
