@@ -8,11 +8,12 @@ from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import plan_metadata
 from batchllm_dagster.partitions import shard_key, sync_partitions
 from batchllm_dagster.warehouse import replace_table
-from engine.runner import prepare_batch
+from engine.runner import plan_tokenized
 from engine.shards import assign_shards
-from engine.tokenizing import load_tokenizer
+from engine.token_cache import TokenCache
+from engine.tokenizing import LazyTokenizer, tokenizer_fingerprint
 
-from .snapshots import plan_stamp, read_parquet, write_parquet
+from .snapshots import plan_stamp, read_parquet, snapshot_columns, write_parquet
 
 
 def groups_table(prepared, shards, keys: list[str], config: BatchJobConfig) -> pa.Table:
@@ -48,13 +49,19 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         required_resource_keys={config.warehouse_key},
     )
     def prefix_groups(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
-        table = read_parquet(config.prompts_path, "prompt snapshot")
+        columns = config.dataset.columns
         settings = config.engine_settings()
-        prepared = prepare_batch(table, load_tokenizer(settings.model_path), settings, config.sampling,
-                                 config.dataset.columns, config.scheduler)
+        # Token ids come from the cache; only new or changed rows are tokenized. The rows' text is
+        # not read here otherwise: the plan needs ids, max_tokens and formats.
+        cache = TokenCache(config.token_cache_dir, tokenizer_fingerprint(settings.model_path))
+        snapshot = config.prompts_path
+        meta = read_parquet(snapshot, "prompt snapshot", columns=snapshot_columns(snapshot, columns))
+        batch, reuse = cache.tokens_for(snapshot, LazyTokenizer(settings.model_path), columns.prompt, columns.messages)
+        prepared = plan_tokenized(meta, batch, settings, config.sampling, columns, config.scheduler)
         plan = prepared.plan
-        shards = assign_shards(plan, config.shards)
-        ids_by_shard = [[] for _ in range(config.shards)]
+        shard_count = config.shard_count(plan.num_rows)
+        shards = assign_shards(plan, shard_count)
+        ids_by_shard = [[] for _ in range(shard_count)]
         for row in plan.order:
             ids_by_shard[shards.shard_of_row[row]].append(prepared.ids[row])
         keys = [shard_key(config.hardware_of_shard(s).name, s, ids) for s, ids in enumerate(ids_by_shard)]
@@ -78,6 +85,8 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         shard_rows = {keys[s]: len(ids) for s, ids in enumerate(ids_by_shard) if ids}
         return dg.MaterializeResult(metadata={
             **plan_metadata(plan, len(prepared.errors), prepared.tokenize_s),
+            "token_cache_rows": reuse["cached_rows"],  # rows whose token ids were cached
+            "tokenized_rows": reuse["tokenized_rows"],  # distinct new or changed contents tokenized now
             "plan_s": float(round(prepared.plan_s, 4)),
             "plan_bytes": plan_bytes,
             "plan_bytes_per_prompt_token": float(round(plan_bytes / max(plan.prompt_tokens, 1), 3)),
@@ -85,7 +94,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
             "split_groups": shards.split_groups,
             "partition_keys": dg.MetadataValue.json(shard_rows),
             "estimated_prefill_tokens_per_shard": dg.MetadataValue.json(
-                {keys[s]: int(shards.prefill_tokens[s]) for s in range(config.shards) if ids_by_shard[s]}),
+                {keys[s]: int(shards.prefill_tokens[s]) for s in range(shard_count) if ids_by_shard[s]}),
             "dagster/row_count": plan.num_groups,
         })
 

@@ -1,14 +1,21 @@
 """``prompts``: the prompt rows, read from DuckDB (read-only) or Parquet and snapshotted."""
 
+import hashlib
+import os
 from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 import dagster as dg
 
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import table_preview
-from engine.dataset import read_sql, single_query, source_sql, validate
+from engine.dataset import check_unique_ids, read_sql, single_query, source_sql, stream_sql, validate
+from engine.token_cache import CONTENT_KEY, KEY_TYPE, content_keys
 
-from .snapshots import write_parquet
+from .snapshots import SNAPSHOT_DIGEST
+
 
 
 def dataset_sql(config: BatchJobConfig) -> tuple[str, str | None, list[str]]:
@@ -21,8 +28,49 @@ def dataset_sql(config: BatchJobConfig) -> tuple[str, str | None, list[str]]:
     return sql, database, [*allowed, *spec.allowed_paths]
 
 
-def load_dataset(config: BatchJobConfig):
-    return validate(read_sql(*dataset_sql(config)), config.dataset.columns)
+def snapshot_dataset(config: BatchJobConfig, path: Path) -> tuple[int, pa.Table]:
+    """Stream the dataset from DuckDB to a Parquet snapshot in record batches (the prompt text of
+    the whole table is never in memory at once), each row with its content key (what the token
+    cache looks rows up by). Returns the row count and the first rows (a preview)."""
+    columns = config.dataset.columns
+    staging = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer, rows, preview = None, 0, None
+    digest = hashlib.blake2b(digest_size=12)  # of everything but the text: ids, content keys, row settings
+    try:
+        with stream_sql(*dataset_sql(config)) as (schema, batches):
+            for batch in batches:
+                table = validate(pa.Table.from_batches([batch], schema), columns)  # types, NULLs, duplicates within
+                table = table.append_column(CONTENT_KEY, content_keys(
+                    _optional(table, columns.prompt), _optional(table, columns.messages), table.num_rows))
+                writer = writer or pq.ParquetWriter(staging, table.schema)
+                writer.write_table(table)
+                digest.update(_ipc_bytes(table.drop_columns([c for c in (columns.prompt, columns.messages)
+                                                              if c in table.column_names])))
+                rows += table.num_rows
+                preview = preview if preview is not None else table.slice(0, 10)
+            if writer is None:  # no rows: still a snapshot with the dataset's columns
+                table = validate(schema.empty_table(), columns)
+                table = table.append_column(CONTENT_KEY, pa.array([], KEY_TYPE))
+                writer, preview = pq.ParquetWriter(staging, table.schema), table
+        writer.add_key_value_metadata({SNAPSHOT_DIGEST: digest.hexdigest()})
+        writer.close()
+        check_unique_ids(staging, columns.id)  # duplicates across batches
+        staging.replace(path)
+    finally:
+        staging.unlink(missing_ok=True)
+    return rows, preview
+
+
+def _ipc_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as stream:
+        stream.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def _optional(table: pa.Table, name: str):
+    return table.column(name).combine_chunks() if name in table.column_names else None
 
 
 def source_version(config: BatchJobConfig) -> str:
@@ -43,17 +91,15 @@ def build_prompts(config: BatchJobConfig) -> dg.AssetsDefinition:
         kinds={"duckdb", "parquet"},
     )
     def prompts(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
-        table = load_dataset(config)
-        path = config.prompts_path
-        write_parquet(table, path)
-        spec = config.dataset
-        context.log.info(f"{table.num_rows} prompt rows from {spec.describe()} -> {path}")
+        path, spec = config.prompts_path, config.dataset
+        rows, preview = snapshot_dataset(config, path)
+        context.log.info(f"{rows} prompt rows from {spec.describe()} -> {path}")
         return dg.MaterializeResult(
             metadata={
-                "dagster/row_count": table.num_rows,
+                "dagster/row_count": rows,
                 "source": spec.describe(),
                 "snapshot": dg.MetadataValue.path(str(Path(path).resolve())),
-                "preview": table_preview(table, [spec.id_column, spec.prompt_column, spec.messages_column]),
+                "preview": table_preview(preview, [spec.id_column, spec.prompt_column, spec.messages_column]),
             }
         )
 

@@ -32,10 +32,28 @@ def write_parquet(table: pa.Table, path: Path) -> None:
     stage_parquet(table, path).replace(path)  # readers see the old file or the new one, never half of one
 
 
-def read_parquet(path: Path, what: str, filters=None) -> pa.Table:
+def read_parquet(path: Path, what: str, filters=None, columns: list[str] | None = None) -> pa.Table:
     if not path.exists():
         raise FileNotFoundError(f"{what} not found at {path}: materialize the upstream asset first")
-    return pq.read_table(path, filters=filters)
+    return pq.read_table(path, filters=filters, columns=columns)
+
+
+def snapshot_columns(path: Path, columns) -> list[str] | None:
+    """The snapshot's columns a plan needs: all but the prompt text (None: the file is missing)."""
+    if not path.exists():
+        return None
+    text = {columns.prompt, columns.messages}
+    return [name for name in pq.ParquetFile(path).schema_arrow.names if name not in text]
+
+
+SNAPSHOT_DIGEST = "batchllm.snapshot_digest"  # Parquet metadata of a prompt snapshot, written by prompts
+
+
+def snapshot_digest(path: Path) -> str:
+    """What identifies a prompt snapshot's rows: the digest ``prompts`` wrote into it (reading a
+    big snapshot whole in every partition would cost seconds), else the file's."""
+    recorded = (pq.ParquetFile(path).metadata.metadata or {}).get(SNAPSHOT_DIGEST.encode())
+    return recorded.decode() if recorded else file_digest(path)
 
 
 def file_digest(path: Path) -> str:
@@ -52,7 +70,7 @@ def plan_stamp(config: BatchJobConfig, settings: EngineSettings) -> dict[str, st
                           config.scheduler.min_group_rows, config.dataset.columns)
     return {
         "batchllm.model": model_fingerprint(settings.model_path),
-        "batchllm.snapshot": file_digest(config.prompts_path),
+        "batchllm.snapshot": snapshot_digest(config.prompts_path),
         "batchllm.settings": shaping,
     }
 

@@ -16,6 +16,7 @@ from engine.dataset import Columns
 from engine.settings import EngineSettings, Policy, SamplingSettings, SchedulerSettings
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MAX_PARTITIONS = 100_000  # Dagster's guidance: at most this many partitions per asset
 
 
 class Backend(Policy):
@@ -118,7 +119,11 @@ class JobSpec(BaseModel):
     llm: Annotated[EngineSettings, *described("the model and how vLLM runs it")] = EngineSettings()
     sampling: Annotated[SamplingSettings, *described("how rows are answered")] = SamplingSettings()
     scheduler: Annotated[SchedulerSettings, *described("BatchLLM admission knobs")] = SchedulerSettings()
-    shards: Annotated[int, *described("partitions of completions (>= 1)")] = 2
+    shards: Annotated[int | None, *described(
+        "partitions of completions (>= 1); unset: one per rows_per_shard rows, at least one per hardware "
+        f"partition, at most {MAX_PARTITIONS:,} (Dagster's guidance for one asset)")] = None
+    rows_per_shard: Annotated[int, *described(
+        "rows a shard gets when shards is unset: a partition is one run, one vLLM start-up (>= 1)")] = 10_000
     hardware: Annotated[list[HardwarePartition], *described(
         "hardware partitions, shards cycle over them: names ([cpu]) or {name, pool, run_tags}")] = [
         HardwarePartition(name="cpu")]
@@ -144,9 +149,18 @@ class JobSpec(BaseModel):
         names = [h.name for h in self.hardware]
         if len(set(names)) != len(names):
             raise ValueError(f"hardware partition names must differ: {names}")
-        if self.shards < 1 or self.ray_replicas < 1:
-            raise ValueError(f"shards and ray_replicas must be at least 1 (got {self.shards}, {self.ray_replicas})")
+        if (self.shards is not None and not 1 <= self.shards <= MAX_PARTITIONS) or self.ray_replicas < 1 \
+                or self.rows_per_shard < 1:
+            raise ValueError(f"shards must be in 1..{MAX_PARTITIONS:,}, ray_replicas and rows_per_shard at least 1 "
+                             f"(got {self.shards}, {self.ray_replicas}, {self.rows_per_shard})")
         return self
+
+    def shard_count(self, rows: int) -> int:
+        """``shards`` when set, else derived from the batch: ~rows_per_shard rows each, every hardware
+        partition used, never more partitions than Dagster's guidance for one asset."""
+        if self.shards is not None:
+            return self.shards
+        return max(len(self.hardware), min(-(-rows // self.rows_per_shard), MAX_PARTITIONS))
 
 
 class BatchJobConfig(JobSpec):
@@ -191,6 +205,10 @@ class BatchJobConfig(JobSpec):
     @property
     def plan_path(self) -> Path:
         return self.job_dir / "plan.parquet"
+
+    @property
+    def token_cache_dir(self) -> Path:
+        return self.job_dir / "token_cache"
 
     def checkpoint_path(self, partition_key: str) -> Path:
         return self.job_dir / "checkpoints" / partition_key

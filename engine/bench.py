@@ -29,6 +29,8 @@ import gc
 import json
 import logging
 import resource
+import subprocess
+import sys
 import time
 import tracemalloc
 from dataclasses import asdict, dataclass
@@ -309,6 +311,12 @@ def run_analysis(args) -> dict:
 
 
 def cmd_bench(args) -> int:
+    if args.scale:
+        # The scale benchmark runs the Dagster assets, which the engine does not import: it is a
+        # program of the code location, run as its own process (its phases each in a fresh one).
+        command = [sys.executable, "-m", "dagster_project.scale_bench", "--rows", str(args.scale),
+                   "--model", args.model, "--partition-rows", str(args.partition_rows)]
+        return subprocess.call(command)
     result = run_analysis(args) if args.analysis else run_bench(args)
     if "verdict" in result:
         log.info("bench: %s", result["verdict"])
@@ -342,6 +350,10 @@ def add_bench_parser(sub) -> None:
                        default=SchedulerSettings().reserve_output.value)
     bench.add_argument("--lookahead-tokens", type=int, default=SchedulerSettings().lookahead_tokens)
     bench.add_argument("--analysis", action="store_true", help="time the plan alone on synthetic token ids")
+    bench.add_argument("--scale", type=at_least_one, metavar="ROWS",
+                       help="a ROWS-row nightly job through Dagster: first plan, a rerun with 1%% of the rows "
+                       "changed, one completions partition (see dagster_project/scale_bench.py)")
+    bench.add_argument("--partition-rows", type=at_least_one, default=10_000, help="rows per shard for --scale")
     bench.add_argument("--rows", type=int, default=1_000_000, help="rows for --analysis")
     bench.add_argument("--tokens-per-row", type=int, default=500, help="tokens per row for --analysis")
     add_engine_options(bench)  # --kv-cache-blocks defaults to a third of the prefix working set here

@@ -38,25 +38,30 @@ def route_library_output(log_file: Path) -> Path:
     # straight to stderr unless its level is raised.
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    try:  # torch sets up its loggers' handlers when imported: import it first, then replace them
-        import torch  # noqa: F401
-    except ImportError:  # pragma: no cover - planning without vLLM
-        pass
     for name in THIRD_PARTY_LOGGERS:
         logger = logging.getLogger(name)
         logger.handlers[:] = [to_file, errors]
         logger.propagate = False
         logger.setLevel(logging.INFO if name == "vllm" else logging.WARNING)  # vLLM's start-up report is worth keeping
-    for name, logger in list(logging.root.manager.loggerDict.items()):  # torch gives sub-loggers their own handlers
-        if isinstance(logger, logging.Logger) and name.split(".")[0] in THIRD_PARTY_LOGGERS and "." in name:
-            logger.handlers[:] = []
-            logger.propagate = True
+    tidy_library_loggers()
     logging.captureWarnings(True)  # warnings.warn(...) -> the "py.warnings" logger
     py_warnings = logging.getLogger("py.warnings")
     py_warnings.handlers[:] = [to_file]
     py_warnings.propagate = False
     warnings.simplefilter("default")
     return log_file
+
+
+def tidy_library_loggers() -> None:
+    """Torch gives its sub-loggers stderr handlers of their own when it is imported: once output is
+    routed (``route_library_output``), send them through their library's logger again. Called
+    after vLLM is imported."""
+    if _to_file is None:
+        return
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if isinstance(logger, logging.Logger) and "." in name and name.split(".")[0] in THIRD_PARTY_LOGGERS:
+            logger.handlers[:] = []
+            logger.propagate = True
 
 
 def file_logger(name: str) -> logging.Logger:

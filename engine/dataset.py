@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import glob
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,25 +56,46 @@ def single_query(sql: str) -> str:
 
 
 def read_sql(sql: str, database: str | None = None, allowed_paths: list[str] = ()) -> pa.Table:
-    """Run dataset SQL in DuckDB's sandbox: exactly one query; the database (if any) read-only;
-    no file outside ``allowed_paths`` (and the database's folder) readable; no extension installed
-    or loaded; the configuration locked so the SQL cannot undo any of it."""
+    """Run dataset SQL in DuckDB's sandbox (see ``stream_sql``) and return the whole result."""
+    with stream_sql(sql, database, allowed_paths) as (schema, batches):
+        return pa.Table.from_batches(list(batches), schema)
+
+
+@contextmanager
+def stream_sql(sql: str, database: str | None = None, allowed_paths: list[str] = (),
+               batch_rows: int = 65_536) -> Iterator[tuple[pa.Schema, Iterator[pa.RecordBatch]]]:
+    """Run dataset SQL in DuckDB's sandbox and stream its rows as Arrow record batches (the schema,
+    and the batches while the connection is open): exactly one query; the database (if any)
+    read-only; no file outside ``allowed_paths`` (and the database's folder) readable; no extension
+    installed or loaded; the configuration locked so the SQL cannot undo any of it."""
     import duckdb
 
     query = single_query(sql)
     if database and not Path(database).exists():
         raise DatasetError(f"DuckDB database {database!r} does not exist")
     con = _connect_read_only(database) if database else duckdb.connect(config=_NO_EXTENSIONS)
+
+    def translated(call):
+        try:
+            return call()
+        except duckdb.PermissionException as exc:
+            raise DatasetError(f"dataset SQL may only read the job's own data "
+                               f"({', '.join(allowed_paths) or 'its database'}): {exc}") from exc
+        except duckdb.Error as exc:
+            raise DatasetError(f"dataset SQL failed: {exc}") from exc
+
+    def batches(reader) -> Iterator[pa.RecordBatch]:
+        while True:
+            try:
+                batch = translated(reader.read_next_batch)
+            except StopIteration:
+                return
+            yield batch
+
     try:
         _sandbox(con, [*allowed_paths, *([str(Path(database).parent)] if database else [])])
-        return con.sql(query).to_arrow_table()
-    except AttributeError:  # pragma: no cover - statements that return nothing
-        raise DatasetError(f"dataset SQL returned no rows: {sql!r}") from None
-    except duckdb.PermissionException as exc:
-        raise DatasetError(f"dataset SQL may only read the job's own data ({', '.join(allowed_paths) or 'its database'}): "
-                           f"{exc}") from exc
-    except duckdb.Error as exc:
-        raise DatasetError(f"dataset SQL failed: {exc}") from exc
+        reader = translated(lambda: con.sql(query).to_arrow_reader(batch_rows))
+        yield reader.schema, batches(reader)
     finally:
         con.close()
 
@@ -170,6 +193,19 @@ def validate(table: pa.Table, columns: Columns = Columns()) -> pa.Table:
     keep = [c for c in (columns.id, columns.prompt, columns.messages, columns.max_tokens, columns.response_format)
             if c in names]
     return table.select(keep)
+
+
+def check_unique_ids(parquet: str | Path, id_column: str) -> None:
+    """No id twice in a (streamed, so batch-wise checked) Parquet snapshot; DuckDB counts out of core."""
+    import duckdb
+
+    with duckdb.connect(config=_NO_EXTENSIONS) as con:
+        column = '"' + id_column.replace('"', '""') + '"'
+        duplicated = con.execute(
+            f"SELECT {column} FROM read_parquet(?) GROUP BY {column} HAVING count(*) > 1 LIMIT 5", [str(parquet)]
+        ).fetchall()
+    if duplicated:
+        raise DatasetError(f"id column {id_column!r} has duplicated id(s), e.g. {[d[0] for d in duplicated]}")
 
 
 def _is_text(arrow_type: pa.DataType) -> bool:

@@ -147,10 +147,23 @@ def prepare_batch(
     columns: Columns = Columns(),
     scheduler: SchedulerSettings = SchedulerSettings(),
 ) -> PreparedBatch:
+    n = table.num_rows
+    batch = tokenize_rows(tokenizer, _column(table, columns.prompt) or [None] * n, _column(table, columns.messages))
+    return plan_tokenized(table, batch, engine_settings, sampling, columns, scheduler)
+
+
+def plan_tokenized(
+    table: pa.Table,
+    batch: TokenizedBatch,
+    engine_settings: EngineSettings,
+    sampling: SamplingSettings,
+    columns: Columns = Columns(),
+    scheduler: SchedulerSettings = SchedulerSettings(),
+) -> PreparedBatch:
+    """Plan rows whose token ids are known (``batch``, in ``table``'s order); ``table`` needs only
+    the id, ``max_tokens`` and ``response_format`` columns, not the prompt text."""
     ids = table.column(columns.id).to_pylist()
     n = len(ids)
-    prompts = _column(table, columns.prompt) or [None] * n
-    batch = tokenize_rows(tokenizer, prompts, _column(table, columns.messages))
     errors = dict(batch.errors)
 
     lengths = batch.lengths
@@ -381,7 +394,9 @@ def run_resumable(
         f"reusing {len(reused)} of {len(rows)} rows ({checkpoint.describe_reuse()}); {len(todo)} to run")
     results = list(reused.values())
     needs_engine = any(r not in prepared.errors for r in todo)
+    starting = time.perf_counter()
     engine = start_engine(engine_settings, prepared) if needs_engine else None
+    engine_start_s = time.perf_counter() - starting
     info = engine.info if engine is not None else None
     checkpoint.restart_timer()  # a kill early in the run keeps what finished after start-up
     try:
@@ -395,4 +410,5 @@ def run_resumable(
         if engine is not None:
             engine.close()
     run.stats.reused_rows = len(reused)
+    run.stats.engine_start_s = engine_start_s if engine is not None else 0.0
     return RunOutcome(results, run.stats, info)

@@ -47,6 +47,21 @@ def load_tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path)
 
 
+class LazyTokenizer:
+    """The model's tokenizer, loaded on first use: a rerun whose rows are all cached never loads it."""
+
+    def __init__(self, model_path: str):
+        self.model_path, self._tokenizer = model_path, None
+
+    def __getattr__(self, name):
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.model_path)
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.__getattr__("__call__")(*args, **kwargs)
+
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -99,8 +114,25 @@ def tokenize_rows(tokenizer, prompts: list[str | None], messages: list[str | Non
 
 # Files whose content decides the token ids and the chat rendering; hashed whole (they are small).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                    "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "config.json",
-                    "generation_config.json")
+                    "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
+_CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+def _hash_files(root, names, digest) -> None:
+    for name in names:
+        path = root / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + path.read_bytes())
+
+
+def tokenizer_fingerprint(model_path: str) -> str:
+    """A short hash of what decides a row's token ids: the tokenizer and chat-template files."""
+    import hashlib
+    from pathlib import Path
+
+    digest = hashlib.blake2b(digest_size=12)
+    _hash_files(Path(model_path), _TOKENIZER_FILES, digest)
+    return digest.hexdigest()
 
 
 def model_fingerprint(model_path: str) -> str:
@@ -112,10 +144,7 @@ def model_fingerprint(model_path: str) -> str:
 
     root = Path(model_path)
     digest = hashlib.blake2b(digest_size=12)
-    for name in _TOKENIZER_FILES:
-        path = root / name
-        if path.is_file():
-            digest.update(name.encode() + b"\0" + path.read_bytes())
+    _hash_files(root, _TOKENIZER_FILES + _CONFIG_FILES, digest)
     for path in sorted(root.glob("*.safetensors")) + sorted(root.glob("*.bin")) + sorted(root.glob("*.gguf")):
         stat = path.stat()
         digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())

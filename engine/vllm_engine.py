@@ -14,6 +14,7 @@ from .requests import Finished, RequestKey, StepReport, Submission
 from .results import EngineInfo
 
 from .settings import EngineSettings, SamplingSettings
+from .console import tidy_library_loggers
 from .vllm_env import check_vllm_version, configure, current_platform, engine_args
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ class VLLMEngine:
         import vllm
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
+
+        tidy_library_loggers()  # vLLM's import brought torch's own log handlers
 
         try:
             check_vllm_version(vllm.__version__)

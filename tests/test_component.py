@@ -85,7 +85,7 @@ def test_inference_steps_share_one_pool_per_hardware_partition(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("yaml_text, message", [
-    ("shards: 0", "shards and ray_replicas must be at least 1"),
+    ("shards: 0", r"shards must be in 1\.\.100,000"),
     ("sampling: {max_tokens: 0}", "max_tokens must be at least 1"),
     ("llm: {block_size: 12}", "block_size must be one of"),
     ("scheduler: {reserve_output: ful}", "'full' or 'lookahead'"),

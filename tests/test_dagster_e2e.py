@@ -214,3 +214,20 @@ def test_every_run_of_a_hardware_partition_carries_its_tags_and_pool(job):
     assert gpu["dagster-k8s/config"] == k8s and gpu["batchllm/pool"] == "h200_pool"
     assert gpu["batchllm/hardware"] == "gpu-h200"
     assert cpu["batchllm/pool"] == "inference_cpu" and "dagster-k8s/config" not in cpu
+
+
+def test_a_rerun_tokenizes_only_changed_rows_and_keeps_the_shard_keys(job):
+    assets_by_name = job_assets(job)
+    plan = [assets_by_name["prompts"], assets_by_name["prefix_groups"]]
+    rows = make_prompt_table().num_rows
+    with dg.instance_for_test() as instance:
+        first = dg.materialize(plan, instance=instance)
+        keys = sorted(instance.get_dynamic_partitions(job.partitions_name))
+        with duckdb.connect(job.dataset.database) as con:
+            con.execute("UPDATE prompt_rows SET prompt = prompt || ' (edited)' WHERE id = 'doc0-q0'")
+        second = dg.materialize(plan, instance=instance)
+        assert sorted(instance.get_dynamic_partitions(job.partitions_name)) == keys
+    before = first.asset_materializations_for_node("e2e__prefix_groups")[0].metadata
+    after = second.asset_materializations_for_node("e2e__prefix_groups")[0].metadata
+    assert before["token_cache_rows"].value == 0 and before["tokenized_rows"].value == rows
+    assert after["token_cache_rows"].value == rows - 1 and after["tokenized_rows"].value == 1

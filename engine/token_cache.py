@@ -1,0 +1,119 @@
+"""Token ids cached by row content, so a nightly rerun tokenizes only the rows that changed.
+
+A row's key is a 128-bit hash of what decides its tokens: its chat messages (JSON) when it has
+them, else its prompt text. The cache lives in one folder per tokenizer fingerprint (the tokenizer
+and chat-template files), as append-only Parquet parts of ``(key, token_ids, error)``: a rerun
+reads the parts, tokenizes the rows whose key is missing and appends one small part; when most
+entries no longer belong to the table the parts are compacted into one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from .tokenizing import TokenizedBatch, tokenize_rows
+
+log = logging.getLogger(__name__)
+
+CONTENT_KEY = "_content_key"  # the snapshot column holding each row's key
+KEY_TYPE = pa.binary(16)
+_SCHEMA = pa.schema([("key", KEY_TYPE), ("token_ids", pa.large_list(pa.int32())), ("error", pa.string())])
+_TEXT_BATCH = 16_384  # rows read and tokenized at a time
+
+
+def content_keys(prompts: pa.Array | None, messages: pa.Array | None, n: int) -> pa.Array:
+    """One key per row: chat rows (messages not NULL) hash their messages, the others their prompt."""
+    prompts = prompts.to_pylist() if prompts is not None else [None] * n
+    messages = messages.to_pylist() if messages is not None else [None] * n
+    keys = []
+    for prompt, chat in zip(prompts, messages):
+        text = b"m\0" + chat.encode() if chat is not None else (b"p\0" + prompt.encode() if prompt is not None else b"n")
+        keys.append(hashlib.blake2b(text, digest_size=16).digest())
+    return pa.array(keys, KEY_TYPE)
+
+
+class TokenCache:
+    def __init__(self, folder: str | Path, tokenizer_fingerprint: str):
+        self.folder = Path(folder) / tokenizer_fingerprint
+
+    def _parts(self) -> list[Path]:
+        return sorted(self.folder.glob("part-*.parquet"))
+
+    def load(self) -> pa.Table:
+        parts = self._parts()
+        if not parts:
+            return _SCHEMA.empty_table()
+        return pa.concat_tables([pq.read_table(p, schema=_SCHEMA) for p in parts])
+
+    def _write(self, table: pa.Table, name: str) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        staging = self.folder / f".{name}.{os.getpid()}.partial"
+        pq.write_table(table, staging)
+        staging.replace(self.folder / name)
+
+    def tokens_for(self, snapshot: Path, tokenizer, prompt_column: str, messages_column: str) -> tuple[TokenizedBatch, dict]:
+        """Token ids of every row of a prompt snapshot (written with a ``CONTENT_KEY`` column), in
+        its order: cached rows are looked up, the others tokenized (and cached)."""
+        started = time.perf_counter()
+        if CONTENT_KEY not in pq.ParquetFile(snapshot).schema_arrow.names:
+            raise ValueError(f"the prompt snapshot {snapshot} has no {CONTENT_KEY} column (written by an older "
+                             "version): materialize prompts again")
+        keys = pq.read_table(snapshot, columns=[CONTENT_KEY]).column(CONTENT_KEY).combine_chunks()
+        cache = self.load()
+        found = pc.index_in(keys, value_set=cache.column("key"))
+        cached_rows = len(keys) - found.null_count
+        missing = pc.unique(pc.filter(keys, pc.is_null(found)))
+        new = self._tokenize(snapshot, missing, tokenizer, prompt_column, messages_column) if len(missing) else None
+        if new is not None:
+            self._write(new, f"part-{time.time_ns():020d}.parquet")
+            cache = pa.concat_tables([cache, new])
+            found = pc.index_in(keys, value_set=cache.column("key"))
+        rows = cache.take(found)
+        token_ids = rows.column("token_ids").combine_chunks()
+        offsets = token_ids.offsets.to_numpy().astype(np.int64)
+        tokens = token_ids.flatten().to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
+        error_column = rows.column("error")
+        errors = {} if error_column.null_count == len(error_column) else {
+            i: e for i, e in enumerate(error_column.to_pylist()) if e is not None}
+        batch = TokenizedBatch(tokens, offsets - offsets[0], errors, seconds=time.perf_counter() - started)
+        stale = cache.num_rows - len(pc.unique(keys))
+        if len(self._parts()) > 1 and 2 * stale >= cache.num_rows:  # half of it rows the table no longer has
+            self._compact(cache, keys)
+        return batch, {"cached_rows": cached_rows, "tokenized_rows": new.num_rows if new is not None else 0}
+
+    def _tokenize(self, snapshot: Path, missing: pa.Array, tokenizer, prompt_column: str, messages_column: str) -> pa.Table:
+        """The missing keys' rows, read from the snapshot in batches (never the whole text at once)."""
+        file = pq.ParquetFile(snapshot)
+        names = set(file.schema_arrow.names)
+        columns = [CONTENT_KEY] + [c for c in (prompt_column, messages_column) if c in names]
+        parts, seen = [], set()
+        for batch in file.iter_batches(batch_size=_TEXT_BATCH, columns=columns):
+            todo = batch.filter(pc.is_in(batch.column(CONTENT_KEY), value_set=missing))
+            if not todo.num_rows:
+                continue
+            key_list = todo.column(CONTENT_KEY).to_pylist()
+            keep = [i for i, k in enumerate(key_list) if not (k in seen or seen.add(k))]  # same content once
+            todo = todo.take(keep)
+            prompts = todo.column(prompt_column).to_pylist() if prompt_column in names else [None] * todo.num_rows
+            messages = todo.column(messages_column).to_pylist() if messages_column in names else None
+            tokenized = tokenize_rows(tokenizer, prompts, messages)
+            token_ids = pa.LargeListArray.from_arrays(pa.array(tokenized.offsets, pa.int64()),
+                                                      pa.array(tokenized.tokens, pa.int32()))
+            errors = pa.array([tokenized.errors.get(i) for i in range(todo.num_rows)], pa.string())
+            parts.append(pa.table([todo.column(CONTENT_KEY), token_ids, errors], schema=_SCHEMA))
+        return pa.concat_tables(parts) if parts else _SCHEMA.empty_table()
+
+    def _compact(self, cache: pa.Table, keys: pa.Array) -> None:
+        old = self._parts()
+        self._write(cache.filter(pc.is_in(cache.column("key"), value_set=keys)), f"part-{time.time_ns():020d}.parquet")
+        for path in old:
+            path.unlink(missing_ok=True)
