@@ -102,7 +102,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         hardware_partition = config.hardware_of_shard(shard).name
         sampling = config.sampling
         checkpoint = config.checkpoint_path(key)
-        context.log.info(f"shard {key}: {prepared.num_rows} planned rows on {llm.hardware()} ({hardware_partition})")
+        context.log.info(f"shard {key}: {prepared.num_rows} planned rows ({hardware_partition})")
         if config.backend is Backend.RAY:
             outcome, info = run_shard_on_ray(config, key, prepared, settings, sampling, checkpoint)
         else:

@@ -3,6 +3,8 @@
 import dagster as dg
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import plan_metadata
@@ -39,6 +41,18 @@ def groups_table(prepared, shards, keys: list[str], config: BatchJobConfig) -> p
     })
 
 
+def previous_shards(plan_path, ids: pa.ChunkedArray) -> np.ndarray | None:
+    """Each row's shard in the last plan (-1 for a row it did not have), so unchanged shards keep
+    their rows and partition keys; None without a last plan."""
+    if not plan_path.exists():
+        return None
+    last = pq.read_table(plan_path, columns=["id", "shard"])
+    if last.schema.field("id").type != ids.type:
+        return None
+    position = pc.index_in(ids, value_set=last.column("id"))
+    return pc.fill_null(pc.take(last.column("shard"), position), -1).to_numpy()
+
+
 def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitionsDefinition) -> dg.AssetsDefinition:
     @dg.asset(
         key=[config.name, "prefix_groups"],
@@ -60,7 +74,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         prepared = plan_tokenized(meta, batch, settings, config.sampling, columns, config.scheduler)
         plan = prepared.plan
         shard_count = config.shard_count(plan.num_rows)
-        shards = assign_shards(plan, shard_count)
+        shards = assign_shards(plan, shard_count, previous=previous_shards(config.plan_path, meta.column(columns.id)))
         ids_by_shard = [[] for _ in range(shard_count)]
         for row in plan.order:
             ids_by_shard[shards.shard_of_row[row]].append(prepared.ids[row])

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from engine.dataset import Columns
 from engine.settings import EngineSettings, Policy, SamplingSettings, SchedulerSettings
@@ -34,11 +34,6 @@ class HardwarePartition(BaseModel):
     name: str = Field(description="letters, digits, '.', '_' or '-'; it starts the shard partition keys")
     pool: str | None = Field(None, description="runs of this hardware queue in this pool (default: inference_<name>)")
     run_tags: dict[str, str] = Field(default_factory=dict, description="tags every run of its shards carries")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_name(cls, value):
-        return {"name": value} if isinstance(value, str) else value  # `hardware: [cpu]` is short for [{name: cpu}]
 
     @model_validator(mode="after")
     def _valid(self) -> "HardwarePartition":
@@ -124,7 +119,9 @@ class JobSpec(BaseModel):
         f"partition, at most {MAX_PARTITIONS:,} (Dagster's guidance for one asset)")] = None
     rows_per_shard: Annotated[int, *described(
         "rows a shard gets when shards is unset: a partition is one run, one vLLM start-up (>= 1)")] = 10_000
-    hardware: Annotated[list[HardwarePartition], *described(
+    # A name alone (`hardware: [cpu]`) is short for {name: cpu}; after validation every entry is a
+    # HardwarePartition (the union is for the YAML schema, which must accept both).
+    hardware: Annotated[list[str | HardwarePartition], *described(
         "hardware partitions, shards cycle over them: names ([cpu]) or {name, pool, run_tags}")] = [
         HardwarePartition(name="cpu")]
     output_table: Annotated[str, *described("DuckDB table of the answers")] = "completions"
@@ -138,6 +135,11 @@ class JobSpec(BaseModel):
         "none when several: their runs queue per hardware pool instead); dagster.yaml limits each to one")] = None
     min_saving_vs_ideal: Annotated[float, *described("prefix_saving check warns below this share of the ideal")] = 0.9
     schedule: Annotated[str | None, *described("cron of the nightly run (None: no schedule)")] = "0 2 * * *"
+
+    @field_validator("hardware", mode="after")
+    @classmethod
+    def _partitions(cls, value: list) -> list[HardwarePartition]:
+        return [HardwarePartition(name=h) if isinstance(h, str) else h for h in value]
 
     @model_validator(mode="after")
     def _names(self) -> "JobSpec":

@@ -54,6 +54,7 @@ def run_metadata(stats: RunStats, hardware: str, hardware_partition: str, engine
             saving_vs_ideal=float(round(stats.saving_vs_ideal, 4)),
             startup_s=float(round(stats.startup_s, 3)),  # from the step's start until vLLM got its first request
             engine_start_s=float(round(stats.engine_start_s, 3)),  # of which vLLM's own start-up
+            engine_stop_s=float(round(stats.engine_stop_s, 3)),  # shutting vLLM down after the rows
             wall_s=float(round(stats.wall_s, 3)),
             mean_kv_usage=float(round(stats.mean_kv_usage, 4)),
             rows_per_step=float(round(stats.rows_per_step, 2)),

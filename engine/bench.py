@@ -39,7 +39,7 @@ import numpy as np
 
 from .plan import build_plan
 from .results import RunStats
-from .cli_options import add_engine_options, add_response_format_options, at_least_one, engine_settings_from, response_format_from
+from .cli_options import DEFAULT_MODEL, add_engine_options, add_response_format_options, at_least_one, engine_settings_from, response_format_from
 from .settings import EngineSettings, ReserveOutput, RunMode, SamplingSettings, SchedulerSettings
 from .tokenizing import TokenizedBatch
 from .vllm_env import current_platform
@@ -190,7 +190,7 @@ def run_bench(args) -> dict:
     from .models import resolve_model
     from .tokenizing import load_tokenizer
 
-    model_path = resolve_model(args.model)
+    model_path = resolve_model(args.model or DEFAULT_MODEL)
     tokenizer = load_tokenizer(model_path)
     special = max(tokenizer.all_special_ids or [0])
     vocab = (special + 1, min(len(tokenizer), 32000))
@@ -244,7 +244,7 @@ def run_bench(args) -> dict:
     ratios = {"vs_vllm_nocache": ratio("batchllm", "vllm_nocache"), "vs_vllm_apc": ratio("batchllm", "vllm_apc"),
               "vs_vllm_apc_sorted": ratio("batchllm", "vllm_apc_sorted")}
     return {
-        "workload": {**described, "rows": prepared.num_rows, "model": args.model, "dtype": engine_settings.for_platform(current_platform()).dtype,
+        "workload": {**described, "rows": prepared.num_rows, "model": args.model or DEFAULT_MODEL, "dtype": engine_settings.for_platform(current_platform()).dtype,
                      "block_size": args.block_size, "kv_cache_blocks": kv_blocks,
                      "prefix_working_set_blocks": working_set, "prompt_tokens": plan.prompt_tokens,
                      "unique_tokens": plan.unique_tokens, "ideal_cached_tokens": plan.ideal_cached_tokens,
@@ -315,7 +315,7 @@ def cmd_bench(args) -> int:
         # The scale benchmark runs the Dagster assets, which the engine does not import: it is a
         # program of the code location, run as its own process (its phases each in a fresh one).
         command = [sys.executable, "-m", "dagster_project.scale_bench", "--rows", str(args.scale),
-                   "--model", args.model, "--partition-rows", str(args.partition_rows)]
+                   "--model", args.model or "tiny", "--partition-rows", str(args.partition_rows)]
         return subprocess.call(command)
     result = run_analysis(args) if args.analysis else run_bench(args)
     if "verdict" in result:

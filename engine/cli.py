@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .console import LOG_DIR, ProgressBar, file_logger, route_library_output, run_summary, summary_table
 from .dataset import Columns, DatasetError, load_prompts
-from .cli_options import add_engine_options, add_response_format_options, at_least_one, engine_settings_from, response_format_from
+from .cli_options import DEFAULT_MODEL, add_engine_options, add_response_format_options, at_least_one, engine_settings_from, response_format_from
 from .settings import EngineSettings, SamplingSettings, SchedulerSettings
 
 log = logging.getLogger("batchllm")
@@ -39,7 +39,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 def _settings(args) -> tuple[EngineSettings, SamplingSettings, Columns]:
     from .models import resolve_model
 
-    engine = engine_settings_from(args, resolve_model(args.model))
+    engine = engine_settings_from(args, resolve_model(args.model or DEFAULT_MODEL))
     sampling = SamplingSettings(max_tokens=args.max_tokens, temperature=getattr(args, "temperature", 0.0),
                                 response_format=response_format_from(args))
     columns = Columns(id=args.id_column, prompt=args.prompt_column, messages=args.messages_column)

@@ -14,6 +14,9 @@ from .settings import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, EngineSettings
 from .validation import one_line
 
 
+DEFAULT_MODEL = "smollm2"  # the built-in model runs use unless --model says otherwise
+
+
 def at_least_one(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -25,7 +28,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """vLLM's settings; an option left out takes the platform's default (see ``EngineSettings``)."""
     fields = EngineSettings.model_fields
     group = parser.add_argument_group("engine (vLLM)")
-    group.add_argument("--model", default="smollm2", help="built-in model name (smollm2, tiny) or checkpoint path")
+    group.add_argument("--model", help="built-in model name (smollm2, tiny) or checkpoint path (default: smollm2; "
+                       "the tiny model for bench --scale)")
     group.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, choices=BLOCK_SIZES,
                        help=fields["block_size"].description)
     group.add_argument("--max-model-len", type=at_least_one, default=fields["max_model_len"].default,

@@ -70,6 +70,7 @@ class RunStats:
     rows_per_step: float = 0.0
     startup_s: float = 0.0
     engine_start_s: float = 0.0  # of startup_s, the time vLLM itself took to start
+    engine_stop_s: float = 0.0  # shutting vLLM down after the last row (after wall_s)
     wall_s: float = 0.0
 
     @property
@@ -104,6 +105,7 @@ class RunStats:
             rows_per_step=round(self.rows_per_step, 2),
             startup_s=round(self.startup_s, 3),
             engine_start_s=round(self.engine_start_s, 3),
+            engine_stop_s=round(self.engine_stop_s, 3),
             wall_s=round(self.wall_s, 3),
         )
         return out
@@ -123,6 +125,7 @@ def merge_stats(parts: list[RunStats]) -> RunStats:
     merged.wall_s = max((p.wall_s for p in parts), default=0.0)
     merged.startup_s = max((p.startup_s for p in parts), default=0.0)
     merged.engine_start_s = max((p.engine_start_s for p in parts), default=0.0)
+    merged.engine_stop_s = max((p.engine_stop_s for p in parts), default=0.0)
     if merged.engine_steps:
         merged.mean_kv_usage = sum(p.mean_kv_usage * p.engine_steps for p in parts) / merged.engine_steps
         merged.rows_per_step = sum(p.rows_per_step * p.engine_steps for p in parts) / merged.engine_steps

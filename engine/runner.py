@@ -407,8 +407,11 @@ def run_resumable(
             results.append(result)
         checkpoint.flush()
     finally:
+        stopping = time.perf_counter()
         if engine is not None:
             engine.close()
+        engine_stop_s = time.perf_counter() - stopping
     run.stats.reused_rows = len(reused)
     run.stats.engine_start_s = engine_start_s if engine is not None else 0.0
+    run.stats.engine_stop_s = engine_stop_s
     return RunOutcome(results, run.stats, info)

@@ -41,6 +41,15 @@ def content_keys(prompts: pa.Array | None, messages: pa.Array | None, n: int) ->
     return pa.array(keys, KEY_TYPE)
 
 
+def _flatten(token_ids: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """One int32 array of every row's ids and its int64 offsets (the values copied once)."""
+    lengths = [np.diff(chunk.offsets.to_numpy()) for chunk in token_ids.chunks]
+    offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths) if lengths else [])]).astype(np.int64)
+    values = [chunk.flatten().to_numpy(zero_copy_only=False) for chunk in token_ids.chunks]
+    tokens = np.concatenate(values).astype(np.int32, copy=False) if values else np.zeros(0, np.int32)
+    return tokens, offsets
+
+
 class TokenCache:
     def __init__(self, folder: str | Path, tokenizer_fingerprint: str):
         self.folder = Path(folder) / tokenizer_fingerprint
@@ -76,15 +85,15 @@ class TokenCache:
         if new is not None:
             self._write(new, f"part-{time.time_ns():020d}.parquet")
             cache = pa.concat_tables([cache, new])
-            found = pc.index_in(keys, value_set=cache.column("key"))
-        rows = cache.take(found)
-        token_ids = rows.column("token_ids").combine_chunks()
-        offsets = token_ids.offsets.to_numpy().astype(np.int64)
-        tokens = token_ids.flatten().to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
+        if new is not None and new.num_rows == len(keys) and new.column("key").combine_chunks().equals(keys):
+            rows = new  # the first night, no content twice: already in the snapshot's order
+        else:
+            rows = cache.take(pc.index_in(keys, value_set=cache.column("key")))
+        tokens, offsets = _flatten(rows.column("token_ids"))
         error_column = rows.column("error")
         errors = {} if error_column.null_count == len(error_column) else {
             i: e for i, e in enumerate(error_column.to_pylist()) if e is not None}
-        batch = TokenizedBatch(tokens, offsets - offsets[0], errors, seconds=time.perf_counter() - started)
+        batch = TokenizedBatch(tokens, offsets, errors, seconds=time.perf_counter() - started)
         stale = cache.num_rows - len(pc.unique(keys))
         if len(self._parts()) > 1 and 2 * stale >= cache.num_rows:  # half of it rows the table no longer has
             self._compact(cache, keys)

