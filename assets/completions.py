@@ -24,7 +24,7 @@ from engine.results import results_to_table
 from engine.runner import PreparedBatch, RunOutcome, run_resumable
 from engine.settings import EngineSettings, SamplingSettings, fingerprint
 
-from .snapshots import plan_stamp, read_parquet, stage_parquet, stale_plan_reasons, write_parquet
+from .snapshots import with_token_ids, plan_stamp, read_parquet, stage_parquet, stale_plan_reasons, write_parquet
 
 
 def shard_plan(config: BatchJobConfig, partition_key: str, settings: EngineSettings) -> pa.Table:
@@ -41,7 +41,7 @@ def shard_plan(config: BatchJobConfig, partition_key: str, settings: EngineSetti
             f"the plan of {config.name!r} is stale: {', '.join(stale)} changed since prefix_groups was "
             f"materialized; rematerialize {config.name}/prefix_groups, then run its partitions"
         )
-    return plan
+    return with_token_ids(plan)
 
 
 def run_shard_locally(config, key, prepared, settings, sampling, checkpoint, llm, warehouse, log, started_at) -> RunOutcome:

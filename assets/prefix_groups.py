@@ -12,10 +12,10 @@ from batchllm_dagster.partitions import shard_key, sync_partitions
 from batchllm_dagster.warehouse import replace_table
 from engine.runner import plan_tokenized
 from engine.shards import assign_shards
-from engine.token_cache import TokenCache
+from engine.token_cache import CONTENT_KEY, TokenCache
 from engine.tokenizing import LazyTokenizer, tokenizer_fingerprint
 
-from .snapshots import plan_stamp, read_parquet, snapshot_columns, write_parquet
+from .snapshots import plan_stamp, plan_without_token_ids, read_parquet, snapshot_columns, write_parquet
 
 
 def groups_table(prepared, shards, keys: list[str], config: BatchJobConfig) -> pa.Table:
@@ -81,10 +81,12 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         keys = [shard_key(config.hardware_of_shard(s).name, s, ids) for s, ids in enumerate(ids_by_shard)]
         used = [k for k, ids in zip(keys, ids_by_shard) if ids]  # fewer groups than shards: no empty partitions
 
-        # The plan is the contract: every row with its tokens, group, shard and run position,
-        # stamped with what it was made from. completions runs it as written.
+        # The plan is the contract: every row with its group, shard, run position and content key
+        # (its token ids are in the content-addressed token cache the plan names), stamped with what
+        # it was made from. completions runs it as written.
+        plan_table = plan_without_token_ids(prepared.to_table(), meta.column(CONTENT_KEY), cache.folder)
         plan_table = (
-            prepared.to_table()
+            plan_table
             .append_column("shard", pa.array(shards.shard_of_row, pa.int64()))
             .append_column("partition_key", pa.array([keys[s] for s in shards.shard_of_row], pa.string()))
         )

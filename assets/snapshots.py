@@ -13,11 +13,36 @@ import os
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchllm_dagster.config import BatchJobConfig
 from engine.settings import EngineSettings, fingerprint
+from engine.token_cache import CONTENT_KEY, TokenCache
 from engine.tokenizing import model_fingerprint
+
+
+PLAN_TOKEN_CACHE = "batchllm.token_cache"  # Parquet metadata of a plan: the token cache folder its keys point into
+
+
+def plan_without_token_ids(plan: pa.Table, content_keys: pa.ChunkedArray, token_cache_folder: Path) -> pa.Table:
+    """A plan table (``PreparedBatch.to_table``) whose rows name their token ids by content key in
+    the token cache instead of holding them: writing and reading 2 GB of ids per million rows
+    every night would cost more than planning."""
+    table = plan.drop_columns(["token_ids"]).append_column(CONTENT_KEY, content_keys)
+    return table.replace_schema_metadata({**(plan.schema.metadata or {}),
+                                          PLAN_TOKEN_CACHE: str(token_cache_folder)})
+
+
+def with_token_ids(plan_rows: pa.Table) -> pa.Table:
+    """Rows of a plan with their token ids from the cache it names (error rows have none)."""
+    folder = (plan_rows.schema.metadata or {}).get(PLAN_TOKEN_CACHE.encode())
+    if folder is None:
+        raise ValueError("not a plan written by prefix_groups: it names no token cache")
+    entries = TokenCache.at(folder.decode()).lookup(plan_rows.column(CONTENT_KEY).combine_chunks())
+    empty = pa.scalar([], pa.large_list(pa.int32()))
+    token_ids = pc.if_else(pc.is_null(plan_rows.column("error")), entries.column("token_ids"), empty)
+    return plan_rows.append_column("token_ids", token_ids)
 
 
 def stage_parquet(table: pa.Table, path: Path) -> Path:

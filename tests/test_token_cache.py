@@ -83,7 +83,7 @@ def test_another_tokenizer_starts_a_new_cache_and_stale_parts_are_compacted(tmp_
     snapshot(path, [f"Completely new row {i}." for i in range(20)], [None] * 20)
     cache = TokenCache(tmp_path / "cache", "fp1")
     cache.tokens_for(path, load_tokenizer(tiny_model), "prompt", "messages")
-    assert len(list((tmp_path / "cache" / "fp1").glob("part-*.parquet"))) == 1  # old rows dropped
+    assert len(list((tmp_path / "cache" / "fp1").glob("part-*.arrow"))) == 1  # old rows dropped
     assert cache.load().num_rows == 20
 
 
