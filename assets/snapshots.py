@@ -39,9 +39,10 @@ def with_token_ids(plan_rows: pa.Table) -> pa.Table:
     folder = (plan_rows.schema.metadata or {}).get(PLAN_TOKEN_CACHE.encode())
     if folder is None:
         raise ValueError("not a plan written by prefix_groups: it names no token cache")
-    entries = TokenCache.at(folder.decode()).lookup(plan_rows.column(CONTENT_KEY).combine_chunks())
+    tokens, offsets, _ = TokenCache.at(folder.decode()).lookup(plan_rows.column(CONTENT_KEY).combine_chunks())
+    token_ids = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(tokens))
     empty = pa.scalar([], pa.large_list(pa.int32()))
-    token_ids = pc.if_else(pc.is_null(plan_rows.column("error")), entries.column("token_ids"), empty)
+    token_ids = pc.if_else(pc.is_null(plan_rows.column("error")), token_ids, empty)
     return plan_rows.append_column("token_ids", token_ids)
 
 

@@ -96,3 +96,14 @@ def test_the_shard_count_derives_from_the_rows(rows_, hardware, expected):
                             output_database="o.duckdb", storage_dir="s")
     assert config.shard_count(rows_) == expected
     assert config.model_copy(update={"shards": 3}).shard_count(rows_) == 3
+
+
+def test_gathering_rows_in_any_order_across_parts_copies_the_right_ids():
+    from engine.token_cache import _gather
+
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, 100, rng.integers(0, 7)).tolist() for _ in range(50)]
+    chunks = [pa.array(rows[:20], pa.large_list(pa.int32())), pa.array(rows[20:], pa.large_list(pa.int32()))]
+    position = np.concatenate([np.arange(10, 30), rng.permutation(50)])  # a run across the parts, then shuffled
+    tokens, offsets = _gather(pa.chunked_array(chunks), position)
+    assert [tokens[offsets[i]:offsets[i + 1]].tolist() for i in range(position.size)] == [rows[p] for p in position]
