@@ -78,6 +78,7 @@ def materialize_job(instance, defs, name: str, completions) -> dict:
                 if "tokens_per_s" in m.metadata]  # a shard whose rows were all reused ran nothing
     return {
         "partitions": [run.dagster_run.tags["dagster/partition"] for run in shard_runs],
+        "computed_shards": len(metadata),
         "tokens_per_s": sum(m["tokens_per_s"].value for m in metadata) / max(len(metadata), 1),
         "saving_vs_ideal": min((m["saving_vs_ideal"].value for m in metadata), default=1.0),
         "failed_checks": sorted({e.check_name for e in evaluations if not e.passed}),
@@ -111,9 +112,10 @@ def materialize_all() -> None:
             done = outcomes[name]
             checks = (f"{done['checks']} checks passed" if not done["failed_checks"]
                       else f"FAILED checks: {', '.join(done['failed_checks'])}")
+            ran = (f"{done['tokens_per_s']:,.0f} tok/s, cache {100 * done['saving_vs_ideal']:.0f}% of the ideal"
+                   if done["computed_shards"] else "every row reused from the last run")
             rows.append((name, f"{total} rows ({ok} ok, {errors} errors) in {table}; {len(done['partitions'])} shard(s), "
-                               f"{done['tokens_per_s']:,.0f} tok/s, cache {100 * done['saving_vs_ideal']:.0f}% of "
-                               f"the ideal; {checks}"))
+                               f"{ran}; {checks}"))
             examples.append((row_id, repr(text.strip()[:90])))
     print("\nSummary\n" + summary_table(rows) + "\n\nFirst answers\n" + summary_table(examples))
     print(f"\nAll in {DATABASE}. Query them:\n  .venv/bin/python -c \"import duckdb; "
