@@ -208,6 +208,11 @@ def test_every_run_of_a_hardware_partition_carries_its_tags_and_pool(job):
         assert dg.materialize(upstream, instance=instance).success
         results = run_planned_shards(instance, defs, "e2e")
         tags = {r.dagster_run.tags["dagster/partition"]: r.dagster_run.tags for r in results}
+        checks = [e for r in results for e in r.get_asset_check_evaluations()]
+    # Each shard's run checks its shard, and only that: the whole-table check would fail in the first.
+    assert {e.check_name for e in checks} == {"one_completion_per_row", "no_silent_empties", "prefix_saving",
+                                              "answers_follow_response_format"}
+    assert all(e.passed for e in checks)
     assert len(tags) == 2
     gpu = next(t for key, t in tags.items() if key.startswith("gpu-h200-00-"))
     cpu = next(t for key, t in tags.items() if key.startswith("cpu-01-"))
