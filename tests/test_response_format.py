@@ -1,6 +1,5 @@
 """Constrained answers: checked before inference, carried by the plan, sent per request, checked after."""
 
-import numpy as np
 import pyarrow as pa
 import pytest
 
