@@ -79,18 +79,14 @@ class Progress:
         return Snapshot(done, self.total, tokens, saved, self.ideal_saved, in_flight, kv_usage, preemptions,
                         (now or time.perf_counter()) - self.started, planned_blocks)
 
-    def line(self, *args, **kwargs) -> str:
-        return self.snapshot(*args, **kwargs).line()
-
-    def due(self) -> bool:
-        return time.perf_counter() - self.last >= self.every_s
-
     def update(self, done: int, tokens: int, saved: int, in_flight: int, kv_usage: float, preemptions: int,
                planned_blocks: Callable[[], int] | None = None, force: bool = False) -> None:
         """After a step: the display always, a line when one is due (``planned_blocks`` is only
         counted then)."""
         now = time.perf_counter()
         due = force or now - self.last >= self.every_s
+        if not due and self.display is None:  # every engine step comes here: nothing to build
+            return
         snap = self.snapshot(done, tokens, saved, in_flight, kv_usage, preemptions,
                              planned_blocks() if due and planned_blocks else None, now=now)
         if self.display is not None:

@@ -65,15 +65,6 @@ def _gather(token_ids: pa.ChunkedArray, position: np.ndarray) -> tuple[np.ndarra
     return tokens, offsets
 
 
-def _flatten(token_ids: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
-    """One int32 array of every row's ids and its int64 offsets (the values copied once)."""
-    lengths = [np.diff(chunk.offsets.to_numpy()) for chunk in token_ids.chunks]
-    offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths) if lengths else [])]).astype(np.int64)
-    values = [chunk.flatten().to_numpy(zero_copy_only=False) for chunk in token_ids.chunks]
-    tokens = np.concatenate(values).astype(np.int32, copy=False) if values else np.zeros(0, np.int32)
-    return tokens, offsets
-
-
 class TokenCache:
     def __init__(self, folder: str | Path, tokenizer_fingerprint: str):
         self.folder = Path(folder) / tokenizer_fingerprint
@@ -129,7 +120,7 @@ class TokenCache:
             self._write(new, f"part-{time.time_ns():020d}.arrow")
             cache = pa.concat_tables([cache, new])
         if new is not None and new.num_rows == len(keys) and new.column("key").combine_chunks().equals(keys):
-            tokens, offsets = _flatten(new.column("token_ids"))  # the first night: already in the snapshot's order
+            tokens, offsets = _gather(new.column("token_ids"), np.arange(new.num_rows))  # the first night: in order
             error_column = new.column("error")
         else:
             tokens, offsets, error_column = self.lookup(keys, cache)
