@@ -15,7 +15,7 @@ from engine.shards import assign_shards
 from engine.token_cache import CONTENT_KEY, TokenCache
 from engine.tokenizing import LazyTokenizer, tokenizer_fingerprint
 
-from .snapshots import plan_stamp, plan_without_token_ids, read_parquet, snapshot_columns, write_parquet
+from .snapshots import plan_naming_token_cache, plan_stamp, read_parquet, snapshot_columns, write_parquet
 
 
 def groups_table(prepared, shards, keys: list[str], config: BatchJobConfig) -> pa.Table:
@@ -39,6 +39,16 @@ def groups_table(prepared, shards, keys: list[str], config: BatchJobConfig) -> p
         "estimated_decode_tokens": decode.astype(np.int64),
         "first_id": pa.array([prepared.ids[r] for r in first_rows]).cast(pa.string()),
     })
+
+
+def _ids_by_shard(prepared, shard_of_row: np.ndarray, shard_count: int) -> list[list]:
+    """Each shard's row ids in run order."""
+    in_order = shard_of_row[prepared.order]
+    by_shard = np.argsort(in_order, kind="stable")
+    bounds = np.searchsorted(in_order[by_shard], np.arange(shard_count + 1))
+    by_shard = prepared.order[by_shard]
+    ids = prepared.ids
+    return [[ids[r] for r in by_shard[bounds[s]:bounds[s + 1]].tolist()] for s in range(shard_count)]
 
 
 def previous_shards(plan_path, ids: pa.ChunkedArray) -> np.ndarray | None:
@@ -65,26 +75,25 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
     def prefix_groups(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         columns = config.dataset.columns
         settings = config.engine_settings()
-        # Token ids come from the cache; only new or changed rows are tokenized. The rows' text is
-        # not read here otherwise: the plan needs ids, max_tokens and formats.
+        # Lengths and block hashes come from the cache; only new or changed rows are tokenized. The
+        # rows' text is not read here otherwise: the plan needs hashes, max_tokens and formats.
         cache = TokenCache(config.token_cache_dir, tokenizer_fingerprint(settings.model_path))
         snapshot = config.prompts_path
         meta = read_parquet(snapshot, "prompt snapshot", columns=snapshot_columns(snapshot, columns))
-        batch, reuse = cache.tokens_for(snapshot, LazyTokenizer(settings.model_path), columns.prompt, columns.messages)
-        prepared = plan_tokenized(meta, batch, settings, config.sampling, columns, config.scheduler)
+        rows = cache.rows_for(snapshot, LazyTokenizer(settings.model_path), columns.prompt, columns.messages,
+                              settings.block_size)
+        prepared = plan_tokenized(meta, rows, settings, config.sampling, columns, config.scheduler)
         plan = prepared.plan
         shard_count = config.shard_count(plan.num_rows)
         shards = assign_shards(plan, shard_count, previous=previous_shards(config.plan_path, meta.column(columns.id)))
-        ids_by_shard = [[] for _ in range(shard_count)]
-        for row in plan.order:
-            ids_by_shard[shards.shard_of_row[row]].append(prepared.ids[row])
+        ids_by_shard = _ids_by_shard(prepared, shards.shard_of_row, shard_count)
         keys = [shard_key(config.hardware_of_shard(s).name, s, ids) for s, ids in enumerate(ids_by_shard)]
         used = [k for k, ids in zip(keys, ids_by_shard) if ids]  # fewer groups than shards: no empty partitions
 
         # The plan is the contract: every row with its group, shard, run position and content key
         # (its token ids are in the content-addressed token cache the plan names), stamped with what
         # it was made from. completions runs it as written.
-        plan_table = plan_without_token_ids(prepared.to_table(), meta.column(CONTENT_KEY), cache.folder)
+        plan_table = plan_naming_token_cache(prepared.to_table(), meta.column(CONTENT_KEY), cache.folder)
         plan_table = (
             plan_table
             .append_column("shard", pa.array(shards.shard_of_row, pa.int64()))
@@ -101,8 +110,8 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         shard_rows = {keys[s]: len(ids) for s, ids in enumerate(ids_by_shard) if ids}
         return dg.MaterializeResult(metadata={
             **plan_metadata(plan, len(prepared.errors), prepared.tokenize_s),
-            "token_cache_rows": reuse["cached_rows"],  # rows whose token ids were cached
-            "tokenized_rows": reuse["tokenized_rows"],  # distinct new or changed contents tokenized now
+            "token_cache_rows": rows.cached_rows,  # rows whose token ids were cached
+            "tokenized_rows": rows.tokenized_rows,  # distinct new or changed contents tokenized now
             "plan_s": float(round(prepared.plan_s, 4)),
             "plan_bytes": plan_bytes,
             "plan_bytes_per_prompt_token": float(round(plan_bytes / max(plan.prompt_tokens, 1), 3)),

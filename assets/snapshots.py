@@ -25,11 +25,11 @@ from engine.tokenizing import model_fingerprint
 PLAN_TOKEN_CACHE = "batchllm.token_cache"  # Parquet metadata of a plan: the token cache folder its keys point into
 
 
-def plan_without_token_ids(plan: pa.Table, content_keys: pa.ChunkedArray, token_cache_folder: Path) -> pa.Table:
-    """A plan table (``PreparedBatch.to_table``) whose rows name their token ids by content key in
-    the token cache instead of holding them: writing and reading 2 GB of ids per million rows
-    every night would cost more than planning."""
-    table = plan.drop_columns(["token_ids"]).append_column(CONTENT_KEY, content_keys)
+def plan_naming_token_cache(plan: pa.Table, content_keys: pa.ChunkedArray, token_cache_folder: Path) -> pa.Table:
+    """A plan table (``PreparedBatch.to_table`` of a batch planned from the cache, without token
+    ids) whose rows name their token ids by content key in the token cache: writing and reading
+    2 GB of ids per million rows every night would cost more than planning."""
+    table = plan.append_column(CONTENT_KEY, content_keys)
     return table.replace_schema_metadata({**(plan.schema.metadata or {}),
                                           PLAN_TOKEN_CACHE: str(token_cache_folder)})
 

@@ -27,12 +27,13 @@ import pyarrow as pa
 
 from .dataset import Columns
 from .drive import Rejected, StepTotals, drive
-from .plan import PrefixPlan, build_plan
+from .plan import PrefixPlan, plan_blocks
 from .progress import Display, Progress
 from .results import EngineInfo, RowResult, RunStats
 from .scheduler import GroupScheduler, InOrderScheduler, groups_in_run_order
 from .response_format import ResponseFormat
 from .settings import EngineSettings, RunMode, SamplingSettings, SchedulerSettings
+from .token_cache import CachedRows
 from .tokenizing import TokenizedBatch, tokenize_rows
 from .vllm_engine import VLLMEngine
 
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 class PreparedBatch:
     ids: list  # row ids in input order
     id_type: pa.DataType
-    batch: TokenizedBatch  # rows with an error have no tokens
+    batch: TokenizedBatch | None  # rows with an error have no tokens; None where the ids stay in the token cache
     max_tokens: np.ndarray
     errors: dict[int, str]
     order: np.ndarray  # row indices in run order; each group's rows are contiguous
@@ -85,20 +86,20 @@ class PreparedBatch:
         without the tokenizer or the planner (``from_table`` reads it back)."""
         position = np.empty(self.num_rows, dtype=np.int64)
         position[self.order] = np.arange(self.order.size)
-        # 64-bit offsets: a big batch holds more than 2^31 tokens.
-        token_ids = pa.LargeListArray.from_arrays(pa.array(self.batch.offsets.astype(np.int64)),
-                                                  pa.array(self.batch.tokens, pa.int32()))
-        return pa.table({
+        columns = {
             "id": pa.array(self.ids, self.id_type),
             "position": position,
             "group": self.group_of_row.astype(np.int64),
             "prefix_tokens": self.prefix_len_of_row.astype(np.int64),
             "max_tokens": self.max_tokens.astype(np.int64),
-            "token_ids": token_ids,
-            "error": pa.array([self.errors.get(i) for i in range(self.num_rows)], pa.string()),
-            "response_format": pa.array([f.to_text() if (f := self.response_formats.get(i)) else None
-                                         for i in range(self.num_rows)], pa.string()),
-        }, metadata={"batchllm.block_size": str(self.block_size)})
+            "error": _sparse_strings(self.errors, self.num_rows),
+            "response_format": _sparse_strings({i: f.to_text() for i, f in self.response_formats.items()},
+                                               self.num_rows),
+        }
+        if self.batch is not None:  # 64-bit offsets: a big batch holds more than 2^31 tokens
+            columns["token_ids"] = pa.LargeListArray.from_arrays(pa.array(self.batch.offsets.astype(np.int64)),
+                                                                 pa.array(self.batch.tokens, pa.int32()))
+        return pa.table(columns, metadata={"batchllm.block_size": str(self.block_size)})
 
     @classmethod
     def from_table(cls, table: pa.Table) -> "PreparedBatch":
@@ -120,6 +121,13 @@ class PreparedBatch:
             group_of_row=table.column("group").to_numpy(), prefix_len_of_row=table.column("prefix_tokens").to_numpy(),
             block_size=block_size, response_formats=formats,
         )
+
+
+def _sparse_strings(values: dict[int, str], n: int) -> pa.Array:
+    """A string column of ``n`` rows, NULL except at ``values``' rows (usually none of a million)."""
+    if not values:
+        return pa.nulls(n, pa.string())
+    return pa.array([values.get(i) for i in range(n)], pa.string())
 
 
 def _column(table: pa.Table, name: str) -> list | None:
@@ -154,19 +162,23 @@ def prepare_batch(
 
 def plan_tokenized(
     table: pa.Table,
-    batch: TokenizedBatch,
+    rows: TokenizedBatch | CachedRows,
     engine_settings: EngineSettings,
     sampling: SamplingSettings,
     columns: Columns = Columns(),
     scheduler: SchedulerSettings = SchedulerSettings(),
 ) -> PreparedBatch:
-    """Plan rows whose token ids are known (``batch``, in ``table``'s order); ``table`` needs only
-    the id, ``max_tokens`` and ``response_format`` columns, not the prompt text."""
+    """Plan rows already tokenized, in ``table``'s order: their token ids (``TokenizedBatch``), or
+    just their lengths and block hashes from the token cache (``CachedRows``: the batch then keeps
+    no ids). ``table`` needs only the id, ``max_tokens`` and ``response_format`` columns."""
     ids = table.column(columns.id).to_pylist()
     n = len(ids)
-    errors = dict(batch.errors)
+    errors = dict(rows.errors)
 
-    lengths = batch.lengths
+    started = time.perf_counter()
+    blocks = rows.row_blocks(engine_settings.block_size)
+    hash_s = time.perf_counter() - started
+    lengths = blocks.lengths
     limit = engine_settings.context_len
     row_max = _column(table, columns.max_tokens)
     max_tokens = np.full(n, sampling.max_tokens, dtype=np.int64)
@@ -185,17 +197,19 @@ def plan_tokenized(
             f"tokens (max_model_len={engine_settings.max_model_len}, KV cache {engine_settings.kv_cache_blocks} blocks)",
         )
     formats = _row_response_formats(_column(table, columns.response_format), errors)
-    batch = _without_rows(batch, set(errors) - set(batch.errors))
-    decode = np.where(batch.lengths > 0, max_tokens, 0)
+    dropped = set(errors) - set(rows.errors)  # rows that tokenized but cannot run: planned as empty
+    batch = _without_rows(rows, dropped) if isinstance(rows, TokenizedBatch) else None
+    blocks = blocks.without(dropped)
+    decode = np.where(blocks.lengths > 0, max_tokens, 0)
     started = time.perf_counter()
-    plan = build_plan(batch.tokens, batch.offsets, decode, engine_settings.block_size, scheduler.min_group_rows)
-    plan_s = time.perf_counter() - started
+    plan = plan_blocks(blocks, decode, scheduler.min_group_rows)
+    plan_s = hash_s + time.perf_counter() - started
     log.info(
         "planned %d rows: %d groups, %d prompt tokens, ideal saving %.1f%% (tokenize %.2fs, plan %.2fs)",
-        n, plan.num_groups, plan.prompt_tokens, 100 * plan.ideal_saving, batch.seconds, plan_s,
+        n, plan.num_groups, plan.prompt_tokens, 100 * plan.ideal_saving, rows.seconds, plan_s,
     )
     return PreparedBatch.from_plan(ids, table.schema.field(columns.id).type, batch, max_tokens, errors, plan,
-                                   response_formats=formats, tokenize_s=batch.seconds, plan_s=plan_s)
+                                   response_formats=formats, tokenize_s=rows.seconds, plan_s=plan_s)
 
 
 def _row_response_formats(texts: list[str | None] | None, errors: dict[int, str]) -> dict[int, ResponseFormat]:

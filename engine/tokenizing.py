@@ -6,11 +6,18 @@ an error reason instead of tokens, and the batch goes on.
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.metadata
 import json
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
+
+from .block_hashes import RowBlocks
 
 _BATCH = 4096
 
@@ -40,11 +47,45 @@ class TokenizedBatch:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    def row_blocks(self, block_size: int) -> RowBlocks:
+        """What the planner needs of these rows: lengths and chained block hashes."""
+        return RowBlocks.of_tokens(self.tokens, self.offsets, block_size)
+
 
 def load_tokenizer(model_path: str):
+    """The tokenizer ``AutoTokenizer`` picks for ``model_path``. Importing ``AutoTokenizer`` costs
+    about 6 s (torch and every model's configuration), more than a nightly rerun spends tokenizing
+    its few changed rows, so the class it picked for these files (and this transformers version)
+    is remembered, and loaded directly the next time."""
+    memo = _class_memo(model_path)
+    if memo is not None and memo.is_file():
+        module, _, name = memo.read_text().strip().partition(":")
+        try:
+            return getattr(importlib.import_module(module), name).from_pretrained(model_path)
+        except (ImportError, AttributeError):  # the class moved: ask AutoTokenizer again
+            pass
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if memo is not None:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        staging = memo.with_name(f".{memo.name}.{os.getpid()}")
+        staging.write_text(f"{type(tokenizer).__module__}:{type(tokenizer).__qualname__}")
+        staging.replace(memo)
+    return tokenizer
+
+
+def _class_memo(model_path: str) -> Path | None:
+    """Where the tokenizer class of a local model is remembered (None for a hub name), keyed by
+    the files AutoTokenizer decides from and the transformers version."""
+    root = Path(model_path)
+    if not root.is_dir():
+        return None
+    from .vllm_env import CACHE_ROOT
+
+    digest = hashlib.blake2b(importlib.metadata.version("transformers").encode(), digest_size=12)
+    _hash_files(root, _TOKENIZER_FILES + _CONFIG_FILES, digest)
+    return CACHE_ROOT / "tokenizer_classes" / digest.hexdigest()
 
 
 class LazyTokenizer:
@@ -127,9 +168,6 @@ def _hash_files(root, names, digest) -> None:
 
 def tokenizer_fingerprint(model_path: str) -> str:
     """A short hash of what decides a row's token ids: the tokenizer and chat-template files."""
-    import hashlib
-    from pathlib import Path
-
     digest = hashlib.blake2b(digest_size=12)
     _hash_files(Path(model_path), _TOKENIZER_FILES, digest)
     return digest.hexdigest()
@@ -139,9 +177,6 @@ def model_fingerprint(model_path: str) -> str:
     """A short hash of the model, its tokenizer and its chat template: the content of the tokenizer
     and config files, and the name, size and modification time of every weight file (hashing a
     70B model's weights would take minutes)."""
-    import hashlib
-    from pathlib import Path
-
     root = Path(model_path)
     digest = hashlib.blake2b(digest_size=12)
     _hash_files(root, _TOKENIZER_FILES + _CONFIG_FILES, digest)

@@ -144,7 +144,8 @@ def test_a_partition_runs_the_materialized_plan_without_tokenizer_or_planner(job
         import engine.tokenizing
 
         for module, name in ((engine.tokenizing, "load_tokenizer"), (engine.tokenizing, "tokenize_rows"),
-                             (engine.runner, "tokenize_rows"), (engine.plan, "build_plan"), (engine.runner, "build_plan")):
+                             (engine.runner, "tokenize_rows"), (engine.plan, "build_plan"), (engine.plan, "plan_blocks"),
+                             (engine.runner, "plan_blocks")):
             monkeypatch.setattr(module, name, forbidden)
         partition = instance.get_dynamic_partitions(job.partitions_name)[0]
         assert dg.materialize([assets["completions"]], partition_key=partition, instance=instance).success

@@ -10,6 +10,8 @@ import pytest
 from engine.token_cache import CONTENT_KEY, TokenCache, content_keys
 from engine.tokenizing import load_tokenizer, tokenize_rows
 
+BLOCK = 4  # small blocks: the short test rows have several
+
 
 class CountingTokenizer:
     """The real tokenizer, counting the rows it is asked to encode."""
@@ -46,45 +48,57 @@ def rows(prompts, count):
             [chat if i % 5 == 0 else None for i in range(len(prompts))])
 
 
+def same_rows(cached, fresh, block_size=BLOCK):
+    """The cache's view of the rows is the one computed from fresh token ids."""
+    expected = fresh.row_blocks(block_size)
+    return (np.array_equal(cached.blocks.lengths, expected.lengths)
+            and np.array_equal(cached.blocks.hashes, expected.hashes) and cached.errors == fresh.errors)
+
+
 def test_a_rerun_tokenizes_only_changed_rows_and_gets_fresh_token_ids(tmp_path, tiny_model):
     prompts, messages = rows(range(40), count=30)  # some rows share content: tokenized once
     prompts[3] = ""  # an error row is cached with its reason
     path = tmp_path / "prompts.parquet"
-    snapshot(path, prompts, messages)
+    keys = snapshot(path, prompts, messages)[CONTENT_KEY].combine_chunks()
     cache = TokenCache(tmp_path / "cache", "fp1")
     counting = CountingTokenizer(tiny_model)
-    first, counts = cache.tokens_for(path, counting, "prompt", "messages")
+    first = cache.rows_for(path, counting, "prompt", "messages", BLOCK)
     fresh = tokenize_rows(load_tokenizer(tiny_model), prompts, messages)
-    assert np.array_equal(first.tokens, fresh.tokens) and np.array_equal(first.offsets, fresh.offsets)
-    assert first.errors == fresh.errors == {3: "empty prompt"}
-    distinct = len(set(zip(prompts, messages)))
-    assert counts == {"cached_rows": 0, "tokenized_rows": distinct}
+    assert same_rows(first, fresh) and first.errors == {3: "empty prompt"}
+    assert (first.cached_rows, first.tokenized_rows) == (0, len(set(zip(prompts, messages))))
+    tokens, offsets, _ = cache.lookup(keys)  # what a partition reads
+    assert np.array_equal(tokens, fresh.tokens) and np.array_equal(offsets, fresh.offsets)
 
-    again, counts = cache.tokens_for(path, NoTokenizer(), "prompt", "messages")
-    assert np.array_equal(again.tokens, fresh.tokens) and counts["tokenized_rows"] == 0
+    again = cache.rows_for(path, NoTokenizer(), "prompt", "messages", BLOCK)
+    assert same_rows(again, fresh) and again.tokenized_rows == 0
 
     prompts[7] = "An edited row."
-    snapshot(path, prompts, messages)
+    keys = snapshot(path, prompts, messages)[CONTENT_KEY].combine_chunks()
     counting.rows = 0
-    edited, counts = cache.tokens_for(path, counting, "prompt", "messages")
-    assert counts == {"cached_rows": 39, "tokenized_rows": 1} and counting.rows == 1
-    assert edited.row(7) == load_tokenizer(tiny_model)("An edited row.")["input_ids"]
-    assert np.array_equal(edited.offsets, tokenize_rows(load_tokenizer(tiny_model), prompts, messages).offsets)
+    edited = cache.rows_for(path, counting, "prompt", "messages", BLOCK)
+    assert (edited.cached_rows, edited.tokenized_rows) == (39, 1) and counting.rows == 1
+    assert same_rows(edited, tokenize_rows(load_tokenizer(tiny_model), prompts, messages))
+    tokens, offsets, _ = cache.lookup(keys)
+    assert tokens[offsets[7]:offsets[8]].tolist() == load_tokenizer(tiny_model)("An edited row.")["input_ids"]
 
 
-def test_another_tokenizer_starts_a_new_cache_and_stale_parts_are_compacted(tmp_path, tiny_model):
+def test_another_block_size_or_an_older_part_is_hashed_again_without_tokenizing(tmp_path, tiny_model):
+    prompts, messages = rows(range(30), count=30)
     path = tmp_path / "prompts.parquet"
-    prompts, messages = [f"Old row {i}." for i in range(20)], [None] * 20
     snapshot(path, prompts, messages)
-    TokenCache(tmp_path / "cache", "fp1").tokens_for(path, load_tokenizer(tiny_model), "prompt", "messages")
-    other = CountingTokenizer(tiny_model)
-    TokenCache(tmp_path / "cache", "fp2").tokens_for(path, other, "prompt", "messages")
-    assert other.rows > 0  # nothing reused across tokenizers
-    snapshot(path, [f"Completely new row {i}." for i in range(20)], [None] * 20)
     cache = TokenCache(tmp_path / "cache", "fp1")
-    cache.tokens_for(path, load_tokenizer(tiny_model), "prompt", "messages")
-    assert len(list((tmp_path / "cache" / "fp1").glob("part-*.arrow"))) == 1  # old rows dropped
-    assert cache.load().num_rows == 20
+    cache.rows_for(path, load_tokenizer(tiny_model), "prompt", "messages", BLOCK)
+    fresh = tokenize_rows(load_tokenizer(tiny_model), prompts, messages)
+    assert same_rows(cache.rows_for(path, NoTokenizer(), "prompt", "messages", 2), fresh, block_size=2)
+
+    # A part written before block hashes were cached: (key, token_ids, error) only.
+    (part,) = cache._parts()
+    old = pa.ipc.open_file(pa.memory_map(str(part))).read_all().select(["key", "token_ids", "error"])
+    staging = part.with_suffix(".old")
+    with pa.OSFile(str(staging), "wb") as sink, pa.ipc.new_file(sink, old.schema) as writer:
+        writer.write_table(old)
+    staging.replace(part)  # a new file: the old one may still be mapped
+    assert same_rows(cache.rows_for(path, NoTokenizer(), "prompt", "messages", BLOCK), fresh)
 
 
 @pytest.mark.parametrize("rows_, hardware, expected", [(95_000, ["cpu"], 10), (10, ["cpu", "gpu"], 2),
@@ -107,3 +121,34 @@ def test_gathering_rows_in_any_order_across_parts_copies_the_right_ids():
     position = np.concatenate([np.arange(10, 30), rng.permutation(50)])  # a run across the parts, then shuffled
     tokens, offsets = _gather(pa.chunked_array(chunks), position)
     assert [tokens[offsets[i]:offsets[i + 1]].tolist() for i in range(position.size)] == [rows[p] for p in position]
+
+
+LOAD = """
+import json, sys
+from engine.tokenizing import load_tokenizer
+tokenizer = load_tokenizer(sys.argv[1])
+print(json.dumps({"auto": "transformers.models.auto.tokenization_auto" in sys.modules, "torch": "torch" in sys.modules,
+                  "ids": tokenizer(["Shared instruction. Row 1.", "x"])["input_ids"],
+                  "chat": tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                        add_generation_prompt=True)}))
+"""
+
+
+def test_the_tokenizer_class_autotokenizer_picked_is_loaded_directly_the_next_time(tmp_path, tiny_model):
+    """A rerun with a few changed rows must not pay AutoTokenizer's imports (torch, every model's
+    config), and must tokenize exactly as AutoTokenizer's tokenizer does."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "BATCHLLM_CACHE_DIR": str(tmp_path)}
+
+    def load():
+        done = subprocess.run([sys.executable, "-c", LOAD, tiny_model], env=env, capture_output=True, text=True,
+                              check=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first, second = load(), load()
+    assert first["auto"] and not second["auto"] and not second["torch"]
+    assert len(list((tmp_path / "tokenizer_classes").iterdir())) == 1
+    assert (first["ids"], first["chat"]) == (second["ids"], second["chat"])
