@@ -152,15 +152,20 @@ def unique_tokens_per_row(plan: PrefixPlan, order: np.ndarray, part: np.ndarray 
     position[order] = np.arange(n)
     paid_blocks = lengths // block_size - len(plan.levels)
     paid = np.maximum(paid_blocks, 0) * block_size + lengths % block_size  # unshared depths and tails
+    shards = 1 if part is None else int(part.max(initial=0)) + 1
     for level in plan.levels:
-        if part is None:
-            key = level.node  # already numbered 0..nodes-1
-        else:
-            _, key = np.unique(level.node * (int(part.max()) + 1) + part[level.rows], return_inverse=True)
-        first = np.full(key.max() + 1, n, dtype=np.int64)
-        np.minimum.at(first, key, position[level.rows])
-        payer = level.rows[position[level.rows] == first[key]]
-        paid[payer] += block_size
+        at = position[level.rows]
+        # Key each row by (node, shard); node ids are dense, so the pairs index an array directly
+        # unless nodes x shards is large (the deepest levels), where the pairs present are numbered.
+        key, size = level.node, level.counts.size
+        if part is not None:
+            key, size = key * shards + part[level.rows], size * shards
+            if size > 4 * n:
+                _, key = np.unique(key, return_inverse=True)
+                size = int(key.max(initial=-1)) + 1
+        first = np.full(size, n, dtype=np.int64)
+        np.minimum.at(first, key, at)
+        paid[level.rows[at == first[key]]] += block_size
     return paid
 
 

@@ -120,3 +120,30 @@ def test_decode_estimate_must_match_rows():
     tokens, offsets = flat([[1, 2]])
     with pytest.raises(ValueError, match="decode_tokens"):
         build_plan(tokens, offsets, np.array([1, 2]), 4)
+
+
+def brute_force_paid(rows, block, order, part):
+    """Tokens each row computes on its shard's engine with a perfect cache, rows run in ``order``."""
+    seen, paid = set(), {}
+    for row in order:
+        tokens = rows[row]
+        full = len(tokens) // block
+        new = [k for k in range(1, full + 1) if (part[row], tuple(tokens[: k * block])) not in seen]
+        seen.update((part[row], tuple(tokens[: k * block])) for k in range(1, full + 1))
+        paid[row] = len(new) * block + len(tokens) - full * block
+    return [paid[r] for r in range(len(rows))]
+
+
+@pytest.mark.parametrize("shards", [1, 3, 40])  # 40 shards: more (node, shard) pairs than rows
+def test_each_shard_pays_for_the_prefixes_it_reaches_first(shards):
+    from engine.plan import unique_tokens_per_row
+
+    rng = np.random.default_rng(shards)
+    stems = [rng.integers(0, 50, 12).tolist() for _ in range(4)]
+    rows = [stems[rng.integers(4)][: rng.integers(4, 13)] + rng.integers(0, 50, rng.integers(0, 9)).tolist()
+            for _ in range(40)]
+    plan = plan_of(rows, block=4)
+    order = rng.permutation(len(rows))
+    part = rng.integers(0, shards, len(rows))
+    assert unique_tokens_per_row(plan, order, part).tolist() == brute_force_paid(rows, 4, order, part)
+    assert unique_tokens_per_row(plan, order).tolist() == brute_force_paid(rows, 4, order, np.zeros(len(rows), int))
