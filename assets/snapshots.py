@@ -1,9 +1,9 @@
 """Files an asset hands to the next: the prompt snapshot and the plan, written atomically.
 
 The plan is the contract between ``prefix_groups`` and ``completions``: one row per prompt row
-with its token ids, group, shard and run position (``PreparedBatch.to_table``), stamped with what
-it was made from (the model, tokenizer and chat template; the prompt snapshot; the settings that
-shape a plan). A partition runs exactly those rows and refuses a plan whose stamp no longer holds.
+with its group, shard, run position (``PreparedBatch.to_table``) and the content key that names
+its token ids in the token cache, stamped with what it was made from (the model, tokenizer and
+chat template; the prompt snapshot; the settings that shape a plan). A partition runs exactly those rows and refuses a plan whose stamp no longer holds.
 """
 
 from __future__ import annotations
