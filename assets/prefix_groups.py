@@ -81,7 +81,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         snapshot = config.prompts_path
         meta = read_parquet(snapshot, "prompt snapshot", columns=snapshot_columns(snapshot, columns))
         rows = cache.rows_for(snapshot, LazyTokenizer(settings.model_path), columns.prompt, columns.messages,
-                              settings.block_size)
+                              settings.block_size, progress=context.log.info)
         prepared = plan_tokenized(meta, rows, settings, config.sampling, columns, config.scheduler)
         plan = prepared.plan
         shard_count = config.shard_count(plan.num_rows)

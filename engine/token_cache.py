@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,8 @@ _BLOCK_SIZE = b"batchllm.block_size"  # a part's metadata: the block size of its
 _SCHEMA = pa.schema([("key", KEY_TYPE), ("token_ids", pa.large_list(pa.int32())),
                      ("block_hashes", pa.large_list(pa.uint64())), ("error", pa.string())])
 _TEXT_BATCH = 16_384  # rows read and tokenized at a time
+_PART_ROWS = 262_144  # new entries per published part: what a crash can lose
+_REPORT_S = 10.0  # seconds between progress lines while tokenizing
 
 
 def content_keys(prompts: pa.Array | None, messages: pa.Array | None, n: int) -> pa.Array:
@@ -147,8 +150,9 @@ class TokenCache:
             raise KeyError(f"{position.null_count} rows are not in the token cache {self.folder}: plan again")
         return position.to_numpy()
 
-    def _write(self, batches, name: str, block_size: int) -> int:
-        """Write record batches (an iterable: they need not all be in memory) as one part; its rows."""
+    def _write(self, batches, name: str, block_size: int, max_rows: int | None = None) -> int:
+        """Write record batches from an iterator as one part, up to about ``max_rows`` rows (the rest
+        stay in the iterator); returns the rows written (0: no part was written)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         staging = self.folder / f".{name}.{os.getpid()}.partial"
         schema = _SCHEMA.with_metadata({_BLOCK_SIZE: str(block_size).encode()})
@@ -157,14 +161,20 @@ class TokenCache:
             for batch in batches:
                 writer.write_batch(batch.replace_schema_metadata(schema.metadata))
                 rows += batch.num_rows
-        staging.replace(self.folder / name)
+                if max_rows is not None and rows >= max_rows:
+                    break
+        if rows:
+            staging.replace(self.folder / name)
+        else:
+            staging.unlink()
         return rows
 
-    def rows_for(self, snapshot: Path, tokenizer, prompt_column: str, messages_column: str,
-                 block_size: int) -> CachedRows:
+    def rows_for(self, snapshot: Path, tokenizer, prompt_column: str, messages_column: str, block_size: int,
+                 progress: Callable[[str], None] = log.info) -> CachedRows:
         """Lengths and block hashes of every row of a prompt snapshot (written with a
         ``CONTENT_KEY`` column), in its order: cached rows are looked up, the others tokenized
-        (and cached). No token ids are read back: the plan does not need them."""
+        (and cached; ``progress`` hears how far that got). No token ids are read back: the plan
+        does not need them."""
         started = time.perf_counter()
         if CONTENT_KEY not in pq.ParquetFile(snapshot).schema_arrow.names:
             raise ValueError(f"the prompt snapshot {snapshot} has no {CONTENT_KEY} column (written by an older "
@@ -176,10 +186,13 @@ class TokenCache:
         missing = pc.unique(pc.filter(keys, pc.is_null(found)))
         tokenized = 0
         if len(missing):
-            # Streamed into a new part batch by batch, then mapped with the rest: the first night
-            # never holds the table's token ids in memory.
-            batches = self._tokenize(snapshot, missing, tokenizer, prompt_column, messages_column, block_size)
-            tokenized = self._write(batches, f"part-{time.time_ns():020d}.arrow", block_size)
+            # Streamed into new parts batch by batch, then mapped with the rest: the first night
+            # never holds the table's token ids in memory, and a part is published every
+            # _PART_ROWS rows, so a crash loses at most one part's tokenizing.
+            batches = self._tokenize(snapshot, missing, tokenizer, prompt_column, messages_column, block_size,
+                                     progress)
+            while written := self._write(batches, f"part-{time.time_ns():020d}.arrow", block_size, _PART_ROWS):
+                tokenized += written
             cache = self.load(block_size)
         position = self._positions(keys, cache)
         hashes, _ = _gather(cache.column("block_hashes"), position)
@@ -194,7 +207,7 @@ class TokenCache:
                           cached_rows, tokenized)
 
     def _tokenize(self, snapshot: Path, missing: pa.Array, tokenizer, prompt_column: str, messages_column: str,
-                  block_size: int):
+                  block_size: int, progress: Callable[[str], None]):
         """Cache entries of the missing keys' rows, tokenized a batch at a time (never the whole
         text at once); a content found twice is tokenized once. DuckDB reads the rows (a semi-join
         on the key, both cores: a quarter of the time of scanning the snapshot's text in Python)."""
@@ -203,6 +216,8 @@ class TokenCache:
         names = set(pq.ParquetFile(snapshot).schema_arrow.names)
         columns = [CONTENT_KEY] + [c for c in (prompt_column, messages_column) if c in names]
         seen = set()
+        started = last_report = time.perf_counter()
+        tokens = 0
         with duckdb.connect() as con:
             con.register("missing_keys", pa.table({"key": missing}))
             selected = ", ".join(f'"{c}"' for c in columns)
@@ -217,6 +232,13 @@ class TokenCache:
                 tokenized = tokenize_rows(tokenizer, prompts, messages)
                 errors = pa.array([tokenized.errors.get(i) for i in range(todo.num_rows)], pa.string())
                 yield _entries(todo.column(CONTENT_KEY).cast(KEY_TYPE), tokenized.tokens, tokenized.offsets, errors, block_size)
+                tokens += tokenized.tokens.size
+                now = time.perf_counter()
+                if now - last_report >= _REPORT_S or len(seen) == len(missing):
+                    last_report = now
+                    rate = tokens / max(now - started, 1e-9)
+                    progress(f"tokenized {len(seen):,} of {len(missing):,} new contents ({tokens:,} tokens, "
+                             f"{rate:,.0f} tokens/s, eta {(len(missing) - len(seen)) * (now - started) / len(seen):.0f}s)")
 
     def _compact(self, cache: pa.Table, keys: pa.Array, block_size: int) -> None:
         old = self._parts()

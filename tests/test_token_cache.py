@@ -152,3 +152,37 @@ def test_the_tokenizer_class_autotokenizer_picked_is_loaded_directly_the_next_ti
     assert first["auto"] and not second["auto"] and not second["torch"]
     assert len(list((tmp_path / "tokenizer_classes").iterdir())) == 1
     assert (first["ids"], first["chat"]) == (second["ids"], second["chat"])
+
+
+class FailingTokenizer(CountingTokenizer):
+    """Fails once it has encoded ``limit`` rows: a crash in the middle of the first night."""
+
+    def __init__(self, model, limit):
+        super().__init__(model)
+        self.limit = limit
+
+    def __call__(self, texts, **kwargs):
+        if self.rows + len(texts) > self.limit:
+            raise RuntimeError("killed")
+        return super().__call__(texts, **kwargs)
+
+
+def test_a_crash_while_tokenizing_keeps_the_parts_written_and_progress_is_reported(tmp_path, tiny_model, monkeypatch):
+    import engine.token_cache
+
+    monkeypatch.setattr(engine.token_cache, "_TEXT_BATCH", 4)
+    monkeypatch.setattr(engine.token_cache, "_PART_ROWS", 8)
+    prompts = [f"Row {i} asks its own question." for i in range(40)]
+    path = tmp_path / "prompts.parquet"
+    snapshot(path, prompts, [None] * 40)
+    cache = TokenCache(tmp_path / "cache", "fp1")
+    with pytest.raises(RuntimeError, match="killed"):
+        cache.rows_for(path, FailingTokenizer(tiny_model, limit=20), "prompt", "messages", BLOCK)
+    kept = cache.load(BLOCK).num_rows
+    assert 8 <= kept <= 20 and kept % 8 == 0  # whole parts only: the batch being written is lost
+
+    counting, lines = CountingTokenizer(tiny_model), []
+    rows_ = cache.rows_for(path, counting, "prompt", "messages", BLOCK, progress=lines.append)
+    assert (rows_.cached_rows, rows_.tokenized_rows, counting.rows) == (kept, 40 - kept, 40 - kept)
+    assert same_rows(rows_, tokenize_rows(load_tokenizer(tiny_model), prompts, [None] * 40))
+    assert lines[-1].startswith(f"tokenized {40 - kept} of {40 - kept} new contents")
