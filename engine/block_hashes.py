@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+HASH_VERSION = 1  # bump when the hash changes: cached hashes of another version are recomputed
 _HASH_SEED = 0x5EED_BA7C
 _CHUNK_BLOCKS = 1 << 16  # blocks hashed at a time: bounds the temporary (blocks x block_size) copy
 _CHUNK_ROWS = 1 << 16  # rows chained at a time: bounds the per-block index arrays

@@ -3,13 +3,13 @@
 A row's key is a 128-bit hash of what decides its tokens: its chat messages (JSON) when it has
 them, else its prompt text. The cache lives in one folder per tokenizer fingerprint (the tokenizer
 and chat-template files), as append-only parts of ``(key, token_ids, block_hashes, error)``: a
-rerun maps the parts into memory, tokenizes the rows whose key is missing and appends one small
+rerun maps the parts into memory, tokenizes the rows whose key is missing and appends a small
 part; when half the entries no longer belong to the table the parts are compacted into one. Each
-entry keeps its row's chained block hashes (``RowBlocks``; the part records their block size), so
-the plan of a million rows reads 8 bytes per block instead of 4 per token, and hashes only what
-changed. Parts are Arrow IPC files, uncompressed, so they map into memory without being decoded
-(Parquet took 10 s per 2 GB of token ids to read back): a shard's partition reads just its rows'
-ids from them.
+entry keeps its row's chained block hashes (``RowBlocks``; a part records their block size and
+hash version), so the plan of a million rows reads 8 bytes per block instead of 4 per token, and
+hashes only what changed. Parts are Arrow IPC files, uncompressed, so they map into memory without
+being decoded (Parquet took 10 s per 2 GB of token ids to read back): a shard's partition reads
+just its rows' ids from them.
 """
 
 from __future__ import annotations
@@ -27,19 +27,24 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .block_hashes import RowBlocks
+from .block_hashes import HASH_VERSION, RowBlocks
 from .tokenizing import tokenize_rows
 
 log = logging.getLogger(__name__)
 
 CONTENT_KEY = "_content_key"  # the snapshot column holding each row's key
 KEY_TYPE = pa.binary(16)
-_BLOCK_SIZE = b"batchllm.block_size"  # a part's metadata: the block size of its hashes
+_HASHED_AS = b"batchllm.block_hashes"  # a part's metadata: how its hashes were made (_hashed_as)
 _SCHEMA = pa.schema([("key", KEY_TYPE), ("token_ids", pa.large_list(pa.int32())),
                      ("block_hashes", pa.large_list(pa.uint64())), ("error", pa.string())])
 _TEXT_BATCH = 16_384  # rows read and tokenized at a time
 _PART_ROWS = 262_144  # new entries per published part: what a crash can lose
 _REPORT_S = 10.0  # seconds between progress lines while tokenizing
+
+
+def _hashed_as(block_size: int) -> bytes:
+    """The hash function's version and the block size: parts made otherwise are hashed again."""
+    return f"v{HASH_VERSION} blocks of {block_size}".encode()
 
 
 def content_keys(prompts: pa.Array | None, messages: pa.Array | None, n: int) -> pa.Array:
@@ -123,7 +128,7 @@ class TokenCache:
         tables = []
         for path in self._parts():
             table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
-            if block_size is not None and (table.schema.metadata or {}).get(_BLOCK_SIZE) != str(block_size).encode():
+            if block_size is not None and (table.schema.metadata or {}).get(_HASHED_AS) != _hashed_as(block_size):
                 log.info("hashing the token cache part %s in blocks of %d", path.name, block_size)
                 tokens, offsets = _gather(table.column("token_ids"), np.arange(table.num_rows))
                 entries = _entries(table.column("key").combine_chunks(), tokens, offsets,
@@ -155,7 +160,7 @@ class TokenCache:
         stay in the iterator); returns the rows written (0: no part was written)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         staging = self.folder / f".{name}.{os.getpid()}.partial"
-        schema = _SCHEMA.with_metadata({_BLOCK_SIZE: str(block_size).encode()})
+        schema = _SCHEMA.with_metadata({_HASHED_AS: _hashed_as(block_size)})
         rows = 0
         with pa.OSFile(str(staging), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
             for batch in batches:

@@ -82,7 +82,7 @@ def test_a_rerun_tokenizes_only_changed_rows_and_gets_fresh_token_ids(tmp_path, 
     assert tokens[offsets[7]:offsets[8]].tolist() == load_tokenizer(tiny_model)("An edited row.")["input_ids"]
 
 
-def test_another_block_size_or_an_older_part_is_hashed_again_without_tokenizing(tmp_path, tiny_model):
+def test_another_block_size_or_an_older_part_is_hashed_again_without_tokenizing(tmp_path, tiny_model, monkeypatch):
     prompts, messages = rows(range(30), count=30)
     path = tmp_path / "prompts.parquet"
     snapshot(path, prompts, messages)
@@ -99,6 +99,14 @@ def test_another_block_size_or_an_older_part_is_hashed_again_without_tokenizing(
         writer.write_table(old)
     staging.replace(part)  # a new file: the old one may still be mapped
     assert same_rows(cache.rows_for(path, NoTokenizer(), "prompt", "messages", BLOCK), fresh)
+
+    # Hashes made by another version of the hash function are made again.
+    import engine.token_cache
+
+    monkeypatch.setattr(engine.token_cache, "HASH_VERSION", 99)
+    assert same_rows(cache.rows_for(path, NoTokenizer(), "prompt", "messages", BLOCK), fresh)
+    (part,) = cache._parts()
+    assert pa.ipc.open_file(str(part)).schema.metadata[b"batchllm.block_hashes"] == b"v99 blocks of 4"
 
 
 @pytest.mark.parametrize("rows_, hardware, expected", [(95_000, ["cpu"], 10), (10, ["cpu", "gpu"], 2),
