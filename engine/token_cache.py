@@ -232,18 +232,21 @@ class TokenCache:
             for batch in reader:
                 key_list = batch.column(CONTENT_KEY).to_pylist()
                 todo = batch.take([i for i, k in enumerate(key_list) if not (k in seen or seen.add(k))])
+                if not todo.num_rows:
+                    continue
                 prompts = todo.column(prompt_column).to_pylist() if prompt_column in names else [None] * todo.num_rows
                 messages = todo.column(messages_column).to_pylist() if messages_column in names else None
                 tokenized = tokenize_rows(tokenizer, prompts, messages)
                 errors = pa.array([tokenized.errors.get(i) for i in range(todo.num_rows)], pa.string())
-                yield _entries(todo.column(CONTENT_KEY).cast(KEY_TYPE), tokenized.tokens, tokenized.offsets, errors, block_size)
+                yield _entries(todo.column(CONTENT_KEY).cast(KEY_TYPE), tokenized.tokens, tokenized.offsets, errors,
+                               block_size)
                 tokens += tokenized.tokens.size
                 now = time.perf_counter()
                 if now - last_report >= _REPORT_S or len(seen) == len(missing):
-                    last_report = now
-                    rate = tokens / max(now - started, 1e-9)
+                    last_report, elapsed = now, now - started
+                    eta = (len(missing) - len(seen)) * elapsed / len(seen)
                     progress(f"tokenized {len(seen):,} of {len(missing):,} new contents ({tokens:,} tokens, "
-                             f"{rate:,.0f} tokens/s, eta {(len(missing) - len(seen)) * (now - started) / len(seen):.0f}s)")
+                             f"{tokens / max(elapsed, 1e-9):,.0f} tokens/s, eta {eta:.0f}s)")
 
     def _compact(self, cache: pa.Table, keys: pa.Array, block_size: int) -> None:
         old = self._parts()
