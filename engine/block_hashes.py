@@ -46,6 +46,14 @@ def _block_hashes(tokens: np.ndarray, starts: np.ndarray, block_size: int) -> np
     return out
 
 
+def rows_by_depth(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows sorted by whole blocks, most first, and how many reach each depth: the rows with a
+    block at depth ``k`` are ``deepest_first[:reaching[k + 1]]``."""
+    deepest_first = np.argsort(-blocks, kind="stable")
+    reaching = np.bincount(blocks, minlength=int(blocks.max(initial=0)) + 1)[::-1].cumsum()[::-1]
+    return deepest_first, reaching
+
+
 def _chains(tokens: np.ndarray, offsets: np.ndarray, block_size: int) -> np.ndarray:
     """The chained hashes of the rows ``tokens[offsets[i]:offsets[i + 1]]``, one row after the other."""
     lengths = np.diff(offsets)
@@ -55,11 +63,9 @@ def _chains(tokens: np.ndarray, offsets: np.ndarray, block_size: int) -> np.ndar
     depth = np.arange(int(first[-1]), dtype=np.int64) - first[row]  # the block's index in its row
     own = _block_hashes(np.asarray(tokens), offsets[row] + depth * block_size, block_size)
     del row, depth
-    # Chain depth by depth: row r's block k mixes in its block k-1's chained hash. Rows sorted
-    # by block count, so the rows reaching depth k are a prefix of ``deepest_first``.
+    # Chain depth by depth: row r's block k mixes in its block k-1's chained hash.
     chained = np.empty(own.size, dtype=np.uint64)
-    deepest_first = np.argsort(-blocks, kind="stable")
-    reaching = np.bincount(blocks, minlength=int(blocks.max(initial=0)) + 1)[::-1].cumsum()[::-1]
+    deepest_first, reaching = rows_by_depth(blocks)
     for k in range(reaching.size - 1):
         at = first[deepest_first[: reaching[k + 1]]] + k
         previous = chained[at - 1] if k else np.zeros(at.size, dtype=np.uint64)

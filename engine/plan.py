@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .block_hashes import RowBlocks
+from .block_hashes import RowBlocks, rows_by_depth
 
 
 @dataclass
@@ -79,14 +79,11 @@ class PrefixPlan:
 
 def _build_levels(blocks: RowBlocks) -> list[_Level]:
     """Tree levels from the root down, stopping once no node is shared (deeper ones cannot be)."""
-    per_row = blocks.blocks
     first = blocks.offsets
-    # Rows sorted by block count: the rows reaching depth k are a prefix of this array.
-    by_depth = np.argsort(-per_row, kind="stable")
-    reach = np.bincount(per_row, minlength=int(per_row.max(initial=0)) + 1)[::-1].cumsum()[::-1]
+    deepest_first, reaching = rows_by_depth(blocks.blocks)
     levels: list[_Level] = []
-    for depth in range(int(per_row.max(initial=0))):
-        rows = by_depth[: reach[depth + 1]]
+    for depth in range(reaching.size - 1):
+        rows = deepest_first[: reaching[depth + 1]]
         _, node, counts = np.unique(blocks.hashes[first[rows] + depth], return_inverse=True, return_counts=True)
         levels.append(_Level(rows=rows, node=node.astype(np.int64), counts=counts))
         if counts.max() < 2:
