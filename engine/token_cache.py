@@ -38,6 +38,7 @@ _HASHED_AS = b"batchllm.block_hashes"  # a part's metadata: how its hashes were 
 _SCHEMA = pa.schema([("key", KEY_TYPE), ("token_ids", pa.large_list(pa.int32())),
                      ("block_hashes", pa.large_list(pa.uint64())), ("error", pa.string())])
 _TEXT_BATCH = 16_384  # rows read and tokenized at a time
+_ID_COLUMNS = ["key", "token_ids", "error"]  # what a partition's lookup reads (any part version has them)
 _PART_ROWS = 262_144  # new entries per published part: what a crash can lose
 _REPORT_S = 10.0  # seconds between progress lines while tokenizing
 
@@ -135,10 +136,10 @@ class TokenCache:
                                    table.column("error").combine_chunks(), block_size)
                 self._write([entries], path.name, block_size)
                 table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
-            tables.append(table if block_size is not None else table.select(["key", "token_ids", "error"]))
+            tables.append(table if block_size is not None else table.select(_ID_COLUMNS))
         if not tables:
             empty = _SCHEMA.empty_table()
-            return empty if block_size is not None else empty.select(["key", "token_ids", "error"])
+            return empty if block_size is not None else empty.select(_ID_COLUMNS)
         return pa.concat_tables(tables)
 
     def lookup(self, keys: pa.Array) -> tuple[np.ndarray, np.ndarray, pa.Array]:
@@ -199,7 +200,7 @@ class TokenCache:
             while written := self._write(batches, f"part-{time.time_ns():020d}.arrow", block_size, _PART_ROWS):
                 tokenized += written
             cache = self.load(block_size)
-        position = self._positions(keys, cache)
+        position = self._positions(keys, cache) if tokenized else found.to_numpy()  # nothing new: already found
         hashes, _ = _gather(cache.column("block_hashes"), position)
         lengths = _lengths(cache.column("token_ids"))[position]
         error_column = cache.column("error").take(position)
