@@ -172,11 +172,17 @@ class GroupScheduler:
         """Blocks of ``tokens`` beyond the first ``shared`` (whole blocks), at least one."""
         return max(1, -(-tokens // self._block) - shared // self._block)
 
+    def _cache_hit(self, row: int, shared: int) -> int:
+        """Of ``shared`` leading tokens in the cache, those vLLM reuses for the row: a hit is capped at
+        the prompt's length - 1 (``KVCacheManager.get_computed_blocks``), so a prompt that is wholly
+        a cached, block-aligned prefix (a duplicate row) recomputes its last block in a block of its own."""
+        return max(0, min(shared, (int(self._lengths[row]) - 1) // self._block * self._block))
+
     def _shared_len(self, row: int, group: _GroupState) -> int:
-        """Leading tokens the row shares with what is in flight: its group's prefix, or more while
+        """Leading tokens of the row that vLLM finds in flight: its group's prefix, or more while
         the row before it, with which it shares more, is in the engine too."""
         previous, common = self._shares_deeper.get(row, (None, 0))
-        return common if previous in self._rows else group.planned.prefix_len
+        return self._cache_hit(row, common if previous in self._rows else group.planned.prefix_len)
 
     def _row_demand(self, row: int, group: _GroupState, generated: int) -> int:
         """Blocks the row holds beyond what it shares, plus what is reserved for its output: all
@@ -240,7 +246,7 @@ class GroupScheduler:
             while not group.all_admitted:
                 row = planned.rows[group.next_row]
                 alone = planned.prefix_len // self._block + self._own_blocks(
-                    int(self._lengths[row]) + int(self._max_tokens[row]), planned.prefix_len)
+                    int(self._lengths[row]) + int(self._max_tokens[row]), self._cache_hit(row, planned.prefix_len))
                 if alone > self._capacity:
                     decision.reject.append((row, f"needs {alone} KV blocks with its output; the KV cache has "
                                                  f"{self._capacity} (block size {self._block})"))

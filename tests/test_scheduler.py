@@ -182,12 +182,21 @@ def random_plans(draw):
     for _ in range(draw(st.integers(1, 8))):
         prefix = np.concatenate([system, rng.integers(50, 99, draw(st.integers(0, 4)) * BLOCK)])
         members, middle = [], np.zeros(0, dtype=np.int64)
+        duplicates = prefix.size > 0 and draw(st.integers(0, 3)) == 0  # every row is the prefix (n answers)
         for _ in range(draw(st.integers(1, 6))):
+            members.append(len(rows))
+            max_tokens.append(draw(st.integers(1, 40)))
+            if rows and members[:-1] and draw(st.integers(0, 4)) == 0:  # a duplicate of the row before
+                rows.append(rows[-1].copy())
+                continue
+            if duplicates or (prefix.size and draw(st.integers(0, 3)) == 0):  # the group's prefix alone: block-aligned, wholly cached
+                rows.append(prefix.copy())
+                continue
             if not draw(st.booleans()):  # else: shares a middle part (a document) with the row before
                 middle = rng.integers(200, 300, draw(st.integers(0, 3)) * BLOCK)
-            members.append(len(rows))
-            rows.append(np.concatenate([prefix, middle, rng.integers(300, 400, draw(st.integers(1, 9)))]))
-            max_tokens.append(draw(st.integers(1, 40)))
+            # 0 own tokens: the row ends on a block boundary of what it shares (vLLM recomputes
+            # the last block of a prompt it finds whole in its cache).
+            rows.append(np.concatenate([prefix, middle, rng.integers(300, 400, draw(st.integers(0, 9)))]))
         groups.append(PlannedGroup(prefix_len=prefix.size, rows=members))
     return make_batch(rows), groups, np.array(max_tokens)
 
@@ -207,3 +216,19 @@ def test_every_row_is_submitted_exactly_once_or_rejected(plan, num_blocks, reser
     assert watch.undercounts == []
     if reserve == "full":
         assert engine.preemptions == 0
+
+
+@pytest.mark.parametrize("reserve", ["full", "lookahead"])
+def test_rows_that_are_wholly_a_cached_prefix_count_the_block_vllm_recomputes(reserve):
+    # Duplicate rows whose prompt is exactly their group's block-aligned prefix (n answers per
+    # prompt, a repeated question): vLLM caps a prefix hit at the prompt's length - 1, so each row
+    # recomputes its last prompt block into a block of its own, which the scheduler must count.
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(1, 99, 3 * BLOCK)
+    batch = make_batch([prompt.copy() for _ in range(8)])
+    groups = [PlannedGroup(prefix_len=3 * BLOCK, rows=list(range(8)))]
+    engine, scheduler, out, watch, _ = run(batch, groups, np.full(8, 2 * BLOCK), num_blocks=16,
+                                           reserve_output=reserve, lookahead_tokens=2 * BLOCK)
+    assert watch.undercounts == []
+    assert engine.preemptions == 0
+    assert len(out) == 8
