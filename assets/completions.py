@@ -22,9 +22,9 @@ from batchllm_dagster.warehouse import existing_rows, replace_partition
 from engine.console import ProgressBar
 from engine.results import results_to_table
 from engine.runner import PreparedBatch, RunOutcome, run_resumable
-from engine.settings import EngineSettings, SamplingSettings, fingerprint
+from engine.settings import EngineSettings, SamplingSettings
 
-from .snapshots import with_token_ids, plan_stamp, read_parquet, stage_parquet, stale_plan_reasons, write_parquet
+from .snapshots import with_token_ids, plan_stamp, read_parquet, stage_parquet, stale_plan_reasons
 
 
 def shard_plan(config: BatchJobConfig, partition_key: str, settings: EngineSettings) -> pa.Table:
@@ -50,10 +50,7 @@ def run_shard_locally(config, key, prepared, settings, sampling, checkpoint, llm
     # Rows already in the table with the same fingerprint (a nightly rerun of unchanged rows)
     # are reused like checkpointed ones.
     previous = existing_rows(warehouse, config.output_table, pa.array(prepared.ids, prepared.id_type))
-    reuse = []
-    if previous is not None and previous.num_rows:
-        reuse = [checkpoint / "previous.parquet"]
-        write_parquet(previous, reuse[0])
+    reuse = [previous] if previous is not None and previous.num_rows else []
     bar = ProgressBar.on_terminal(f"{config.name} {key}")
     try:
         return run_resumable(prepared, settings, sampling, checkpoint, config.scheduler, reuse_from=reuse,
@@ -120,7 +117,6 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
             table.append_column("partition_key", pa.array([key] * n, pa.string()))
             .append_column("hardware", pa.array([hardware_partition] * n, pa.string()))
             .append_column("model", pa.array([config.llm.model_path] * n, pa.string()))
-            .append_column("settings_fingerprint", pa.array([fingerprint(settings, sampling)] * n, pa.string()))
             .append_column("completed_at", pa.array([dt.datetime.now(dt.timezone.utc)] * n, pa.timestamp("us", tz="UTC")))
         )
         # Parquet staged, DuckDB committed, then Parquet renamed into place: a failure at any point
@@ -138,6 +134,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         return dg.MaterializeResult(
             metadata={
                 **run_metadata(outcome.stats, llm.hardware(), hardware_partition, info),
+                "not_reused_rows": dg.MetadataValue.json(outcome.not_reused),  # why rows ran again
                 "dagster/row_count": written,
             },
             check_results=partition_check_results(config, warehouse, key, prepared.ids, outcome.stats,

@@ -3,7 +3,8 @@
 A checkpoint is a folder of Parquet part files. Each part is written to a temporary name and
 renamed, so a process killed at any point (SIGKILL included) leaves only whole parts behind. A row
 is reused only when its fingerprint matches: the same id, the same prompt tokens, the same
-max_tokens, and the same model and sampling settings; anything else is recomputed.
+max_tokens and response format, and the same answer settings (``settings_fingerprint``: the
+model's content, vLLM's version, dtype as resolved, sampling); anything else is recomputed.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hashlib
 import logging
 import shutil
 import time
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
@@ -22,15 +24,22 @@ from .settings import EngineSettings, SamplingSettings, fingerprint
 
 log = logging.getLogger(__name__)
 
-# Settings that can change an answer; cache sizes and batching knobs do not (greedy outputs were
-# equal whatever the order and batch shape).
-_ANSWER_SETTINGS = {"model_path", "dtype", "enforce_eager", "seed", "max_model_len", "tensor_parallel_size"}
+# Engine settings that can change an answer besides the model itself; cache sizes and batching
+# knobs do not (greedy outputs were equal whatever the order and batch shape, fp32 on CPU).
+_ANSWER_SETTINGS = {"dtype", "enforce_eager", "seed", "max_model_len", "tensor_parallel_size"}
 
 
 def settings_fingerprint(engine: EngineSettings, sampling: SamplingSettings) -> str:
-    """``engine`` as resolved for the platform (``for_platform``): a CPU and a GPU run differ."""
+    """What decides every row's answer besides the row itself: the model's content (weights,
+    config, tokenizer, chat template: the plan stamp's ``model_fingerprint``, not its path, so a
+    checkpoint re-exported in place reruns every row), vLLM's version, the engine settings above
+    (``engine`` as resolved for the platform by ``for_platform``: a CPU and a GPU run differ) and
+    the sampling, response format included."""
+    from .tokenizing import model_fingerprint
+    from .vllm_env import vllm_version
+
     relevant = engine.model_dump(include=_ANSWER_SETTINGS)
-    return fingerprint(relevant, sampling)
+    return fingerprint(relevant, model_fingerprint(engine.model_path), vllm_version(), sampling)
 
 
 def row_fingerprints(prepared, settings_fp: str) -> list[str]:
@@ -48,6 +57,21 @@ def row_fingerprints(prepared, settings_fp: str) -> list[str]:
     return out
 
 
+# Why a row was not reused, from what an earlier result of the same id recorded.
+NEW_ROW = "new row"
+SETTINGS_CHANGED = "model or answer settings changed"
+ROW_CHANGED = "prompt, max_tokens or response format changed"
+FAILED_BEFORE = "an error before"
+
+
+def _why_not_reused(previous: dict | None, settings_fp: str | None) -> str:
+    if previous is None:
+        return NEW_ROW
+    if previous.get("settings_fingerprint") != settings_fp:
+        return SETTINGS_CHANGED
+    return FAILED_BEFORE if previous["status"] != "ok" else ROW_CHANGED
+
+
 class Checkpoint:
     """Collects results and writes them as Parquet parts every ``every_rows`` rows or ``every_s`` s."""
 
@@ -59,28 +83,39 @@ class Checkpoint:
         self._last_flush = time.monotonic()
         self.written = 0
         self.reused_from: dict = {}  # row id -> where load() found it
+        self.not_reused: Counter[str] = Counter()  # why load() found no reusable result, rows per reason
 
-    def load(self, expected: dict, also: list[Path] = ()) -> dict:
+    def load(self, expected: dict, also: list[Path | pa.Table] = (), settings_fp: str | None = None) -> dict:
         """Reusable ok results by id: those whose fingerprint equals ``expected[id]``.
 
-        ``also`` names more result files to reuse from (a previous run's output)."""
+        ``also`` names more results to reuse from (a previous run's output: files or tables);
+        ``settings_fp`` (the current ``settings_fingerprint``) lets ``not_reused`` say why the
+        other rows were not reused."""
         parts = sorted(self.folder.glob("part-*.parquet")) if self.folder.exists() else []
         reusable: dict = {}
+        latest: dict = {}  # row id -> its last earlier result (why it was not reused)
         self.reused_from = {}
         for part in [*also, *parts]:
-            try:
-                table = pq.read_table(part)
-            except Exception as exc:  # a damaged file is recomputed, not trusted
-                log.warning("ignoring unreadable checkpoint file %s: %s", part, exc)
-                continue
+            if isinstance(part, pa.Table):
+                table, part = part, "the output table"
+            else:
+                try:
+                    table = pq.read_table(part)
+                except Exception as exc:  # a damaged file is recomputed, not trusted
+                    log.warning("ignoring unreadable checkpoint file %s: %s", part, exc)
+                    continue
             if "row_fingerprint" not in table.column_names:
                 continue
             names = ["id"] + [n for n, _ in RESULT_SCHEMA_FIELDS if n in table.column_names]
             for record in table.select(names).to_pylist():
                 row_id = record.pop("id")
-                if record["row_fingerprint"] == expected.get(row_id) and record["status"] == "ok":
+                if row_id not in expected:
+                    continue
+                latest[row_id] = record
+                if record["row_fingerprint"] == expected[row_id] and record["status"] == "ok":
                     reusable[row_id] = RowResult(id=row_id, **record)
                     self.reused_from[row_id] = "checkpoint" if part in parts else str(part)
+        self.not_reused = Counter(_why_not_reused(latest.get(i), settings_fp) for i in expected if i not in reusable)
         return reusable
 
     def describe_reuse(self) -> str:

@@ -20,6 +20,7 @@ class RowResult:
     shard: int | None = None
     group: int | None = None
     row_fingerprint: str | None = None  # model + settings + prompt: what a rerun may reuse
+    settings_fingerprint: str | None = None  # model + answer settings alone: why a row was not reused
 
 
 RESULT_SCHEMA_FIELDS = [
@@ -33,6 +34,7 @@ RESULT_SCHEMA_FIELDS = [
     ("shard", pa.int64()),
     ("group", pa.int64()),
     ("row_fingerprint", pa.string()),
+    ("settings_fingerprint", pa.string()),
 ]
 
 

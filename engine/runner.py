@@ -268,19 +268,22 @@ class BatchRun:
         row_fingerprints: list[str] | None = None,
         started_at: float | None = None,
         display: Display | None = None,
+        settings_fingerprint: str | None = None,
     ):
         self.prepared, self.engine, self.sampling, self.scheduler = prepared, engine, sampling, scheduler
         self.rows = [int(r) for r in prepared.order] if rows is None else list(rows)
         self.mode = RunMode.parse(mode)
         self.progress_sink = progress_sink
         self.fingerprints = row_fingerprints or [None] * prepared.num_rows
+        self.settings_fingerprint = settings_fingerprint
         self.started_at = started_at
         self.display = display  # a live view (a progress bar) besides the progress lines
         self.stats = RunStats()
 
     def _result(self, row: int, **fields) -> RowResult:
         return RowResult(id=self.prepared.ids[row], group=int(self.prepared.group_of_row[row]),
-                         row_fingerprint=self.fingerprints[row], **fields)
+                         row_fingerprint=self.fingerprints[row], settings_fingerprint=self.settings_fingerprint,
+                         **fields)
 
     def _error(self, row: int, reason: str) -> RowResult:
         self.stats.rows += 1
@@ -373,6 +376,7 @@ class RunOutcome:
     results: list[RowResult]
     stats: RunStats
     engine: EngineInfo | None  # None when every row was reused or invalid: vLLM never started
+    not_reused: dict[str, int] = field(default_factory=dict)  # rows run again, by why they were not reused
 
 
 def run_resumable(
@@ -382,7 +386,7 @@ def run_resumable(
     checkpoint_dir: str | Path,
     scheduler: SchedulerSettings = SchedulerSettings(),
     rows: list[int] | None = None,
-    reuse_from: list[Path] = (),
+    reuse_from: list[Path | pa.Table] = (),
     progress_sink: Callable[[str], None] | None = None,
     checkpoint_every_rows: int = 256,
     checkpoint_every_s: float = 10.0,
@@ -399,13 +403,16 @@ def run_resumable(
     started_at = time.perf_counter() if started_at is None else started_at
     start_engine = start_engine or open_engine
     rows = [int(r) for r in prepared.order] if rows is None else list(rows)
-    answer_settings = engine_settings.for_platform(current_platform())
-    fingerprints = row_fingerprints(prepared, settings_fingerprint(answer_settings, sampling))
+    settings_fp = settings_fingerprint(engine_settings.for_platform(current_platform()), sampling)
+    fingerprints = row_fingerprints(prepared, settings_fp)
     checkpoint = Checkpoint(checkpoint_dir, prepared.id_type, every_rows=checkpoint_every_rows, every_s=checkpoint_every_s)
-    reused = checkpoint.load({prepared.ids[r]: fingerprints[r] for r in rows}, also=list(reuse_from))
+    reused = checkpoint.load({prepared.ids[r]: fingerprints[r] for r in rows}, also=list(reuse_from),
+                             settings_fp=settings_fp)
     todo = [r for r in rows if prepared.ids[r] not in reused]
+    why = "; ".join(f"{n} {reason}" for reason, n in checkpoint.not_reused.most_common())
     (progress_sink or log.info)(
-        f"reusing {len(reused)} of {len(rows)} rows ({checkpoint.describe_reuse()}); {len(todo)} to run")
+        f"reusing {len(reused)} of {len(rows)} rows ({checkpoint.describe_reuse()}); {len(todo)} to run"
+        + (f" ({why})" if why else ""))
     results = list(reused.values())
     needs_engine = any(r not in prepared.errors for r in todo)
     starting = time.perf_counter()
@@ -415,7 +422,8 @@ def run_resumable(
     checkpoint.restart_timer()  # a kill early in the run keeps what finished after start-up
     try:
         run = BatchRun(prepared, engine, sampling, scheduler, rows=todo, progress_sink=progress_sink,
-                       row_fingerprints=fingerprints, started_at=started_at, display=display)
+                       row_fingerprints=fingerprints, started_at=started_at, display=display,
+                       settings_fingerprint=settings_fp)
         for result in run:
             checkpoint.add(result)
             results.append(result)
@@ -428,4 +436,4 @@ def run_resumable(
     run.stats.reused_rows = len(reused)
     run.stats.engine_start_s = engine_start_s if engine is not None else 0.0
     run.stats.engine_stop_s = engine_stop_s
-    return RunOutcome(results, run.stats, info)
+    return RunOutcome(results, run.stats, info, dict(checkpoint.not_reused))

