@@ -10,6 +10,7 @@ from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import plan_metadata
 from batchllm_dagster.partitions import shard_key, sync_partitions
 from batchllm_dagster.warehouse import replace_table
+from engine.response_format import check_room_for_answers
 from engine.runner import plan_tokenized
 from engine.shards import assign_shards
 from engine.token_cache import CONTENT_KEY, TokenCache
@@ -77,10 +78,15 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         settings = config.engine_settings()
         # Lengths and block hashes come from the cache; only new or changed rows are tokenized. The
         # rows' text is not read here otherwise: the plan needs hashes, max_tokens and formats.
+        tokenizer = LazyTokenizer(settings.model_path)
+        try:  # every answer would be cut off: refused before any work
+            check_room_for_answers(config.sampling.response_format, config.sampling.max_tokens, tokenizer)
+        except ValueError as exc:
+            raise dg.Failure(f"{config.name}: {exc}") from None
         cache = TokenCache(config.token_cache_dir, tokenizer_fingerprint(settings.model_path))
         snapshot = config.prompts_path
         meta = read_parquet(snapshot, "prompt snapshot", columns=snapshot_columns(snapshot, columns))
-        rows = cache.rows_for(snapshot, LazyTokenizer(settings.model_path), columns.prompt, columns.messages,
+        rows = cache.rows_for(snapshot, tokenizer, columns.prompt, columns.messages,
                               settings.block_size, progress=context.log.info)
         prepared = plan_tokenized(meta, rows, settings, config.sampling, columns, config.scheduler)
         plan = prepared.plan

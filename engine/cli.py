@@ -47,12 +47,15 @@ def _settings(args) -> tuple[EngineSettings, SamplingSettings, Columns]:
 
 
 def _prepare(args):
+    from .response_format import check_room_for_answers
     from .runner import prepare_batch
     from .tokenizing import load_tokenizer
 
     engine, sampling, columns = _settings(args)
+    tokenizer = load_tokenizer(engine.model_path)
+    check_room_for_answers(sampling.response_format, sampling.max_tokens, tokenizer)  # before any work
     table = load_prompts(args.prompts, args.database, columns)
-    prepared = prepare_batch(table, load_tokenizer(engine.model_path), engine, sampling, columns)
+    prepared = prepare_batch(table, tokenizer, engine, sampling, columns)
     return engine, sampling, table, prepared
 
 

@@ -31,7 +31,7 @@ from .plan import PrefixPlan, plan_blocks
 from .progress import Display, Progress
 from .results import EngineInfo, RowResult, RunStats
 from .scheduler import GroupScheduler, InOrderScheduler, groups_in_run_order
-from .response_format import ResponseFormat
+from .response_format import ResponseFormat, cut_off_reason
 from .settings import EngineSettings, RunMode, SamplingSettings, SchedulerSettings
 from .token_cache import CachedRows
 from .tokenizing import TokenizedBatch, tokenize_rows
@@ -333,14 +333,22 @@ class BatchRun:
             if isinstance(item, Rejected):
                 yield self._error(item.row, item.reason)
                 continue
+            row = item.submission.index
             stats.rows += 1
-            stats.ok_rows += 1
             stats.prompt_tokens += item.prompt_tokens
             stats.cached_tokens += item.cached_tokens
             stats.output_tokens += len(item.token_ids)
             stats.wall_s = time.perf_counter() - started
+            # A constrained answer that ran out of max_tokens with its format still open is not an
+            # answer: stored as an error row (its text kept to look at), never as ok.
+            cut = cut_off_reason(prepared.response_formats.get(row, self.sampling.response_format), item.text,
+                                 item.finish_reason, int(prepared.max_tokens[row]))
+            if cut:
+                stats.error_rows += 1
+            else:
+                stats.ok_rows += 1
             yield self._result(
-                item.submission.index, status="ok", text=item.text, prompt_tokens=item.prompt_tokens,
+                row, status="error" if cut else "ok", text=item.text, error=cut, prompt_tokens=item.prompt_tokens,
                 cached_tokens=item.cached_tokens, output_tokens=len(item.token_ids),
                 finish_reason=item.finish_reason,
             )

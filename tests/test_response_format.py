@@ -83,3 +83,46 @@ def test_a_component_with_an_invalid_schema_fails_to_load_with_the_reason():
     ok = BatchJobComponent.resolve_from_yaml(
         "name: x\ndataset: {sql: select 1, database: d.duckdb}\nsampling: {response_format: {choice: [\"yes\", \"no\"]}}\n")
     assert ok.sampling.response_format == ResponseFormat(choice=["yes", "no"])
+
+
+CARS = ResponseFormat(choice=["family", "commuter", "enthusiast"])
+
+
+def test_a_max_tokens_that_cannot_hold_the_longest_choice_is_refused_naming_what_it_needs(tiny_model, tmp_path):
+    from engine.response_format import check_room_for_answers
+
+    tokenizer = load_tokenizer(tiny_model)
+    needed = CARS.tokens_needed(tokenizer)
+    assert needed == max(len(tokenizer.encode(c, add_special_tokens=False)) for c in CARS.choice) + 1 > 2
+    with pytest.raises(ValueError, match=f"needs {needed} tokens.*at least {needed}"):
+        check_room_for_answers(CARS, needed - 1, tokenizer)
+    check_room_for_answers(CARS, needed, tokenizer)
+    check_room_for_answers(PERSON, 1, tokenizer)  # a schema's shortest answer is not computed: cut-offs are caught after
+
+    # A job declared so is refused when its definitions load.
+    from assets import build_batch_defs
+    from batchllm_dagster import BatchJobConfig, DatasetSpec
+
+    job = BatchJobConfig(name="cars", dataset=DatasetSpec(parquet=str(tmp_path / "cars.parquet")),
+                         llm=EngineSettings(model_path=tiny_model),
+                         sampling=SamplingSettings(max_tokens=needed - 1, response_format=CARS),
+                         output_database=str(tmp_path / "o.duckdb"), storage_dir=str(tmp_path / "jobs"))
+    with pytest.raises(ValueError, match=f"batch job 'cars': max_tokens {needed - 1} cannot hold"):
+        build_batch_defs(job)
+    build_batch_defs(job.model_copy(update={"sampling": SamplingSettings(max_tokens=needed, response_format=CARS)}))
+
+
+def test_a_constrained_answer_cut_off_at_max_tokens_is_an_error_row_never_ok(tiny_model):
+    # The fake engine stops every row at max_tokens with a text that follows no format: a
+    # constrained row's answer is then cut off (an error row, text kept); an unconstrained one is ok.
+    table = pa.table({"id": ["a", "b", "c"], "prompt": ["Car 1:", "Car 2:", "Car 3:"],
+                      "response_format": [CARS.to_text(), None, PERSON.to_text()]})
+    sampling = SamplingSettings(max_tokens=3)
+    prepared = prepare_batch(table, load_tokenizer(tiny_model), EngineSettings(model_path=tiny_model, block_size=8), sampling)
+    run = BatchRun(prepared, FakeEngine(num_blocks=64, block_size=8), sampling, SchedulerSettings(log_every_s=60))
+    results = {r.id: r for r in run}
+    assert results["b"].status == "ok"
+    for row_id in ("a", "c"):
+        assert results[row_id].status == "error" and results[row_id].text
+        assert results[row_id].error.startswith("cut off at max_tokens (3) before the answer was complete")
+    assert (run.stats.ok_rows, run.stats.error_rows) == (1, 2)
