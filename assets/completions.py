@@ -12,6 +12,7 @@ from dataclasses import asdict
 
 import dagster as dg
 import pyarrow as pa
+import pyarrow.compute as pc
 from dagster_duckdb import DuckDBResource
 
 from batchllm_dagster.checks import partition_check_results, partition_check_specs
@@ -24,24 +25,45 @@ from engine.results import results_to_table
 from engine.runner import PreparedBatch, RunOutcome, run_resumable
 from engine.settings import EngineSettings, SamplingSettings
 
-from .snapshots import with_token_ids, plan_stamp, read_parquet, stage_parquet, stale_plan_reasons
+from engine.token_cache import TokenCache
+
+from .snapshots import PLAN_RUN_TAG, plan_run_of, plan_stamp, read_parquet, stage_parquet, stale_plan_reasons, with_token_ids
 
 
-def shard_plan(config: BatchJobConfig, partition_key: str, settings: EngineSettings) -> pa.Table:
-    """The shard's rows of the plan, refused if the plan no longer holds."""
-    plan = read_parquet(config.plan_path, "plan", filters=[("partition_key", "=", partition_key)])
-    if plan.num_rows == 0:
-        raise dg.Failure(
-            f"partition {partition_key!r} is not in the current plan of {config.name!r}: "
-            "rematerialize prefix_groups and run the partitions it lists"
-        )
-    stale = stale_plan_reasons(plan.schema.metadata, plan_stamp(config, settings))
-    if stale:
-        raise dg.Failure(
-            f"the plan of {config.name!r} is stale: {', '.join(stale)} changed since prefix_groups was "
-            f"materialized; rematerialize {config.name}/prefix_groups, then run its partitions"
-        )
-    return with_token_ids(plan)
+def shard_plan(config: BatchJobConfig, partition_key: str, settings: EngineSettings, queued_for: str | None) -> pa.Table:
+    """The shard's rows of the plan with their token ids, refused if the plan no longer holds.
+    ``queued_for``: the plan run whose shards this run was queued for (the shard sensor's tag).
+    The plan is read and its entries mapped under the token cache's reader lock: a plan made
+    meanwhile never compacts them away under this run."""
+    with TokenCache.reading(config.token_cache_dir):
+        plan = read_parquet(config.plan_path, "plan", filters=[("partition_key", "=", partition_key)])
+        if plan.num_rows == 0:
+            planned_by = plan_run_of(config.plan_path)
+            if queued_for and planned_by != queued_for:
+                raise dg.Failure(
+                    f"the plan changed since this run was queued: partition {partition_key!r} is not in the "
+                    f"current plan of {config.name!r} (made by run {planned_by}); the new plan's shards are queued "
+                    f"by the {config.name}_run_shards sensor")
+            raise dg.Failure(
+                f"partition {partition_key!r} is not in the current plan of {config.name!r}: "
+                "rematerialize prefix_groups and run the partitions it lists"
+            )
+        stale = stale_plan_reasons(plan.schema.metadata, plan_stamp(config, settings))
+        if stale:
+            raise dg.Failure(
+                f"the plan of {config.name!r} is stale: {', '.join(stale)} changed since prefix_groups was "
+                f"materialized; rematerialize {config.name}/prefix_groups, then run its partitions"
+            )
+        return with_token_ids(plan)
+
+
+def live_rows(config: BatchJobConfig, table: pa.Table) -> pa.Table:
+    """The rows whose ids the plan on disk still has: a plan made while this shard ran may have
+    dropped ids deleted at the source, whose answers must not come back."""
+    if config.keep_deleted_answers:
+        return table
+    live = read_parquet(config.plan_path, "plan", columns=["id"]).column("id")
+    return table.filter(pc.is_in(table.column("id"), value_set=live))
 
 
 def run_shard_locally(config, key, prepared, settings, sampling, checkpoint, llm, warehouse, log, started_at) -> RunOutcome:
@@ -83,6 +105,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
             "under the job's completions/ folder); a partition per shard."
         ),
         kinds={"vllm", "duckdb"},
+        code_version=config.completions_code_version(),
         check_specs=partition_check_specs(config),
         op_tags={"batchllm/output_table": config.output_table},
         required_resource_keys={"llm", config.warehouse_key},
@@ -93,7 +116,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         warehouse: DuckDBResource = getattr(context.resources, config.warehouse_key)
         key = context.partition_key
         settings = config.engine_settings()
-        plan_rows = shard_plan(config, key, settings)
+        plan_rows = shard_plan(config, key, settings, context.run.tags.get(PLAN_RUN_TAG))
         prepared = PreparedBatch.from_table(plan_rows)
         shard = int(plan_rows["shard"][0].as_py())
         hardware_partition = config.hardware_of_shard(shard).name
@@ -119,6 +142,11 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
             .append_column("model", pa.array([config.llm.model_path] * n, pa.string()))
             .append_column("completed_at", pa.array([dt.datetime.now(dt.timezone.utc)] * n, pa.timestamp("us", tz="UTC")))
         )
+        live = live_rows(config, table)
+        if live.num_rows < table.num_rows:
+            context.log.warning(f"{table.num_rows - live.num_rows} rows were deleted at the source while this shard "
+                                "ran (a newer plan no longer has them): their answers are not written")
+            table = live
         # Parquet staged, DuckDB committed, then Parquet renamed into place: a failure at any point
         # (a DuckDB lock timeout, say) leaves both as they were and keeps the checkpoint for the rerun.
         parquet = config.completions_parquet_path(key)

@@ -4,7 +4,7 @@ import dagster as dg
 from dagster_duckdb import DuckDBResource
 
 from batchllm_dagster.checks import build_table_checks
-from batchllm_dagster.config import BatchJobConfig
+from batchllm_dagster.config import PLAN_TAG, BatchJobConfig
 from batchllm_dagster.partitions import hardware_of_key, shard_partitions
 from batchllm_dagster.resources import DEFAULT_LLM
 from engine.models import prepared_model_dir
@@ -12,6 +12,7 @@ from engine.response_format import check_room_for_answers
 from engine.tokenizing import load_tokenizer
 
 from .completions import build_completions
+from .snapshots import PLAN_RUN_TAG
 from .prefix_groups import build_prefix_groups
 from .prompts import build_prompts, source_version
 
@@ -36,19 +37,22 @@ def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
     prefix_groups = build_prefix_groups(config, partitions)
     completions = build_completions(config, partitions)
 
+    # One plan at a time per job: the schedule, the source sensor and a hand-launched run all queue
+    # behind this tag (dagster.yaml limits each of its values to one run; prefix_groups' op pool
+    # covers a UI materialization outside the job).
     plan_job = dg.define_asset_job(
         f"{config.name}_plan",
         selection=dg.AssetSelection.assets(prompts, prefix_groups),
         description="Snapshot the prompts and plan the shards; the shard sensor then runs every shard.",
+        tags={PLAN_TAG: config.name},
     )
     # One job per hardware partition: its runs carry the hardware's tags (placement, run pool), in
     # the sensor's runs and in a backfill of that job from the UI alike. A shard's run checks its
-    # shard; the whole-table check would fail in every run but the last, so it is left out.
+    # shard; the whole-table check evaluates in the run of the shard that lands last.
     table_checks = build_table_checks(config)
-    one_shard = dg.AssetSelection.assets(completions) - dg.AssetSelection.checks(*table_checks)
     shards_jobs = {
         hardware.name: dg.define_asset_job(
-            config.shards_job_name(hardware), selection=one_shard, tags=hardware.tags(),
+            config.shards_job_name(hardware), selection=dg.AssetSelection.assets(completions), tags=hardware.tags(),
             description=f"Run shards bound to hardware partition {hardware.name!r} (backfill its partitions here).")
         for hardware in config.hardware
     }
@@ -63,7 +67,8 @@ def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
     def run_shards(context: dg.SensorEvaluationContext, asset_event: dg.EventLogEntry):
         return [
             dg.RunRequest(run_key=f"{asset_event.run_id}:{key}", partition_key=key,
-                          job_name=shards_jobs[hardware_of_key(config, key).name].name)
+                          job_name=shards_jobs[hardware_of_key(config, key).name].name,
+                          tags={PLAN_RUN_TAG: asset_event.run_id})  # a superseded plan's run says so
             for key in context.instance.get_dynamic_partitions(config.partitions_name)
         ]
 

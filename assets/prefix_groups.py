@@ -1,5 +1,7 @@
 """``prefix_groups``: the global prefix plan of the batch, cut into shards (the partitions)."""
 
+import shutil
+
 import dagster as dg
 import numpy as np
 import pyarrow as pa
@@ -9,14 +11,16 @@ import pyarrow.parquet as pq
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import plan_metadata
 from batchllm_dagster.partitions import shard_key, sync_partitions
-from batchllm_dagster.warehouse import replace_table
+from batchllm_dagster.warehouse import remove_answers_not_in, replace_table
 from engine.response_format import check_room_for_answers
 from engine.runner import plan_tokenized
+from engine.settings import fingerprint
 from engine.shards import assign_shards
 from engine.token_cache import CONTENT_KEY, TokenCache
 from engine.tokenizing import LazyTokenizer, tokenizer_fingerprint
 
-from .snapshots import plan_naming_token_cache, plan_stamp, read_parquet, snapshot_columns, write_parquet
+from .snapshots import (PLAN_RUN, plan_content_keys, plan_naming_token_cache, plan_stamp, read_parquet,
+                        snapshot_columns, write_parquet)
 
 
 def groups_table(prepared, shards, keys: list[str], config: BatchJobConfig) -> pa.Table:
@@ -64,6 +68,22 @@ def previous_shards(plan_path, ids: pa.ChunkedArray) -> np.ndarray | None:
     return pc.fill_null(pc.take(last.column("shard"), position), -1).to_numpy()
 
 
+def remove_deleted_answers(config: BatchJobConfig, warehouse, ids: pa.ChunkedArray, keys: list[str]) -> int:
+    """The output keeps only rows the plan has: answers of deleted ids leave the DuckDB table, and a
+    removed partition's Parquet file and checkpoint go (a kept partition key has the same ids, so
+    its file holds no deleted id; the live rows of a removed one stay in DuckDB for their new shard
+    to reuse). Returns the answers removed from the table."""
+    removed = remove_answers_not_in(warehouse, config.output_table, ids.combine_chunks())
+    live = set(keys)
+    for path in config.completions_dir.glob("*.parquet"):
+        if path.stem not in live:
+            path.unlink(missing_ok=True)
+    for folder in config.checkpoints_dir.glob("*"):
+        if folder.name not in live:
+            shutil.rmtree(folder, ignore_errors=True)
+    return removed
+
+
 def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitionsDefinition) -> dg.AssetsDefinition:
     @dg.asset(
         key=[config.name, "prefix_groups"],
@@ -72,6 +92,8 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         description="Prefix groups found over the whole batch, and the shard (partition) each belongs to.",
         kinds={"duckdb"},
         required_resource_keys={config.warehouse_key},
+        pool=config.plan_pool,  # one plan step of this job at a time, also outside its plan job
+        code_version=config.plan_code_version(),
     )
     def prefix_groups(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         columns = config.dataset.columns
@@ -86,8 +108,8 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         cache = TokenCache(config.token_cache_dir, tokenizer_fingerprint(settings.model_path))
         snapshot = config.prompts_path
         meta = read_parquet(snapshot, "prompt snapshot", columns=snapshot_columns(snapshot, columns))
-        rows = cache.rows_for(snapshot, tokenizer, columns.prompt, columns.messages,
-                              settings.block_size, progress=context.log.info)
+        rows = cache.rows_for(snapshot, tokenizer, columns.prompt, columns.messages, settings.block_size,
+                              progress=context.log.info, still_needed=lambda: plan_content_keys(config.plan_path))
         prepared = plan_tokenized(meta, rows, settings, config.sampling, columns, config.scheduler)
         plan = prepared.plan
         shard_count = config.shard_count(plan.num_rows)
@@ -105,20 +127,25 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
             .append_column("shard", pa.array(shards.shard_of_row, pa.int64()))
             .append_column("partition_key", pa.array([keys[s] for s in shards.shard_of_row], pa.string()))
         )
-        plan_table = plan_table.replace_schema_metadata({**plan_table.schema.metadata, **plan_stamp(config, settings)})
+        stamp = plan_stamp(config, settings)
+        plan_table = plan_table.replace_schema_metadata({**plan_table.schema.metadata, **stamp, PLAN_RUN: context.run_id})
         write_parquet(plan_table, config.plan_path)
         plan_bytes = config.plan_path.stat().st_size
         groups = groups_table(prepared, shards, keys, config)
         replace_table(getattr(context.resources, config.warehouse_key), f"{config.output_table}_prefix_groups", groups)
         added, removed = sync_partitions(context.instance, config.partitions_name, used)
+        removed_answers = 0 if config.keep_deleted_answers else remove_deleted_answers(
+            config, getattr(context.resources, config.warehouse_key), meta.column(columns.id), used)
         context.log.info(f"{plan.num_groups} groups in {len(used)} shards; partitions added {added}, removed {removed}; "
                          f"plan {plan_bytes} bytes ({plan_bytes / max(plan.prompt_tokens, 1):.2f} per prompt token)")
         shard_rows = {keys[s]: len(ids) for s, ids in enumerate(ids_by_shard) if ids}
-        return dg.MaterializeResult(metadata={
+        # The plan's data version is what it was made from (model, snapshot, settings) and its shards.
+        return dg.MaterializeResult(data_version=dg.DataVersion(fingerprint(stamp, sorted(used))), metadata={
             **plan_metadata(plan, len(prepared.errors), prepared.tokenize_s),
             "token_cache_rows": rows.cached_rows,  # rows whose token ids were cached
             "tokenized_rows": rows.tokenized_rows,  # distinct new or changed contents tokenized now
             "plan_s": float(round(prepared.plan_s, 4)),
+            "removed_answers": removed_answers,  # answers of rows deleted at the source, removed now
             "plan_bytes": plan_bytes,
             "plan_bytes_per_prompt_token": float(round(plan_bytes / max(plan.prompt_tokens, 1), 3)),
             "shards": len(used),

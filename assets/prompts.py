@@ -14,7 +14,7 @@ from batchllm_dagster.metadata import table_preview
 from engine.dataset import check_unique_ids, read_sql, single_query, source_sql, stream_sql, validate
 from engine.token_cache import CONTENT_KEY, KEY_TYPE, content_keys
 
-from .snapshots import SNAPSHOT_DIGEST
+from .snapshots import SNAPSHOT_DIGEST, snapshot_digest
 
 
 
@@ -89,12 +89,14 @@ def build_prompts(config: BatchJobConfig) -> dg.AssetsDefinition:
         group_name=config.name,
         description=f"Prompt rows of batch job {config.name!r} ({config.dataset.describe()}), snapshotted to Parquet.",
         kinds={"duckdb", "parquet"},
+        code_version=config.prompts_code_version(),
     )
     def prompts(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         path, spec = config.prompts_path, config.dataset
         rows, preview = snapshot_dataset(config, path)
         context.log.info(f"{rows} prompt rows from {spec.describe()} -> {path}")
         return dg.MaterializeResult(
+            data_version=dg.DataVersion(snapshot_digest(path)),  # the rows, not the run: unchanged rows keep it
             metadata={
                 "dagster/row_count": rows,
                 "source": spec.describe(),

@@ -23,6 +23,23 @@ from engine.tokenizing import model_fingerprint
 
 
 PLAN_TOKEN_CACHE = "batchllm.token_cache"  # Parquet metadata of a plan: the token cache folder its keys point into
+PLAN_RUN = "batchllm.plan_run"  # Parquet metadata of a plan: the Dagster run that made it
+PLAN_RUN_TAG = "batchllm/plan_run"  # tag of a shard's run: the plan run whose shards it was queued for
+
+
+def plan_run_of(plan_path: Path) -> str | None:
+    """The run that made the plan on disk (None: no plan, or one made before runs were recorded)."""
+    if not plan_path.exists():
+        return None
+    value = (pq.ParquetFile(plan_path).schema_arrow.metadata or {}).get(PLAN_RUN.encode())
+    return value.decode() if value else None
+
+
+def plan_content_keys(plan_path: Path) -> pa.Array | None:
+    """The content keys the plan on disk names in the token cache (its partitions may be running)."""
+    if not plan_path.exists() or CONTENT_KEY not in pq.ParquetFile(plan_path).schema_arrow.names:
+        return None
+    return pq.read_table(plan_path, columns=[CONTENT_KEY]).column(CONTENT_KEY).combine_chunks()
 
 
 def plan_naming_token_cache(plan: pa.Table, content_keys: pa.ChunkedArray, token_cache_folder: Path) -> pa.Table:

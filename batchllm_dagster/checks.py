@@ -6,7 +6,8 @@ Per partition (evaluated by the completions step itself, so backfills run them t
 * ``prefix_saving``: saved prompt tokens / the plan's ideal is above a floor (a warning);
 * ``answers_follow_response_format``: every ok answer of a constrained row (the job's
   ``sampling.response_format`` or the row's own) parses and follows it (JSON schema, choice, regex).
-For the whole table: ``all_prompts_answered`` (missing, duplicated and orphaned ids).
+For the whole table: ``all_prompts_answered`` (missing, duplicated and orphaned ids), evaluated
+once every shard of the current plan has landed.
 """
 
 from __future__ import annotations
@@ -96,17 +97,51 @@ def _ids_table(ids: list):
     return pa.table({"id": ids})
 
 
+def shards_outstanding(instance: dg.DagsterInstance, config: BatchJobConfig) -> list[str]:
+    """Partitions of the current plan not materialized since the plan was made (the shard sensor
+    runs every one of them after each plan)."""
+    plan = instance.fetch_materializations(dg.AssetKey([config.name, "prefix_groups"]), limit=1).records
+    current = instance.get_dynamic_partitions(config.partitions_name)
+    if not plan:
+        return list(current)
+    landed, cursor = set(), None
+    while True:
+        page = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey([config.name, "completions"]),
+                                  after_storage_id=plan[0].storage_id), limit=1000, cursor=cursor)
+        landed.update(r.partition_key for r in page.records)
+        if not page.has_more:
+            break
+        cursor = page.cursor
+    return [key for key in current if key not in landed]
+
+
 def build_table_checks(config: BatchJobConfig) -> list[dg.AssetChecksDefinition]:
+    """``all_prompts_answered`` runs with every run that materializes a shard (a sensor's, a
+    backfill's, one launched from the UI or ``dg launch``) and evaluates only in the run of the
+    shard that lands last, once the whole plan is answered: it is skipped, not failed, while shards
+    are outstanding, so a healthy night has no red check. Selected alone, it always evaluates."""
     key = dg.AssetKey([config.name, "completions"])
     table = quote_identifier(config.output_table)
 
-    @dg.asset_check(asset=key, name="all_prompts_answered", blocking=False,
-                    description="Every prompt row of the snapshot has exactly one completion; none is orphaned.",
-                    required_resource_keys={config.warehouse_key})
-    def all_prompts_answered(context) -> dg.AssetCheckResult:
+    @dg.multi_asset_check(
+        specs=[dg.AssetCheckSpec("all_prompts_answered", asset=key, blocking=False,
+                                 description="Every prompt row of the snapshot has exactly one completion; none is "
+                                 "orphaned. Evaluated once every shard of the current plan has landed.")],
+        can_subset=True, name=f"{config.name}_all_prompts_answered",
+        required_resource_keys={config.warehouse_key})
+    def all_prompts_answered(context):
+        if key in (context.run.asset_selection or ()):
+            outstanding = shards_outstanding(context.instance, config)
+            if outstanding:
+                context.log.info(f"all_prompts_answered is evaluated when the last shard lands: "
+                                 f"{len(outstanding)} shards of the current plan are outstanding")
+                return
         with getattr(context.resources, config.warehouse_key).get_connection() as con:
             if not table_exists(con, config.output_table):
-                return dg.AssetCheckResult(passed=False, metadata={"reason": "no completions table yet"})
+                yield dg.AssetCheckResult(check_name="all_prompts_answered", asset_key=key, passed=False,
+                                          metadata={"reason": "no completions table yet"})
+                return
             missing, duplicated, orphaned = con.execute(
                 f"""
                 WITH prompts AS (SELECT {quote_identifier(config.dataset.id_column)}::VARCHAR AS id FROM read_parquet(?)),
@@ -117,8 +152,10 @@ def build_table_checks(config: BatchJobConfig) -> list[dg.AssetChecksDefinition]
                 """,
                 [str(config.prompts_path)],
             ).fetchall()[0]
-        return dg.AssetCheckResult(
-            passed=missing == 0 and duplicated == 0 and orphaned == 0,
+        # With keep_deleted_answers the answers of deleted rows are history, kept on purpose.
+        yield dg.AssetCheckResult(
+            check_name="all_prompts_answered", asset_key=key,
+            passed=missing == 0 and duplicated == 0 and (orphaned == 0 or config.keep_deleted_answers),
             metadata={"missing": int(missing), "duplicated": int(duplicated), "orphaned": int(orphaned)},
         )
 

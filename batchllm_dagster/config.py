@@ -13,10 +13,11 @@ from typing import Annotated
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from engine.dataset import Columns
-from engine.settings import EngineSettings, Policy, SamplingSettings, SchedulerSettings
+from engine.settings import EngineSettings, Policy, SamplingSettings, SchedulerSettings, fingerprint
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_PARTITIONS = 100_000  # Dagster's guidance: at most this many partitions per asset
+PLAN_TAG = "batchllm/plan"  # runs that plan a job carry its name; dagster.yaml runs one per value at a time
 
 
 class Backend(Policy):
@@ -133,6 +134,9 @@ class JobSpec(BaseModel):
     pool: Annotated[str | None, *described(
         "Dagster pool of the inference steps (default: the hardware partition's pool when the job has one, "
         "none when several: their runs queue per hardware pool instead); dagster.yaml limits each to one")] = None
+    keep_deleted_answers: Annotated[bool, *described(
+        "keep the answers of prompt rows deleted at the source (history); by default they leave the output "
+        "table and the shard Parquet files when the next plan no longer has their ids")] = False
     min_saving_vs_ideal: Annotated[float, *described("prefix_saving check warns below this share of the ideal")] = 0.9
     schedule: Annotated[str | None, *described("cron of the nightly run (None: no schedule)")] = "0 2 * * *"
 
@@ -190,6 +194,26 @@ class BatchJobConfig(JobSpec):
     def shards_job_name(self, hardware: HardwarePartition) -> str:
         return f"{self.name}_shards_{hardware.slug}"
 
+    # Code versions: where each asset's settings live, so that Dagster marks what is downstream of a
+    # changed setting stale in the UI (with the data versions prompts and prefix_groups report).
+    def prompts_code_version(self) -> str:
+        sql_file = Path(self.dataset.sql_file) if self.dataset.sql_file else None
+        sql_text = sql_file.read_text() if sql_file is not None and sql_file.is_file() else None
+        return fingerprint(self.dataset, sql_text)
+
+    def plan_code_version(self) -> str:
+        return fingerprint(self.llm, self.sampling.max_tokens, self.sampling.response_format, self.scheduler.min_group_rows,
+                           self.shards, self.rows_per_shard, self.hardware)
+
+    def completions_code_version(self) -> str:
+        return fingerprint(self.llm, self.sampling, self.scheduler, self.backend, self.ray_replicas,
+                           self.keep_deleted_answers)
+
+    @property
+    def plan_pool(self) -> str:
+        """The op pool of ``prefix_groups``: one plan step of this job at a time, in any run."""
+        return f"batchllm_plan_{self.name}"
+
     @property
     def partitions_name(self) -> str:
         return f"{self.name}_shards"
@@ -212,11 +236,19 @@ class BatchJobConfig(JobSpec):
     def token_cache_dir(self) -> Path:
         return self.job_dir / "token_cache"
 
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.job_dir / "checkpoints"
+
+    @property
+    def completions_dir(self) -> Path:
+        return self.job_dir / "completions"
+
     def checkpoint_path(self, partition_key: str) -> Path:
-        return self.job_dir / "checkpoints" / partition_key
+        return self.checkpoints_dir / partition_key
 
     def completions_parquet_path(self, partition_key: str) -> Path:
-        return self.job_dir / "completions" / f"{partition_key}.parquet"
+        return self.completions_dir / f"{partition_key}.parquet"
 
     def engine_settings(self) -> EngineSettings:
         """``llm`` with its model (a built-in name or a path) resolved to a checkpoint directory."""

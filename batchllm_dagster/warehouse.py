@@ -67,3 +67,25 @@ def existing_rows(warehouse: DuckDBResource, table: str, ids: pa.Array):
         rows = con.sql(f"SELECT * FROM {quote_identifier(table)} WHERE id IN (SELECT id FROM wanted)").to_arrow_table()
         con.unregister("wanted")
         return rows
+
+
+def remove_answers_not_in(warehouse: DuckDBResource, table: str, live_ids: pa.Array) -> int:
+    """Delete the answers of ids that are no longer prompt rows (deleted at the source); returns
+    how many. One transaction: readers see the table before or after, never half of it."""
+    target = quote_identifier(table)
+    _ensure_folder(warehouse)
+    with warehouse.get_connection() as con:
+        if not table_exists(con, table):
+            return 0
+        con.register("live", pa.table({"id": live_ids}))
+        try:
+            con.execute("BEGIN TRANSACTION")
+            removed = con.execute(f"DELETE FROM {target} WHERE id NOT IN (SELECT id FROM live)").fetchall()[0][0]
+            con.execute("COMMIT")
+        except Exception:
+            con.execute("ROLLBACK")
+            raise
+        finally:
+            con.unregister("live")
+        return int(removed)
+

@@ -14,6 +14,8 @@ just its rows' ids from them.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -110,9 +112,35 @@ class CachedRows:
         return self.blocks
 
 
+@contextlib.contextmanager
+def _locked(path: Path, shared: bool):
+    """An advisory file lock (``flock``): shared for readers, exclusive for a writer; released when
+    the process dies, so a killed run never leaves the cache locked."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 class TokenCache:
+    """Safe for concurrent readers and writers: one writer at a time (``rows_for`` holds the
+    root's writer lock), and parts are deleted (compaction) only under the root's exclusive
+    reader lock, which ``reading()`` holds shared: a partition that has read its plan and maps its
+    entries under ``reading()`` never sees them disappear, and entries the plan on disk names are
+    kept by compaction."""
+
     def __init__(self, folder: str | Path, tokenizer_fingerprint: str):
-        self.folder = Path(folder) / tokenizer_fingerprint
+        self.root = Path(folder)
+        self.folder = self.root / tokenizer_fingerprint
+
+    @staticmethod
+    def reading(root: str | Path):
+        """Hold while reading a plan and mapping the entries it names in the cache under ``root``
+        (any tokenizer's): no part is deleted meanwhile."""
+        return _locked(Path(root) / ".readers.lock", shared=True)
 
     @classmethod
     def at(cls, folder: str | Path) -> "TokenCache":
@@ -176,16 +204,25 @@ class TokenCache:
         return rows
 
     def rows_for(self, snapshot: Path, tokenizer, prompt_column: str, messages_column: str, block_size: int,
-                 progress: Callable[[str], None] = log.info) -> CachedRows:
+                 progress: Callable[[str], None] = log.info,
+                 still_needed: Callable[[], pa.Array | None] = lambda: None) -> CachedRows:
         """Lengths and block hashes of every row of a prompt snapshot (written with a
         ``CONTENT_KEY`` column), in its order: cached rows are looked up, the others tokenized
         (and cached; ``progress`` hears how far that got). No token ids are read back: the plan
-        does not need them."""
+        does not need them. ``still_needed``: keys that compaction must keep besides the
+        snapshot's (those of the plan partitions may still be running), read under its lock."""
+        with _locked(self.root / ".writer.lock", shared=False):  # one writer at a time
+            return self._rows_for(snapshot, tokenizer, prompt_column, messages_column, block_size, progress,
+                                  still_needed)
+
+    def _rows_for(self, snapshot, tokenizer, prompt_column, messages_column, block_size, progress,
+                  still_needed) -> CachedRows:
         started = time.perf_counter()
         if CONTENT_KEY not in pq.ParquetFile(snapshot).schema_arrow.names:
             raise ValueError(f"the prompt snapshot {snapshot} has no {CONTENT_KEY} column (written by an older "
                              "version): materialize prompts again")
         keys = pq.read_table(snapshot, columns=[CONTENT_KEY]).column(CONTENT_KEY).combine_chunks()
+        loaded = self._parts()
         cache = self.load(block_size)
         found = pc.index_in(keys, value_set=cache.column("key"))
         cached_rows = len(keys) - found.null_count
@@ -199,6 +236,7 @@ class TokenCache:
                                      progress)
             while written := self._write(batches, f"part-{time.time_ns():020d}.arrow", block_size, _PART_ROWS):
                 tokenized += written
+            loaded = self._parts()
             cache = self.load(block_size)
         position = self._positions(keys, cache) if tokenized else found.to_numpy()  # nothing new: already found
         hashes, _ = _gather(cache.column("block_hashes"), position)
@@ -207,8 +245,8 @@ class TokenCache:
         errors = {} if error_column.null_count == len(error_column) else {
             i: e for i, e in enumerate(error_column.to_pylist()) if e is not None}
         stale = cache.num_rows - len(pc.unique(keys))
-        if len(self._parts()) > 1 and 2 * stale >= cache.num_rows:  # half of it rows the table no longer has
-            self._compact(cache, keys, block_size)
+        if len(loaded) > 1 and 2 * stale >= cache.num_rows:  # half of it rows the table no longer has
+            self._compact(cache, loaded, keys, block_size, still_needed)
         return CachedRows(RowBlocks(block_size, lengths, hashes), errors, time.perf_counter() - started,
                           cached_rows, tokenized)
 
@@ -249,9 +287,15 @@ class TokenCache:
                     progress(f"tokenized {len(seen):,} of {len(missing):,} new contents ({tokens:,} tokens, "
                              f"{tokens / max(elapsed, 1e-9):,.0f} tokens/s, eta {eta:.0f}s)")
 
-    def _compact(self, cache: pa.Table, keys: pa.Array, block_size: int) -> None:
-        old = self._parts()
-        kept = cache.filter(pc.is_in(cache.column("key"), value_set=keys))
-        self._write(kept.to_batches(), f"part-{time.time_ns():020d}.arrow", block_size)
-        for path in old:
-            path.unlink(missing_ok=True)
+    def _compact(self, cache: pa.Table, loaded: list[Path], keys: pa.Array, block_size: int,
+                 still_needed: Callable[[], pa.Array | None]) -> None:
+        """Rewrite the ``loaded`` parts (those ``cache`` was read from, never a part another writer
+        added since) as one, keeping the snapshot's entries and the ones still needed."""
+        with _locked(self.root / ".readers.lock", shared=False):
+            needed = still_needed()
+            if needed is not None and len(needed):
+                keys = pa.concat_arrays([keys, needed.cast(KEY_TYPE)])
+            kept = cache.filter(pc.is_in(cache.column("key"), value_set=keys))
+            self._write(kept.to_batches(), f"part-{time.time_ns():020d}.arrow", block_size)
+            for path in loaded:
+                path.unlink(missing_ok=True)
