@@ -128,7 +128,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
             .append_column("partition_key", pa.array([keys[s] for s in shards.shard_of_row], pa.string()))
         )
         stamp = plan_stamp(config, settings)
-        plan_table = plan_table.replace_schema_metadata({**plan_table.schema.metadata, **stamp, PLAN_RUN: context.run_id})
+        plan_table = plan_table.replace_schema_metadata({**plan_table.schema.metadata, **stamp, PLAN_RUN: context.run.run_id})
         write_parquet(plan_table, config.plan_path)
         plan_bytes = config.plan_path.stat().st_size
         groups = groups_table(prepared, shards, keys, config)

@@ -79,9 +79,26 @@ def test_inference_steps_share_one_pool_per_hardware_partition(tmp_path, monkeyp
     with dg.instance_for_test(temp_dir=str(home), overrides=yaml.safe_load((home / "dagster.yaml").read_text())) as instance:
         concurrency = instance.get_concurrency_config()
     assert concurrency.pool_config.default_pool_limit == 1
-    # Runs of a hardware partition's shards queue one at a time per batchllm/pool value.
-    assert concurrency.run_queue_config.tag_concurrency_limits == [
-        {"key": "batchllm/pool", "value": {"applyLimitPerUniqueValue": True}, "limit": 1}]
+    # Runs of a hardware partition's shards queue one at a time per batchllm/pool value, plan runs
+    # one at a time per job.
+    limits = concurrency.run_queue_config.tag_concurrency_limits
+    assert limits == [{"key": "batchllm/pool", "value": {"applyLimitPerUniqueValue": True}, "limit": 1},
+                      {"key": "batchllm/plan", "value": {"applyLimitPerUniqueValue": True}, "limit": 1}]
+
+    # The schedule's and the source sensor's runs of a plan job: the second waits for the first
+    # (Dagster's own counter of the run queue), a plan of another job does not.
+    from dagster._utils.tags import TagConcurrencyLimitsCounter
+
+    all_defs = defs()
+    reviews, support = (all_defs.resolve_job_def(f"{job}_plan") for job in ("reviews", "support"))
+    assert all_defs.resolve_schedule_def("reviews_nightly").job_name == "reviews_plan"
+    assert all_defs.resolve_sensor_def("reviews_source_changed").job_name == "reviews_plan"
+    scheduled = dg.DagsterRun(job_name=reviews.name, tags=dict(reviews.tags))
+    counter = TagConcurrencyLimitsCounter(limits, [scheduled])
+    assert counter.is_blocked(dg.DagsterRun(job_name=reviews.name, tags=dict(reviews.tags)))
+    assert not counter.is_blocked(dg.DagsterRun(job_name=support.name, tags=dict(support.tags)))
+    # A UI materialization of prefix_groups outside the job queues on its op pool instead.
+    assert graph.assets_def_for_key(dg.AssetKey(["reviews", "prefix_groups"])).op.pool == "batchllm_plan_reviews"
 
 
 @pytest.mark.parametrize("yaml_text, message", [

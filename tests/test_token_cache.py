@@ -194,3 +194,56 @@ def test_a_crash_while_tokenizing_keeps_the_parts_written_and_progress_is_report
     assert (rows_.cached_rows, rows_.tokenized_rows, counting.rows) == (kept, 40 - kept, 40 - kept)
     assert same_rows(rows_, tokenize_rows(load_tokenizer(tiny_model), prompts, [None] * 40))
     assert lines[-1].startswith(f"tokenized {40 - kept} of {40 - kept} new contents")
+
+
+def test_compaction_keeps_what_the_plan_on_disk_names_and_waits_for_readers(tmp_path, tiny_model):
+    """Two nights of edits: compaction drops entries the snapshot no longer has, except those the
+    plan on disk still names (its partitions may be queued), and never while a partition is
+    reading its entries (it holds the reader lock from reading its plan to mapping its ids)."""
+    import threading
+
+    path = tmp_path / "prompts.parquet"
+    cache = TokenCache(tmp_path / "cache", "fp1")
+    tokenizer = load_tokenizer(tiny_model)
+    first = snapshot(path, [f"night one row {i}" for i in range(10)], [None] * 10)[CONTENT_KEY].combine_chunks()
+    cache.rows_for(path, tokenizer, "prompt", "messages", BLOCK)
+    planned = first.slice(0, 4)  # the plan on disk: partitions of it may still run
+    snapshot(path, [f"night two row {i}" for i in range(10)], [None] * 10)
+
+    compacted = threading.Event()
+
+    def plan_again():
+        cache.rows_for(path, tokenizer, "prompt", "messages", BLOCK, still_needed=lambda: planned)
+        compacted.set()
+
+    with TokenCache.reading(tmp_path / "cache"):
+        worker = threading.Thread(target=plan_again)
+        worker.start()
+        assert not compacted.wait(1.0)  # compaction waits for the reading partition
+        tokens, _, _ = cache.lookup(planned)  # its entries are all there
+        assert tokens.size
+    worker.join(30)
+    assert compacted.is_set()
+    assert len(cache._parts()) == 1  # compacted
+    kept = cache.load().column("key").combine_chunks()
+    assert set(planned.to_pylist()) <= set(kept.to_pylist())  # the plan's entries survived
+    assert not set(first.slice(4).to_pylist()) & set(kept.to_pylist())  # the rest of night one's went
+    cache.lookup(planned)  # a queued partition of the previous plan still finds its rows
+
+
+def test_compaction_deletes_only_the_parts_it_read(tmp_path, tiny_model):
+    """A part another writer published after this one loaded the cache is never deleted under it."""
+    path = tmp_path / "prompts.parquet"
+    cache = TokenCache(tmp_path / "cache", "fp1")
+    keys = snapshot(path, [f"row {i}" for i in range(6)], [None] * 6)[CONTENT_KEY].combine_chunks()
+    cache.rows_for(path, load_tokenizer(tiny_model), "prompt", "messages", BLOCK)
+    loaded = cache._parts()
+    table = cache.load(BLOCK)
+    late = tmp_path / "late.parquet"
+    snapshot(late, ["a late row"], [None])
+    other = TokenCache(tmp_path / "cache", "fp1")
+    other.rows_for(late, load_tokenizer(tiny_model), "prompt", "messages", BLOCK)  # another writer's part
+    late_part = sorted(set(cache._parts()) - set(loaded))
+    assert late_part
+    cache._compact(table, loaded, keys, BLOCK, lambda: None)
+    assert all(p.exists() for p in late_part)

@@ -1,0 +1,161 @@
+"""Five unattended nights on real vLLM (tiny model) and Dagster: rows inserted, edited and deleted at
+the source, the model's weights replaced in place, the schedule and the source sensor firing at
+once. After every night: one answer per live id, each the current model's answer to the current
+prompt (equal to a run from scratch), no answer of a deleted id, every check green, no run failed."""
+
+import shutil
+
+import dagster as dg
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from assets import build_batch_defs
+from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings, SamplingSettings
+from dagster_project.demo import run_planned_shards
+from engine.checkpoint import NEW_ROW, ROW_CHANGED, SETTINGS_CHANGED
+from engine.models import build_tiny_model
+
+from .conftest import make_prompt_table
+
+pytestmark = pytest.mark.slow  # real vLLM
+
+
+@pytest.fixture
+def nightly(tmp_path, tiny_model):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    database = tmp_path / "warehouse.duckdb"
+    with duckdb.connect(str(database)) as con:
+        con.register("incoming", make_prompt_table())
+        con.execute("CREATE TABLE prompt_rows AS SELECT * FROM incoming")
+    return BatchJobConfig(
+        name="nightly",
+        dataset=DatasetSpec(table="prompt_rows", database=str(database)),
+        llm=EngineSettings(model_path=str(model), kv_cache_blocks=64),
+        sampling=SamplingSettings(max_tokens=6),
+        shards=2,
+        output_database=str(database),
+        output_table="answers",
+        storage_dir=str(tmp_path / "jobs"),
+    )
+
+
+def from_scratch(config: BatchJobConfig) -> dict:
+    """Every live row answered by a fresh engine: what each answer in the table must equal."""
+    from engine.runner import BatchRun, open_engine, prepare_batch
+    from engine.tokenizing import load_tokenizer
+
+    with duckdb.connect(config.dataset.database, read_only=True) as con:
+        table = con.sql("SELECT id, prompt, messages FROM prompt_rows").to_arrow_table()
+    settings = config.engine_settings()
+    prepared = prepare_batch(table, load_tokenizer(settings.model_path), settings, config.sampling)
+    engine = open_engine(settings, prepared)
+    try:
+        return {r.id: r.text for r in BatchRun(prepared, engine, config.sampling)}
+    finally:
+        engine.close()
+
+
+def night(defs, config, instance, sensor_cursor):
+    """The schedule and the source sensor fire at once; their plan runs queue one behind the other
+    (the plan job's tag, limited to one run in dagster.yaml) and run here in that order; then the
+    shard sensor's runs. Returns the runs and the source sensor's cursor."""
+    schedule = defs.resolve_schedule_def("nightly_nightly")
+    sensor = defs.resolve_sensor_def("nightly_source_changed")
+    scheduled = schedule.evaluate_tick(dg.build_schedule_context(instance=instance)).run_requests
+    changed = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, cursor=sensor_cursor))
+    plan_job = defs.resolve_job_def("nightly_plan")
+    assert plan_job.tags["batchllm/plan"] == "nightly"
+    plans = [plan_job.execute_in_process(instance=instance, tags=request.tags)
+             for request in [*scheduled, *changed.run_requests]]
+    assert plans and all(p.success for p in plans)
+    shards = run_planned_shards(instance, defs, "nightly")  # asserts every shard run succeeded
+    return plans, shards, changed.cursor or sensor_cursor
+
+
+def check_the_night(config, plans, shards, expected: dict) -> dict:
+    with duckdb.connect(config.output_database, read_only=True) as con:
+        answers = con.execute("SELECT id, text, status FROM answers").fetchall()
+    ids = [a[0] for a in answers]
+    assert len(ids) == len(set(ids)), "one row per id"
+    assert set(ids) == set(expected), "every live id answered, no deleted id"
+    assert all(status == "ok" for _, _, status in answers)
+    assert {row_id: text for row_id, text, _ in answers} == expected, "the current model's answer to the current prompt"
+    files = [pq.read_table(p, columns=["id"]) for p in sorted(config.completions_dir.glob("*.parquet"))]
+    parquet_ids = pa.concat_tables(files).column("id").to_pylist()
+    assert sorted(parquet_ids) == sorted(expected), "the shard Parquet files hold the same rows"
+    evaluations = [e for run in [*plans, *shards] for e in run.get_asset_check_evaluations()]
+    assert evaluations and all(e.passed for e in evaluations), [e for e in evaluations if not e.passed]
+    assert [e.check_name for e in evaluations].count("all_prompts_answered") == 1
+    reasons: dict = {}
+    for run in shards:
+        (materialization,) = run.asset_materializations_for_node("nightly__completions")
+        for reason, n in materialization.metadata["not_reused_rows"].value.items():
+            reasons[reason] = reasons.get(reason, 0) + n
+    return reasons
+
+
+def test_five_nights_never_a_stale_answer_an_orphan_or_a_red_check(nightly, tmp_path):
+    config = nightly
+    source = config.dataset.database
+    defs = build_batch_defs(config)
+    counts = []
+    with dg.instance_for_test() as instance:
+        cursor = None
+        for n in range(1, 6):
+            with duckdb.connect(source) as con:
+                if n == 2:  # inserts, edits, deletes
+                    con.execute("INSERT INTO prompt_rows SELECT 'new-' || id, prompt || ' Again?', messages "
+                                "FROM prompt_rows WHERE id LIKE 'doc1-%'")
+                    con.execute("UPDATE prompt_rows SET prompt = prompt || ' (edited)' WHERE id IN ('doc0-q0', 'doc2-q1')")
+                    con.execute("DELETE FROM prompt_rows WHERE id IN ('doc3-q0', 'doc3-q1', 'chat2')")
+                if n == 4:  # a whole document goes, one more edit
+                    con.execute("DELETE FROM prompt_rows WHERE id LIKE 'doc4-%'")
+                    con.execute("UPDATE prompt_rows SET prompt = prompt || ' (again)' WHERE id = 'new-doc1-q2'")
+            if n in (3, 5):  # the model's weights re-exported to the same folder (a nightly fine-tune)
+                other = build_tiny_model(tmp_path / f"weights-{n}", seed=n)
+                shutil.copyfile(other / "model.safetensors", f"{config.llm.model_path}/model.safetensors")
+            plans, shards, cursor = night(defs, config, instance, cursor)
+            reasons = check_the_night(config, plans, shards, from_scratch(config))
+            with duckdb.connect(source, read_only=True) as con:
+                live = con.execute("SELECT count(*) FROM prompt_rows").fetchall()[0][0]
+            counts.append((n, live, len(plans), len(shards), reasons))
+            if n == 1:
+                assert reasons == {NEW_ROW: live}
+            if n == 2:  # the 4 inserted rows and the 2 edited ones ran, nothing else
+                assert reasons == {NEW_ROW: 4, ROW_CHANGED: 2}
+            if n in (3, 5):  # every row ran again on the new weights
+                assert reasons == {SETTINGS_CHANGED: live}
+            if n == 4:
+                assert reasons == {ROW_CHANGED: 1}
+    print("five nights (night, live rows, plan runs, shard runs, rows run again by reason):", counts)
+
+
+def test_a_shard_run_queued_for_a_superseded_plan_says_so(nightly):
+    """The shard sensor queued runs for last night's plan; a new plan (rows deleted) replaced a
+    shard before its run started: that run fails with what happened, never with a KeyError."""
+    config = nightly
+    defs = build_batch_defs(config)
+    with dg.instance_for_test() as instance:
+        assert defs.resolve_job_def("nightly_plan").execute_in_process(instance=instance).success
+        sensor = defs.resolve_sensor_def("nightly_run_shards")
+        with dg.partition_loading_context(dynamic_partitions_store=instance):
+            (stale, _) = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, definitions=defs)).run_requests
+        shard_job = defs.resolve_job_def(stale.job_name)
+        queued = instance.create_run_for_job(  # created now, as the daemon queues it; it starts later
+            shard_job, tags={**shard_job.tags, **stale.tags, "dagster/partition": stale.partition_key},
+            run_config={"execution": {"config": {"in_process": {}}}})
+        with duckdb.connect(config.dataset.database) as con:
+            con.execute("DELETE FROM prompt_rows WHERE id LIKE 'doc%-q0'")  # every shard changes
+        assert defs.resolve_job_def("nightly_plan").execute_in_process(instance=instance).success
+        assert stale.partition_key not in instance.get_dynamic_partitions(config.partitions_name)
+        from dagster._core.definitions.job_base import InMemoryJob
+        from dagster._core.execution.api import execute_run
+
+        result = execute_run(InMemoryJob(shard_job), instance.get_run_by_id(queued.run_id), instance)
+    assert not result.success
+    message = "\n".join(str(e.event_specific_data.error) for e in result.all_events if e.is_failure)
+    assert "the plan changed since this run was queued" in message and "KeyError" not in message
+    assert "the new plan's shards are queued by the nightly_run_shards sensor" in message
