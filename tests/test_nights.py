@@ -159,3 +159,33 @@ def test_a_shard_run_queued_for_a_superseded_plan_says_so(nightly):
     message = "\n".join(str(e.event_specific_data.error) for e in result.all_events if e.is_failure)
     assert "the plan changed since this run was queued" in message and "KeyError" not in message
     assert "the new plan's shards are queued by the nightly_run_shards sensor" in message
+
+
+def test_dagster_marks_the_plan_and_the_shards_stale_when_the_source_changes(nightly):
+    """prompts and prefix_groups report data versions (snapshot digest, plan stamp) and every asset
+    a code version: Dagster's own staleness resolver (what the UI shows) sees a changed source."""
+    from dagster._core.definitions.data_version import StaleStatus
+    from dagster._utils.test.data_versions import get_stale_status_resolver
+
+    config = nightly
+    defs = build_batch_defs(config)
+    graph = defs.resolve_asset_graph()
+    key = lambda name: dg.AssetKey(["nightly", name])  # noqa: E731
+    assert all(graph.get(key(n)).code_version for n in ("prompts", "prefix_groups", "completions"))
+    with dg.instance_for_test() as instance:
+        plan = defs.resolve_job_def("nightly_plan").execute_in_process(instance=instance)
+        def data_versions(run):
+            return {n: run.asset_materializations_for_node(f"nightly__{n}")[0].tags["dagster/data_version"]
+                    for n in ("prompts", "prefix_groups")}
+
+        versions = data_versions(plan)
+        status = get_stale_status_resolver(instance, list(graph.assets_defs))
+        assert status.get_status(key("prefix_groups")) is StaleStatus.FRESH
+        again = defs.resolve_job_def("nightly_plan").execute_in_process(instance=instance)
+        assert data_versions(again) == versions  # the same rows and plan: the same versions
+        with duckdb.connect(config.dataset.database) as con:
+            con.execute("UPDATE prompt_rows SET prompt = prompt || ' (edited)' WHERE id = 'doc0-q0'")
+        assert dg.materialize([graph.assets_def_for_key(key("prompts"))], instance=instance).success
+        status = get_stale_status_resolver(instance, list(graph.assets_defs))
+        assert status.get_status(key("prefix_groups")) is StaleStatus.STALE
+
