@@ -4,6 +4,7 @@
     batchllm run PROMPTS --output OUT.parquet           answers keyed by id
     batchllm prepare-model [smollm2|tiny]               build an offline model once
     batchllm bench [--json]                             compare with plain vLLM (see engine/bench.py)
+    batchllm doctor [--model M | --job YAML]            check a node before a job runs there
 
 PROMPTS is a Parquet file (or glob), a ``.sql`` file run by DuckDB, or a table of ``--database``.
 """
@@ -179,11 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     prep.set_defaults(func=cmd_prepare_model)
 
     from .bench import add_bench_parser
+    from .doctor import add_doctor_parser
 
     add_bench_parser(sub)
+    add_doctor_parser(sub)
 
     args = parser.parse_args(argv)
-    if args.command in ("run", "bench"):  # they start vLLM: its and torch's warnings go to the log file
+    if args.command in ("run", "bench", "doctor"):  # they start vLLM: its and torch's warnings go to the log file
         args.log_file = route_library_output(args.log_file)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from .models import ModelNotFound

@@ -134,6 +134,11 @@ class VLLMEngine:
             self.version, self.kv_capacity_blocks, settings.block_size, self.max_num_seqs, self.max_num_batched_tokens,
         )
 
+    @property
+    def vllm_config(self):
+        """vLLM's configuration as it resolved it at start-up (dtype, block size, batch limits)."""
+        return self._engine.vllm_config
+
     def sampling_params(self, sampling: SamplingSettings, max_tokens: int):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind

