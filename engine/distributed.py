@@ -85,6 +85,24 @@ class RayRunResult:
         return RunOutcome(self.results, merge_stats(list(self.stats_of_shard.values())), None)
 
 
+def replica_resources(node_gpus: list[float], replicas: int, tensor_parallel_size: int) -> dict:
+    """What each replica asks Ray for, from the GPUs of the cluster's live nodes. A cluster with GPUs
+    runs every replica on ``tensor_parallel_size`` GPUs of one node (a model split over machines
+    would cross the network at every layer), or is refused with the numbers: never a silent
+    fallback to CPU actors. A cluster without any GPU (the CPU build) runs a replica per CPU slot."""
+    if not any(node_gpus):
+        return {"num_cpus": 1}
+    total, fits = sum(node_gpus), sum(int(g // tensor_parallel_size) for g in node_gpus)
+    if total < replicas * tensor_parallel_size:
+        raise RuntimeError(f"the Ray cluster has {total:g} GPUs; {replicas} replicas x tensor_parallel_size "
+                           f"{tensor_parallel_size} need {replicas * tensor_parallel_size}: lower ray_replicas or add GPUs")
+    if fits < replicas:
+        raise RuntimeError(f"a replica's {tensor_parallel_size} GPUs must be on one node; the nodes have "
+                           f"{sorted((int(g) for g in node_gpus if g), reverse=True)} GPUs, room for {fits} of the "
+                           f"{replicas} replicas: lower ray_replicas or tensor_parallel_size")
+    return {"num_gpus": tensor_parallel_size}
+
+
 def _shards(prepared: PreparedBatch, replicas: int, placement: Placement, weights: list[float] | None) -> np.ndarray:
     if placement is Placement.GROUPS:
         return split_prepared(prepared, replicas, weights)
@@ -106,10 +124,13 @@ def run_on_ray(
     bind_cpu_cores: bool = False,
     actor_prefix: str = "batchllm-replica",
     max_attempts: int = 3,
+    start_timeout_s: float = 900.0,
 ) -> RayRunResult:
     """Run every row of ``prepared`` on ``replicas`` Ray actors; shards are whole prefix groups.
 
-    ``resources_per_replica`` defaults to ``tensor_parallel_size`` GPUs where the cluster has them, else one CPU.
+    ``resources_per_replica`` defaults to ``replica_resources`` of the cluster's nodes. Replicas that
+    have not started and answered within ``start_timeout_s`` (the cluster lacks what they ask for,
+    an image pull hangs) fail the run with what they asked for, instead of waiting forever.
     """
     import ray
 
@@ -117,15 +138,21 @@ def run_on_ray(
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
     shard_of_row = _shards(prepared, replicas, Placement.parse(placement), replica_weights)
     if resources_per_replica is None:
-        gpus = engine_settings.tensor_parallel_size  # a replica holds the GPUs its model is split over
-        enough = ray.cluster_resources().get("GPU", 0) >= replicas * gpus
-        resources_per_replica = {"num_gpus": gpus} if enough else {"num_cpus": 1}
+        node_gpus = [node["Resources"].get("GPU", 0.0) for node in ray.nodes() if node.get("Alive")]
+        resources_per_replica = replica_resources(node_gpus, replicas, engine_settings.tensor_parallel_size)
     actor_class = ray.remote(max_restarts=0, **resources_per_replica)(ReplicaWorker)
     actors = {
         i: actor_class.options(name=f"{actor_prefix}-{i}").remote(i, i if bind_cpu_cores else None)
         for i in range(replicas)
     }
-    ray.get([a.ping.remote() for a in actors.values()])
+    try:
+        ray.get([a.ping.remote() for a in actors.values()], timeout=start_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        for actor in actors.values():
+            ray.kill(actor)
+        raise RuntimeError(f"{replicas} replicas asking for {resources_per_replica} each did not start within "
+                           f"{start_timeout_s:g}s: the cluster may not have these resources free "
+                           f"(it has {ray.available_resources()})") from None
 
     def submit(shard: int, replica: int):
         part = prepared.subset(np.flatnonzero(shard_of_row == shard))

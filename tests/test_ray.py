@@ -129,3 +129,14 @@ def test_completions_partition_runs_on_ray_when_configured(cluster, tiny_model, 
     with duckdb.connect(config.output_database, read_only=True) as con:
         answers = dict(con.execute("SELECT id, text FROM answers").fetchall())
     assert answers == local_answers(tiny_model, table)
+
+
+def test_replicas_that_cannot_start_time_out_with_what_they_asked_for(cluster, tiny_model, tmp_path):
+    prepared = prepared_batch(tiny_model, make_prompt_table(documents=2, questions=2, singles=0))
+    settings = EngineSettings(model_path=tiny_model, kv_cache_blocks=256)
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"2 replicas asking for \{'resources': \{'h200': 1\}\} each did not start "
+                                           r"within 3s"):
+        run_on_ray(prepared, settings, SAMPLING, tmp_path / "ckpt", replicas=2,
+                   resources_per_replica={"resources": {"h200": 1}}, start_timeout_s=3)
+    assert time.perf_counter() - started < 60

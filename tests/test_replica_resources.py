@@ -1,0 +1,21 @@
+"""What a Ray replica asks for on a GPU cluster: whole replicas on one node, or a refusal with the numbers."""
+
+import pytest
+
+from engine.distributed import replica_resources
+
+
+def test_a_gpu_cluster_gives_each_replica_its_tensor_parallel_gpus():
+    assert replica_resources([8.0, 8.0], replicas=2, tensor_parallel_size=8) == {"num_gpus": 8}
+    assert replica_resources([4.0, 4.0], replicas=4, tensor_parallel_size=2) == {"num_gpus": 2}
+    assert replica_resources([0.0, 0.0], replicas=2, tensor_parallel_size=1) == {"num_cpus": 1}  # a CPU cluster
+
+
+def test_too_few_gpus_are_refused_with_the_numbers_never_cpu_actors():
+    with pytest.raises(RuntimeError, match=r"has 4 GPUs; 2 replicas x tensor_parallel_size 4 need 8"):
+        replica_resources([4.0], replicas=2, tensor_parallel_size=4)
+
+
+def test_a_replicas_gpus_must_be_on_one_node():
+    with pytest.raises(RuntimeError, match=r"a replica's 8 GPUs must be on one node; the nodes have \[4, 4\] GPUs"):
+        replica_resources([4.0, 4.0], replicas=1, tensor_parallel_size=8)
