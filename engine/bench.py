@@ -20,7 +20,8 @@ All four get the same token ids and greedy sampling with ``ignore_eos`` (fixed o
 ``batchllm bench PROMPTS`` runs the same four on a sample of the user's own table instead (whole
 prefix groups, so the sample shares what the table shares), each row with its own ``max_tokens``.
 
-``--analysis`` times the plan alone on synthetic token ids (no model).
+``--analysis`` times the plan alone on synthetic token ids (no model); ``--scheduler-only`` our
+own cost per engine step at GPU batch sizes (``engine/bench_scheduler.py``, no model).
 """
 
 from __future__ import annotations
@@ -327,7 +328,12 @@ def cmd_bench(args) -> int:
         return subprocess.call(command)
     if getattr(args, "batch_invariant", False):
         os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by vLLM when its engines start
-    result = run_analysis(args) if args.analysis else run_bench(args)
+    if args.scheduler_only:
+        from .bench_scheduler import run_scheduler_only
+
+        result = run_scheduler_only([int(n) for n in args.rows_in_flight.split(",")])
+    else:
+        result = run_analysis(args) if args.analysis else run_bench(args)
     if "verdict" in result:
         log.info("bench: %s", result["verdict"])
     print(json.dumps(result, indent=2))
@@ -363,6 +369,9 @@ def add_bench_parser(sub) -> None:
                        help="run vLLM batch-invariant (VLLM_BATCH_INVARIANT=1): on a GPU, answers then do not "
                        "depend on which rows share a step, so the runs' answers can be compared exactly")
     bench.add_argument("--analysis", action="store_true", help="time the plan alone on synthetic token ids")
+    bench.add_argument("--scheduler-only", action="store_true",
+                       help="our own cost per engine step (scheduler + drive loop) on a stand-in engine, no vLLM")
+    bench.add_argument("--rows-in-flight", default="1024,4096,16384", help="sizes for --scheduler-only")
     bench.add_argument("--scale", type=at_least_one, metavar="ROWS",
                        help="a ROWS-row nightly job through Dagster: first plan, a rerun with 1%% of the rows "
                        "changed, one completions partition (see dagster_project/scale_bench.py)")

@@ -80,6 +80,7 @@ def drive(
         report = engine.step()
         totals.add(report)
         generated = report.generated
+        scheduler.after_step(report.started)
         for finished in report.finished:
             scheduler.finish(finished)
             if finished.submission.kind is RequestKind.ROW:

@@ -61,6 +61,7 @@ class StepReport:
 
     finished: list[Finished] = field(default_factory=list)
     generated: dict[RequestKey, int] = field(default_factory=dict)
+    started: list[RequestKey] = field(default_factory=list)  # unfinished requests that got their first token now
     kv_usage: float = 0.0
     running: int = 0
     preempted: int = 0

@@ -127,6 +127,19 @@ class _GroupState:
         return self.next_row == len(self.planned.rows)
 
 
+@dataclass
+class _RowAccount:
+    """How a row in the engine is counted: its blocks before any output (``base``), its cache hit
+    in blocks, and, once it decodes, the steps after which its count grows by one block (every
+    block_size steps from ``first_growth``, ``growths`` times)."""
+
+    base: int
+    hit_blocks: int  # whole blocks of its prompt it finds cached (its group's, or its neighbour's)
+    first_growth: int | None = None
+    growths: int = 0
+    growing: bool = False  # counted in its phase's growing rows
+
+
 class GroupScheduler:
     """BatchLLM admission: groups in plan order, prefix first, rows under a KV budget (see module doc)."""
 
@@ -139,8 +152,9 @@ class GroupScheduler:
         block_size: int,
         capacity_blocks: int,
     ):
-        self._batch, self._max_tokens, self._settings, self._block = batch, max_tokens, settings, block_size
-        self._lengths = batch.lengths
+        self._batch, self._settings, self._block = batch, settings, block_size
+        # Python ints: read once per admission, a numpy scalar costs more than the arithmetic.
+        self._lengths, self._max_tokens = batch.lengths.tolist(), [int(m) for m in max_tokens]
         self._capacity = max(1, capacity_blocks - 1)  # vLLM keeps one block as its null block
         self._budget = max(1, int(self._capacity * settings.kv_budget_fraction))
         self._lookahead = settings.lookahead_tokens if settings.reserve_output is ReserveOutput.LOOKAHEAD else None
@@ -157,9 +171,20 @@ class GroupScheduler:
                 common = _common_blocks(batch.tokens_of(previous), batch.tokens_of(row), block_size) * block_size
                 if common > g.prefix_len:
                     self._shares_deeper[row] = (previous, common)
+        self._next_sharer = {previous: row for row, (previous, _) in self._shares_deeper.items()}
         self._holders: Counter[int] = Counter()  # prefix block key -> groups holding it
         self._rows: dict[int, _GroupState] = {}  # rows in the engine
         self._prefixes: dict[int, _GroupState] = {}  # prefix requests in the engine, by group position
+        # What the rows in the engine hold and are reserved for, kept up to date by events instead of
+        # recounted every step (a GPU runs thousands of rows at once): each row's blocks are a
+        # function of how many tokens it has generated, bounded above by the engine steps since its
+        # first token (one token per step at most: vLLM without speculative decoding), so a row's
+        # count grows by one block every block_size steps while its lookahead window still grows.
+        self._steps = 0  # engine steps so far
+        self._row_blocks = 0  # blocks of the rows in the engine
+        self._accounts: dict[int, _RowAccount] = {}  # row -> how its blocks are counted
+        self._growing = [0] * block_size  # rows whose count grows after steps of this phase (step % block_size)
+        self._growth_ends: dict[int, list[int]] = {}  # step -> rows whose count grows for the last time then
         self.stats = SchedulerStats(budget_blocks=self._budget)
 
     @property
@@ -176,7 +201,7 @@ class GroupScheduler:
         """Of ``shared`` leading tokens in the cache, those vLLM reuses for the row: a hit is capped at
         the prompt's length - 1 (``KVCacheManager.get_computed_blocks``), so a prompt that is wholly
         a cached, block-aligned prefix (a duplicate row) recomputes its last block in a block of its own."""
-        return max(0, min(shared, (int(self._lengths[row]) - 1) // self._block * self._block))
+        return max(0, min(shared, (self._lengths[row] - 1) // self._block * self._block))
 
     def _shared_len(self, row: int, group: _GroupState) -> int:
         """Leading tokens of the row that vLLM finds in flight: its group's prefix, or more while
@@ -185,15 +210,79 @@ class GroupScheduler:
         return self._cache_hit(row, common if previous in self._rows else group.planned.prefix_len)
 
     def _row_demand(self, row: int, group: _GroupState, generated: int) -> int:
-        """Blocks the row holds beyond what it shares, plus what is reserved for its output: all
-        of it, or the blocks its next ``lookahead_tokens`` tokens will need."""
-        length, shared = int(self._lengths[row]), self._shared_len(row, group)
-        remaining = int(self._max_tokens[row]) - generated
+        """The row's blocks by its exact generated tokens (what ``planned_blocks`` shows)."""
+        return self._blocks_at(row, generated, self._shared_len(row, group) // self._block)
+
+    @property
+    def blocks_in_flight(self) -> int:
+        """What admission counts now: prefix blocks once, each prefix request's output block, and
+        each row's blocks by the upper bound on its generated tokens (never fewer than it holds)."""
+        return len(self._holders) + len(self._prefixes) + self._row_blocks
+
+    def _blocks_at(self, row: int, generated: int, hit_blocks: int) -> int:
+        """A row's blocks beyond its cache hit when it has generated ``generated`` tokens: what it
+        holds plus what it is reserved (all its output, or the next ``lookahead_tokens``)."""
+        length = self._lengths[row]
+        remaining = self._max_tokens[row] - generated
         ahead = remaining if self._lookahead is None else min(remaining, self._lookahead)
-        return self._own_blocks(length + generated + ahead, shared)
+        return max(1, -(-(length + generated + ahead) // self._block) - hit_blocks)
+
+    def after_step(self, started) -> None:
+        """An engine step ran; ``started``: the requests that got their first output token in it.
+        A row that got its first token in step f has generated at most s - f + 1 tokens after step
+        s (one token per step at most: vLLM without speculative decoding), so its reserved end
+        L + g + lookahead crosses into a new block at g = g1, g1 + B, ... until it reaches
+        L + max_tokens: its count grows by one block every B steps, kept per phase (step % B) so
+        that a step costs O(1) plus the rows that start or stop growing. A full reservation never grows."""
+        self._steps += 1
+        if self._lookahead is not None:
+            for kind, row in started:
+                account = self._accounts.get(row) if kind is RequestKind.ROW else None
+                if account is not None and account.first_growth is None:
+                    self._start_growing(row, account)
+        self._row_blocks += self._growing[self._steps % self._block]
+        for row in self._growth_ends.pop(self._steps, ()):
+            account = self._accounts.get(row)
+            if account is not None and account.growing:
+                account.growing = False
+                self._growing[account.first_growth % self._block] -= 1
+
+    def _start_growing(self, row: int, account: _RowAccount) -> None:
+        length, max_tokens = self._lengths[row], self._max_tokens[row]
+        reach = length + min(max_tokens, self._lookahead)  # its reserved end at g = 0
+        growths = -(-(length + max_tokens) // self._block) - -(-reach // self._block)
+        if growths <= 0:
+            return
+        g1 = (self._block - reach % self._block) % self._block + 1  # first g whose end is in a new block
+        account.first_growth = self._steps - 1 + g1  # the step after which the row has g1 tokens
+        account.growths, account.growing = growths, True
+        self._growing[account.first_growth % self._block] += 1
+        self._growth_ends.setdefault(account.first_growth + (growths - 1) * self._block, []).append(row)
+
+    def _blocks_of(self, account: _RowAccount) -> int:
+        """The account's blocks now: its base and the growths applied up to this step."""
+        if account.first_growth is None or self._steps < account.first_growth:
+            return account.base
+        return account.base + min(account.growths, (self._steps - account.first_growth) // self._block + 1)
+
+    def _release_row(self, row: int) -> None:
+        """The row left the engine: its blocks are free, and the row that shared more than its
+        group's prefix with it (a document's next question) now holds those blocks itself."""
+        account = self._accounts.pop(row)
+        self._row_blocks -= self._blocks_of(account)
+        if account.growing:
+            self._growing[account.first_growth % self._block] -= 1
+        sharer = self._next_sharer.get(row)
+        neighbour = self._accounts.get(sharer) if sharer is not None else None
+        if neighbour is not None:
+            own_hit = self._cache_hit(sharer, self._rows[sharer].planned.prefix_len) // self._block
+            self._row_blocks += neighbour.hit_blocks - own_hit
+            neighbour.base += neighbour.hit_blocks - own_hit
+            neighbour.hit_blocks = own_hit
 
     def planned_blocks(self, generated: Mapping[RequestKey, int]) -> int:
-        """Blocks of everything in flight, shared prefix blocks once."""
+        """Blocks of everything in flight by the rows' exact generated tokens, shared prefix blocks
+        once (what the progress line shows; admission counts ``blocks_in_flight``, never less)."""
         rows = sum(
             self._row_demand(row, group, generated.get((RequestKind.ROW, row), 0)) for row, group in self._rows.items()
         )
@@ -216,9 +305,11 @@ class GroupScheduler:
                 del self._holders[key]
 
     # -- the verbs --------------------------------------------------------------------------
-    def schedule(self, generated: Mapping[RequestKey, int]) -> Decision:
+    def schedule(self, generated: Mapping[RequestKey, int] | None = None) -> Decision:
+        """What to submit before the next engine step. Its cost grows with what it admits, not with
+        the rows in flight: the count is kept by events (``blocks_in_flight``, see ``after_step``);
+        ``generated`` is not read."""
         decision = Decision()
-        in_use = self.planned_blocks(generated)
 
         def busy() -> bool:  # into an idle engine something is always admitted: no stall
             return bool(self._rows or self._prefixes)
@@ -228,16 +319,16 @@ class GroupScheduler:
             planned = group.planned
             if group.state is _PrefixState.PENDING:
                 new_blocks = sum(1 for key in group.block_keys if key not in self._holders)
-                need = new_blocks + 1 + self._row_demand(planned.rows[0], group, 0)
-                if busy() and in_use + need > self._budget:
+                first = planned.rows[0]
+                need = new_blocks + 1 + self._blocks_at(first, 0, self._cache_hit(first, planned.prefix_len) // self._block)
+                if busy() and self.blocks_in_flight + need > self._budget:
                     break
-                in_use += self._hold(group)
+                self._hold(group)
                 if self._uses_prefix_request(group):
                     prefix = self._batch.tokens_of(planned.rows[0])[: planned.prefix_len]
                     decision.submit.append(Submission(RequestKind.PREFIX, group.position, prefix, 1))
-                    self._prefixes[group.position] = group
+                    self._prefixes[group.position] = group  # counts the prefix request's own output block
                     self.stats.prefix_requests += 1
-                    in_use += 1  # the prefix request's own output block
                     group.state = _PrefixState.RUNNING
                 else:
                     group.state = _PrefixState.READY
@@ -246,27 +337,29 @@ class GroupScheduler:
             while not group.all_admitted:
                 row = planned.rows[group.next_row]
                 alone = planned.prefix_len // self._block + self._own_blocks(
-                    int(self._lengths[row]) + int(self._max_tokens[row]), self._cache_hit(row, planned.prefix_len))
+                    self._lengths[row] + self._max_tokens[row], self._cache_hit(row, planned.prefix_len))
                 if alone > self._capacity:
                     decision.reject.append((row, f"needs {alone} KV blocks with its output; the KV cache has "
                                                  f"{self._capacity} (block size {self._block})"))
                     group.next_row += 1
                     continue
-                cost = self._row_demand(row, group, 0)
-                if busy() and in_use + cost > self._budget:
-                    self.stats.max_planned_blocks = max(self.stats.max_planned_blocks, in_use)
+                hit_blocks = self._shared_len(row, group) // self._block
+                cost = self._blocks_at(row, 0, hit_blocks)
+                if busy() and self.blocks_in_flight + cost > self._budget:
+                    self.stats.max_planned_blocks = max(self.stats.max_planned_blocks, self.blocks_in_flight)
                     return decision
-                decision.submit.append(Submission(RequestKind.ROW, row, self._batch.tokens_of(row), int(self._max_tokens[row])))
+                decision.submit.append(Submission(RequestKind.ROW, row, self._batch.tokens_of(row), self._max_tokens[row]))
                 self._rows[row] = group
+                self._accounts[row] = _RowAccount(cost, hit_blocks)
+                self._row_blocks += cost
                 group.outstanding += 1
                 group.next_row += 1
-                in_use += cost
             if not group.all_admitted:
                 break
             self._queue.popleft()
             if group.outstanding == 0:  # every row was rejected
                 self._release(group)
-        self.stats.max_planned_blocks = max(self.stats.max_planned_blocks, in_use)
+        self.stats.max_planned_blocks = max(self.stats.max_planned_blocks, self.blocks_in_flight)
         return decision
 
     def finish(self, finished: Finished) -> None:
@@ -278,6 +371,7 @@ class GroupScheduler:
             self.stats.prefix_cached_tokens += finished.cached_tokens
             return
         group = self._rows.pop(submission.index)
+        self._release_row(submission.index)
         group.outstanding -= 1
         if group.outstanding == 0 and group.all_admitted:
             self._release(group)  # the prefix may now be evicted
@@ -304,9 +398,12 @@ class InOrderScheduler:
     def done(self) -> bool:
         return self._unfinished == 0
 
-    def schedule(self, generated: Mapping[RequestKey, int]) -> Decision:
+    def schedule(self, generated: Mapping[RequestKey, int] | None = None) -> Decision:
         decision, self._pending = Decision(submit=self._pending), []
         return decision
+
+    def after_step(self, started) -> None:
+        pass
 
     def finish(self, finished: Finished) -> None:
         self._unfinished -= 1

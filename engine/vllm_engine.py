@@ -176,6 +176,8 @@ class VLLMEngine:
             token_ids.extend(completion.token_ids)
             texts.append(completion.text)
             if not out.finished:
+                if submission.key not in self._generated:
+                    report.started.append(submission.key)
                 self._generated[submission.key] = len(token_ids)
                 continue
             del self._submitted[out.request_id], self._outputs[out.request_id]

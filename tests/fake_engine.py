@@ -86,6 +86,8 @@ class FakeEngine:
                     cached_tokens=request.cached_tokens or 0, finish_reason="length"))
             else:
                 report.generated[request.submission.key] = request.generated
+                if request.generated == 1:
+                    report.started.append(request.submission.key)
         for request in self._waiting:
             if request.generated:
                 report.generated[request.submission.key] = request.generated

@@ -36,15 +36,18 @@ def nested_batch(documents=6, rows_per_document=4, system_blocks=6, document_blo
 
 
 class Watched:
-    """Checks, after every step, that the scheduler never counts fewer blocks than the engine holds."""
+    """Checks, after every step, that the scheduler never counts fewer blocks than the engine holds,
+    and that the count admission keeps by events never falls below the exact recount."""
 
     def __init__(self, engine: FakeEngine, scheduler: GroupScheduler):
-        self.engine, self.scheduler, self.undercounts = engine, scheduler, []
+        self.engine, self.scheduler, self.undercounts, self.below_exact = engine, scheduler, [], []
 
     def __call__(self, report):
         planned = self.scheduler.planned_blocks(report.generated)
         if self.engine.referenced_blocks > planned:
             self.undercounts.append((self.engine.step_count, self.engine.referenced_blocks, planned))
+        if self.scheduler.blocks_in_flight < planned:
+            self.below_exact.append((self.engine.step_count, self.scheduler.blocks_in_flight, planned))
 
 
 def run(batch, groups, max_tokens, num_blocks, **scheduler_kw):
@@ -213,7 +216,7 @@ def test_every_row_is_submitted_exactly_once_or_rejected(plan, num_blocks, reser
     assert len(submitted_rows) == len(set(submitted_rows))
     assert sorted(submitted_rows + rejected) == list(range(len(batch.lengths)))
     assert scheduler.done
-    assert watch.undercounts == []
+    assert watch.undercounts == [] and watch.below_exact == []
     if reserve == "full":
         assert engine.preemptions == 0
 

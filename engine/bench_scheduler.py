@@ -1,0 +1,131 @@
+"""``batchllm bench --scheduler-only``: our own cost per engine step at GPU batch sizes, without vLLM.
+
+A GPU with 141 GB admits thousands of rows at once; what the scheduler and the drive loop spend
+between two engine steps must stay a small part of a step (an 8B model's decode step at 16,384
+rows is tens of milliseconds). Here the engine is a stand-in that decodes every running row by one
+token per step and finishes it at its ``max_tokens``, at a cost of O(rows admitted + finished),
+with its own time measured and taken out: what remains is the scheduler (``GroupScheduler``:
+admission, block counting, growth) and ``drive``, per step, at 1,024 / 4,096 / 16,384 rows in flight.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from .drive import StepTotals, drive
+from .requests import StepReport, Submission
+from .scheduler import GroupScheduler, PlannedGroup
+from .settings import SamplingSettings, SchedulerSettings
+from .tokenizing import TokenizedBatch
+
+BLOCK = 16  # vLLM's default KV block on GPUs
+PREFIX_TOKENS, OWN_TOKENS, ROWS_PER_GROUP = 512, 48, 256
+
+
+class SteadyDecodeEngine:
+    """Every running row gets one token per step (its first in the step it enters) and finishes
+    at ``max_tokens``; the engine's own time is kept in ``engine_s`` and per step in ``gaps``."""
+
+    def __init__(self, kv_capacity_blocks: int):
+        self.block_size, self.kv_capacity_blocks = BLOCK, kv_capacity_blocks
+        self._step = 0
+        self._finishing: dict[int, list[Submission]] = defaultdict(list)
+        self._entering: list[Submission] = []
+        self.running = 0
+        self.engine_s = 0.0
+        self._left_at: float | None = None
+        self.gaps: list[float] = []  # time outside the engine between two steps: ours
+        self.in_flight: list[int] = []
+
+    def submit(self, submission: Submission, sampling) -> None:
+        self._entering.append(submission)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self._entering)
+
+    def step(self) -> StepReport:
+        entered = time.perf_counter()
+        if self._left_at is not None:
+            self.gaps.append(entered - self._left_at)
+        self._step += 1
+        report = StepReport()
+        for submission in self._entering:
+            self.running += 1
+            self._finishing[self._step + submission.max_tokens - 1].append(submission)
+            if submission.max_tokens > 1:
+                report.started.append(submission.key)
+        self._entering = []
+        for submission in self._finishing.pop(self._step, ()):
+            self.running -= 1
+            report.finished.append(_finished(submission))
+        self.in_flight.append(self.running)
+        report.running = self.running
+        self._left_at = time.perf_counter()
+        self.engine_s += self._left_at - entered
+        return report
+
+
+def _finished(submission: Submission):
+    from .requests import Finished
+
+    return Finished(submission=submission, text="", token_ids=[0] * submission.max_tokens,
+                    prompt_tokens=len(submission.token_ids), cached_tokens=0, finish_reason="length")
+
+
+def _batch(rows: int, mean_output: int, seed: int) -> tuple[TokenizedBatch, np.ndarray, list[PlannedGroup]]:
+    rng = np.random.default_rng(seed)
+    groups, tokens = [], []
+    for start in range(0, rows, ROWS_PER_GROUP):
+        prefix = rng.integers(10, 30000, PREFIX_TOKENS, dtype=np.int32)
+        members = list(range(start, min(rows, start + ROWS_PER_GROUP)))
+        tokens += [np.concatenate([prefix, rng.integers(10, 30000, OWN_TOKENS, dtype=np.int32)]) for _ in members]
+        groups.append(PlannedGroup(prefix_len=PREFIX_TOKENS, rows=members))
+    max_tokens = rng.integers(mean_output // 2, mean_output * 3 // 2 + 1, rows)
+    return TokenizedBatch.from_rows(tokens), max_tokens, groups
+
+
+def measure(in_flight: int, finishing_per_step: int = 16, seed: int = 0) -> dict:
+    """Our per-step cost with about ``in_flight`` rows in the engine, about ``finishing_per_step``
+    of them finishing (and as many entering) each step: outputs average in_flight / that many
+    tokens, as a long-output job at GPU scale. The same rows changing per step at every size shows
+    whether the cost follows the rows in flight or the rows that change."""
+    mean_output = max(8, in_flight // finishing_per_step)
+    rows = in_flight * 2  # the engine fills, stays full while rows finish and enter, then drains
+    batch, max_tokens, groups = _batch(rows, mean_output, seed)
+    settings = SchedulerSettings(log_every_s=3600)  # lookahead: counts that grow with the steps
+    # A row holds its own tokens and its output so far, plus the lookahead (about half its output
+    # at mid-life); its group's prefix is shared by 256 rows.
+    capacity = in_flight * (-(-(OWN_TOKENS + mean_output // 2 + 16) // BLOCK) + 1) * 2 // 3
+    engine = SteadyDecodeEngine(capacity)
+    scheduler = GroupScheduler(batch, max_tokens, groups, settings, BLOCK, capacity)
+    recount_s = []
+
+    def recount(report) -> None:  # what every step cost before: all rows in flight recounted
+        if len(engine.gaps) % 50 == 25:
+            started = time.perf_counter()
+            scheduler.planned_blocks({})
+            recount_s.append(time.perf_counter() - started)
+            engine._left_at += time.perf_counter() - started  # not part of today's step
+
+    started = time.perf_counter()
+    finished = sum(1 for _ in drive(scheduler, engine, SamplingSettings(), StepTotals(), on_step=recount))
+    wall = time.perf_counter() - started
+    steady = slice(len(engine.gaps) // 4, len(engine.gaps) * 3 // 4)  # full: without the fill and the drain
+    gaps = np.array(engine.gaps[steady]) * 1e6
+    return {"asked_rows_in_flight": in_flight, "rows_in_flight": int(np.median(engine.in_flight[steady])), "rows": finished, "steps": len(engine.gaps) + 1,
+            "rows_finishing_per_step": round(rows / max(len(engine.gaps), 1), 1),
+            "us_per_step_median": round(float(np.median(gaps)), 1), "us_per_step_p90": round(float(np.percentile(gaps, 90)), 1),
+            "us_per_step_mean_all": round((wall - engine.engine_s - sum(recount_s)) / max(len(engine.gaps), 1) * 1e6, 1),
+            "us_recount_all_rows": round(float(np.median(recount_s)) * 1e6, 1) if recount_s else None}
+
+
+def run_scheduler_only(sizes: list[int]) -> dict:
+    results = [measure(n) for n in sizes]
+    worst = max(results, key=lambda r: r["rows_in_flight"])
+    return {"scheduler_overhead": results, "target_us_per_step_at_16384": 200,
+            "verdict": f"{worst['us_per_step_median']:.0f} us per step (median; p90 {worst['us_per_step_p90']:.0f}) at "
+                       f"{worst['rows_in_flight']:,} rows in flight, {worst['rows_finishing_per_step']} finishing per "
+                       f"step; recounting every row in flight, as each step did before: {worst['us_recount_all_rows']:.0f} us"}
