@@ -327,6 +327,10 @@ def cmd_bench(args) -> int:
                    "--model", args.model or "tiny", "--partition-rows", str(args.partition_rows)]
         return subprocess.call(command)
     if getattr(args, "batch_invariant", False):
+        if current_platform() != "cuda":  # vLLM's batch-invariant kernels are Triton kernels for GPUs
+            raise SystemExit(f"batchllm bench: --batch-invariant needs a CUDA GPU (vLLM's Triton kernels); "
+                             f"this platform is {current_platform()}, where fp32 answers do not depend on "
+                             f"the batch: leave the option out")
         os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by vLLM when its engines start
     if args.scheduler_only:
         from .bench_scheduler import run_scheduler_only

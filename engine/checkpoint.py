@@ -24,8 +24,11 @@ from .settings import EngineSettings, SamplingSettings, fingerprint
 
 log = logging.getLogger(__name__)
 
-# Engine settings that can change an answer besides the model itself; cache sizes and batching
-# knobs do not (greedy outputs were equal whatever the order and batch shape, fp32 on CPU).
+# Engine settings that can change an answer besides the model itself. Cache sizes and batching
+# knobs are left out: on CPU (fp32) greedy answers were equal whatever the order and batch shape
+# (the bench's answer_agreement, 1.0). That does not hold on a GPU: bf16 kernels depend on which
+# rows share a step unless vLLM runs batch-invariant (VLLM_BATCH_INVARIANT=1); a row reused from an
+# earlier night is then an answer the same model gave in another batch, not a stale one.
 _ANSWER_SETTINGS = {"dtype", "enforce_eager", "seed", "max_model_len", "tensor_parallel_size"}
 
 

@@ -168,3 +168,31 @@ def test_requests_ask_vllm_for_deltas_only():
 
     params = VLLMEngine.sampling_params(None, SamplingSettings(max_tokens=4), 4)
     assert params.output_kind is RequestOutputKind.DELTA
+
+
+def test_batch_invariant_mode_is_refused_off_cuda_with_the_reason():
+    """vLLM's batch-invariant kernels are Triton kernels for GPUs: on CPU they fail mid-run with a
+    TypeError, so the bench refuses the option before starting anything."""
+    result = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "--shape", "nested", "--batch-invariant"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "--batch-invariant needs a CUDA GPU" in result.stderr and "this platform is cpu" in result.stderr
+
+
+@pytest.mark.slow
+def test_the_gpu_check_script_runs_every_step_and_writes_one_report(tiny_model, tmp_path):
+    """The script a GPU node runs first, run here on the CPU build: every step passes and lands in
+    the one JSON file (on CPU without batch-invariant mode, and without the two-GPU step)."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "gpu_check.json"
+    env = {**__import__("os").environ, "MODEL": tiny_model, "PYTHON": sys.executable}
+    done = subprocess.run([str(root / "benchmarks" / "gpu_check.sh"), str(out)], env=env, capture_output=True,
+                          text=True, timeout=480)
+    report = json.loads(out.read_text())
+    assert done.returncode == 0, {name: step["stderr_tail"][-800:] for name, step in report["steps"].items()}
+    assert report["ok"] and set(report["steps"]) == {"doctor", "bench_nested", "scheduler"}
+    assert report["steps"]["doctor"]["result"]["verdict"] == "ready"
+    nested = report["steps"]["bench_nested"]["result"]
+    assert nested["outputs_equal"] and nested["workload"]["dtype"] == "float32"
+    sizes = [m["asked_rows_in_flight"] for m in report["steps"]["scheduler"]["result"]["scheduler_overhead"]]
+    assert sizes == [1024, report["batch_size_checked"]]
