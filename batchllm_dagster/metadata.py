@@ -26,8 +26,8 @@ def plan_metadata(plan: PrefixPlan, error_rows: int, tokenize_s: float) -> dict:
         "shared_groups": int((plan.group_prefix_tokens > 0).sum()),
         "prompt_tokens": plan.prompt_tokens,
         "unique_tokens": plan.unique_tokens,
-        "ideal_cached_tokens": plan.ideal_cached_tokens,
-        "ideal_saving": float(round(plan.ideal_saving, 4)),
+        "shared_prompt_tokens": plan.shared_prompt_tokens,
+        "shared_fraction": float(round(plan.shared_fraction, 4)),
         "tokenize_s": float(round(tokenize_s, 3)),
     }
 
@@ -40,7 +40,7 @@ def run_metadata(stats: RunStats, hardware: str, hardware_partition: str, engine
         "error_rows": stats.error_rows,
         "prompt_tokens": stats.prompt_tokens,
         "cached_prompt_tokens": stats.cached_tokens,
-        "ideal_cached_tokens": stats.ideal_cached_tokens,
+        "reusable_tokens": stats.reusable_tokens,
         "prefill_tokens": stats.prefill_tokens,
         "output_tokens": stats.output_tokens,
         "preemptions": stats.preemptions,

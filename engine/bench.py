@@ -182,7 +182,7 @@ def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: Sam
 
 def _report(stats: RunStats, info) -> dict:
     out = {**stats.to_dict(), "max_num_seqs": info.max_num_seqs, "kv_capacity_blocks": info.kv_capacity_blocks}
-    keep = ["tokens_per_s", "output_tokens_per_s", "wall_s", "prompt_tokens", "cached_tokens", "ideal_cached_tokens",
+    keep = ["tokens_per_s", "output_tokens_per_s", "wall_s", "prompt_tokens", "cached_tokens", "reusable_tokens",
             "prefill_tokens", "saving_vs_ideal", "output_tokens", "preemptions", "prefix_requests", "max_num_seqs",
             "kv_capacity_blocks", "engine_steps", "rows_per_step", "mean_kv_usage"]
     return {k: out[k] for k in keep}
@@ -250,7 +250,7 @@ def run_bench(args) -> dict:
         "workload": {**described, "rows": prepared.num_rows, "model": args.model or DEFAULT_MODEL, "dtype": engine_settings.for_platform(current_platform()).dtype,
                      "block_size": args.block_size, "kv_cache_blocks": kv_blocks,
                      "prefix_working_set_blocks": working_set, "prompt_tokens": plan.prompt_tokens,
-                     "unique_tokens": plan.unique_tokens, "ideal_cached_tokens": plan.ideal_cached_tokens,
+                     "unique_tokens": plan.unique_tokens, "shared_prompt_tokens": plan.shared_prompt_tokens,
                      "plan_s": round(prepared.plan_s, 4)},
         "runs": runs,
         "ratios": ratios,
@@ -315,7 +315,7 @@ def run_analysis(args) -> dict:
         "plan_peak_alloc_bytes": int(peak_alloc),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "groups": plan.num_groups,
-        "ideal_saving": round(plan.ideal_saving, 4),
+        "shared_fraction": round(plan.shared_fraction, 4),
     }
 
 

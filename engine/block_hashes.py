@@ -113,6 +113,11 @@ class RowBlocks:
                   for lo in range(0, lengths.size, _CHUNK_ROWS)]
         return cls(block_size, lengths, np.concatenate(chains) if chains else np.zeros(0, np.uint64))
 
+    def chain(self, row: int) -> list[int]:
+        """Row ``row``'s chained hashes as Python ints (keys of a dict or Counter)."""
+        offsets = self.offsets
+        return self.hashes[offsets[row] : offsets[row + 1]].tolist()
+
     def without(self, rows) -> "RowBlocks":
         """The same rows with ``rows`` emptied (length 0, no blocks): rows that will not run."""
         rows = np.asarray(sorted(rows), dtype=np.int64)

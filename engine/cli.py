@@ -73,8 +73,8 @@ def cmd_plan(args) -> int:
         "shared_groups": int((plan.group_prefix_tokens > 0).sum()),
         "prompt_tokens": plan.prompt_tokens,
         "unique_tokens": plan.unique_tokens,
-        "ideal_cached_tokens": plan.ideal_cached_tokens,
-        "ideal_saving": round(plan.ideal_saving, 4),
+        "shared_prompt_tokens": plan.shared_prompt_tokens,
+        "shared_fraction": round(plan.shared_fraction, 4),
         "tokenize_s": round(prepared.tokenize_s, 3),
         "plan_s": round(prepared.plan_s, 3),
         "shards": [
@@ -88,8 +88,8 @@ def cmd_plan(args) -> int:
         return 0
     print(f"{summary['rows']} rows, {summary['groups']} groups ({summary['shared_groups']} share a prefix), "
           f"{summary['error_rows']} rows with errors")
-    print(f"prompt tokens {plan.prompt_tokens}, unique {plan.unique_tokens}: ideal saving "
-          f"{plan.ideal_cached_tokens} tokens ({100 * plan.ideal_saving:.1f}%)")
+    print(f"prompt tokens {plan.prompt_tokens}, unique {plan.unique_tokens}: shared "
+          f"{plan.shared_prompt_tokens} tokens ({100 * plan.shared_fraction:.1f}%)")
     print(f"{'group':>6} {'rows':>6} {'prefix':>7}  first id")
     starts = plan.group_starts()
     for g in range(min(plan.num_groups, args.top)):

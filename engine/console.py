@@ -95,7 +95,7 @@ class ProgressBar:
 
     def show(self, snapshot: Snapshot) -> None:
         self._bar.total = snapshot.total
-        share = f" ({100 * snapshot.saved / snapshot.ideal_saved:.0f}% of the ideal)" if snapshot.ideal_saved else ""
+        share = f" ({100 * snapshot.saved / snapshot.reusable:.0f}% of the reusable)" if snapshot.reusable else ""
         self._bar.set_postfix_str(f"{snapshot.tokens_per_s:,.0f} tok/s, prefill saved {snapshot.saved:,} tok{share}",
                                   refresh=False)
         self._bar.update(snapshot.done - self._bar.n)
@@ -112,12 +112,12 @@ def summary_table(rows: list[tuple[str, str]]) -> str:
 
 def run_summary(stats: dict) -> list[tuple[str, str]]:
     """The lines of a finished run's summary, from ``RunStats.to_dict()`` plus row counts."""
-    ideal = stats.get("ideal_cached_tokens") or 0
+    reusable = stats.get("reusable_tokens") or 0
     return [
         ("rows", f"{stats['rows']:,} ({stats['ok_rows']:,} ok, {stats['error_rows']:,} errors, "
                  f"{stats['reused_rows']:,} reused from a checkpoint)"),
         ("prompt tokens", f"{stats['prompt_tokens']:,}, computed {stats['prefill_tokens']:,} (minimum "
-                          f"{stats['prompt_tokens'] - ideal:,}: {100 * stats['saving_vs_ideal']:.0f}% of the ideal saving)"),
+                          f"{stats['prompt_tokens'] - reusable:,}: {100 * stats['saving_vs_ideal']:.0f}% of the reusable tokens saved)"),
         ("output tokens", f"{stats['output_tokens']:,}"),
         ("throughput", f"{stats['tokens_per_s']:,.0f} tok/s ({stats['output_tokens_per_s']:,.0f} output tok/s)"),
         ("engine", f"{stats['engine_steps']:,} steps, {stats['rows_per_step']:.1f} rows/step, "

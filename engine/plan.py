@@ -18,10 +18,14 @@ all rows, a document shared by a few) stay contiguous and every level can be reu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .block_hashes import RowBlocks, rows_by_depth
+
+if TYPE_CHECKING:
+    from .tokenizing import TokenizedBatch
 
 
 @dataclass
@@ -61,12 +65,13 @@ class PrefixPlan:
         return int(self.lengths.sum())
 
     @property
-    def ideal_cached_tokens(self) -> int:
+    def shared_prompt_tokens(self) -> int:
+        """Prompt tokens the batch's prefix tree shares: what one engine with a perfect cache never computes."""
         return self.prompt_tokens - self.unique_tokens
 
     @property
-    def ideal_saving(self) -> float:
-        return self.ideal_cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+    def shared_fraction(self) -> float:
+        return self.shared_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def group_starts(self) -> np.ndarray:
         """Offsets into ``order`` where each group begins (plus the end)."""
@@ -164,6 +169,28 @@ def unique_tokens_per_row(plan: PrefixPlan, order: np.ndarray, part: np.ndarray 
         np.minimum.at(first, key, at)
         paid[level.rows[at == first[key]]] += block_size
     return paid
+
+
+def common_whole_blocks(a: np.ndarray, b: np.ndarray, block_size: int) -> int:
+    """Whole KV blocks two rows share from their first token: the cache hit one gives the other."""
+    n = min(a.size, b.size)
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return (int(differ[0]) if differ.size else n) // block_size
+
+
+def reusable_tokens(batch: TokenizedBatch, rows_in_plan_order: list[int], block_size: int) -> int:
+    """Prompt tokens of these rows that a perfect cache on their own engine reuses: each row's whole
+    blocks shared with the row before it. In plan order (depth first in the prefix tree) that is
+    their prompt tokens less the unique tokens of their own tree, computed from token ids alone,
+    so a partition gets it without the planner. Less than the plan's ``shared_prompt_tokens`` for
+    their rows when another shard also holds their prefix."""
+    reused, previous = 0, None
+    for row in rows_in_plan_order:
+        tokens = batch.tokens_of(row)
+        if previous is not None:
+            reused += common_whole_blocks(tokens, previous, block_size) * block_size
+        previous = tokens
+    return reused
 
 
 def build_plan(

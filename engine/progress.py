@@ -29,7 +29,7 @@ class Snapshot:
     total: int
     tokens: int  # prompt + output tokens of the finished rows
     saved: int  # prompt tokens not computed so far (cache hits, less what the prefix requests computed)
-    ideal_saved: int  # what a perfect cache saves over the whole run
+    reusable: int  # prompt tokens a perfect cache reuses over the whole run
     in_flight: int
     kv_usage: float
     preemptions: int
@@ -51,7 +51,7 @@ class Snapshot:
     def line(self) -> str:
         return (
             f"{self.done}/{self.total} rows ({100 * self.done / max(self.total, 1):.0f}%), {self.rows_per_s:.1f} rows/s, "
-            f"{self.tokens_per_s:.0f} tok/s, saved {self.saved} of ideal {self.ideal_saved} prompt tok, "
+            f"{self.tokens_per_s:.0f} tok/s, saved {self.saved} of {self.reusable} reusable prompt tok, "
             f"in flight {self.in_flight} rows"
             + (f" / {self.planned_blocks} planned KV blocks" if self.planned_blocks is not None else "")
             + f" (vLLM KV {100 * self.kv_usage:.0f}% used), preemptions {self.preemptions}, eta {format_eta(self.eta_s)}"
@@ -68,15 +68,15 @@ class Display(Protocol):
 
 class Progress:
     def __init__(self, total_rows: int, every_s: float, sink: Callable[[str], None] | None = None,
-                 display: Display | None = None, ideal_saved: int = 0):
-        self.total, self.every_s, self.ideal_saved = total_rows, every_s, ideal_saved
+                 display: Display | None = None, reusable: int = 0):
+        self.total, self.every_s, self.reusable = total_rows, every_s, reusable
         self.sink = sink or log.info
         self.display = display
         self.started = self.last = time.perf_counter()
 
     def snapshot(self, done: int, tokens: int, saved: int, in_flight: int, kv_usage: float, preemptions: int,
                  planned_blocks: int | None = None, now: float | None = None) -> Snapshot:
-        return Snapshot(done, self.total, tokens, saved, self.ideal_saved, in_flight, kv_usage, preemptions,
+        return Snapshot(done, self.total, tokens, saved, self.reusable, in_flight, kv_usage, preemptions,
                         (now or time.perf_counter()) - self.started, planned_blocks)
 
     def update(self, done: int, tokens: int, saved: int, in_flight: int, kv_usage: float, preemptions: int,

@@ -65,7 +65,7 @@ class RunStats:
     prefix_requests: int = 0
     prefix_prompt_tokens: int = 0
     prefix_cached_tokens: int = 0
-    ideal_cached_tokens: int = 0
+    reusable_tokens: int = 0  # what a perfect cache on this run's engine reuses (plan.reusable_tokens)
     preemptions: int = 0
     engine_steps: int = 0
     mean_kv_usage: float = 0.0
@@ -85,7 +85,7 @@ class RunStats:
 
     @property
     def saving_vs_ideal(self) -> float:
-        return self.saved_tokens / self.ideal_cached_tokens if self.ideal_cached_tokens else 1.0
+        return self.saved_tokens / self.reusable_tokens if self.reusable_tokens else 1.0
 
     @property
     def tokens_per_s(self) -> float:

@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from .dataset import Columns
 from .drive import Rejected, StepTotals, drive
-from .plan import PrefixPlan, plan_blocks
+from .plan import PrefixPlan, plan_blocks, reusable_tokens
 from .progress import Display, Progress
 from .results import EngineInfo, RowResult, RunStats
 from .scheduler import GroupScheduler, InOrderScheduler, groups_in_run_order
@@ -206,7 +206,7 @@ def plan_tokenized(
     plan_s = hash_s + time.perf_counter() - started
     log.info(
         "planned %d rows: %d groups, %d prompt tokens, ideal saving %.1f%% (tokenize %.2fs, plan %.2fs)",
-        n, plan.num_groups, plan.prompt_tokens, 100 * plan.ideal_saving, rows.seconds, plan_s,
+        n, plan.num_groups, plan.prompt_tokens, 100 * plan.shared_fraction, rows.seconds, plan_s,
     )
     return PreparedBatch.from_plan(ids, table.schema.field(columns.id).type, batch, max_tokens, errors, plan,
                                    response_formats=formats, tokenize_s=rows.seconds, plan_s=plan_s)
@@ -235,22 +235,6 @@ def _row_response_formats(texts: list[str | None] | None, errors: dict[int, str]
 def sorted_rows(prepared: PreparedBatch, rows: list[int]) -> list[int]:
     """The ``sorted()`` baseline: rows in lexicographic order of their token ids."""
     return sorted(rows, key=prepared.batch.row)
-
-
-def ideal_cached_tokens(batch: TokenizedBatch, rows_in_run_order: list[int], block_size: int) -> int:
-    """Prompt tokens these rows need not compute on one engine with a perfect cache, run in this
-    order: each row reuses the whole blocks it shares with the row before it. In plan order (a
-    depth-first order of the prefix tree) that is the unique tokens of the block-aligned tree."""
-    cached, previous = 0, None
-    for row in rows_in_run_order:
-        tokens = batch.tokens_of(row)
-        if previous is not None:
-            n = min(tokens.size, previous.size)
-            differ = np.flatnonzero(tokens[:n] != previous[:n])
-            common = int(differ[0]) if differ.size else n
-            cached += common // block_size * block_size
-        previous = tokens
-    return cached
 
 
 class BatchRun:
@@ -314,10 +298,10 @@ class BatchRun:
         in_plan_order = sorted(ok_rows, key=position.__getitem__)  # whatever order the caller gave
         scheduler = self._scheduler(in_plan_order)
         # The minimum, whatever order the rows run in: the plan's order shares every prefix it can.
-        stats.ideal_cached_tokens = ideal_cached_tokens(prepared.batch, in_plan_order, prepared.block_size)
+        stats.reusable_tokens = reusable_tokens(prepared.batch, in_plan_order, prepared.block_size)
         totals = StepTotals()
         progress = Progress(len(self.rows), self.scheduler.log_every_s, self.progress_sink, self.display,
-                            ideal_saved=stats.ideal_cached_tokens)
+                            reusable=stats.reusable_tokens)
 
         planned = getattr(scheduler, "planned_blocks", None)
 

@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .block_hashes import RowBlocks
+from .plan import common_whole_blocks
 from .requests import Finished, RequestKey, RequestKind, Submission
 from .settings import ReserveOutput, SchedulerSettings
 from .tokenizing import TokenizedBatch
@@ -90,20 +92,15 @@ class SchedulerStats:
     max_planned_blocks: int = 0  # the most blocks the scheduler counted in flight at once
 
 
-def prefix_block_keys(token_ids: np.ndarray, prefix_len: int, block_size: int) -> list[int]:
-    """One key per whole block of the prefix, chained like vLLM's block hashes: equal keys mean
-    equal tokens from the start of the prompt up to the end of that block."""
-    keys, previous = [], 0
-    for start in range(0, prefix_len - prefix_len % block_size, block_size):
-        previous = hash((previous, token_ids[start : start + block_size].tobytes()))
-        keys.append(previous)
-    return keys
-
-
-def _common_blocks(a: np.ndarray, b: np.ndarray, block_size: int) -> int:
-    n = min(a.size, b.size)
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return (int(differ[0]) if differ.size else n) // block_size
+def group_prefix_keys(batch: TokenizedBatch, groups: list[PlannedGroup], block_size: int) -> RowBlocks:
+    """The chained hashes of each group's whole prefix blocks (row ``i`` of the result is group
+    ``i``'s prefix), hashed as the planner hashes rows: equal keys mean equal tokens from the start
+    of the prompt up to the end of that block."""
+    prefixes = [batch.tokens_of(g.rows[0])[: g.prefix_len - g.prefix_len % block_size] if g.rows else
+                np.zeros(0, np.int32) for g in groups]
+    offsets = np.concatenate([[0], np.cumsum([p.size for p in prefixes])]).astype(np.int64)
+    tokens = np.concatenate(prefixes) if prefixes else np.zeros(0, np.int32)
+    return RowBlocks.of_tokens(tokens, offsets, block_size)
 
 
 class _PrefixState(enum.Enum):
@@ -158,17 +155,14 @@ class GroupScheduler:
         self._capacity = max(1, capacity_blocks - 1)  # vLLM keeps one block as its null block
         self._budget = max(1, int(self._capacity * settings.kv_budget_fraction))
         self._lookahead = settings.lookahead_tokens if settings.reserve_output is ReserveOutput.LOOKAHEAD else None
-        self._queue = deque(
-            _GroupState(position, g, prefix_block_keys(batch.tokens_of(g.rows[0]), g.prefix_len, block_size))
-            for position, g in enumerate(groups)
-            if g.rows
-        )
+        keys = group_prefix_keys(batch, groups, block_size)
+        self._queue = deque(_GroupState(position, g, keys.chain(position)) for position, g in enumerate(groups) if g.rows)
         # Rows sharing more than their group's prefix with the row before them (a document asked
         # two questions inside a larger group): row -> (that row, whole-block tokens they share).
         self._shares_deeper: dict[int, tuple[int, int]] = {}
         for g in groups:
             for previous, row in zip(g.rows, g.rows[1:]):
-                common = _common_blocks(batch.tokens_of(previous), batch.tokens_of(row), block_size) * block_size
+                common = common_whole_blocks(batch.tokens_of(previous), batch.tokens_of(row), block_size) * block_size
                 if common > g.prefix_len:
                     self._shares_deeper[row] = (previous, common)
         self._next_sharer = {previous: row for row, (previous, _) in self._shares_deeper.items()}

@@ -19,6 +19,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from engine.block_hashes import RowBlocks
 from engine.requests import Finished, StepReport, Submission
 
 
@@ -36,6 +39,7 @@ class _Request:
     blocks: list[_Block] = field(default_factory=list)
     cached_tokens: int | None = None
     prefilled: bool = False
+    prompt_hashes: list[int] | None = None  # its whole prompt blocks' chained hashes, computed once
 
     @property
     def tokens(self) -> int:
@@ -151,12 +155,10 @@ class FakeEngine:
         return preempted
 
     def _prompt_hashes(self, request: _Request) -> list[int]:
-        tokens = request.submission.token_ids
-        hashes, previous = [], 0
-        for start in range(0, len(tokens) - len(tokens) % self.block_size, self.block_size):
-            previous = hash((previous, tokens[start : start + self.block_size].tobytes()))
-            hashes.append(previous)
-        return hashes
+        if request.prompt_hashes is None:  # hashed as the planner and the scheduler hash a row
+            tokens = request.submission.token_ids
+            request.prompt_hashes = RowBlocks.of_tokens(tokens, np.array([0, len(tokens)]), self.block_size).chain(0)
+        return request.prompt_hashes
 
     def _admit_waiting(self) -> None:
         while self._waiting and len(self._running) < self.max_num_seqs:

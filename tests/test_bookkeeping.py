@@ -9,7 +9,8 @@ import pytest
 from engine.checkpoint import Checkpoint
 from engine.progress import Progress, format_eta
 from engine.results import RowResult, RunStats, merge_stats
-from engine.runner import PreparedBatch, ideal_cached_tokens
+from engine.plan import reusable_tokens
+from engine.runner import PreparedBatch
 from engine.tokenizing import TokenizedBatch
 
 
@@ -80,7 +81,7 @@ def test_a_plan_table_round_trips_and_a_subset_keeps_the_plan_order():
     assert part.ids == ["r0", "r2", "r3"] and [part.ids[i] for i in part.order] == ["r2", "r0", "r3"]
     assert part.batch.row(1) == [1, 2, 3, 4, 8] and part.errors == {}
     # r2 then r0 share two whole blocks; r3 shares nothing.
-    assert ideal_cached_tokens(prepared.batch, [2, 0, 3], block_size=2) == 4
+    assert reusable_tokens(prepared.batch, [2, 0, 3], block_size=2) == 4
 
 
 def test_partition_sync_adds_new_keys_and_removes_stale_ones():

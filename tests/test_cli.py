@@ -14,15 +14,15 @@ def batchllm(*args, check=True):
     return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True, check=check)
 
 
-def test_plan_prints_groups_and_the_ideal_saving(prompt_parquet, tiny_model):
+def test_plan_prints_groups_and_the_shared_fraction(prompt_parquet, tiny_model):
     out = batchllm("plan", str(prompt_parquet), "--model", tiny_model, "--shards", "2", "--json").stdout
     summary = json.loads(out)
     assert summary["rows"] == make_prompt_table().num_rows
     assert summary["shared_groups"] >= 1
-    assert 0 < summary["ideal_saving"] < 1
+    assert 0 < summary["shared_fraction"] < 1
     assert sum(s["rows"] for s in summary["shards"]) == summary["rows"]
     text = batchllm("plan", str(prompt_parquet), "--model", tiny_model).stdout
-    assert "ideal saving" in text
+    assert "shared " in text and "unique " in text
 
 
 @pytest.mark.slow

@@ -50,7 +50,7 @@ def test_engine_equals_plain_vllm_and_reaches_the_ideal_saving_without_preemptio
     assert all(r.status == "ok" for r in ours.values())
     assert all(r.output_tokens == SAMPLING.max_tokens or r.finish_reason == "stop" for r in ours.values())
     assert ours_stats.prompt_tokens == plain_stats.prompt_tokens
-    assert ours_stats.ideal_cached_tokens == plain_stats.ideal_cached_tokens > 0  # the minimum, whatever the order
+    assert ours_stats.reusable_tokens == plain_stats.reusable_tokens > 0  # the minimum, whatever the order
     assert ours_stats.saving_vs_ideal >= 0.95, ours_stats.to_dict()
     assert ours_stats.prefix_requests == 9  # one per document group, one for the chat rows
     assert ours_stats.preemptions == 0

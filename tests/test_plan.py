@@ -58,7 +58,7 @@ def test_maximize_reuse_splits_a_subtree_only_when_it_pays():
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_ideal_saving_equals_brute_force_tree_on_random_nested_batches(seed):
+def test_shared_tokens_equal_brute_force_tree_on_random_nested_batches(seed):
     rng = np.random.default_rng(seed)
     block = 4
     systems = [rng.integers(0, 50, rng.integers(0, 12)).tolist() for _ in range(2)]
@@ -69,7 +69,7 @@ def test_ideal_saving_equals_brute_force_tree_on_random_nested_batches(seed):
     plan = plan_of(rows, block=block)
     assert plan.unique_tokens == brute_force_unique_tokens(rows, block)
     assert plan.prompt_tokens == sum(map(len, rows))
-    assert plan.ideal_cached_tokens == plan.prompt_tokens - plan.unique_tokens
+    assert plan.shared_prompt_tokens == plan.prompt_tokens - plan.unique_tokens
     assert plan.row_unique_tokens.sum() == plan.unique_tokens
 
 
