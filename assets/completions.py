@@ -13,6 +13,7 @@ from dataclasses import asdict
 import dagster as dg
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from dagster_duckdb import DuckDBResource
 
 from batchllm_dagster.checks import partition_check_results, partition_check_specs
@@ -20,6 +21,7 @@ from batchllm_dagster.config import BatchJobConfig, Backend
 from batchllm_dagster.metadata import run_metadata
 from batchllm_dagster.resources import VLLMResource
 from batchllm_dagster.warehouse import existing_rows, replace_partition
+from engine.atomic import Staged
 from engine.console import ProgressBar
 from engine.results import results_to_table
 from engine.runner import PreparedBatch, RunOutcome, run_resumable
@@ -27,7 +29,7 @@ from engine.settings import EngineSettings, SamplingSettings
 
 from engine.token_cache import TokenCache
 
-from .snapshots import PLAN_RUN_TAG, plan_run_of, plan_stamp, read_parquet, stage_parquet, stale_plan_reasons, with_token_ids
+from .snapshots import PLAN_RUN_TAG, plan_run_of, plan_stamp, read_parquet, stale_plan_reasons, with_token_ids
 
 
 def shard_plan(config: BatchJobConfig, partition_key: str, settings: EngineSettings, queued_for: str | None) -> pa.Table:
@@ -150,13 +152,9 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         # Parquet staged, DuckDB committed, then Parquet renamed into place: a failure at any point
         # (a DuckDB lock timeout, say) leaves both as they were and keeps the checkpoint for the rerun.
         parquet = config.completions_parquet_path(key)
-        staging = stage_parquet(table, parquet)
-        try:
+        with Staged(parquet) as staged:  # published only once DuckDB has committed
+            pq.write_table(table, staged.path)
             written = replace_partition(warehouse, config.output_table, key, table)
-        except BaseException:
-            staging.unlink(missing_ok=True)
-            raise
-        staging.replace(parquet)
         shutil.rmtree(checkpoint, ignore_errors=True)  # the table now holds every row of the shard
         context.log.info(f"wrote {written} rows of partition {key} to {config.output_table}")
         return dg.MaterializeResult(

@@ -15,12 +15,13 @@ from batchllm_dagster.warehouse import remove_answers_not_in, replace_table
 from engine.response_format import check_room_for_answers
 from engine.runner import plan_tokenized
 from engine.settings import fingerprint
+from engine.atomic import write_parquet
 from engine.shards import assign_shards
 from engine.token_cache import CONTENT_KEY, TokenCache
 from engine.tokenizing import LazyTokenizer, tokenizer_fingerprint
 
 from .snapshots import (PLAN_RUN, plan_content_keys, plan_naming_token_cache, plan_stamp, read_parquet,
-                        snapshot_columns, write_parquet)
+                        snapshot_columns)
 
 
 def groups_table(prepared, shards, keys: list[str], config: BatchJobConfig) -> pa.Table:

@@ -1,7 +1,6 @@
 """``prompts``: the prompt rows, read from DuckDB (read-only) or Parquet and snapshotted."""
 
 import hashlib
-import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -11,6 +10,7 @@ import dagster as dg
 
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import table_preview
+from engine.atomic import Staged
 from engine.dataset import check_unique_ids, read_sql, single_query, source_sql, stream_sql, validate
 from engine.token_cache import CONTENT_KEY, KEY_TYPE, content_keys
 
@@ -33,32 +33,26 @@ def snapshot_dataset(config: BatchJobConfig, path: Path) -> tuple[int, pa.Table]
     the whole table is never in memory at once), each row with its content key (what the token
     cache looks rows up by). Returns the row count and the first rows (a preview)."""
     columns = config.dataset.columns
-    staging = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    path.parent.mkdir(parents=True, exist_ok=True)
     writer, rows, preview = None, 0, None
     digest = hashlib.blake2b(digest_size=12)  # of everything but the text: ids, content keys, row settings
-    try:
-        with stream_sql(*dataset_sql(config)) as (schema, batches):
-            for batch in batches:
-                table = validate(pa.Table.from_batches([batch], schema), columns)  # types, NULLs, duplicates within
-                table = table.append_column(CONTENT_KEY, content_keys(
-                    _optional(table, columns.prompt), _optional(table, columns.messages), table.num_rows))
-                writer = writer or pq.ParquetWriter(staging, table.schema)
-                writer.write_table(table)
-                digest.update(_ipc_bytes(table.drop_columns([c for c in (columns.prompt, columns.messages)
-                                                              if c in table.column_names])))
-                rows += table.num_rows
-                preview = preview if preview is not None else table.slice(0, 10)
-            if writer is None:  # no rows: still a snapshot with the dataset's columns
-                table = validate(schema.empty_table(), columns)
-                table = table.append_column(CONTENT_KEY, pa.array([], KEY_TYPE))
-                writer, preview = pq.ParquetWriter(staging, table.schema), table
+    with Staged(path) as staged, stream_sql(*dataset_sql(config)) as (schema, batches):
+        for batch in batches:
+            table = validate(pa.Table.from_batches([batch], schema), columns)  # types, NULLs, duplicates within
+            table = table.append_column(CONTENT_KEY, content_keys(
+                _optional(table, columns.prompt), _optional(table, columns.messages), table.num_rows))
+            writer = writer or pq.ParquetWriter(staged.path, table.schema)
+            writer.write_table(table)
+            digest.update(_ipc_bytes(table.drop_columns([c for c in (columns.prompt, columns.messages)
+                                                          if c in table.column_names])))
+            rows += table.num_rows
+            preview = preview if preview is not None else table.slice(0, 10)
+        if writer is None:  # no rows: still a snapshot with the dataset's columns
+            table = validate(schema.empty_table(), columns)
+            table = table.append_column(CONTENT_KEY, pa.array([], KEY_TYPE))
+            writer, preview = pq.ParquetWriter(staged.path, table.schema), table
         writer.add_key_value_metadata({SNAPSHOT_DIGEST: digest.hexdigest()})
         writer.close()
-        check_unique_ids(staging, columns.id)  # duplicates across batches
-        staging.replace(path)
-    finally:
-        staging.unlink(missing_ok=True)
+        check_unique_ids(staged.path, columns.id)  # duplicates across batches
     return rows, preview
 
 

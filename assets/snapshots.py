@@ -9,7 +9,6 @@ chat template; the prompt snapshot; the settings that shape a plan). A partition
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -61,18 +60,6 @@ def with_token_ids(plan_rows: pa.Table) -> pa.Table:
     empty = pa.scalar([], pa.large_list(pa.int32()))
     token_ids = pc.if_else(pc.is_null(plan_rows.column("error")), token_ids, empty)
     return plan_rows.append_column("token_ids", token_ids)
-
-
-def stage_parquet(table: pa.Table, path: Path) -> Path:
-    """Write next to ``path`` under a temporary name; rename it to ``path`` to publish it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    pq.write_table(table, staging)
-    return staging
-
-
-def write_parquet(table: pa.Table, path: Path) -> None:
-    stage_parquet(table, path).replace(path)  # readers see the old file or the new one, never half of one
 
 
 def read_parquet(path: Path, what: str, filters=None, columns: list[str] | None = None) -> pa.Table:

@@ -17,9 +17,10 @@ from dagster_duckdb import DuckDBResource
 
 from engine.response_format import ResponseFormat
 from engine.results import RunStats
+from engine.sql import quote_identifier
 
 from .config import BatchJobConfig
-from .warehouse import quote_identifier, table_exists
+from .warehouse import table_exists
 
 
 

@@ -11,9 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 from dagster_duckdb import DuckDBResource
 
-
-def quote_identifier(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
+from engine.sql import quote_identifier
 
 
 def table_exists(con, table: str) -> bool:

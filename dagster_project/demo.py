@@ -88,6 +88,8 @@ def materialize_all() -> None:
     import dagster as dg
     import duckdb
 
+    from engine.sql import quote_identifier
+
     from .definitions import DATABASE, defs
 
     from engine.console import summary_table
@@ -105,8 +107,8 @@ def materialize_all() -> None:
         for name, table in tables.items():
             total, ok, errors = con.execute(
                 f'SELECT count(*), count(*) FILTER (WHERE status = \'ok\'), count(*) FILTER (WHERE status = \'error\') '
-                f'FROM "{table}"').fetchall()[0]
-            row_id, text = con.execute(f'SELECT id, text FROM "{table}" ORDER BY id LIMIT 1').fetchall()[0]
+                f'FROM {quote_identifier(table)}').fetchall()[0]
+            row_id, text = con.execute(f'SELECT id, text FROM {quote_identifier(table)} ORDER BY id LIMIT 1').fetchall()[0]
             done = outcomes[name]
             checks = (f"{done['checks']} checks passed" if not done["failed_checks"]
                       else f"FAILED checks: {', '.join(done['failed_checks'])}")

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from engine.atomic import Staged
+
 SEED = 20241203
 
 _PRODUCTS = ["headphones", "coffee grinder", "desk lamp", "running shoes", "backpack", "phone case",
@@ -133,12 +135,8 @@ def build_sample_database(path: str | Path, rebuild: bool = False) -> Path:
     path = Path(path)
     if path.exists() and not rebuild:
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(path.name + ".partial")
-    staging.unlink(missing_ok=True)
     rng = random.Random(SEED)
-    con = duckdb.connect(str(staging))
-    try:
+    with Staged(path) as staged, duckdb.connect(str(staged.path)) as con:
         for name, table in [
             ("review_labels", review_labels(rng)),
             ("document_questions", document_questions(rng)),
@@ -147,9 +145,6 @@ def build_sample_database(path: str | Path, rebuild: bool = False) -> Path:
             con.register("incoming", table)
             con.execute(f"CREATE TABLE {name} AS SELECT * FROM incoming")
             con.unregister("incoming")
-    finally:
-        con.close()
-    staging.replace(path)
     return path
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .atomic import write_parquet
 from .results import RESULT_SCHEMA_FIELDS, RowResult, results_to_table
 from .settings import EngineSettings, SamplingSettings, fingerprint
 
@@ -142,12 +143,8 @@ class Checkpoint:
         self._last_flush = time.monotonic()
         if not self._pending:
             return
-        self.folder.mkdir(parents=True, exist_ok=True)
         table = results_to_table(self._pending, self.id_type)
-        part = self.folder / f"part-{time.time_ns():020d}.parquet"
-        staging = part.with_name(part.name + ".partial")
-        pq.write_table(table, staging)
-        staging.replace(part)
+        write_parquet(table, self.folder / f"part-{time.time_ns():020d}.parquet")
         self.written += len(self._pending)
         self._pending.clear()
 

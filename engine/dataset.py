@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from .sql import quote_identifier, quote_literal, quote_qualified
+
 
 class DatasetError(ValueError):
     """The prompt table cannot be used as it is; the message says what to fix."""
@@ -139,9 +141,9 @@ def source_sql(source: str, database: str | None = None) -> tuple[str, str | Non
     if source.endswith(".parquet") or any(ch in source for ch in "*?["):
         if not glob.glob(source):
             raise DatasetError(f"no Parquet file matches {source!r}")
-        return f"SELECT * FROM read_parquet({_quote(source)})", None, [parquet_folder(source)]
+        return f"SELECT * FROM read_parquet({quote_literal(source)})", None, [parquet_folder(source)]
     if database:
-        return f"SELECT * FROM {_quote_identifier(source)}", database, []
+        return f"SELECT * FROM {quote_qualified(source)}", database, []
     raise DatasetError(f"{source!r} is neither a .sql file, a Parquet file nor a table of a --database")
 
 
@@ -153,14 +155,6 @@ def parquet_folder(source: str) -> str:
 
 def read_source(source: str, database: str | None = None) -> pa.Table:
     return read_sql(*source_sql(source, database))
-
-
-def _quote(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
-
-
-def _quote_identifier(name: str) -> str:
-    return ".".join('"' + part.replace('"', '""') + '"' for part in name.split("."))
 
 
 def validate(table: pa.Table, columns: Columns = Columns()) -> pa.Table:
@@ -200,7 +194,7 @@ def check_unique_ids(parquet: str | Path, id_column: str) -> None:
     import duckdb
 
     with duckdb.connect(config=_NO_EXTENSIONS) as con:
-        column = '"' + id_column.replace('"', '""') + '"'
+        column = quote_identifier(id_column)
         duplicated = con.execute(
             f"SELECT {column} FROM read_parquet(?) GROUP BY {column} HAVING count(*) > 1 LIMIT 5", [str(parquet)]
         ).fetchall()

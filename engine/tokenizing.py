@@ -10,13 +10,13 @@ import hashlib
 import importlib
 import importlib.metadata
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from .atomic import write_text
 from .block_hashes import RowBlocks
 
 _BATCH = 4096
@@ -68,10 +68,7 @@ def load_tokenizer(model_path: str):
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if memo is not None:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        staging = memo.with_name(f".{memo.name}.{os.getpid()}")
-        staging.write_text(f"{type(tokenizer).__module__}:{type(tokenizer).__qualname__}")
-        staging.replace(memo)
+        write_text(f"{type(tokenizer).__module__}:{type(tokenizer).__qualname__}", memo)
     return tokenizer
 
 

@@ -7,6 +7,7 @@ import pyarrow as pa
 from dagster_duckdb import DuckDBResource
 
 from batchllm_dagster.warehouse import replace_partition
+from engine.sql import quote_identifier
 
 
 def rows(key: str, ids: list[str], text: str) -> pa.Table:
@@ -42,3 +43,13 @@ def test_two_partitions_writing_at_once_lose_nothing(tmp_path):
     with duckdb.connect(database, read_only=True) as con:
         got = con.execute("SELECT partition_key, count(*), count(DISTINCT id), max(text) FROM answers GROUP BY 1 ORDER BY 1").fetchall()
     assert got == [(k, 50, 50, "round 14") for k in ("s0", "s1", "s2")]
+
+
+def test_a_table_name_with_quotes_is_a_name_not_sql(tmp_path):
+    db = DuckDBResource(database=str(tmp_path / "w.duckdb"))
+    name = 'answers "v2"; DROP TABLE x'
+    replace_partition(db, name, "a", rows("a", ["1", "2"], "t"))
+    replace_partition(db, name, "a", rows("a", ["1"], "u"))
+    with db.get_connection() as con:
+        assert con.execute("SELECT table_name FROM information_schema.tables").fetchall() == [(name,)]
+        assert con.execute(f"SELECT id, text FROM {quote_identifier(name)}").fetchall() == [("1", "u")]
