@@ -17,46 +17,41 @@ import pyarrow.parquet as pq
 from dagster_duckdb import DuckDBResource
 
 from batchllm_dagster.checks import partition_check_results, partition_check_specs
-from batchllm_dagster.config import BatchJobConfig, Backend
+from batchllm_dagster.config import Backend, BatchJobConfig
 from batchllm_dagster.metadata import run_metadata
 from batchllm_dagster.resources import VLLMResource
 from batchllm_dagster.warehouse import existing_rows, replace_partition
 from engine.atomic import Staged
 from engine.console import ProgressBar
+from engine.plan_table import NotInPlan, StalePlan, load_shard, plan_ids
+from engine.prepared import PreparedBatch
 from engine.results import results_to_table
-from engine.runner import PreparedBatch, RunOutcome, run_resumable
+from engine.resume import RunOutcome, run_resumable
 from engine.settings import EngineSettings, SamplingSettings
 
-from engine.token_cache import TokenCache
-
-from .snapshots import PLAN_RUN_TAG, plan_run_of, plan_stamp, read_parquet, stale_plan_reasons, with_token_ids
+from .snapshots import PLAN_RUN_TAG, plan_stamp_of
 
 
-def shard_plan(config: BatchJobConfig, partition_key: str, settings: EngineSettings, queued_for: str | None) -> pa.Table:
-    """The shard's rows of the plan with their token ids, refused if the plan no longer holds.
-    ``queued_for``: the plan run whose shards this run was queued for (the shard sensor's tag).
-    The plan is read and its entries mapped under the token cache's reader lock: a plan made
-    meanwhile never compacts them away under this run."""
-    with TokenCache.reading(config.token_cache_dir):
-        plan = read_parquet(config.plan_path, "plan", filters=[("partition_key", "=", partition_key)])
-        if plan.num_rows == 0:
-            planned_by = plan_run_of(config.plan_path)
-            if queued_for and planned_by != queued_for:
-                raise dg.Failure(
-                    f"the plan changed since this run was queued: partition {partition_key!r} is not in the "
-                    f"current plan of {config.name!r} (made by run {planned_by}); the new plan's shards are queued "
-                    f"by the {config.name}_run_shards sensor")
+def load_planned_shard(config: BatchJobConfig, key: str, settings: EngineSettings, queued_for: str | None):
+    """The shard's planned rows with their token ids and its shard number, refused (a Dagster
+    failure that says what to do) if the plan no longer has it or no longer holds.
+    ``queued_for``: the plan run whose shards this run was queued for (the shard sensor's tag)."""
+    try:
+        return load_shard(config.plan_path, key, plan_stamp_of(config, settings), config.token_cache_dir)
+    except NotInPlan as missing:
+        if queued_for and missing.planned_by != queued_for:
             raise dg.Failure(
-                f"partition {partition_key!r} is not in the current plan of {config.name!r}: "
-                "rematerialize prefix_groups and run the partitions it lists"
-            )
-        stale = stale_plan_reasons(plan.schema.metadata, plan_stamp(config, settings))
-        if stale:
-            raise dg.Failure(
-                f"the plan of {config.name!r} is stale: {', '.join(stale)} changed since prefix_groups was "
-                f"materialized; rematerialize {config.name}/prefix_groups, then run its partitions"
-            )
-        return with_token_ids(plan)
+                f"the plan changed since this run was queued: partition {key!r} is not in the "
+                f"current plan of {config.name!r} (made by run {missing.planned_by}); the new plan's shards are "
+                f"queued by the {config.name}_run_shards sensor") from None
+        raise dg.Failure(f"partition {key!r} is not in the current plan of {config.name!r}: "
+                         "rematerialize prefix_groups and run the partitions it lists") from None
+    except StalePlan as stale:
+        raise dg.Failure(
+            f"the plan of {config.name!r} is stale: {', '.join(stale.reasons)} changed since prefix_groups was "
+            f"materialized; rematerialize {config.name}/prefix_groups, then run its partitions") from None
+    except FileNotFoundError as exc:
+        raise dg.Failure(str(exc)) from None
 
 
 def live_rows(config: BatchJobConfig, table: pa.Table) -> pa.Table:
@@ -64,7 +59,7 @@ def live_rows(config: BatchJobConfig, table: pa.Table) -> pa.Table:
     dropped ids deleted at the source, whose answers must not come back."""
     if config.keep_deleted_answers:
         return table
-    live = read_parquet(config.plan_path, "plan", columns=["id"]).column("id")
+    live = plan_ids(config.plan_path)
     return table.filter(pc.is_in(table.column("id"), value_set=live))
 
 
@@ -78,7 +73,7 @@ def run_shard_locally(config, key, prepared, settings, sampling, checkpoint, llm
     bar = ProgressBar.on_terminal(f"{config.name} {key}")
     try:
         return run_resumable(prepared, settings, sampling, checkpoint, config.scheduler, reuse_from=reuse,
-                             progress_sink=log, start_engine=llm.open, started_at=started_at, display=bar)
+                             progress_sink=log, open_engine=llm.engine, started_at=started_at, display=bar)
     finally:
         if bar:
             bar.close()
@@ -89,7 +84,7 @@ def run_shard_on_ray(config, key, prepared, settings, sampling, checkpoint) -> t
     from engine.distributed import run_on_ray
 
     outcome = run_on_ray(prepared, settings, sampling, checkpoint, replicas=config.ray_replicas,
-                         address=config.ray_address, scheduler=config.scheduler, actor_prefix=f"batchllm-{key}")
+                         address=config.ray_address, scheduler_settings=config.scheduler, actor_prefix=f"batchllm-{key}")
     info = {"vllm": "on Ray replicas", "replica_of_sub_shard": {str(s): r for s, r in outcome.replica_of_shard.items()},
             "reassigned_sub_shards": outcome.reassigned_shards}
     return outcome.merged(), info
@@ -118,9 +113,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         warehouse: DuckDBResource = getattr(context.resources, config.warehouse_key)
         key = context.partition_key
         settings = config.engine_settings()
-        plan_rows = shard_plan(config, key, settings, context.run.tags.get(PLAN_RUN_TAG))
-        prepared = PreparedBatch.from_table(plan_rows)
-        shard = int(plan_rows["shard"][0].as_py())
+        prepared, shard = load_planned_shard(config, key, settings, context.run.tags.get(PLAN_RUN_TAG))
         hardware_partition = config.hardware_of_shard(shard).name
         sampling = config.sampling
         checkpoint = config.checkpoint_path(key)

@@ -5,23 +5,20 @@ import shutil
 import dagster as dg
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import plan_metadata
 from batchllm_dagster.partitions import shard_key, sync_partitions
 from batchllm_dagster.warehouse import remove_answers_not_in, replace_table
+from engine.plan_table import plan_content_keys, plan_table, previous_shards, write_plan
+from engine.prepared import plan_tokenized
 from engine.response_format import check_room_for_answers
-from engine.runner import plan_tokenized
 from engine.settings import fingerprint
-from engine.atomic import write_parquet
 from engine.shards import assign_shards
 from engine.token_cache import CONTENT_KEY, TokenCache
 from engine.tokenizing import LazyTokenizer, tokenizer_fingerprint
 
-from .snapshots import (PLAN_RUN, plan_content_keys, plan_naming_token_cache, plan_stamp, read_parquet,
-                        snapshot_columns)
+from .snapshots import plan_stamp_of, read_parquet, snapshot_columns
 
 
 def groups_table(prepared, shards, keys: list[str], config: BatchJobConfig) -> pa.Table:
@@ -55,18 +52,6 @@ def _ids_by_shard(prepared, shard_of_row: np.ndarray, shard_count: int) -> list[
     by_shard = prepared.order[by_shard]
     ids = prepared.ids
     return [[ids[r] for r in by_shard[bounds[s]:bounds[s + 1]].tolist()] for s in range(shard_count)]
-
-
-def previous_shards(plan_path, ids: pa.ChunkedArray) -> np.ndarray | None:
-    """Each row's shard in the last plan (-1 for a row it did not have), so unchanged shards keep
-    their rows and partition keys; None without a last plan."""
-    if not plan_path.exists():
-        return None
-    last = pq.read_table(plan_path, columns=["id", "shard"])
-    if last.schema.field("id").type != ids.type:
-        return None
-    position = pc.index_in(ids, value_set=last.column("id"))
-    return pc.fill_null(pc.take(last.column("shard"), position), -1).to_numpy()
 
 
 def remove_deleted_answers(config: BatchJobConfig, warehouse, ids: pa.ChunkedArray, keys: list[str]) -> int:
@@ -122,16 +107,9 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         # The plan is the contract: every row with its group, shard, run position and content key
         # (its token ids are in the content-addressed token cache the plan names), stamped with what
         # it was made from. completions runs it as written.
-        plan_table = plan_naming_token_cache(prepared.to_table(), meta.column(CONTENT_KEY), cache.folder)
-        plan_table = (
-            plan_table
-            .append_column("shard", pa.array(shards.shard_of_row, pa.int64()))
-            .append_column("partition_key", pa.array([keys[s] for s in shards.shard_of_row], pa.string()))
-        )
-        stamp = plan_stamp(config, settings)
-        plan_table = plan_table.replace_schema_metadata({**plan_table.schema.metadata, **stamp, PLAN_RUN: context.run.run_id})
-        write_parquet(plan_table, config.plan_path)
-        plan_bytes = config.plan_path.stat().st_size
+        stamp = plan_stamp_of(config, settings)
+        plan_bytes = write_plan(plan_table(prepared, meta.column(CONTENT_KEY), cache, shards.shard_of_row, keys, stamp,
+                                           context.run.run_id), config.plan_path)
         groups = groups_table(prepared, shards, keys, config)
         replace_table(getattr(context.resources, config.warehouse_key), f"{config.output_table}_prefix_groups", groups)
         added, removed = sync_partitions(context.instance, config.partitions_name, used)

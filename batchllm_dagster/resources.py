@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import dagster as dg
 from pydantic import Field
 
-from engine.runner import PreparedBatch, open_engine
+from engine.prepared import PreparedBatch
 from engine.settings import EngineSettings
-from engine.vllm_engine import VLLMEngine
+from engine.vllm_engine import VLLMEngine, open_engine
 from engine.vllm_env import hardware_name
 
 
@@ -19,8 +22,13 @@ class VLLMResource(dg.ConfigurableResource):
     def hardware(self) -> str:
         return self.hardware_label or hardware_name()
 
-    def open(self, settings: EngineSettings, prepared: PreparedBatch) -> VLLMEngine:
-        return open_engine(settings, prepared)
+    @contextmanager
+    def engine(self, settings: EngineSettings, prepared: PreparedBatch) -> Iterator[VLLMEngine]:
+        """``with llm.engine(settings, prepared) as engine:`` vLLM sized for the batch, shut down
+        when the block ends (normally or not): the resource owns the engine's lifetime, as
+        ``DuckDBResource.get_connection()`` owns a connection's."""
+        with open_engine(settings, prepared) as engine:
+            yield engine
 
 
 # One instance shared by every job's definitions, so that merging them finds no conflict.

@@ -14,7 +14,7 @@ import ray
 from engine.dataset import load_prompts
 from engine.distributed import run_on_ray
 from engine.models import resolve_model
-from engine.runner import prepare_batch
+from engine.prepared import prepare_batch
 from engine.settings import EngineSettings, SamplingSettings
 from engine.tokenizing import load_tokenizer
 

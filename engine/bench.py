@@ -39,20 +39,39 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .cli_options import (
+    DEFAULT_MODEL,
+    add_engine_options,
+    add_response_format_options,
+    at_least_one,
+    engine_settings_from,
+    response_format_from,
+)
 from .plan import build_plan
 from .results import RunStats
-from .cli_options import DEFAULT_MODEL, add_engine_options, add_response_format_options, at_least_one, engine_settings_from, response_format_from
-from .settings import EngineSettings, ReserveOutput, RunMode, SamplingSettings, SchedulerSettings
+from .settings import EngineSettings, ReserveOutput, SamplingSettings, SchedulerSettings
 from .tokenizing import TokenizedBatch
 from .vllm_env import current_platform
 
 log = logging.getLogger(__name__)
 
+def input_order(prepared) -> list[int]:
+    """The rows as the table has them: what plain vLLM gets."""
+    return list(range(prepared.num_rows))
+
+
+def sorted_order(prepared) -> list[int]:
+    """The ``sorted()`` baseline: rows in lexicographic order of their token ids."""
+    return sorted(range(prepared.num_rows), key=prepared.batch.row)
+
+
+# Each run: the order a baseline feeds vLLM its rows in (None: this engine's scheduler), and
+# whether vLLM's prefix caching is on.
 RUNS = {
-    "vllm_nocache": (RunMode.IN_ORDER, False),
-    "vllm_apc": (RunMode.IN_ORDER, True),
-    "vllm_apc_sorted": (RunMode.SORTED, True),
-    "batchllm": (RunMode.BATCHLLM, True),
+    "vllm_nocache": (input_order, False),
+    "vllm_apc": (input_order, True),
+    "vllm_apc_sorted": (sorted_order, True),
+    "batchllm": (None, True),
 }
 SHAPES = ("groups", "nested", "templates")
 
@@ -130,7 +149,7 @@ def templates_tokens(vocab: tuple[int, int], seed: int = 0, rows: int = 200, tem
 
 
 def _prepared(batch, max_tokens, block_size: int, ids: list | None = None, response_formats: dict | None = None):
-    from .runner import PreparedBatch
+    from .prepared import PreparedBatch
 
     started = time.perf_counter()
     plan = build_plan(batch.tokens, batch.offsets, max_tokens, block_size)
@@ -143,7 +162,7 @@ def table_sample(args, tokenizer, model_path: str):
     """Whole prefix groups of the user's table, picked at random until ``--sample`` rows, in the
     table's own order (what plain vLLM would be handed); rows that cannot run are left out."""
     from .dataset import load_prompts
-    from .runner import prepare_batch
+    from .prepared import prepare_batch
 
     table = load_prompts(args.prompts, args.database)
     whole = prepare_batch(table, tokenizer, engine_settings_from(args, model_path),
@@ -166,16 +185,17 @@ def table_sample(args, tokenizer, model_path: str):
 
 
 def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: SamplingSettings, scheduler: SchedulerSettings):
-    from .runner import BatchRun, open_engine
+    from .batch_run import BatchRun
+    from .vllm_engine import open_engine
 
-    mode, caching = RUNS[name]
-    engine = open_engine(engine_settings, prepared, enable_prefix_caching=caching)
+    baseline, caching = RUNS[name]
     try:
-        run = BatchRun(prepared, engine, sampling, scheduler, rows=list(range(prepared.num_rows)), mode=mode)
-        outputs = {r.id: r.text for r in run}
-        info = engine.info
+        with open_engine(engine_settings, prepared, enable_prefix_caching=caching) as engine:
+            run = BatchRun(prepared, engine, sampling, scheduler, rows=input_order(prepared),
+                           baseline_order=baseline(prepared) if baseline else None)
+            outputs = {r.id: r.text for r in run}
+            info = engine.info
     finally:
-        engine.close()
         gc.collect()
     return run.stats, info, outputs
 

@@ -82,7 +82,7 @@ def _batch(rows: int, mean_output: int, seed: int) -> tuple[TokenizedBatch, np.n
         prefix = rng.integers(10, 30000, PREFIX_TOKENS, dtype=np.int32)
         members = list(range(start, min(rows, start + ROWS_PER_GROUP)))
         tokens += [np.concatenate([prefix, rng.integers(10, 30000, OWN_TOKENS, dtype=np.int32)]) for _ in members]
-        groups.append(PlannedGroup(prefix_len=PREFIX_TOKENS, rows=members))
+        groups.append(PlannedGroup(prefix_tokens=PREFIX_TOKENS, rows=members))
     max_tokens = rng.integers(mean_output // 2, mean_output * 3 // 2 + 1, rows)
     return TokenizedBatch.from_rows(tokens), max_tokens, groups
 

@@ -18,9 +18,16 @@ import shutil
 import sys
 from pathlib import Path
 
+from .cli_options import (
+    DEFAULT_MODEL,
+    add_engine_options,
+    add_response_format_options,
+    at_least_one,
+    engine_settings_from,
+    response_format_from,
+)
 from .console import LOG_DIR, ProgressBar, file_logger, route_library_output, run_summary, summary_table
 from .dataset import Columns, DatasetError, load_prompts
-from .cli_options import DEFAULT_MODEL, add_engine_options, add_response_format_options, at_least_one, engine_settings_from, response_format_from
 from .settings import EngineSettings, SamplingSettings, SchedulerSettings
 
 log = logging.getLogger("batchllm")
@@ -48,8 +55,8 @@ def _settings(args) -> tuple[EngineSettings, SamplingSettings, Columns]:
 
 
 def _prepare(args):
+    from .prepared import prepare_batch
     from .response_format import check_room_for_answers
-    from .runner import prepare_batch
     from .tokenizing import load_tokenizer
 
     engine, sampling, columns = _settings(args)
@@ -104,7 +111,7 @@ def cmd_plan(args) -> int:
 def cmd_run(args) -> int:
     from .output import OutputLock, check_output, write_result
     from .results import results_to_table
-    from .runner import run_resumable
+    from .resume import run_resumable
 
     output = Path(args.output)
     check_output(output, args.prompts, args.overwrite)  # before any work

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .prepared import PreparedBatch
 from .results import RowResult, RunStats, merge_stats
-from .runner import PreparedBatch, RunOutcome
+from .resume import RunOutcome
 from .settings import EngineSettings, Policy, SamplingSettings, SchedulerSettings
 from .shards import split_prepared
 
@@ -50,11 +51,12 @@ class ReplicaWorker:
     def ping(self) -> int:
         return os.getpid()
 
-    def run_shard(self, shard: int, prepared: PreparedBatch, engine: EngineSettings, sampling: SamplingSettings,
-                  scheduler: SchedulerSettings, checkpoint_dir: str) -> dict:
-        from .runner import run_resumable
+    def run_shard(self, shard: int, prepared: PreparedBatch, engine_settings: EngineSettings, sampling: SamplingSettings,
+                  scheduler_settings: SchedulerSettings, checkpoint_dir: str) -> dict:
+        from .resume import run_resumable
 
-        outcome = run_resumable(prepared, engine, sampling, checkpoint_dir, scheduler, checkpoint_every_rows=32)
+        outcome = run_resumable(prepared, engine_settings, sampling, checkpoint_dir, scheduler_settings,
+                                checkpoint_every_rows=32)
         for result in outcome.results:
             result.shard = shard
         return {"shard": shard, "replica": self.replica, "pid": os.getpid(), "hardware": self.hardware,
@@ -117,7 +119,7 @@ def run_on_ray(
     *,
     replicas: int = 2,
     address: str | None = None,
-    scheduler: SchedulerSettings = SchedulerSettings(),
+    scheduler_settings: SchedulerSettings = SchedulerSettings(),
     placement: Placement | str = Placement.GROUPS,
     replica_weights: list[float] | None = None,
     resources_per_replica: dict | None = None,
@@ -157,7 +159,7 @@ def run_on_ray(
     def submit(shard: int, replica: int):
         part = prepared.subset(np.flatnonzero(shard_of_row == shard))
         folder = str(Path(checkpoint_root) / f"shard-{shard:03d}")
-        return actors[replica].run_shard.remote(shard, part, engine_settings, sampling, scheduler, checkpoint_dir=folder)
+        return actors[replica].run_shard.remote(shard, part, engine_settings, sampling, scheduler_settings, checkpoint_dir=folder)
     pending = {submit(s, s): (s, s) for s in range(replicas) if (shard_of_row == s).any()}
     attempts = {s: 1 for s, _ in pending.values()}
     done: dict[int, dict] = {}

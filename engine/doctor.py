@@ -49,8 +49,15 @@ def environment_problems(platform: Platform, env: dict[str, str]) -> list[str]:
 
 def check(settings: EngineSettings, rows: int = 16) -> Report:
     from .gpus import gpus
-    from .vllm_env import (VLLM_SERIES, check_vllm_version, current_platform, engine_args, platform_detection,
-                           process_env, vllm_version)
+    from .vllm_env import (
+        VLLM_SERIES,
+        check_vllm_version,
+        current_platform,
+        engine_args,
+        platform_detection,
+        process_env,
+        vllm_version,
+    )
 
     report = Report()
     platform = current_platform()
@@ -78,10 +85,11 @@ def _start_and_answer(settings: EngineSettings, rows: int, report: Report) -> No
     """Start vLLM as a job does, run ``rows`` rows sharing a prefix, check every answer."""
     import pyarrow as pa
 
-    from .runner import BatchRun, open_engine, prepare_batch
+    from .batch_run import BatchRun
+    from .prepared import prepare_batch
     from .settings import SamplingSettings
     from .tokenizing import load_tokenizer
-    from .vllm_engine import EngineStartError
+    from .vllm_engine import EngineStartError, open_engine
 
     shared = "You are a careful assistant. Answer in one short sentence. " * 4
     table = pa.table({"id": [f"doctor-{i}" for i in range(rows)],

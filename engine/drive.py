@@ -50,7 +50,7 @@ def request_sampling(submission: Submission, sampling: SamplingSettings,
     """A prefix request only fills the cache (its one token is thrown away): no constraint to compile."""
     if submission.kind is RequestKind.PREFIX:
         return sampling.model_copy(update={"response_format": None}) if sampling.response_format else sampling
-    own = row_formats.get(submission.index)
+    own = row_formats.get(submission.row)
     return sampling if own is None else sampling.model_copy(update={"response_format": own})
 
 

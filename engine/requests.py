@@ -26,20 +26,33 @@ RequestKey = tuple[RequestKind, int]
 
 @dataclass(frozen=True, eq=False)
 class Submission:
-    """One request for the engine. ``index`` is the row index (ROW) or the group's position (PREFIX)."""
+    """One request for the engine: a row of the batch, or a group's prefix (read ``row`` or
+    ``group_position``, which say which one they are)."""
 
     kind: RequestKind
-    index: int
+    subject: int  # the row (ROW) or the group's position in the plan (PREFIX)
     token_ids: np.ndarray
     max_tokens: int
 
     @property
+    def row(self) -> int:
+        if self.kind is not RequestKind.ROW:
+            raise AttributeError(f"a {self.kind.value} request has no row")
+        return self.subject
+
+    @property
+    def group_position(self) -> int:
+        if self.kind is not RequestKind.PREFIX:
+            raise AttributeError(f"a {self.kind.value} request has no group position")
+        return self.subject
+
+    @property
     def key(self) -> RequestKey:
-        return (self.kind, self.index)
+        return (self.kind, self.subject)
 
     @property
     def request_id(self) -> str:
-        return f"{self.kind.value}-{self.index}"
+        return f"{self.kind.value}-{self.subject}"
 
 
 @dataclass

@@ -56,20 +56,20 @@ from .tokenizing import TokenizedBatch
 
 @dataclass
 class PlannedGroup:
-    """A group of rows, in run order, that share their first ``prefix_len`` tokens (whole blocks)."""
+    """A group of rows, in run order, that share their first ``prefix_tokens`` tokens (whole blocks)."""
 
-    prefix_len: int
+    prefix_tokens: int
     rows: list[int]
 
 
-def groups_in_run_order(rows: Iterable[int], group_of_row: np.ndarray, prefix_len_of_row: np.ndarray) -> list[PlannedGroup]:
+def groups_in_run_order(rows: Iterable[int], group_of_row: np.ndarray, prefix_tokens_of_row: np.ndarray) -> list[PlannedGroup]:
     """Split rows (already in run order) where the group changes."""
     groups: list[PlannedGroup] = []
     last = None
     for row in rows:
         group = int(group_of_row[row])
         if group != last:
-            groups.append(PlannedGroup(prefix_len=int(prefix_len_of_row[row]), rows=[]))
+            groups.append(PlannedGroup(prefix_tokens=int(prefix_tokens_of_row[row]), rows=[]))
             last = group
         groups[-1].rows.append(int(row))
     return groups
@@ -96,7 +96,7 @@ def group_prefix_keys(batch: TokenizedBatch, groups: list[PlannedGroup], block_s
     """The chained hashes of each group's whole prefix blocks (row ``i`` of the result is group
     ``i``'s prefix), hashed as the planner hashes rows: equal keys mean equal tokens from the start
     of the prompt up to the end of that block."""
-    prefixes = [batch.tokens_of(g.rows[0])[: g.prefix_len - g.prefix_len % block_size] if g.rows else
+    prefixes = [batch.tokens_of(g.rows[0])[: g.prefix_tokens - g.prefix_tokens % block_size] if g.rows else
                 np.zeros(0, np.int32) for g in groups]
     offsets = np.concatenate([[0], np.cumsum([p.size for p in prefixes])]).astype(np.int64)
     tokens = np.concatenate(prefixes) if prefixes else np.zeros(0, np.int32)
@@ -163,7 +163,7 @@ class GroupScheduler:
         for g in groups:
             for previous, row in zip(g.rows, g.rows[1:]):
                 common = common_whole_blocks(batch.tokens_of(previous), batch.tokens_of(row), block_size) * block_size
-                if common > g.prefix_len:
+                if common > g.prefix_tokens:
                     self._shares_deeper[row] = (previous, common)
         self._next_sharer = {previous: row for row, (previous, _) in self._shares_deeper.items()}
         self._holders: Counter[int] = Counter()  # prefix block key -> groups holding it
@@ -201,7 +201,7 @@ class GroupScheduler:
         """Leading tokens of the row that vLLM finds in flight: its group's prefix, or more while
         the row before it, with which it shares more, is in the engine too."""
         previous, common = self._shares_deeper.get(row, (None, 0))
-        return self._cache_hit(row, common if previous in self._rows else group.planned.prefix_len)
+        return self._cache_hit(row, common if previous in self._rows else group.planned.prefix_tokens)
 
     def _row_demand(self, row: int, group: _GroupState, generated: int) -> int:
         """The row's blocks by its exact generated tokens (what ``planned_blocks`` shows)."""
@@ -269,7 +269,7 @@ class GroupScheduler:
         sharer = self._next_sharer.get(row)
         neighbour = self._accounts.get(sharer) if sharer is not None else None
         if neighbour is not None:
-            own_hit = self._cache_hit(sharer, self._rows[sharer].planned.prefix_len) // self._block
+            own_hit = self._cache_hit(sharer, self._rows[sharer].planned.prefix_tokens) // self._block
             self._row_blocks += neighbour.hit_blocks - own_hit
             neighbour.base += neighbour.hit_blocks - own_hit
             neighbour.hit_blocks = own_hit
@@ -314,12 +314,12 @@ class GroupScheduler:
             if group.state is _PrefixState.PENDING:
                 new_blocks = sum(1 for key in group.block_keys if key not in self._holders)
                 first = planned.rows[0]
-                need = new_blocks + 1 + self._blocks_at(first, 0, self._cache_hit(first, planned.prefix_len) // self._block)
+                need = new_blocks + 1 + self._blocks_at(first, 0, self._cache_hit(first, planned.prefix_tokens) // self._block)
                 if busy() and self.blocks_in_flight + need > self._budget:
                     break
                 self._hold(group)
                 if self._uses_prefix_request(group):
-                    prefix = self._batch.tokens_of(planned.rows[0])[: planned.prefix_len]
+                    prefix = self._batch.tokens_of(planned.rows[0])[: planned.prefix_tokens]
                     decision.submit.append(Submission(RequestKind.PREFIX, group.position, prefix, 1))
                     self._prefixes[group.position] = group  # counts the prefix request's own output block
                     self.stats.prefix_requests += 1
@@ -330,8 +330,8 @@ class GroupScheduler:
                 break  # its rows wait for the prefix; later groups wait for their turn
             while not group.all_admitted:
                 row = planned.rows[group.next_row]
-                alone = planned.prefix_len // self._block + self._own_blocks(
-                    self._lengths[row] + self._max_tokens[row], self._cache_hit(row, planned.prefix_len))
+                alone = planned.prefix_tokens // self._block + self._own_blocks(
+                    self._lengths[row] + self._max_tokens[row], self._cache_hit(row, planned.prefix_tokens))
                 if alone > self._capacity:
                     decision.reject.append((row, f"needs {alone} KV blocks with its output; the KV cache has "
                                                  f"{self._capacity} (block size {self._block})"))
@@ -359,13 +359,13 @@ class GroupScheduler:
     def finish(self, finished: Finished) -> None:
         submission = finished.submission
         if submission.kind is RequestKind.PREFIX:
-            group = self._prefixes.pop(submission.index)
+            group = self._prefixes.pop(submission.group_position)
             group.state = _PrefixState.READY
             self.stats.prefix_prompt_tokens += finished.prompt_tokens
             self.stats.prefix_cached_tokens += finished.cached_tokens
             return
-        group = self._rows.pop(submission.index)
-        self._release_row(submission.index)
+        group = self._rows.pop(submission.row)
+        self._release_row(submission.row)
         group.outstanding -= 1
         if group.outstanding == 0 and group.all_admitted:
             self._release(group)  # the prefix may now be evicted
@@ -374,9 +374,9 @@ class GroupScheduler:
         planned = group.planned
         return (
             self._settings.prefix_requests
-            and planned.prefix_len >= self._block
+            and planned.prefix_tokens >= self._block
             and len(planned.rows) >= self._settings.min_group_rows
-            and planned.prefix_len // self._block + 1 <= self._capacity
+            and planned.prefix_tokens // self._block + 1 <= self._capacity
         )
 
 

@@ -36,14 +36,6 @@ class ReserveOutput(Policy):
     LOOKAHEAD = "lookahead"  # the next lookahead_tokens (vLLM allocates output blocks lazily)
 
 
-class RunMode(Policy):
-    """How the rows of a run enter the engine."""
-
-    BATCHLLM = "batchllm"  # plan order, group-wise admission under a KV budget
-    IN_ORDER = "in_order"  # every row at once, in the given order (plain vLLM)
-    SORTED = "sorted"  # every row at once, sorted by token ids (plain vLLM on sorted() rows)
-
-
 # Default KV block size (tokens) everywhere a block size is not given; vLLM accepts these.
 DEFAULT_BLOCK_SIZE = 32
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256)

@@ -128,7 +128,7 @@ def split_prepared(prepared, parts: int, weights: list[float] | None = None, dec
     if not order.size:
         return shard_of_row
     starts = np.concatenate([[0], np.flatnonzero(np.diff(prepared.group_of_row[order])) + 1, [order.size]])
-    prefix = prepared.prefix_len_of_row[order]
+    prefix = prepared.prefix_tokens_of_row[order]
     row_cost = (prepared.batch.lengths[order] - prefix + decode_cost * prepared.max_tokens[order]).astype(float)
     row_cost[starts[:-1]] += prefix[starts[:-1]]  # each group computes its prefix once
     shard_in_order, _ = _cut(row_cost, starts, weights, parts)

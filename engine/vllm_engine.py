@@ -9,13 +9,18 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import numpy as np
+
+from .console import tidy_library_loggers
 from .requests import Finished, RequestKey, StepReport, Submission
 from .results import EngineInfo
-
 from .settings import EngineSettings, SamplingSettings
-from .console import tidy_library_loggers
 from .vllm_env import check_vllm_version, configure, current_platform, engine_args, offline_usage_context, vllm_version
+
+if TYPE_CHECKING:
+    from .prepared import PreparedBatch
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +86,24 @@ def kv_cache_groups(engine) -> list | None:
     return list(manager.kv_cache_groups) if manager is not None else None
 
 
+def sampling_params(sampling: SamplingSettings, max_tokens: int, deltas: bool = False):
+    """vLLM's ``SamplingParams`` for a request of ``max_tokens`` (``deltas``: each step's new
+    tokens only; else the final output only, as ``LLM.generate`` wants)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        ignore_eos=sampling.ignore_eos,
+        seed=sampling.seed if sampling.temperature > 0 else None,
+        stop=list(sampling.stop) or None,
+        structured_outputs=sampling.response_format.vllm_params() if sampling.response_format else None,
+        output_kind=RequestOutputKind.DELTA if deltas else RequestOutputKind.FINAL_ONLY,
+    )
+
+
 class VLLMEngine:
     """One vLLM ``LLMEngine`` driven step by step by the caller (implements ``requests.Engine``)."""
 
@@ -139,26 +162,12 @@ class VLLMEngine:
         """vLLM's configuration as it resolved it at start-up (dtype, block size, batch limits)."""
         return self._engine.vllm_config
 
-    def sampling_params(self, sampling: SamplingSettings, max_tokens: int):
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            ignore_eos=sampling.ignore_eos,
-            seed=sampling.seed if sampling.temperature > 0 else None,
-            stop=list(sampling.stop) or None,
-            structured_outputs=sampling.response_format.vllm_params() if sampling.response_format else None,
-            # Only what is new each step: CUMULATIVE rebuilds every running row's whole output per step.
-            output_kind=RequestOutputKind.DELTA,
-        )
-
     def submit(self, submission: Submission, sampling: SamplingSettings) -> None:
         request_id = submission.request_id
         engine_input = self._engine.renderer.render_cmpl([{"prompt_token_ids": submission.token_ids.tolist()}])[0]
-        self._engine.add_request(request_id, engine_input, self.sampling_params(sampling, submission.max_tokens))
+        # Only what is new each step: CUMULATIVE rebuilds every running row's whole output per step.
+        params = sampling_params(sampling, submission.max_tokens, deltas=True)
+        self._engine.add_request(request_id, engine_input, params)
         self._submitted[request_id] = submission
         self._outputs[request_id] = ([], [])
 
@@ -214,3 +223,17 @@ class VLLMEngine:
     def __exit__(self, *exc) -> None:
         self.close()
 
+
+def open_engine(
+    engine_settings: EngineSettings, prepared: PreparedBatch | None = None, enable_prefix_caching: bool = True
+) -> VLLMEngine:
+    """Start vLLM for ``prepared`` with ``max_num_seqs`` sized so that the KV budget, not a fixed
+    count, limits admission. The engine is a context manager: whoever opens it closes it."""
+    max_num_seqs = engine_settings.max_num_seqs
+    if max_num_seqs is None and prepared is not None and engine_settings.kv_cache_blocks:
+        ok = prepared.batch.lengths > 0
+        if ok.any():
+            own = (np.ceil((prepared.batch.lengths[ok] + prepared.max_tokens[ok]) / engine_settings.block_size)
+                   - prepared.prefix_tokens_of_row[ok] // engine_settings.block_size)
+            max_num_seqs = int(np.clip(engine_settings.kv_cache_blocks / max(float(np.median(own)), 1), 16, 512))
+    return VLLMEngine(engine_settings, enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs)

@@ -73,6 +73,19 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 
+    # A context manager like VLLMEngine: whoever opens it closes it.
+    closed_by_owner = False
+    info = None  # a real engine describes itself here (EngineInfo)
+
+    def __enter__(self) -> "FakeEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.closed_by_owner = True
+
+    def close(self) -> None:
+        raise AssertionError("only the engine's owner closes it, by leaving its context")
+
     def step(self) -> StepReport:
         self.step_count += 1
         preempted = self._grow_running()

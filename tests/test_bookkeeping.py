@@ -1,5 +1,6 @@
 """Fast unit tests of the run's bookkeeping: checkpoints, progress lines, merged stats, partitions."""
 
+import contextlib
 import re
 
 import numpy as np
@@ -7,10 +8,11 @@ import pyarrow as pa
 import pytest
 
 from engine.checkpoint import Checkpoint
+from engine.plan import reusable_tokens
+from engine.plan_table import prepared_batch, rows_table
+from engine.prepared import PreparedBatch
 from engine.progress import Progress, format_eta
 from engine.results import RowResult, RunStats, merge_stats
-from engine.plan import reusable_tokens
-from engine.runner import PreparedBatch
 from engine.tokenizing import TokenizedBatch
 
 
@@ -68,13 +70,13 @@ def prepared_of(rows: list[list[int]], order, groups, prefix) -> PreparedBatch:
     batch = TokenizedBatch.from_rows(rows)
     return PreparedBatch(ids=[f"r{i}" for i in range(len(rows))], id_type=pa.string(), batch=batch,
                          max_tokens=np.full(len(rows), 4), errors={1: "bad"}, order=np.asarray(order),
-                         group_of_row=np.asarray(groups), prefix_len_of_row=np.asarray(prefix), block_size=2)
+                         group_of_row=np.asarray(groups), prefix_tokens_of_row=np.asarray(prefix), block_size=2)
 
 
 def test_a_plan_table_round_trips_and_a_subset_keeps_the_plan_order():
     prepared = prepared_of([[1, 2, 3, 4, 9], [], [1, 2, 3, 4, 8], [5, 6, 7]], order=[2, 0, 3, 1], groups=[0, 2, 0, 1],
                            prefix=[4, 0, 4, 0])
-    back = PreparedBatch.from_table(prepared.to_table())
+    back = prepared_batch(rows_table(prepared), prepared.batch)
     assert back.ids == prepared.ids and back.errors == prepared.errors and back.block_size == 2
     assert list(back.order) == [2, 0, 3, 1] and back.batch.row(2) == [1, 2, 3, 4, 8]
     part = prepared.subset([3, 0, 2])
@@ -102,7 +104,7 @@ def test_a_resumable_run_on_a_fake_engine_checkpoints_from_the_first_row_not_fro
     so a slow engine start-up does not make the first part hold a single row; a rerun reuses all."""
     import time
 
-    from engine.runner import run_resumable
+    from engine.resume import run_resumable
     from engine.settings import EngineSettings, SamplingSettings
 
     from .fake_engine import FakeEngine
@@ -111,27 +113,28 @@ def test_a_resumable_run_on_a_fake_engine_checkpoints_from_the_first_row_not_fro
     prepared = prepared_of(rows, order=list(range(12)), groups=[0] * 12, prefix=[6] * 12)
     prepared.errors.clear()
 
-    class SlowStartingEngine(FakeEngine):
-        info = None
+    opened = []
 
-        def close(self):
-            pass
-
-    def start_engine(settings, prepared):
+    @contextlib.contextmanager
+    def slow_starting_engine(settings, prepared):  # the owner of the engine: opens it, and closes it
         time.sleep(0.6)  # longer than the checkpoint interval
-        return SlowStartingEngine(num_blocks=64, block_size=2)
+        engine = FakeEngine(num_blocks=64, block_size=2)
+        opened.append(engine)
+        yield engine
+        engine.closed_by_owner = True
 
     lines = []
     outcome = run_resumable(prepared, EngineSettings(model_path="unused", block_size=8), SamplingSettings(max_tokens=4),
-                            tmp_path / "ckpt", checkpoint_every_s=0.5, start_engine=start_engine,
+                            tmp_path / "ckpt", checkpoint_every_s=0.5, open_engine=slow_starting_engine,
                             progress_sink=lines.append)
     assert sorted(r.id for r in outcome.results) == sorted(prepared.ids)
     assert outcome.stats.ok_rows == 12 and outcome.stats.startup_s >= 0.6
+    assert len(opened) == 1 and opened[0].closed_by_owner  # the run left the engine's context; its owner closed it
     parts = sorted((tmp_path / "ckpt").glob("part-*.parquet"))
     assert len(parts) == 1  # all rows finished within the first interval after start-up
     again = run_resumable(prepared, EngineSettings(model_path="unused", block_size=8), SamplingSettings(max_tokens=4),
-                          tmp_path / "ckpt", start_engine=start_engine, progress_sink=lines.append)
-    assert again.stats.reused_rows == 12 and again.engine is None
+                          tmp_path / "ckpt", open_engine=slow_starting_engine, progress_sink=lines.append)
+    assert again.stats.reused_rows == 12 and again.engine is None and len(opened) == 1  # nothing to run: no engine
     assert "reusing 12 of 12 rows (12 from the checkpoint" in lines[-1]
 
 
@@ -141,8 +144,9 @@ def test_a_changed_chat_template_or_snapshot_makes_the_plan_stale(tmp_path, tiny
 
     import pyarrow.parquet as pq
 
-    from assets.snapshots import plan_stamp, stale_plan_reasons
+    from assets.snapshots import plan_stamp_of
     from batchllm_dagster.config import BatchJobConfig, DatasetSpec
+    from engine.plan_table import stale_reasons
     from engine.settings import EngineSettings
 
     model = tmp_path / "model"
@@ -152,25 +156,25 @@ def test_a_changed_chat_template_or_snapshot_makes_the_plan_stale(tmp_path, tiny
                             storage_dir=str(tmp_path / "jobs"))
     config.prompts_path.parent.mkdir(parents=True)
     pq.write_table(pa.table({"id": [1], "prompt": ["a"]}), config.prompts_path)
-    stamp = plan_stamp(config, config.engine_settings())
+    stamp = plan_stamp_of(config, config.engine_settings())
     recorded = {k.encode(): v.encode() for k, v in stamp.items()}
-    assert stale_plan_reasons(recorded, plan_stamp(config, config.engine_settings())) == []
+    assert stale_reasons(recorded, plan_stamp_of(config, config.engine_settings())) == []
 
     settings = json.loads((model / "tokenizer_config.json").read_text())
     settings["chat_template"] = "{{ messages[0]['content'] }}"
     (model / "tokenizer_config.json").write_text(json.dumps(settings))
-    assert stale_plan_reasons(recorded, plan_stamp(config, config.engine_settings())) == ["the model, tokenizer or chat template"]
+    assert stale_reasons(recorded, plan_stamp_of(config, config.engine_settings())) == ["the model, tokenizer or chat template"]
 
     pq.write_table(pa.table({"id": [1], "prompt": ["b"]}), config.prompts_path)
-    assert "the prompt snapshot" in stale_plan_reasons(recorded, plan_stamp(config, config.engine_settings()))
-    assert stale_plan_reasons(None, stamp)  # a plan without a stamp is stale too
+    assert "the prompt snapshot" in stale_reasons(recorded, plan_stamp_of(config, config.engine_settings()))
+    assert stale_reasons(None, stamp)  # a plan without a stamp is stale too
 
 
 def test_a_model_rewritten_in_place_reruns_every_row_and_says_why(tmp_path):
     """The answer fingerprint holds the model's content, not its path: weights re-exported to the
     same folder (a nightly fine-tune) make every row run again, and the run says why."""
     from engine.checkpoint import NEW_ROW, ROW_CHANGED, SETTINGS_CHANGED
-    from engine.runner import run_resumable
+    from engine.resume import run_resumable
     from engine.settings import EngineSettings, SamplingSettings
 
     from .fake_engine import FakeEngine
@@ -180,19 +184,13 @@ def test_a_model_rewritten_in_place_reruns_every_row_and_says_why(tmp_path):
     (model / "config.json").write_text('{"model_type": "llama"}')
     (model / "model.safetensors").write_bytes(b"weights of night 1")
 
-    class Engine(FakeEngine):
-        info = None
-
-        def close(self):
-            pass
-
     rows = [[1, 2, 3, 4, 5, 6, 7, i] for i in range(12)]
     settings, sampling = EngineSettings(model_path=str(model), block_size=8), SamplingSettings(max_tokens=4)
 
     def run(prepared):
         lines = []
         outcome = run_resumable(prepared, settings, sampling, tmp_path / "ckpt",
-                                start_engine=lambda *a: Engine(num_blocks=64, block_size=2), progress_sink=lines.append)
+                                open_engine=lambda *a: FakeEngine(num_blocks=64, block_size=2), progress_sink=lines.append)
         return outcome, lines[0]
 
     prepared = prepared_of(rows, order=list(range(12)), groups=[0] * 12, prefix=[6] * 12)

@@ -158,7 +158,6 @@ def test_a_partition_runs_the_materialized_plan_without_tokenizer_or_planner(job
                          engine.tokenizing._render_chat, engine.plan.build_plan, engine.plan.plan_blocks,
                          engine.plan._build_levels):
             monkeypatch.setattr(function, "__code__", forbidden.__code__)
-        import engine.runner
         import engine.token_cache
 
         with pytest.raises(AssertionError, match="must not tokenize"):  # names bound before the patch call it too

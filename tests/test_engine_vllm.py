@@ -5,9 +5,11 @@ import random
 import pyarrow as pa
 import pytest
 
-from engine.runner import BatchRun, open_engine, prepare_batch
+from engine.batch_run import BatchRun
+from engine.prepared import prepare_batch
 from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
 from engine.tokenizing import load_tokenizer
+from engine.vllm_engine import open_engine
 
 from .conftest import make_prompt_table
 
@@ -20,12 +22,14 @@ def settings(model, **kw):
     return EngineSettings(model_path=model, kv_cache_blocks=kw.pop("kv_cache_blocks", 64), **kw)
 
 
-def run(model, table, mode="batchllm", engine_settings=None, sampling=SAMPLING, input_order=False):
+def run(model, table, plain=False, engine_settings=None, sampling=SAMPLING, input_order=False):
+    """Our scheduler, or (``plain``) plain vLLM given the rows in input order."""
     engine_settings = engine_settings or settings(model)
     prepared = prepare_batch(table, load_tokenizer(model), engine_settings, sampling)
     rows = list(range(table.num_rows)) if input_order else None
     with open_engine(engine_settings, prepared) as engine:
-        batch_run = BatchRun(prepared, engine, sampling, SchedulerSettings(log_every_s=1), rows=rows, mode=mode)
+        batch_run = BatchRun(prepared, engine, sampling, SchedulerSettings(log_every_s=1), rows=rows,
+                             baseline_order=list(range(table.num_rows)) if plain else None)
         results = list(batch_run)
     return {r.id: r for r in results}, batch_run.stats
 
@@ -44,8 +48,8 @@ def test_answers_are_keyed_by_id_whatever_the_input_order(tiny_model):
 def test_engine_equals_plain_vllm_and_reaches_the_ideal_saving_without_preemption(tiny_model):
     table = make_prompt_table(documents=8, questions=5)
     # Rows are handed over in input order: the engine must still run them in plan order.
-    ours, ours_stats = run(tiny_model, table, mode="batchllm", input_order=True)
-    plain, plain_stats = run(tiny_model, table, mode="in_order", input_order=True)
+    ours, ours_stats = run(tiny_model, table, input_order=True)
+    plain, plain_stats = run(tiny_model, table, plain=True, input_order=True)
     assert {i: r.text for i, r in ours.items()} == {i: r.text for i, r in plain.items()}
     assert all(r.status == "ok" for r in ours.values())
     assert all(r.output_tokens == SAMPLING.max_tokens or r.finish_reason == "stop" for r in ours.values())

@@ -163,11 +163,23 @@ def test_the_engine_starts_vllm_in_its_offline_usage_context(monkeypatch, tiny_m
 def test_requests_ask_vllm_for_deltas_only():
     from vllm.sampling_params import RequestOutputKind
 
+    import numpy as np
+
+    from engine.requests import RequestKind, Submission
     from engine.settings import SamplingSettings
     from engine.vllm_engine import VLLMEngine
 
-    params = VLLMEngine.sampling_params(None, SamplingSettings(max_tokens=4), 4)
-    assert params.output_kind is RequestOutputKind.DELTA
+    class LLMEngineDouble:  # what submit hands to vLLM's engine, recorded
+        class renderer:
+            render_cmpl = staticmethod(lambda prompts: prompts)
+
+        def add_request(self, request_id, engine_input, params):
+            self.params = params
+
+    engine = object.__new__(VLLMEngine)  # the handle without starting vLLM
+    engine._engine, engine._submitted, engine._outputs = LLMEngineDouble(), {}, {}
+    engine.submit(Submission(RequestKind.ROW, 0, np.array([1, 2, 3]), 4), SamplingSettings(max_tokens=4))
+    assert engine._engine.params.output_kind is RequestOutputKind.DELTA and engine._engine.params.max_tokens == 4
 
 
 def test_batch_invariant_mode_is_refused_off_cuda_with_the_reason():

@@ -44,8 +44,10 @@ def nightly(tmp_path, tiny_model):
 
 def from_scratch(config: BatchJobConfig) -> dict:
     """Every live row answered by a fresh engine: what each answer in the table must equal."""
-    from engine.runner import BatchRun, open_engine, prepare_batch
+    from engine.batch_run import BatchRun
+    from engine.prepared import prepare_batch
     from engine.tokenizing import load_tokenizer
+    from engine.vllm_engine import open_engine
 
     with duckdb.connect(config.dataset.database, read_only=True) as con:
         table = con.sql("SELECT id, prompt, messages FROM prompt_rows").to_arrow_table()

@@ -3,10 +3,12 @@
 import pyarrow as pa
 import pytest
 
+from engine.batch_run import BatchRun
 from engine.checkpoint import row_fingerprints
+from engine.plan_table import prepared_batch, rows_table
+from engine.prepared import prepare_batch
 from engine.requests import RequestKind
 from engine.response_format import ResponseFormat
-from engine.runner import BatchRun, PreparedBatch, prepare_batch
 from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
 from engine.tokenizing import load_tokenizer
 
@@ -49,7 +51,7 @@ def test_rows_carry_their_own_format_through_the_plan_and_a_bad_one_is_an_error_
     prepared = prepare_batch(table, load_tokenizer(tiny_model), settings, SamplingSettings())
     assert prepared.response_formats == {1: LABELS, 2: PERSON}
     assert prepared.errors[3].startswith("invalid response_format: invalid JSON schema")
-    back = PreparedBatch.from_table(prepared.to_table())
+    back = prepared_batch(rows_table(prepared), prepared.batch)
     assert back.response_formats == prepared.response_formats
     assert prepared.subset([2, 3]).response_formats == {0: PERSON}
     plain = prepared.subset([0, 1, 2])

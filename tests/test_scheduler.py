@@ -2,7 +2,8 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.drive import Rejected, StepTotals, drive
 from engine.requests import RequestKind
@@ -31,7 +32,7 @@ def nested_batch(documents=6, rows_per_document=4, system_blocks=6, document_blo
         for _ in range(rows_per_document):
             members.append(len(rows))
             rows.append(np.concatenate([system, document, rng.integers(2000, 3000, own_tokens)]))
-        groups.append(PlannedGroup(prefix_len=(system_blocks + document_blocks) * BLOCK, rows=members))
+        groups.append(PlannedGroup(prefix_tokens=(system_blocks + document_blocks) * BLOCK, rows=members))
     return make_batch(rows), groups
 
 
@@ -68,16 +69,16 @@ def test_the_budget_is_never_exceeded_and_never_undercounts_what_the_engine_hold
     assert engine.peak_referenced <= scheduler.stats.budget_blocks
     assert watch.undercounts == []
     assert engine.preemptions == 0
-    assert sorted(f.submission.index for f in out) == list(range(len(batch.lengths)))
+    assert sorted(f.submission.row for f in out) == list(range(len(batch.lengths)))
 
 
 def test_a_group_prefix_stays_cached_until_its_last_row():
     batch, groups = nested_batch(documents=8, rows_per_document=5)
     engine, _, out, _, _ = run(batch, groups, np.full(len(batch.lengths), 6), num_blocks=48)
-    prefix_len = groups[0].prefix_len
+    prefix_tokens = groups[0].prefix_tokens
     # Every row found its whole group prefix in the cache: computed once, by the prefix request.
-    assert all(f.cached_tokens >= prefix_len for f in out)
-    assert engine.prefill_tokens == sum(int(batch.lengths[r]) - prefix_len for g in groups for r in g.rows) + \
+    assert all(f.cached_tokens >= prefix_tokens for f in out)
+    assert engine.prefill_tokens == sum(int(batch.lengths[r]) - prefix_tokens for g in groups for r in g.rows) + \
         (6 * BLOCK) + len(groups) * 2 * BLOCK  # rows' own tokens + system prompt once + each document once
 
 
@@ -90,7 +91,7 @@ def test_nested_prefix_blocks_shared_by_groups_count_once():
                                                 reserve_output="full")
     group_of = {r: g for g, group in enumerate(groups) for r in group.rows}
     most_groups_in_flight = max(
-        len({group_of[sub.index] for s, sub in engine.submitted if s <= step and sub.kind is RequestKind.ROW
+        len({group_of[sub.row] for s, sub in engine.submitted if s <= step and sub.kind is RequestKind.ROW
              and engine.finished_at[sub.key] > step})
         for step in range(engine.step_count + 1)
     )
@@ -109,7 +110,7 @@ def test_rows_sharing_more_than_their_group_prefix_count_the_shared_blocks_once(
         document = rng.integers(200, 300, 3 * BLOCK)
         rows += [np.concatenate([system, document, rng.integers(300, 400, 2)]) for _ in range(2)]
     batch = make_batch(rows)
-    groups = [PlannedGroup(prefix_len=2 * BLOCK, rows=list(range(12)))]
+    groups = [PlannedGroup(prefix_tokens=2 * BLOCK, rows=list(range(12)))]
     engine, scheduler, out, watch, _ = run(batch, groups, np.full(12, 3), num_blocks=200, reserve_output="full")
     assert watch.undercounts == []
     # All 12 rows in flight at once: 2 system + 6 x 3 document blocks, each counted once, + 12 rows
@@ -161,14 +162,14 @@ def test_in_order_scheduler_submits_everything_at_once():
     engine = FakeEngine(200, BLOCK)
     scheduler = InOrderScheduler(batch, np.full(4, 3), [3, 1, 0, 2])
     out = list(drive(scheduler, engine, SAMPLING, StepTotals()))
-    assert [sub.index for step, sub in engine.submitted] == [3, 1, 0, 2]
+    assert [sub.row for step, sub in engine.submitted] == [3, 1, 0, 2]
     assert all(step == 0 for step, _ in engine.submitted)
-    assert sorted(f.submission.index for f in out) == [0, 1, 2, 3]
+    assert sorted(f.submission.row for f in out) == [0, 1, 2, 3]
 
 
 def test_groups_in_run_order_splits_where_the_group_changes():
     groups = groups_in_run_order([4, 2, 0, 1, 3], np.array([1, 2, 0, 2, 0]), np.array([8, 0, 4, 0, 8]))
-    assert [(g.prefix_len, g.rows) for g in groups] == [(8, [4, 2]), (8, [0]), (0, [1, 3])]
+    assert [(g.prefix_tokens, g.rows) for g in groups] == [(8, [4, 2]), (8, [0]), (0, [1, 3])]
 
 
 def test_policies_are_enums_and_a_typo_lists_the_choices():
@@ -200,7 +201,7 @@ def random_plans(draw):
             # 0 own tokens: the row ends on a block boundary of what it shares (vLLM recomputes
             # the last block of a prompt it finds whole in its cache).
             rows.append(np.concatenate([prefix, middle, rng.integers(300, 400, draw(st.integers(0, 9)))]))
-        groups.append(PlannedGroup(prefix_len=prefix.size, rows=members))
+        groups.append(PlannedGroup(prefix_tokens=prefix.size, rows=members))
     return make_batch(rows), groups, np.array(max_tokens)
 
 
@@ -211,7 +212,7 @@ def test_every_row_is_submitted_exactly_once_or_rejected(plan, num_blocks, reser
     batch, groups, max_tokens = plan
     engine, scheduler, out, watch, _ = run(batch, groups, max_tokens, num_blocks, reserve_output=reserve,
                                            prefix_requests=prefix_requests)
-    submitted_rows = [sub.index for _, sub in engine.submitted if sub.kind is RequestKind.ROW]
+    submitted_rows = [sub.row for _, sub in engine.submitted if sub.kind is RequestKind.ROW]
     rejected = [o.row for o in out if isinstance(o, Rejected)]
     assert len(submitted_rows) == len(set(submitted_rows))
     assert sorted(submitted_rows + rejected) == list(range(len(batch.lengths)))
@@ -229,7 +230,7 @@ def test_rows_that_are_wholly_a_cached_prefix_count_the_block_vllm_recomputes(re
     rng = np.random.default_rng(4)
     prompt = rng.integers(1, 99, 3 * BLOCK)
     batch = make_batch([prompt.copy() for _ in range(8)])
-    groups = [PlannedGroup(prefix_len=3 * BLOCK, rows=list(range(8)))]
+    groups = [PlannedGroup(prefix_tokens=3 * BLOCK, rows=list(range(8)))]
     engine, scheduler, out, watch, _ = run(batch, groups, np.full(8, 2 * BLOCK), num_blocks=16,
                                            reserve_output=reserve, lookahead_tokens=2 * BLOCK)
     assert watch.undercounts == []
