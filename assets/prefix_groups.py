@@ -10,6 +10,7 @@ from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import plan_metadata
 from batchllm_dagster.partitions import shard_key, sync_partitions
 from batchllm_dagster.warehouse import remove_answers_not_in, replace_table
+from engine.duplicates import count_duplicates
 from engine.plan_table import plan_content_keys, plan_table, previous_shards, write_plan
 from engine.prepared import plan_tokenized
 from engine.response_format import check_room_for_answers
@@ -120,7 +121,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         shard_rows = {keys[s]: len(ids) for s, ids in enumerate(ids_by_shard) if ids}
         # The plan's data version is what it was made from (model, snapshot, settings) and its shards.
         return dg.MaterializeResult(data_version=dg.DataVersion(fingerprint(stamp, sorted(used))), metadata={
-            **plan_metadata(plan, len(prepared.errors), prepared.tokenize_s),
+            **plan_metadata(plan, len(prepared.errors), count_duplicates(prepared.duplicate_set), prepared.tokenize_s),
             "token_cache_rows": rows.cached_rows,  # rows whose token ids were cached
             "tokenized_rows": rows.tokenized_rows,  # distinct new or changed contents tokenized now
             "plan_s": float(round(prepared.plan_s, 4)),

@@ -18,10 +18,11 @@ def table_preview(table: pa.Table, columns: list[str], rows: int = 5, width: int
     return dg.MetadataValue.md("\n".join(lines))
 
 
-def plan_metadata(plan: PrefixPlan, error_rows: int, tokenize_s: float) -> dict:
+def plan_metadata(plan: PrefixPlan, error_rows: int, duplicate_rows: int, tokenize_s: float) -> dict:
     return {
         "rows": plan.num_rows,
         "error_rows": error_rows,
+        "duplicate_rows": duplicate_rows,  # identical to another row: computed once, the answer shared
         "groups": plan.num_groups,
         "shared_groups": int((plan.group_prefix_tokens > 0).sum()),
         "prompt_tokens": plan.prompt_tokens,
@@ -36,6 +37,7 @@ def run_metadata(stats: RunStats, hardware: str, hardware_partition: str, engine
     metadata = {
         "rows": stats.rows,  # computed in this run; reused rows are counted apart
         "reused_rows": stats.reused_rows,
+        "duplicate_rows": stats.duplicate_rows,  # took the answer of an identical row of this run
         "ok_rows": stats.ok_rows,
         "error_rows": stats.error_rows,
         "prompt_tokens": stats.prompt_tokens,

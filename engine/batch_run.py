@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from .drive import Rejected, StepTotals, drive
+from .duplicates import answer_sources, answers_are_shared
 from .plan import reusable_tokens
 from .prepared import PreparedBatch
 from .progress import Display, Progress
@@ -84,7 +85,11 @@ class BatchRun:
         position = np.empty(prepared.num_rows, dtype=np.int64)
         position[prepared.order] = np.arange(prepared.order.size)
         in_plan_order = sorted(ok_rows, key=position.__getitem__)  # whatever order the caller gave
-        scheduler = self._scheduler(in_plan_order)
+        # Identical rows run once; the others take its answer (a baseline runs every row, as vLLM would).
+        copies = (answer_sources(prepared.duplicate_set, in_plan_order)
+                  if self.baseline_order is None and answers_are_shared(self.sampling) else {})
+        copied = {row for rows in copies.values() for row in rows}
+        scheduler = self._scheduler([r for r in in_plan_order if r not in copied])
         # The minimum, whatever order the rows run in: the plan's order shares every prefix it can.
         stats.reusable_tokens = reusable_tokens(prepared.batch, in_plan_order, prepared.block_size)
         totals = StepTotals()
@@ -103,7 +108,8 @@ class BatchRun:
 
         for item in drive(scheduler, self.engine, self.sampling, totals, on_step, prepared.response_formats):
             if isinstance(item, Rejected):
-                yield self._error(item.row, item.reason)
+                for row in [item.row, *copies.get(item.row, [])]:
+                    yield self._error(row, item.reason)
                 continue
             row = item.submission.row
             stats.rows += 1
@@ -124,6 +130,21 @@ class BatchRun:
                 cached_tokens=item.cached_tokens, output_tokens=len(item.token_ids),
                 finish_reason=item.finish_reason,
             )
+            for copy in copies.get(row, []):  # its identical rows: the same answer, their own ids, nothing computed
+                stats.rows += 1
+                stats.duplicate_rows += 1
+                stats.prompt_tokens += item.prompt_tokens
+                stats.cached_tokens += item.prompt_tokens
+                stats.output_tokens += len(item.token_ids)
+                if cut:
+                    stats.error_rows += 1
+                else:
+                    stats.ok_rows += 1
+                yield self._result(
+                    copy, status="error" if cut else "ok", text=item.text, error=cut,
+                    prompt_tokens=item.prompt_tokens, cached_tokens=item.prompt_tokens,
+                    output_tokens=len(item.token_ids), finish_reason=item.finish_reason,
+                )
         stats.wall_s = time.perf_counter() - started
         stats.startup_s = (totals.first_submit_at or started) - (self.started_at or started)
         stats.preemptions, stats.engine_steps = totals.preemptions, totals.steps

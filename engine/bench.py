@@ -1,21 +1,28 @@
 """``batchllm bench``: this engine against plain vLLM, one run after the other on one machine.
 
-Runs, each in a fresh vLLM engine with the same KV cache (sized below the batch's prefix working
-set, as in a real offline job with thousands of documents):
+Runs, each in its own fresh Python process and vLLM engine with the same KV cache (sized below
+the batch's prefix working set, as in a real offline job with thousands of documents):
 
-* ``vllm_nocache``     - vLLM, prefix caching off, rows in input order (shuffled, like a table);
-* ``vllm_apc``         - vLLM with its automatic prefix cache, input order;
-* ``vllm_apc_sorted``  - vLLM with prefix caching on ``sorted()`` rows;
-* ``batchllm``         - this engine: global plan, prefix-first groups, KV-budgeted admission.
+* ``vllm_nocache``         - vLLM, prefix caching off, rows in input order (shuffled, like a table);
+* ``vllm_apc``             - vLLM with its automatic prefix cache, input order;
+* ``vllm_apc_sorted``      - vLLM with prefix caching on ``sorted()`` rows (our engine loop);
+* ``vllm_generate_sorted`` - vLLM's own ``LLM.generate`` on ``sorted()`` rows with vLLM's own batch
+  sizes: the one line a user would write instead of this package;
+* ``batchllm``             - this engine: global plan, prefix-first groups, KV-budgeted admission.
 
-All four get the same token ids and greedy sampling with ``ignore_eos`` (fixed output lengths).
+All get the same token ids and greedy sampling with ``ignore_eos`` (fixed output lengths).
+``--repeat N`` runs them all N times, the order rotated each time; every ratio is reported with
+its median and range over the repetitions ("on par" when the range crosses 1.0), with and
+without batchllm's planning time charged to it, and the verdict names the strongest baseline.
 ``--shape`` picks the synthetic table:
 
 * ``groups``    - groups x rows: a system prompt shared by all, a prefix per group, a suffix per row;
 * ``nested``    - one long instruction block shared by every row, documents each asked 2-6
   questions, a question per row, outputs of 16-96 tokens;
 * ``templates`` - a dozen few-shot blocks each shared by many rows, unique row text, 15% of the
-  rows sharing nothing, outputs of 8-48 tokens.
+  rows sharing nothing, outputs of 8-48 tokens;
+* ``duplicates`` - the nested shape with 20% of the rows copies of another row under other ids
+  (this engine computes each content once; vLLM computes every row).
 
 ``batchllm bench PROMPTS`` runs the same four on a sample of the user's own table instead (whole
 prefix groups, so the sample shares what the table shares), each row with its own ``max_tokens``.
@@ -26,16 +33,20 @@ own cost per engine step at GPU batch sizes (``engine/bench_scheduler.py``, no m
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
 import os
+import pickle
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 import tracemalloc
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -47,7 +58,9 @@ from .cli_options import (
     engine_settings_from,
     response_format_from,
 )
-from .plan import build_plan
+from .console import route_library_output
+from .duplicates import count_duplicates, duplicate_sets, token_keys
+from .plan import build_plan, reusable_tokens
 from .results import RunStats
 from .settings import EngineSettings, ReserveOutput, SamplingSettings, SchedulerSettings
 from .tokenizing import TokenizedBatch
@@ -66,14 +79,17 @@ def sorted_order(prepared) -> list[int]:
 
 
 # Each run: the order a baseline feeds vLLM its rows in (None: this engine's scheduler), and
-# whether vLLM's prefix caching is on.
+# whether vLLM's prefix caching is on. vllm_generate_sorted is vLLM's own LLM.generate on sorted
+# rows with vLLM's own defaults: the one line a user would otherwise write.
 RUNS = {
     "vllm_nocache": (input_order, False),
     "vllm_apc": (input_order, True),
     "vllm_apc_sorted": (sorted_order, True),
+    "vllm_generate_sorted": (sorted_order, True),
     "batchllm": (None, True),
 }
-SHAPES = ("groups", "nested", "templates")
+BASELINES = [name for name in RUNS if name != "batchllm"]
+SHAPES = ("groups", "nested", "templates", "duplicates")
 
 
 @dataclass
@@ -148,14 +164,32 @@ def templates_tokens(vocab: tuple[int, int], seed: int = 0, rows: int = 200, tem
     return TokenizedBatch.from_rows(out), rng.integers(8, 49, rows).astype(np.int64)
 
 
+def duplicates_tokens(vocab: tuple[int, int], seed: int = 0, share: float = 0.2):
+    """The nested shape with a share of its rows repeated under other ids (the same question
+    about the same document asked twice, a re-sent ticket): ``share`` of the rows are copies of
+    another row, its tokens and max_tokens; rows in a shuffled (table) order."""
+    batch, max_tokens = nested_tokens(vocab, seed)
+    rng = np.random.default_rng(seed + 1)
+    n = max_tokens.size
+    copied = rng.integers(0, n, round(n * share / (1 - share)))
+    rows = [batch.row(r) for r in range(n)] + [batch.row(int(r)) for r in copied]
+    max_tokens = np.concatenate([max_tokens, max_tokens[copied]])
+    order = rng.permutation(len(rows))
+    return TokenizedBatch.from_rows([rows[i] for i in order]), max_tokens[order]
+
+
 def _prepared(batch, max_tokens, block_size: int, ids: list | None = None, response_formats: dict | None = None):
     from .prepared import PreparedBatch
 
     started = time.perf_counter()
     plan = build_plan(batch.tokens, batch.offsets, max_tokens, block_size)
+    response_formats = response_formats or {}
+    formats = [response_formats[r].to_text() if r in response_formats else None for r in range(max_tokens.size)]
+    same = duplicate_sets(token_keys(batch.tokens, batch.offsets), max_tokens, formats,
+                          np.ones(max_tokens.size, dtype=bool))
     ids = ids or [f"row-{i:06d}" for i in range(max_tokens.size)]
-    return PreparedBatch.from_plan(ids, None, batch, max_tokens, {}, plan, response_formats=response_formats or {},
-                                   plan_s=time.perf_counter() - started)
+    return PreparedBatch.from_plan(ids, None, batch, max_tokens, {}, plan, response_formats=response_formats,
+                                   plan_s=time.perf_counter() - started, duplicate_set=same)
 
 
 def table_sample(args, tokenizer, model_path: str):
@@ -184,28 +218,93 @@ def table_sample(args, tokenizer, model_path: str):
     return sample, described
 
 
-def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: SamplingSettings, scheduler: SchedulerSettings):
+def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: SamplingSettings,
+             scheduler: SchedulerSettings) -> tuple[dict, dict]:
+    """One run in this process: its report and each row's answer by id."""
     from .batch_run import BatchRun
     from .vllm_engine import open_engine
 
+    if name == "vllm_generate_sorted":
+        return _generate_sorted(prepared, engine_settings, sampling)
     baseline, caching = RUNS[name]
-    try:
-        with open_engine(engine_settings, prepared, enable_prefix_caching=caching) as engine:
-            run = BatchRun(prepared, engine, sampling, scheduler, rows=input_order(prepared),
-                           baseline_order=baseline(prepared) if baseline else None)
-            outputs = {r.id: r.text for r in run}
-            info = engine.info
-    finally:
-        gc.collect()
-    return run.stats, info, outputs
+    with open_engine(engine_settings, prepared, enable_prefix_caching=caching) as engine:
+        run = BatchRun(prepared, engine, sampling, scheduler, rows=input_order(prepared),
+                       baseline_order=baseline(prepared) if baseline else None)
+        outputs = {r.id: r.text for r in run}
+        info = engine.info
+    return _report(run.stats, info.max_num_seqs, info.kv_capacity_blocks), outputs
 
 
-def _report(stats: RunStats, info) -> dict:
-    out = {**stats.to_dict(), "max_num_seqs": info.max_num_seqs, "kv_capacity_blocks": info.kv_capacity_blocks}
+def _generate_sorted(prepared, engine_settings: EngineSettings, sampling: SamplingSettings) -> tuple[dict, dict]:
+    """vLLM's ``LLM.generate`` on the rows sorted by prompt, vLLM's own batch sizes (no
+    ``max_num_seqs`` from our plan), the same KV blocks and sampling as every run."""
+    from .vllm_engine import sampling_params
+    from .vllm_env import configure, engine_args
+
+    platform = current_platform()
+    configure(engine_settings, platform)
+    from vllm import LLM
+
+    llm = LLM(**engine_args(engine_settings, platform, enable_prefix_caching=True))
+    order = sorted_order(prepared)
+    config = llm.llm_engine.vllm_config
+    started = time.perf_counter()
+    done = llm.generate([{"prompt_token_ids": prepared.batch.row(r)} for r in order],
+                        [sampling_params(sampling, int(prepared.max_tokens[r])) for r in order], use_tqdm=False)
+    stats = RunStats(rows=len(order), ok_rows=len(order), wall_s=time.perf_counter() - started,
+                     reusable_tokens=reusable_tokens(prepared.batch, [int(r) for r in prepared.order],
+                                                     prepared.block_size))
+    outputs = {}
+    for row, out in zip(order, done):
+        stats.prompt_tokens += len(out.prompt_token_ids)
+        stats.cached_tokens += int(out.num_cached_tokens or 0)
+        stats.output_tokens += len(out.outputs[0].token_ids)
+        outputs[prepared.ids[row]] = out.outputs[0].text
+    report = _report(stats, config.scheduler_config.max_num_seqs, config.cache_config.num_gpu_blocks)
+    for unknown in ("preemptions", "engine_steps", "rows_per_step", "mean_kv_usage"):  # LLM.generate does not say
+        report[unknown] = None
+    return report, outputs
+
+
+def _report(stats: RunStats, max_num_seqs: int, kv_capacity_blocks: int) -> dict:
+    out = {**stats.to_dict(), "max_num_seqs": max_num_seqs, "kv_capacity_blocks": kv_capacity_blocks}
     keep = ["tokens_per_s", "output_tokens_per_s", "wall_s", "prompt_tokens", "cached_tokens", "reusable_tokens",
             "prefill_tokens", "saving_vs_ideal", "output_tokens", "preemptions", "prefix_requests", "max_num_seqs",
             "kv_capacity_blocks", "engine_steps", "rows_per_step", "mean_kv_usage"]
     return {k: out[k] for k in keep}
+
+
+def _in_fresh_process(job: Path, name: str, log_file: Path) -> tuple[dict, dict]:
+    """One run in a new Python process (no warm caches, no allocator state, no threads left over
+    from an earlier run): its report, with the process id, and its answers."""
+    out = job.with_name(f"{name}-{time.time_ns()}.json")
+    subprocess.run([sys.executable, "-m", "engine.bench", str(job), name, str(out), str(log_file)], check=True)
+    result = json.loads(out.read_text())
+    out.unlink()
+    return result["report"], result["outputs"]
+
+
+def _child(job: str, name: str, out: str, log_file: str) -> None:
+    """``python -m engine.bench JOB NAME OUT LOG``: run NAME on the pickled batch and settings in JOB."""
+    route_library_output(Path(log_file))  # vLLM's log lines to the bench's log file, as in the parent
+    with open(job, "rb") as f:
+        prepared, engine_settings, sampling, scheduler = pickle.load(f)
+    report, outputs = _one_run(name, prepared, engine_settings, sampling, scheduler)
+    report["pid"] = os.getpid()
+    Path(out).write_text(json.dumps({"report": report, "outputs": outputs}))
+
+
+def rotated(names: list[str], repetition: int) -> list[str]:
+    """The runs' order in repetition ``repetition``: each run goes first once every len(names)."""
+    k = repetition % len(names)
+    return names[k:] + names[:k]
+
+
+def ratio_summary(values: list[float]) -> dict:
+    """Median and range of one ratio over the repetitions; a range that crosses 1.0 is on par."""
+    lo, hi = min(values), max(values)
+    call = "faster" if lo > 1 else "slower" if hi < 1 else "on par"
+    return {"median": round(float(np.median(values)), 3), "min": round(lo, 3), "max": round(hi, 3), "call": call}
 
 
 def run_bench(args) -> dict:
@@ -226,6 +325,9 @@ def run_bench(args) -> dict:
     elif args.shape == "templates":
         batch, max_tokens = templates_tokens(vocab, args.seed)
         described = {"shape": "templates", "seed": args.seed}
+    elif args.shape == "duplicates":
+        batch, max_tokens = duplicates_tokens(vocab, args.seed)
+        described = {"shape": "duplicates", "seed": args.seed}
     else:
         workload = Workload(
             groups=args.groups, rows_per_group=args.rows_per_group, system_tokens=args.system_tokens,
@@ -249,31 +351,42 @@ def run_bench(args) -> dict:
         kv_budget_fraction=args.kv_budget_fraction, prefix_requests=not args.no_prefix_requests,
         reserve_output=args.reserve_output, lookahead_tokens=args.lookahead_tokens,
     )
-    runs, outputs = {}, {}
-    for name in args.runs.split(","):
-        log.info("bench: %s", name)
-        stats, info, outputs[name] = _one_run(name, prepared, engine_settings, sampling, scheduler)
-        runs[name] = _report(stats, info)
-        log.info("bench: %s -> %s", name, runs[name])
+    names = args.runs.split(",")
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        raise ValueError(f"unknown run(s) {unknown}: choose from {', '.join(RUNS)}")
+    repetitions, outputs = [], {}
+    with tempfile.TemporaryDirectory(prefix="batchllm-bench-") as folder:
+        job = Path(folder) / "job.pickle"
+        with open(job, "wb") as f:  # the batch as planned, without the plan's tree: what every run gets
+            pickle.dump((dataclasses.replace(prepared, plan=None), engine_settings, sampling, scheduler), f)
+        for repetition in range(args.repeat):
+            runs = {}
+            for name in rotated(names, repetition):
+                log.info("bench: %s (repetition %d of %d)", name, repetition + 1, args.repeat)
+                runs[name], answers = _in_fresh_process(job, name, args.log_file)
+                outputs.setdefault(name, []).append(answers)
+                log.info("bench: %s -> %s", name, runs[name])
+            repetitions.append(runs)
 
-    def ratio(a: str, b: str):
-        if a in runs and b in runs and runs[b]["tokens_per_s"]:
-            return round(runs[a]["tokens_per_s"] / runs[b]["tokens_per_s"], 3)
-        return None
-
-    reference = "vllm_apc" if "vllm_apc" in outputs else next(iter(outputs))
-    mismatched = [i for i in outputs[reference] if any(outputs[n].get(i) != outputs[reference][i] for n in outputs)]
-    agreement = 1 - len(mismatched) / max(len(outputs[reference]), 1)
-    ratios = {"vs_vllm_nocache": ratio("batchllm", "vllm_nocache"), "vs_vllm_apc": ratio("batchllm", "vllm_apc"),
-              "vs_vllm_apc_sorted": ratio("batchllm", "vllm_apc_sorted")}
+    reference = outputs["vllm_apc"][0] if "vllm_apc" in outputs else next(iter(outputs.values()))[0]
+    every = [answers for runs in outputs.values() for answers in runs]
+    mismatched = [i for i in reference if any(answers.get(i) != reference[i] for answers in every)]
+    agreement = 1 - len(mismatched) / max(len(reference), 1)
+    ratios, with_planning = _ratios(repetitions, prepared.plan_s)
     return {
         "workload": {**described, "rows": prepared.num_rows, "model": args.model or DEFAULT_MODEL, "dtype": engine_settings.for_platform(current_platform()).dtype,
                      "block_size": args.block_size, "kv_cache_blocks": kv_blocks,
                      "prefix_working_set_blocks": working_set, "prompt_tokens": plan.prompt_tokens,
                      "unique_tokens": plan.unique_tokens, "shared_prompt_tokens": plan.shared_prompt_tokens,
-                     "plan_s": round(prepared.plan_s, 4)},
-        "runs": runs,
+                     "duplicate_rows": count_duplicates(prepared.duplicate_set), "plan_s": round(prepared.plan_s, 4)},
+        "repeat": args.repeat,
+        "run_order": [list(runs) for runs in repetitions],  # each repetition's order (rotated)
+        "runs": {name: _median_run([runs[name] for runs in repetitions]) for name in names},
+        # batchllm's tokens/s over each baseline's, per repetition: median and range
         "ratios": ratios,
+        # the same with batchllm charged its planning time (the baselines need none)
+        "ratios_with_planning": with_planning,
         "outputs_equal": not mismatched,
         "rows_with_different_outputs": len(mismatched),
         # Share of rows whose greedy answer was the same in every run. Equal by construction on CPU
@@ -285,20 +398,49 @@ def run_bench(args) -> dict:
     }
 
 
+def _ratios(repetitions: list[dict], plan_s: float) -> tuple[dict, dict]:
+    """batchllm against each baseline, per repetition (runs of one repetition ran back to back),
+    summarized: without and with batchllm's planning time charged to its wall time."""
+    plain, charged = {}, {}
+    for baseline in BASELINES:
+        pairs = [(runs["batchllm"], runs[baseline]) for runs in repetitions if "batchllm" in runs and baseline in runs]
+        pairs = [(ours, theirs) for ours, theirs in pairs if theirs["tokens_per_s"]]
+        if not pairs:
+            continue
+        plain[f"vs_{baseline}"] = ratio_summary([ours["tokens_per_s"] / theirs["tokens_per_s"] for ours, theirs in pairs])
+        charged[f"vs_{baseline}"] = ratio_summary([
+            (ours["prompt_tokens"] + ours["output_tokens"]) / (ours["wall_s"] + plan_s) / theirs["tokens_per_s"]
+            for ours, theirs in pairs])
+    return plain, charged
+
+
+def _median_run(reports: list[dict]) -> dict:
+    """One run's report over the repetitions: each number's median, tokens/s with its range."""
+    out = {key: (float(np.median([r[key] for r in reports])) if isinstance(value, float) else value)
+           for key, value in reports[0].items() if key != "pid"}
+    out["tokens_per_s_range"] = [min(r["tokens_per_s"] for r in reports), max(r["tokens_per_s"] for r in reports)]
+    out["pids"] = [r["pid"] for r in reports]
+    return out
+
+
+LABELS = {"vllm_generate_sorted": "vLLM's LLM.generate on sorted rows", "vllm_apc_sorted": "vLLM on sorted rows",
+          "vllm_apc": "vLLM with prefix caching", "vllm_nocache": "vLLM without it"}
+
+
 def verdict(ratios: dict, agreement: float, rows: int, described: dict) -> str:
-    """One line a team can act on: how this engine compared with plain vLLM on this batch."""
+    """One line a team can act on: how this engine compared with the strongest baseline that ran
+    (the one it leads by least), with the range over the repetitions."""
     what = f"{rows} rows of {described['source']}" if described["shape"] == "table" else f"the {described['shape']} shape"
-    parts = [f"{ratios[key]:.2f}x {label}" for key, label in (
-        ("vs_vllm_apc_sorted", "vLLM on sorted rows"), ("vs_vllm_apc", "vLLM with prefix caching"),
-        ("vs_vllm_nocache", "vLLM without it")) if ratios.get(key)]
-    if not parts:
+    if not ratios:
         return f"on {what}: run batchllm and a vLLM run to compare"
-    # Judged against the strongest baseline that ran: the one batchllm leads by least.
-    vs_strongest = min(ratios[key] for key in ("vs_vllm_apc_sorted", "vs_vllm_apc", "vs_vllm_nocache") if ratios.get(key))
-    call = ("worth it" if vs_strongest >= 1.1 else "on par with the strongest baseline" if vs_strongest >= 0.95
-            else "slower than the strongest baseline here: please report it")
+    strongest = min(ratios, key=lambda key: ratios[key]["median"])
+    r = ratios[strongest]
+    spread = f"{r['median']:.2f}x (range {r['min']:.2f}-{r['max']:.2f})" if r["min"] != r["max"] else f"{r['median']:.2f}x"
+    call = {"faster": "faster than", "on par": "on par with", "slower": "SLOWER than"}[r["call"]]
     equal = "outputs equal" if agreement == 1 else f"OUTPUTS DIFFER in {100 * (1 - agreement):.1f}% of rows"
-    return f"on {what}: batchllm ran {', '.join(parts)} ({equal}); {call}"
+    others = ", ".join(f"{ratios[k]['median']:.2f}x {LABELS[k[3:]]}" for k in ratios if k != strongest)
+    return (f"on {what}: batchllm is {call} the strongest baseline, {LABELS[strongest[3:]]}: {spread}"
+            + (f"; {others}" if others else "") + f" ({equal})")
 
 
 def synthetic_analysis_tokens(rows: int, tokens_per_row: int, rows_per_group: int, seed: int = 0):
@@ -374,6 +516,8 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--max-tokens", type=at_least_one, default=64, help="output tokens of a PROMPTS row without its own")
     bench.add_argument("--json", action="store_true", help="JSON on stdout (always; logs go to stderr)")
     bench.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
+    bench.add_argument("--repeat", type=at_least_one, default=1,
+                       help="run every run N times, the order rotated each time; ratios get a median and a range")
     bench.add_argument("--shape", choices=SHAPES, default="groups", help="the synthetic table (see the module doc)")
     bench.add_argument("--groups", type=int, default=Workload.groups)
     bench.add_argument("--rows-per-group", type=int, default=Workload.rows_per_group)
@@ -405,3 +549,7 @@ def add_bench_parser(sub) -> None:
     add_engine_options(bench)  # --kv-cache-blocks defaults to a third of the prefix working set here
     add_response_format_options(bench)
     bench.set_defaults(func=cmd_bench)
+
+
+if __name__ == "__main__":  # one run of a bench, in its own process (see _in_fresh_process)
+    _child(*sys.argv[1:])

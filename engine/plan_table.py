@@ -3,7 +3,8 @@
 One row per prompt row, in input order:
 
     id, position (run order), group, prefix_tokens (the group's shared prefix, whole blocks),
-    max_tokens, error, response_format, content_key (names the row's token ids in the token
+    max_tokens, error, response_format, duplicate_set (rows identical to each other: one runs,
+    all get its answer; -1 for most), content_key (names the row's token ids in the token
     cache), shard, partition_key
 
 and in the schema's metadata: the block size, the token cache folder the content keys point
@@ -24,6 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .atomic import write_parquet
+from .duplicates import NO_SET
 from .prepared import PreparedBatch
 from .response_format import ResponseFormat
 from .settings import fingerprint
@@ -89,6 +91,8 @@ def rows_table(prepared: PreparedBatch) -> pa.Table:
         "max_tokens": prepared.max_tokens.astype(np.int64),
         "error": _sparse_strings(prepared.errors, n),
         "response_format": _sparse_strings({i: f.to_text() for i, f in prepared.response_formats.items()}, n),
+        "duplicate_set": (np.full(n, NO_SET, dtype=np.int64) if prepared.duplicate_set is None
+                          else prepared.duplicate_set.astype(np.int64)),
     }, metadata={BLOCK_SIZE: str(prepared.block_size)})
 
 
@@ -163,6 +167,7 @@ def prepared_batch(rows: pa.Table, batch: TokenizedBatch) -> PreparedBatch:
         order=np.argsort(rows.column("position").to_numpy(), kind="stable"),
         group_of_row=rows.column("group").to_numpy(), prefix_tokens_of_row=rows.column("prefix_tokens").to_numpy(),
         block_size=block_size, response_formats=formats,
+        duplicate_set=rows.column("duplicate_set").to_numpy() if "duplicate_set" in rows.column_names else None,
     )
 
 

@@ -21,11 +21,12 @@ import numpy as np
 import pyarrow as pa
 
 from .dataset import Columns
+from .duplicates import count_duplicates, duplicate_sets, token_keys
 from .plan import PrefixPlan, plan_blocks
 from .response_format import ResponseFormat
 from .row_checks import output_budgets, row_response_formats
 from .settings import EngineSettings, SamplingSettings, SchedulerSettings
-from .token_cache import CachedRows
+from .token_cache import CONTENT_KEY, CachedRows
 from .tokenizing import TokenizedBatch, tokenize_rows
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class PreparedBatch:
     block_size: int
     response_formats: dict[int, ResponseFormat] = field(default_factory=dict)  # rows with their own constraint
     plan: PrefixPlan | None = None  # the whole plan, where this batch was planned (not restored)
+    duplicate_set: np.ndarray | None = None  # identical rows share a set number (engine.duplicates)
     tokenize_s: float = 0.0
     plan_s: float = 0.0
 
@@ -70,6 +72,7 @@ class PreparedBatch:
             order=new_index[self.order[in_subset]], group_of_row=self.group_of_row[rows],
             prefix_tokens_of_row=self.prefix_tokens_of_row[rows], block_size=self.block_size,
             response_formats={int(new_index[r]): f for r, f in self.response_formats.items() if new_index[r] >= 0},
+            duplicate_set=None if self.duplicate_set is None else self.duplicate_set[rows],
         )
 
 
@@ -130,10 +133,18 @@ def plan_tokenized(
     decode = np.where(blocks.lengths > 0, max_tokens, 0)
     started = time.perf_counter()
     plan = plan_blocks(blocks, decode, scheduler.min_group_rows)
+    keys = (table.column(CONTENT_KEY).combine_chunks() if CONTENT_KEY in table.column_names
+            else token_keys(rows.tokens, rows.offsets))
+    runnable = np.ones(n, dtype=bool)
+    runnable[list(errors)] = False
+    same = duplicate_sets(keys, max_tokens, _column(table, columns.response_format) or [None] * n, runnable)
     plan_s = hash_s + time.perf_counter() - started
     log.info(
-        "planned %d rows: %d groups, %d prompt tokens, shared %.1f%% (tokenize %.2fs, plan %.2fs)",
-        n, plan.num_groups, plan.prompt_tokens, 100 * plan.shared_fraction, rows.seconds, plan_s,
+        "planned %d rows: %d groups, %d prompt tokens, shared %.1f%%, %d identical to another row "
+        "(tokenize %.2fs, plan %.2fs)",
+        n, plan.num_groups, plan.prompt_tokens, 100 * plan.shared_fraction, count_duplicates(same), rows.seconds,
+        plan_s,
     )
     return PreparedBatch.from_plan(ids, table.schema.field(columns.id).type, batch, max_tokens, errors, plan,
-                                   response_formats=formats, tokenize_s=rows.seconds, plan_s=plan_s)
+                                   response_formats=formats, tokenize_s=rows.seconds, plan_s=plan_s,
+                                   duplicate_set=same)

@@ -53,12 +53,15 @@ class RunStats:
     included, so it can be held against the plan's minimum. ``startup_s`` is the time from the
     start of the run (or of the step that ran it) until vLLM got its first request: reading the
     plan, checking it, starting vLLM. ``mean_kv_usage`` is vLLM's own KV usage (0..1) averaged
-    over the engine's steps, ``rows_per_step`` the mean number of requests it ran per step."""
+    over the engine's steps, ``rows_per_step`` the mean number of requests it ran per step.
+    A duplicate row (identical to another row of the run) counts its prompt as cached and its
+    answer's tokens as output, so ``saving_vs_ideal`` can pass 1: fewer tokens than any order."""
 
     rows: int = 0
     ok_rows: int = 0
     error_rows: int = 0
     reused_rows: int = 0
+    duplicate_rows: int = 0  # rows identical to another row of the run: its answer, nothing computed
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0

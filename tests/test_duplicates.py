@@ -1,0 +1,97 @@
+"""Identical rows computed once: which rows are identical, the plan that records it, and a run
+on the block-accounting fake engine that submits each content once and answers every id."""
+
+import numpy as np
+import pyarrow as pa
+
+from engine.batch_run import BatchRun
+from engine.duplicates import NO_SET, answer_sources, count_duplicates, duplicate_sets, token_keys
+from engine.plan_table import prepared_batch, rows_table
+from engine.prepared import plan_tokenized
+from engine.requests import RequestKind
+from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
+from engine.tokenizing import TokenizedBatch
+
+from .fake_engine import FakeEngine
+
+BLOCK = 8
+SETTINGS = EngineSettings(model_path="unused", block_size=BLOCK, max_model_len=512)
+SHARED = list(range(100, 124))  # three blocks every row starts with
+
+
+def batch_of(suffixes: list[list[int]]) -> TokenizedBatch:
+    return TokenizedBatch.from_rows([np.asarray(SHARED + s, dtype=np.int32) for s in suffixes])
+
+
+def planned(suffixes, max_tokens=None, formats=None, sampling=SamplingSettings(max_tokens=4)):
+    n = len(suffixes)
+    table = pa.table({"id": [f"r{i}" for i in range(n)], "max_tokens": pa.array(max_tokens or [4] * n, pa.int64()),
+                      "response_format": pa.array(formats or [None] * n, pa.string())})
+    return plan_tokenized(table, batch_of(suffixes), SETTINGS, sampling)
+
+
+def row_submissions(engine: FakeEngine) -> list[int]:
+    return [s.row for _, s in engine.submitted if s.kind is RequestKind.ROW]
+
+
+def test_rows_are_identical_only_when_tokens_max_tokens_and_format_all_are():
+    suffixes = [[1, 2], [1, 2], [1, 2], [1, 2], [3], [1, 2]]
+    prepared = planned(suffixes, max_tokens=[4, 4, 5, 4, 4, 4], formats=[None, None, None, '{"choice": ["a"]}', None, None])
+    same = prepared.duplicate_set
+    assert same[0] == same[1] == same[5] != NO_SET
+    assert same[2] == NO_SET  # another max_tokens
+    assert same[3] == NO_SET  # its own response format
+    assert same[4] == NO_SET  # other tokens
+    assert count_duplicates(same) == 2
+
+
+def test_error_rows_never_join_a_set():
+    keys = token_keys(np.array([5, 6, 5, 6], dtype=np.int32), np.array([0, 2, 4]))
+    assert keys[0] == keys[1]
+    assert duplicate_sets(keys, np.array([4, 4]), [None, None], np.array([True, False])).tolist() == [NO_SET, NO_SET]
+    assert duplicate_sets(keys, np.array([4, 4]), [None, None], np.array([True, True])).tolist() == [0, 0]
+
+
+def test_a_set_runs_its_first_row_present_so_a_shard_without_the_first_still_runs_one():
+    same = np.array([0, 0, NO_SET, 0, 1, 1])
+    assert answer_sources(same, [0, 1, 2, 3, 4, 5]) == {0: [1, 3], 4: [5]}
+    assert answer_sources(same, [3, 1, 2, 5]) == {3: [1]}  # row 0 (and 4) answered already or elsewhere
+    assert answer_sources(None, [0, 1]) == {}
+
+
+def test_the_engine_computes_each_content_once_and_every_id_gets_the_answer():
+    suffixes = [[1, 2], [7], [1, 2], [1, 2], [9, 9, 9], [7]]
+    prepared = planned(suffixes)
+    engine = FakeEngine(num_blocks=64, block_size=BLOCK)
+    run = BatchRun(prepared, engine, SamplingSettings(max_tokens=4), SchedulerSettings(log_every_s=60))
+    results = {r.id: r for r in run}
+
+    submitted = row_submissions(engine)
+    assert len(submitted) == len(set(submitted)) == 3  # {0, 2, 3} once, {1, 5} once, row 4
+    assert sorted(results) == [f"r{i}" for i in range(6)]
+    assert all(r.status == "ok" for r in results.values())
+    for a, b in (("r0", "r2"), ("r0", "r3"), ("r1", "r5")):
+        assert results[a].text == results[b].text and results[a].output_tokens == results[b].output_tokens
+    assert results["r0"].text != results["r1"].text
+    stats = run.stats
+    assert (stats.rows, stats.ok_rows, stats.duplicate_rows) == (6, 6, 3)
+    copies = [results[i] for i in ("r0", "r2", "r3", "r1", "r5") if int(i[1:]) not in submitted]
+    assert len(copies) == 3 and all(r.cached_tokens == r.prompt_tokens for r in copies)  # nothing computed
+    assert stats.prefill_tokens == engine.prefill_tokens  # the run counts what the engine computed, no more
+
+
+def test_a_baseline_runs_every_row_as_vllm_would():
+    prepared = planned([[1, 2], [1, 2], [1, 2]])
+    engine = FakeEngine(num_blocks=64, block_size=BLOCK)
+    run = BatchRun(prepared, engine, SamplingSettings(max_tokens=4), SchedulerSettings(log_every_s=60),
+                   baseline_order=[0, 1, 2])
+    assert len(list(run)) == 3
+    assert sorted(row_submissions(engine)) == [0, 1, 2] and run.stats.duplicate_rows == 0
+
+
+def test_the_plan_table_keeps_the_sets_and_a_shard_reads_them_back():
+    prepared = planned([[1, 2], [3], [1, 2]])
+    restored = prepared_batch(rows_table(prepared), prepared.batch)
+    assert restored.duplicate_set.tolist() == prepared.duplicate_set.tolist()
+    assert restored.duplicate_set[0] == restored.duplicate_set[2] != NO_SET
+    assert prepared.subset([1, 2]).duplicate_set.tolist() == [NO_SET, prepared.duplicate_set[2]]
