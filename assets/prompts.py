@@ -11,7 +11,8 @@ import dagster as dg
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import table_preview
 from engine.atomic import Staged
-from engine.dataset import check_unique_ids, read_sql, single_query, source_sql, stream_sql, validate
+from engine.dataset import DatasetError, check_unique_ids, read_sql, single_query, source_sql, stream_sql, validate
+from engine.fields import FieldOrder, PromptFields, with_prompt_column
 from engine.token_cache import CONTENT_KEY, KEY_TYPE, content_keys
 
 from .snapshots import SNAPSHOT_DIGEST, snapshot_digest
@@ -32,10 +33,12 @@ def snapshot_dataset(config: BatchJobConfig, path: Path) -> tuple[int, pa.Table]
     """Stream the dataset from DuckDB to a Parquet snapshot in record batches (the prompt text of
     the whole table is never in memory at once), each row with its content key (what the token
     cache looks rows up by). Returns the row count and the first rows (a preview)."""
-    columns = config.dataset.columns
+    columns, fields = config.dataset.columns, config.dataset.prompt
     writer, rows, preview = None, 0, None
     digest = hashlib.blake2b(digest_size=12)  # of everything but the text: ids, content keys, row settings
     with Staged(path) as staged, stream_sql(*dataset_sql(config)) as (schema, batches):
+        if fields is not None:
+            batches, schema = rendered_batches(batches, schema, fields, columns.prompt)
         for batch in batches:
             table = validate(pa.Table.from_batches([batch], schema), columns)  # types, NULLs, duplicates within
             table = table.append_column(CONTENT_KEY, content_keys(
@@ -54,6 +57,27 @@ def snapshot_dataset(config: BatchJobConfig, path: Path) -> tuple[int, pa.Table]
         writer.close()
         check_unique_ids(staged.path, columns.id)  # duplicates across batches
     return rows, preview
+
+
+def rendered_batches(batches, schema: pa.Schema, fields: PromptFields, prompt_column: str):
+    """The batches with their prompt rendered from ``fields``, and their schema. An optimized field
+    order is chosen over the whole table, so its rows are read at once; in the declared order,
+    batch by batch."""
+    def render(table: pa.Table) -> list[pa.RecordBatch]:
+        try:
+            return with_prompt_column(table, fields, prompt_column).to_batches(65_536)
+        except ValueError as exc:
+            raise DatasetError(str(exc)) from None
+
+    def each_batch():
+        for batch in batches:
+            yield from render(pa.Table.from_batches([batch], schema))
+
+    render(schema.empty_table())  # a missing field or a prompt column of its own: refused before any row is read
+    out_schema = schema.append(pa.field(prompt_column, pa.string()))
+    if fields.field_order is FieldOrder.optimize:
+        return render(pa.Table.from_batches(list(batches), schema)), out_schema
+    return each_batch(), out_schema
 
 
 def _ipc_bytes(table: pa.Table) -> bytes:

@@ -13,6 +13,7 @@ from typing import Annotated
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from engine.dataset import Columns
+from engine.fields import PromptFields
 from engine.settings import EngineSettings, Policy, SamplingSettings, SchedulerSettings, fingerprint
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -71,6 +72,9 @@ class DatasetSpec(BaseModel):
     max_tokens_column: str = "max_tokens"
     response_format_column: str = Field(
         "response_format", description="optional JSON text per row, e.g. {\"choice\": [\"yes\", \"no\"]}; overrides the job's")
+    prompt: PromptFields | None = Field(
+        None, description="build each row's prompt from an instruction, fields (columns) and a question instead of "
+                          "reading a prompt column; field_order: optimize chooses the order that shares most")
 
     @model_validator(mode="after")
     def _one_source(self) -> "DatasetSpec":

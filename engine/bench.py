@@ -22,7 +22,12 @@ without batchllm's planning time charged to it, and the verdict names the strong
 * ``templates`` - a dozen few-shot blocks each shared by many rows, unique row text, 15% of the
   rows sharing nothing, outputs of 8-48 tokens;
 * ``duplicates`` - the nested shape with 20% of the rows copies of another row under other ids
-  (this engine computes each content once; vLLM computes every row).
+  (this engine computes each content once; vLLM computes every row);
+* ``fields``    - reviews joined to products, each prompt built from fields declared unique first
+  (review, description, category, brand, stars), answers of 2-8 tokens: the baselines run the
+  declared order, this engine the order ``field_order: optimize`` chooses (``engine.fields``).
+  ``--fields`` on a user's table (``batchllm bench PROMPTS --fields a,b --field-order optimize``)
+  does the same with its columns.
 
 ``batchllm bench PROMPTS`` runs the same four on a sample of the user's own table instead (whole
 prefix groups, so the sample shares what the table shares), each row with its own ``max_tokens``.
@@ -49,16 +54,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
 from .cli_options import (
     DEFAULT_MODEL,
     add_engine_options,
+    add_prompt_fields_options,
     add_response_format_options,
     at_least_one,
     engine_settings_from,
+    prompt_fields_from,
     response_format_from,
 )
 from .console import route_library_output
+from .fields import FieldOrder, PromptFields, render_prompts, with_prompt_column
 from .duplicates import count_duplicates, duplicate_sets, token_keys
 from .plan import build_plan, reusable_tokens
 from .results import RunStats
@@ -89,7 +98,7 @@ RUNS = {
     "batchllm": (None, True),
 }
 BASELINES = [name for name in RUNS if name != "batchllm"]
-SHAPES = ("groups", "nested", "templates", "duplicates")
+SHAPES = ("groups", "nested", "templates", "duplicates", "fields")
 
 
 @dataclass
@@ -178,30 +187,78 @@ def duplicates_tokens(vocab: tuple[int, int], seed: int = 0, share: float = 0.2)
     return TokenizedBatch.from_rows([rows[i] for i in order]), max_tokens[order]
 
 
+FIELDS_SHAPE = PromptFields(
+    instruction="Read the product and its review. Say whether the review is positive, negative or neutral.",
+    fields=["review", "description", "category", "brand", "stars"], question="Sentiment:",
+    field_order=FieldOrder.optimize)
+
+
+def fields_table(seed: int = 0, products: int = 24, reviews: int = 240) -> pa.Table:
+    """A join of reviews and products, declared unique field first: a review of 12-30 words, the
+    product's description of 150-250 words (shared by the product's reviews), its category (6)
+    and brand (12), the stars (5); rows in a shuffled (table) order."""
+    rng = np.random.default_rng(seed)
+    words = [f"{a}{b}" for a in ("ka", "lo", "mi", "ne", "pu", "ra", "si", "to", "vu", "ze")
+             for b in ("l", "n", "r", "s", "t", "")]
+
+    def text(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(words, int(rng.integers(lo, hi + 1))))
+
+    described = [text(150, 250) for _ in range(products)]
+    category, brand = rng.integers(0, 6, products), rng.integers(0, 12, products)
+    product = rng.integers(0, products, reviews)
+    return pa.table({
+        "id": [f"review-{i:05d}" for i in range(reviews)],
+        "review": [text(12, 30) for _ in range(reviews)],
+        "description": [described[p] for p in product],
+        "category": [f"category {category[p]}" for p in product],
+        "brand": [f"brand {brand[p]}" for p in product],
+        "stars": rng.integers(1, 6, reviews).tolist(),
+    })
+
+
+def _field_batches(table: pa.Table, fields: PromptFields, tokenizer):
+    """The table's prompts tokenized in the declared field order and in ``fields``' order."""
+    from .tokenizing import tokenize_rows
+
+    declared = fields.model_copy(update={"field_order": FieldOrder.as_declared})
+    return (tokenize_rows(tokenizer, render_prompts(table, declared).to_pylist()),
+            tokenize_rows(tokenizer, render_prompts(table, fields).to_pylist()))
+
+
 def _prepared(batch, max_tokens, block_size: int, ids: list | None = None, response_formats: dict | None = None):
     from .prepared import PreparedBatch
 
     started = time.perf_counter()
-    plan = build_plan(batch.tokens, batch.offsets, max_tokens, block_size)
     response_formats = response_formats or {}
     formats = [response_formats[r].to_text() if r in response_formats else None for r in range(max_tokens.size)]
     same = duplicate_sets(token_keys(batch.tokens, batch.offsets), max_tokens, formats,
                           np.ones(max_tokens.size, dtype=bool))
+    plan = build_plan(batch.tokens, batch.offsets, max_tokens, block_size, duplicate_set=same)
     ids = ids or [f"row-{i:06d}" for i in range(max_tokens.size)]
     return PreparedBatch.from_plan(ids, None, batch, max_tokens, {}, plan, response_formats=response_formats,
                                    plan_s=time.perf_counter() - started, duplicate_set=same)
 
 
-def table_sample(args, tokenizer, model_path: str):
+def table_sample(args, tokenizer, model_path: str, fields: PromptFields | None = None):
     """Whole prefix groups of the user's table, picked at random until ``--sample`` rows, in the
-    table's own order (what plain vLLM would be handed); rows that cannot run are left out."""
-    from .dataset import load_prompts
+    table's own order (what plain vLLM would be handed); rows that cannot run are left out. With
+    ``fields`` reordered, also the same rows in their chosen field order (else None); the groups
+    are those of the chosen order."""
+    from .dataset import load_prompts, read_source, validate
     from .prepared import prepare_batch
 
-    table = load_prompts(args.prompts, args.database)
-    whole = prepare_batch(table, tokenizer, engine_settings_from(args, model_path),
-                          SamplingSettings(max_tokens=args.max_tokens))
-    ok = np.asarray([r not in whole.errors for r in range(whole.num_rows)])
+    engine_settings, sampling = engine_settings_from(args, model_path), SamplingSettings(max_tokens=args.max_tokens)
+    if fields is None:
+        tables = [load_prompts(args.prompts, args.database)]
+    else:
+        raw = read_source(args.prompts, args.database)
+        orders = [FieldOrder.as_declared] + ([fields.field_order] if fields.field_order is not FieldOrder.as_declared else [])
+        tables = [validate(with_prompt_column(raw, fields.model_copy(update={"field_order": o}), "prompt"))
+                  for o in orders]
+    planned = [prepare_batch(t, tokenizer, engine_settings, sampling) for t in tables]
+    whole = planned[-1]  # the groups of the order batchllm runs
+    ok = np.asarray([all(r not in p.errors for p in planned) for r in range(whole.num_rows)])
     groups = np.unique(whole.group_of_row[ok])
     rng = np.random.default_rng(args.seed)
     picked, rows = set(), 0
@@ -212,10 +269,12 @@ def table_sample(args, tokenizer, model_path: str):
         picked.add(int(group))
         rows += int(sizes[group])
     chosen = [r for r in range(whole.num_rows) if ok[r] and int(whole.group_of_row[r]) in picked]
-    sample = whole.subset(chosen)
     described = {"shape": "table", "source": args.prompts, "table_rows": whole.num_rows,
-                 "error_rows_left_out": len(whole.errors), "sampled_groups": len(picked), "seed": args.seed}
-    return sample, described
+                 "error_rows_left_out": int((~ok).sum()), "sampled_groups": len(picked), "seed": args.seed}
+    if fields is not None:
+        described.update(fields=fields.fields, field_order=fields.field_order.value)
+    samples = [p.subset(chosen) for p in planned]
+    return samples[0], described, (samples[1] if len(samples) > 1 else None)
 
 
 def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: SamplingSettings,
@@ -288,7 +347,9 @@ def _child(job: str, name: str, out: str, log_file: str) -> None:
     """``python -m engine.bench JOB NAME OUT LOG``: run NAME on the pickled batch and settings in JOB."""
     route_library_output(Path(log_file))  # vLLM's log lines to the bench's log file, as in the parent
     with open(job, "rb") as f:
-        prepared, engine_settings, sampling, scheduler = pickle.load(f)
+        prepared, reordered, engine_settings, sampling, scheduler = pickle.load(f)
+    if name == "batchllm" and reordered is not None:  # its own field order; the baselines run the declared one
+        prepared = reordered
     report, outputs = _one_run(name, prepared, engine_settings, sampling, scheduler)
     report["pid"] = os.getpid()
     Path(out).write_text(json.dumps({"report": report, "outputs": outputs}))
@@ -315,10 +376,19 @@ def run_bench(args) -> dict:
     tokenizer = load_tokenizer(model_path)
     special = max(tokenizer.all_special_ids or [0])
     vocab = (special + 1, min(len(tokenizer), 32000))
-    response_formats, ids = {}, None
+    response_formats, ids, chosen_batch = {}, None, None  # chosen_batch: batchllm's prompts in its field order
+    fields = prompt_fields_from(args)
     if args.prompts:
-        sample, described = table_sample(args, tokenizer, model_path)
+        sample, described, chosen = table_sample(args, tokenizer, model_path, fields)
         batch, max_tokens, ids, response_formats = sample.batch, sample.max_tokens, sample.ids, sample.response_formats
+        chosen_batch = chosen.batch if chosen is not None else None
+    elif args.shape == "fields":
+        fields = fields or FIELDS_SHAPE
+        table = fields_table(args.seed)
+        batch, chosen_batch = _field_batches(table, fields, tokenizer)
+        max_tokens = np.random.default_rng(args.seed).integers(2, 9, table.num_rows).astype(np.int64)  # short answers
+        ids = table.column("id").to_pylist()
+        described = {"shape": "fields", "seed": args.seed, "fields": fields.fields, "field_order": fields.field_order.value}
     elif args.shape == "nested":
         batch, max_tokens = nested_tokens(vocab, args.seed)
         described = {"shape": "nested", "seed": args.seed}
@@ -337,6 +407,8 @@ def run_bench(args) -> dict:
         batch, max_tokens = synthetic_tokens(workload, vocab)
         described = {"shape": "groups", **asdict(workload)}
     prepared = _prepared(batch, max_tokens, args.block_size, ids, response_formats)
+    reordered = None if chosen_batch is None else _prepared(chosen_batch, max_tokens, args.block_size, prepared.ids,
+                                                            response_formats)
     plan = prepared.plan
     working_set = int(plan.unique_tokens // args.block_size)
     kv_blocks = args.kv_cache_blocks or max(64, working_set // 3)
@@ -359,7 +431,8 @@ def run_bench(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="batchllm-bench-") as folder:
         job = Path(folder) / "job.pickle"
         with open(job, "wb") as f:  # the batch as planned, without the plan's tree: what every run gets
-            pickle.dump((dataclasses.replace(prepared, plan=None), engine_settings, sampling, scheduler), f)
+            pickle.dump((dataclasses.replace(prepared, plan=None),
+                         reordered and dataclasses.replace(reordered, plan=None), engine_settings, sampling, scheduler), f)
         for repetition in range(args.repeat):
             runs = {}
             for name in rotated(names, repetition):
@@ -369,17 +442,27 @@ def run_bench(args) -> dict:
                 log.info("bench: %s -> %s", name, runs[name])
             repetitions.append(runs)
 
-    reference = outputs["vllm_apc"][0] if "vllm_apc" in outputs else next(iter(outputs.values()))[0]
-    every = [answers for runs in outputs.values() for answers in runs]
+    # Answers are compared among runs of the same prompts; batchllm's answers in another field
+    # order are compared with them apart (a different prompt may change an answer).
+    same_prompts = {n: runs for n, runs in outputs.items() if reordered is None or n != "batchllm"} or outputs
+    reference = (same_prompts.get("vllm_apc") or next(iter(same_prompts.values())))[0]
+    every = [answers for runs in same_prompts.values() for answers in runs]
     mismatched = [i for i in reference if any(answers.get(i) != reference[i] for answers in every)]
     agreement = 1 - len(mismatched) / max(len(reference), 1)
+    field_order_agreement = None
+    if reordered is not None and "batchllm" in outputs and len(same_prompts) < len(outputs):
+        ours = outputs["batchllm"][0]
+        field_order_agreement = round(sum(ours.get(i) == reference[i] for i in reference) / max(len(reference), 1), 4)
     ratios, with_planning = _ratios(repetitions, prepared.plan_s)
     return {
         "workload": {**described, "rows": prepared.num_rows, "model": args.model or DEFAULT_MODEL, "dtype": engine_settings.for_platform(current_platform()).dtype,
                      "block_size": args.block_size, "kv_cache_blocks": kv_blocks,
                      "prefix_working_set_blocks": working_set, "prompt_tokens": plan.prompt_tokens,
                      "unique_tokens": plan.unique_tokens, "shared_prompt_tokens": plan.shared_prompt_tokens,
-                     "duplicate_rows": count_duplicates(prepared.duplicate_set), "plan_s": round(prepared.plan_s, 4)},
+                     "duplicate_rows": count_duplicates(prepared.duplicate_set), "plan_s": round(prepared.plan_s, 4),
+                     # batchllm's own prompts where it reorders their fields (the baselines keep the declared order)
+                     **({"batchllm_prompt_tokens": reordered.plan.prompt_tokens,
+                         "batchllm_unique_tokens": reordered.plan.unique_tokens} if reordered else {})},
         "repeat": args.repeat,
         "run_order": [list(runs) for runs in repetitions],  # each repetition's order (rotated)
         "runs": {name: _median_run([runs[name] for runs in repetitions]) for name in names},
@@ -387,7 +470,11 @@ def run_bench(args) -> dict:
         "ratios": ratios,
         # the same with batchllm charged its planning time (the baselines need none)
         "ratios_with_planning": with_planning,
+        # batchllm's prefill tokens over each baseline's: under 1 is fewer tokens computed
+        "prefill_ratios": _prefill_ratios(repetitions),
         "outputs_equal": not mismatched,
+        # With reordered fields: the share of rows whose answer is the same in both orders.
+        "field_order_agreement": field_order_agreement,
         "rows_with_different_outputs": len(mismatched),
         # Share of rows whose greedy answer was the same in every run. Equal by construction on CPU
         # (fp32); on a GPU, bf16 kernels depend on the batch's composition unless vLLM runs
@@ -412,6 +499,15 @@ def _ratios(repetitions: list[dict], plan_s: float) -> tuple[dict, dict]:
             (ours["prompt_tokens"] + ours["output_tokens"]) / (ours["wall_s"] + plan_s) / theirs["tokens_per_s"]
             for ours, theirs in pairs])
     return plain, charged
+
+
+def _prefill_ratios(repetitions: list[dict]) -> dict:
+    """batchllm's computed prompt tokens over each baseline's (the first repetition: counts do not vary)."""
+    runs = repetitions[0]
+    if "batchllm" not in runs:
+        return {}
+    return {f"vs_{b}": round(runs["batchllm"]["prefill_tokens"] / runs[b]["prefill_tokens"], 4)
+            for b in BASELINES if b in runs and runs[b]["prefill_tokens"]}
 
 
 def _median_run(reports: list[dict]) -> dict:
@@ -548,6 +644,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--tokens-per-row", type=int, default=500, help="tokens per row for --analysis")
     add_engine_options(bench)  # --kv-cache-blocks defaults to a third of the prefix working set here
     add_response_format_options(bench)
+    add_prompt_fields_options(bench)
     bench.set_defaults(func=cmd_bench)
 
 

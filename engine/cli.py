@@ -21,19 +21,24 @@ from pathlib import Path
 from .cli_options import (
     DEFAULT_MODEL,
     add_engine_options,
+    add_prompt_fields_options,
     add_response_format_options,
     at_least_one,
     engine_settings_from,
+    prompt_fields_from,
     response_format_from,
 )
 from .console import LOG_DIR, ProgressBar, file_logger, route_library_output, run_summary, summary_table
-from .dataset import Columns, DatasetError, load_prompts
+from .dataset import Columns, DatasetError, load_prompts, read_source, validate
+from .duplicates import count_duplicates
+from .fields import FieldOrder, PromptFields, field_orders, field_positions, with_prompt_column
 from .settings import EngineSettings, SamplingSettings, SchedulerSettings
 
 log = logging.getLogger("batchllm")
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
+    add_prompt_fields_options(parser)
     parser.add_argument("prompts", help="Parquet file or glob, .sql file, or a table of --database")
     parser.add_argument("--database", help="DuckDB database the SQL or table refers to (opened read-only)")
     parser.add_argument("--id-column", default="id")
@@ -54,7 +59,8 @@ def _settings(args) -> tuple[EngineSettings, SamplingSettings, Columns]:
     return engine, sampling, columns
 
 
-def _prepare(args):
+def _prepare(args, fields: PromptFields | None = None):
+    """Load, (render,) tokenize and plan the table; ``fields`` overrides the command line's."""
     from .prepared import prepare_batch
     from .response_format import check_room_for_answers
     from .tokenizing import load_tokenizer
@@ -62,15 +68,42 @@ def _prepare(args):
     engine, sampling, columns = _settings(args)
     tokenizer = load_tokenizer(engine.model_path)
     check_room_for_answers(sampling.response_format, sampling.max_tokens, tokenizer)  # before any work
-    table = load_prompts(args.prompts, args.database, columns)
+    fields = fields or prompt_fields_from(args)
+    orders = None
+    if fields is None:
+        table = load_prompts(args.prompts, args.database, columns)
+    else:  # the prompt rendered from the table's fields, before validate keeps only the engine's columns
+        table = read_source(args.prompts, args.database)
+        try:
+            orders = field_orders(table, fields)
+            table = with_prompt_column(table, fields, columns.prompt, orders)
+        except ValueError as exc:
+            raise DatasetError(str(exc)) from None
+        table = validate(table, columns)
     prepared = prepare_batch(table, tokenizer, engine, sampling, columns)
-    return engine, sampling, table, prepared
+    return engine, sampling, table, prepared, orders
+
+
+def _field_orders_summary(args, prepared, orders) -> dict | None:
+    """With --fields: the prompt tokens to compute (the minimum prefill, what sorting reaches) in
+    the declared order and in the optimized one, and where each field went."""
+    fields = prompt_fields_from(args)
+    if fields is None:
+        return None
+    declared = prepared if fields.field_order is FieldOrder.as_declared else _prepare(
+        args, fields.model_copy(update={"field_order": FieldOrder.as_declared}))[3]
+    out = {"field_order": fields.field_order.value,
+           "declared": {"prompt_tokens": declared.plan.prompt_tokens, "unique_tokens": declared.plan.unique_tokens},
+           "chosen": {"prompt_tokens": prepared.plan.prompt_tokens, "unique_tokens": prepared.plan.unique_tokens},
+           "positions": field_positions(orders, fields)}
+    out["unique_tokens_ratio"] = round(prepared.plan.unique_tokens / max(declared.plan.unique_tokens, 1), 4)
+    return out
 
 
 def cmd_plan(args) -> int:
     from .shards import assign_shards
 
-    _, _, _, prepared = _prepare(args)
+    _, _, _, prepared, orders = _prepare(args)
     plan = prepared.plan
     shards = assign_shards(plan, args.shards)
     summary = {
@@ -84,6 +117,8 @@ def cmd_plan(args) -> int:
         "shared_fraction": round(plan.shared_fraction, 4),
         "tokenize_s": round(prepared.tokenize_s, 3),
         "plan_s": round(prepared.plan_s, 3),
+        "duplicate_rows": count_duplicates(prepared.duplicate_set),
+        "fields": _field_orders_summary(args, prepared, orders),
         "shards": [
             {"shard": s, "rows": int((shards.shard_of_row == s).sum()), "prefill_tokens": int(shards.prefill_tokens[s]),
              "decode_tokens": int(shards.decode_tokens[s])}
@@ -97,6 +132,14 @@ def cmd_plan(args) -> int:
           f"{summary['error_rows']} rows with errors")
     print(f"prompt tokens {plan.prompt_tokens}, unique {plan.unique_tokens}: shared "
           f"{plan.shared_prompt_tokens} tokens ({100 * plan.shared_fraction:.1f}%)")
+    if summary["duplicate_rows"]:
+        print(f"{summary['duplicate_rows']} rows are identical to another row: computed once, the answer shared")
+    if summary["fields"]:
+        f = summary["fields"]
+        print(f"prompt tokens to compute (sorted): {f['declared']['unique_tokens']} in the declared field order, "
+              f"{f['chosen']['unique_tokens']} in the {f['field_order']} order ({f['unique_tokens_ratio']:.2f}x)")
+        for name, counts in f["positions"].items():
+            print(f"  field {name}: rows per position {counts}")
     print(f"{'group':>6} {'rows':>6} {'prefix':>7}  first id")
     starts = plan.group_starts()
     for g in range(min(plan.num_groups, args.top)):
@@ -116,7 +159,7 @@ def cmd_run(args) -> int:
     output = Path(args.output)
     check_output(output, args.prompts, args.overwrite)  # before any work
     with OutputLock(output):
-        engine_settings, sampling, _, prepared = _prepare(args)
+        engine_settings, sampling, _, prepared, _ = _prepare(args)
         checkpoint_dir = Path(args.checkpoint_dir or f"{output}.checkpoint")
         bar = ProgressBar.on_terminal() if not args.json else None
         # With a bar on screen the progress lines go to the log file only.

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from .fields import FieldOrder, PromptFields
 from .response_format import ResponseFormat
 from .settings import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, EngineSettings
 from .validation import one_line
@@ -74,3 +75,25 @@ def response_format_from(args: argparse.Namespace) -> ResponseFormat | None:
         return ResponseFormat(**given)
     except ValidationError as exc:
         raise ValueError(f"response format: {one_line(exc)}") from None
+
+
+def add_prompt_fields_options(parser: argparse.ArgumentParser) -> None:
+    """A prompt built from a table's fields instead of its prompt column (``engine.fields``)."""
+    group = parser.add_argument_group("prompt from fields (instead of a prompt column)")
+    group.add_argument("--instruction", help=PromptFields.model_fields["instruction"].description)
+    group.add_argument("--fields", help="comma-separated columns rendered as 'name: value' lines")
+    group.add_argument("--question", help=PromptFields.model_fields["question"].description)
+    group.add_argument("--field-order", choices=[o.value for o in FieldOrder], default=FieldOrder.as_declared.value,
+                       help="the fields in the declared order, or each row's order that shares most")
+
+
+def prompt_fields_from(args) -> PromptFields | None:
+    if not getattr(args, "fields", None):
+        if getattr(args, "instruction", None) or getattr(args, "question", None):
+            raise SystemExit("--instruction and --question need --fields")
+        return None
+    try:
+        return PromptFields(instruction=args.instruction or "", fields=[f.strip() for f in args.fields.split(",") if f.strip()],
+                            question=args.question, field_order=args.field_order)
+    except ValidationError as exc:
+        raise SystemExit(f"--fields: {one_line(exc)}") from None

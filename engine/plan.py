@@ -51,6 +51,7 @@ class PrefixPlan:
     row_unique_tokens: np.ndarray  # prompt tokens a row computes if the batch runs in plan order
     unique_tokens: int  # tokens of the block-aligned prefix tree plus unshared tails: the minimum prefill
     levels: list[_Level] = field(default_factory=list, repr=False)
+    copies: np.ndarray | None = None  # rows identical to an earlier row: they follow it and compute nothing
 
     @property
     def num_rows(self) -> int:
@@ -168,6 +169,8 @@ def unique_tokens_per_row(plan: PrefixPlan, order: np.ndarray, part: np.ndarray 
         first = np.full(size, n, dtype=np.int64)
         np.minimum.at(first, key, at)
         paid[level.rows[at == first[key]]] += block_size
+    if plan.copies is not None:
+        paid[plan.copies] = 0  # identical to the row before them: its answer, nothing computed
     return paid
 
 
@@ -199,13 +202,28 @@ def build_plan(
     decode_tokens: np.ndarray,
     block_size: int,
     min_group_rows: int = 2,
+    duplicate_set: np.ndarray | None = None,
 ) -> PrefixPlan:
     """Plan a batch from its token ids (``tokens[offsets[i]:offsets[i+1]]`` is row ``i``)."""
-    return plan_blocks(RowBlocks.of_tokens(tokens, offsets, block_size), decode_tokens, min_group_rows)
+    return plan_blocks(RowBlocks.of_tokens(tokens, offsets, block_size), decode_tokens, min_group_rows, duplicate_set)
 
 
-def plan_blocks(blocks: RowBlocks, decode_tokens: np.ndarray, min_group_rows: int = 2) -> PrefixPlan:
-    """Plan a batch from its rows' lengths and block hashes (no token ids needed)."""
+def _first_of_set(duplicate_set: np.ndarray | None, n: int) -> np.ndarray:
+    """Each row's source: the first row of its duplicate set (itself when it has none)."""
+    source = np.arange(n)
+    if duplicate_set is None:
+        return source
+    in_set = np.flatnonzero(duplicate_set >= 0)
+    first = np.full(int(duplicate_set.max(initial=-1)) + 1, n, dtype=np.int64)
+    np.minimum.at(first, duplicate_set[in_set], in_set)
+    source[in_set] = first[duplicate_set[in_set]]
+    return source
+
+
+def plan_blocks(blocks: RowBlocks, decode_tokens: np.ndarray, min_group_rows: int = 2,
+                duplicate_set: np.ndarray | None = None) -> PrefixPlan:
+    """Plan a batch from its rows' lengths and block hashes (no token ids needed). Rows of one
+    ``duplicate_set`` (engine.duplicates) are planned once: the others follow the first in its group."""
     lengths, block_size = blocks.lengths, blocks.block_size
     n = lengths.size
     decode_tokens = np.asarray(decode_tokens, dtype=np.int64)
@@ -215,13 +233,23 @@ def plan_blocks(blocks: RowBlocks, decode_tokens: np.ndarray, min_group_rows: in
         empty = np.zeros(0, dtype=np.int64)
         return PrefixPlan(block_size, lengths, decode_tokens, empty, empty, empty, empty, empty, 0)
 
+    source = _first_of_set(duplicate_set, n)
+    copies = source != np.arange(n)
+    if copies.any():  # the tree of the distinct rows; a copy decodes nothing
+        blocks = blocks.without(np.flatnonzero(copies))
+        decode_tokens = np.where(copies, 0, decode_tokens)
     levels = _build_levels(blocks)
     depth, group_node = _group_depths(levels, n, min_group_rows)
+    depth, group_node = depth[source], group_node[source]
     ratio = decode_tokens / np.maximum(lengths, 1)
     dfs = _decode_ratio_first_order(levels, ratio)
+    if copies.any():  # each copy right after its source
+        position = np.empty(n, dtype=np.int64)
+        position[dfs] = 2 * np.arange(n)
+        dfs = np.argsort(np.where(copies, position[source] + 1, position), kind="stable")
 
     # Rows without a group get a key of their own; groups are numbered by first appearance in dfs.
-    group_key = np.where(group_node >= 0, group_node, -1 - np.arange(n))
+    group_key = np.where(group_node >= 0, group_node, -1 - source)
     _, first_pos, key_of_row = np.unique(group_key[dfs], return_index=True, return_inverse=True)
     group_rank = np.empty(first_pos.size, dtype=np.int64)
     group_rank[np.argsort(first_pos, kind="stable")] = np.arange(first_pos.size)
@@ -245,6 +273,7 @@ def plan_blocks(blocks: RowBlocks, decode_tokens: np.ndarray, min_group_rows: in
         row_unique_tokens=np.zeros(n, dtype=np.int64),
         unique_tokens=0,
         levels=levels,
+        copies=copies if copies.any() else None,
     )
     plan.row_unique_tokens = unique_tokens_per_row(plan, order)
     plan.unique_tokens = int(plan.row_unique_tokens.sum())

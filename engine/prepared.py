@@ -132,12 +132,12 @@ def plan_tokenized(
     blocks = blocks.without(dropped)
     decode = np.where(blocks.lengths > 0, max_tokens, 0)
     started = time.perf_counter()
-    plan = plan_blocks(blocks, decode, scheduler.min_group_rows)
     keys = (table.column(CONTENT_KEY).combine_chunks() if CONTENT_KEY in table.column_names
             else token_keys(rows.tokens, rows.offsets))
     runnable = np.ones(n, dtype=bool)
     runnable[list(errors)] = False
     same = duplicate_sets(keys, max_tokens, _column(table, columns.response_format) or [None] * n, runnable)
+    plan = plan_blocks(blocks, decode, scheduler.min_group_rows, same)
     plan_s = hash_s + time.perf_counter() - started
     log.info(
         "planned %d rows: %d groups, %d prompt tokens, shared %.1f%%, %d identical to another row "

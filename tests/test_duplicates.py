@@ -95,3 +95,17 @@ def test_the_plan_table_keeps_the_sets_and_a_shard_reads_them_back():
     assert restored.duplicate_set.tolist() == prepared.duplicate_set.tolist()
     assert restored.duplicate_set[0] == restored.duplicate_set[2] != NO_SET
     assert prepared.subset([1, 2]).duplicate_set.tolist() == [NO_SET, prepared.duplicate_set[2]]
+
+
+def test_the_plan_puts_each_copy_right_after_its_first_row_in_its_group_and_charges_it_nothing():
+    suffixes = [[1, 2], [7] * 9, [1, 2], [3] * 9, [1, 2], [7] * 9]
+    prepared = planned(suffixes)
+    plan, order = prepared.plan, prepared.order.tolist()
+    for source, copy in ((0, 2), (0, 4), (1, 5)):
+        assert prepared.group_of_row[copy] == prepared.group_of_row[source]
+        assert order.index(copy) > order.index(source)
+        assert plan.row_unique_tokens[copy] == 0 and plan.decode_tokens[copy] == 0
+    assert order.index(2) == order.index(0) + 1 and order.index(4) == order.index(0) + 2
+    distinct = planned([suffixes[i] for i in (0, 1, 3)]).plan
+    assert plan.unique_tokens == distinct.unique_tokens  # the minimum counts each content once
+    assert plan.prompt_tokens == sum(len(SHARED) + len(s) for s in suffixes)  # every row's prompt is still there
