@@ -22,6 +22,7 @@ from .response_format import cut_off_reason
 from .results import RowResult, RunStats
 from .scheduler import GroupScheduler, InOrderScheduler, groups_in_run_order
 from .settings import SamplingSettings, SchedulerSettings
+from .step_profile import StepProfile
 from .vllm_engine import VLLMEngine
 
 
@@ -41,6 +42,7 @@ class BatchRun:
         started_at: float | None = None,
         display: Display | None = None,
         settings_fingerprint: str | None = None,
+        step_profile: StepProfile | None = None,
     ):
         self.prepared, self.engine, self.sampling = prepared, engine, sampling
         self.scheduler_settings = scheduler_settings
@@ -52,6 +54,7 @@ class BatchRun:
         self.settings_fingerprint = settings_fingerprint
         self.started_at = started_at
         self.display = display  # a live view (a progress bar) besides the progress lines
+        self.step_profile = step_profile  # each engine step recorded (the bench's per-step timing)
         self.stats = RunStats()
 
     def _result(self, row: int, **fields) -> RowResult:
@@ -102,6 +105,8 @@ class BatchRun:
             return stats.cached_tokens - (scheduler.stats.prefix_prompt_tokens - scheduler.stats.prefix_cached_tokens)
 
         def on_step(report) -> None:
+            if self.step_profile is not None:
+                self.step_profile.record(report)
             progress.update(stats.rows, stats.prompt_tokens + stats.output_tokens, saved(),
                             report.running, report.kv_usage, totals.preemptions,
                             planned_blocks=(lambda: planned(report.generated)) if planned else None)

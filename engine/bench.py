@@ -67,10 +67,11 @@ from .cli_options import (
     response_format_from,
 )
 from .console import route_library_output
-from .fields import FieldOrder, PromptFields, render_prompts, with_prompt_column
+from .fields import FieldOrder, PromptFields, field_orders, render_prompts, with_prompt_column
 from .duplicates import count_duplicates, duplicate_sets, token_keys
 from .plan import build_plan, reusable_tokens
 from .results import RunStats
+from .step_profile import StepProfile
 from .settings import EngineSettings, ReserveOutput, SamplingSettings, SchedulerSettings
 from .tokenizing import TokenizedBatch
 from .vllm_env import current_platform
@@ -218,12 +219,16 @@ def fields_table(seed: int = 0, products: int = 24, reviews: int = 240) -> pa.Ta
 
 
 def _field_batches(table: pa.Table, fields: PromptFields, tokenizer):
-    """The table's prompts tokenized in the declared field order and in ``fields``' order."""
+    """The table's prompts tokenized in the declared field order and in ``fields``' order, and
+    the seconds choosing that order took (charged to batchllm like its planning)."""
     from .tokenizing import tokenize_rows
 
     declared = fields.model_copy(update={"field_order": FieldOrder.as_declared})
+    started = time.perf_counter()
+    orders = field_orders(table, fields)
+    order_s = time.perf_counter() - started
     return (tokenize_rows(tokenizer, render_prompts(table, declared).to_pylist()),
-            tokenize_rows(tokenizer, render_prompts(table, fields).to_pylist()))
+            tokenize_rows(tokenizer, render_prompts(table, fields, orders).to_pylist()), order_s)
 
 
 def _prepared(batch, max_tokens, block_size: int, ids: list | None = None, response_formats: dict | None = None):
@@ -243,19 +248,24 @@ def _prepared(batch, max_tokens, block_size: int, ids: list | None = None, respo
 def table_sample(args, tokenizer, model_path: str, fields: PromptFields | None = None):
     """Whole prefix groups of the user's table, picked at random until ``--sample`` rows, in the
     table's own order (what plain vLLM would be handed); rows that cannot run are left out. With
-    ``fields`` reordered, also the same rows in their chosen field order (else None); the groups
-    are those of the chosen order."""
+    ``fields`` reordered, also the same rows in their chosen field order (else None) and the
+    seconds choosing it took; the groups are those of the chosen order."""
     from .dataset import load_prompts, read_source, validate
     from .prepared import prepare_batch
 
+    field_order_s = 0.0
     engine_settings, sampling = engine_settings_from(args, model_path), SamplingSettings(max_tokens=args.max_tokens)
     if fields is None:
         tables = [load_prompts(args.prompts, args.database)]
     else:
         raw = read_source(args.prompts, args.database)
-        orders = [FieldOrder.as_declared] + ([fields.field_order] if fields.field_order is not FieldOrder.as_declared else [])
-        tables = [validate(with_prompt_column(raw, fields.model_copy(update={"field_order": o}), "prompt"))
-                  for o in orders]
+        declared = fields.model_copy(update={"field_order": FieldOrder.as_declared})
+        tables = [validate(with_prompt_column(raw, declared, "prompt"))]
+        if fields.field_order is not FieldOrder.as_declared:
+            started = time.perf_counter()
+            orders = field_orders(raw, fields)
+            field_order_s = time.perf_counter() - started
+            tables.append(validate(with_prompt_column(raw, fields, "prompt", orders)))
     planned = [prepare_batch(t, tokenizer, engine_settings, sampling) for t in tables]
     whole = planned[-1]  # the groups of the order batchllm runs
     ok = np.asarray([all(r not in p.errors for p in planned) for r in range(whole.num_rows)])
@@ -274,7 +284,7 @@ def table_sample(args, tokenizer, model_path: str, fields: PromptFields | None =
     if fields is not None:
         described.update(fields=fields.fields, field_order=fields.field_order.value)
     samples = [p.subset(chosen) for p in planned]
-    return samples[0], described, (samples[1] if len(samples) > 1 else None)
+    return samples[0], described, (samples[1] if len(samples) > 1 else None), field_order_s
 
 
 def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: SamplingSettings,
@@ -287,11 +297,14 @@ def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: Sam
         return _generate_sorted(prepared, engine_settings, sampling)
     baseline, caching = RUNS[name]
     with open_engine(engine_settings, prepared, enable_prefix_caching=caching) as engine:
+        profile = StepProfile.of(prepared.group_of_row)
         run = BatchRun(prepared, engine, sampling, scheduler, rows=input_order(prepared),
-                       baseline_order=baseline(prepared) if baseline else None)
+                       baseline_order=baseline(prepared) if baseline else None, step_profile=profile)
         outputs = {r.id: r.text for r in run}
         info = engine.info
-    return _report(run.stats, info.max_num_seqs, info.kv_capacity_blocks), outputs
+    report = _report(run.stats, info.max_num_seqs, info.kv_capacity_blocks)
+    report["per_step"] = profile.summary()
+    return report, outputs
 
 
 def _generate_sorted(prepared, engine_settings: EngineSettings, sampling: SamplingSettings) -> tuple[dict, dict]:
@@ -377,15 +390,16 @@ def run_bench(args) -> dict:
     special = max(tokenizer.all_special_ids or [0])
     vocab = (special + 1, min(len(tokenizer), 32000))
     response_formats, ids, chosen_batch = {}, None, None  # chosen_batch: batchllm's prompts in its field order
+    field_order_s = 0.0
     fields = prompt_fields_from(args)
     if args.prompts:
-        sample, described, chosen = table_sample(args, tokenizer, model_path, fields)
+        sample, described, chosen, field_order_s = table_sample(args, tokenizer, model_path, fields)
         batch, max_tokens, ids, response_formats = sample.batch, sample.max_tokens, sample.ids, sample.response_formats
         chosen_batch = chosen.batch if chosen is not None else None
     elif args.shape == "fields":
         fields = fields or FIELDS_SHAPE
         table = fields_table(args.seed)
-        batch, chosen_batch = _field_batches(table, fields, tokenizer)
+        batch, chosen_batch, field_order_s = _field_batches(table, fields, tokenizer)
         max_tokens = np.random.default_rng(args.seed).integers(2, 9, table.num_rows).astype(np.int64)  # short answers
         ids = table.column("id").to_pylist()
         described = {"shape": "fields", "seed": args.seed, "fields": fields.fields, "field_order": fields.field_order.value}
@@ -453,7 +467,9 @@ def run_bench(args) -> dict:
     if reordered is not None and "batchllm" in outputs and len(same_prompts) < len(outputs):
         ours = outputs["batchllm"][0]
         field_order_agreement = round(sum(ours.get(i) == reference[i] for i in reference) / max(len(reference), 1), 4)
-    ratios, with_planning = _ratios(repetitions, prepared.plan_s)
+    # Charged to batchllm: the plan of the prompts it ran, and choosing their field order.
+    planning_s = (reordered or prepared).plan_s + field_order_s
+    ratios, with_planning = _ratios(repetitions, planning_s)
     return {
         "workload": {**described, "rows": prepared.num_rows, "model": args.model or DEFAULT_MODEL, "dtype": engine_settings.for_platform(current_platform()).dtype,
                      "block_size": args.block_size, "kv_cache_blocks": kv_blocks,
@@ -462,7 +478,9 @@ def run_bench(args) -> dict:
                      "duplicate_rows": count_duplicates(prepared.duplicate_set), "plan_s": round(prepared.plan_s, 4),
                      # batchllm's own prompts where it reorders their fields (the baselines keep the declared order)
                      **({"batchllm_prompt_tokens": reordered.plan.prompt_tokens,
-                         "batchllm_unique_tokens": reordered.plan.unique_tokens} if reordered else {})},
+                         "batchllm_unique_tokens": reordered.plan.unique_tokens,
+                         "field_order_s": round(field_order_s, 4)} if reordered else {}),
+                     "planning_s_charged": round(planning_s, 4)},
         "repeat": args.repeat,
         "run_order": [list(runs) for runs in repetitions],  # each repetition's order (rotated)
         "runs": {name: _median_run([runs[name] for runs in repetitions]) for name in names},
@@ -481,7 +499,7 @@ def run_bench(args) -> dict:
         # batch-invariant (--batch-invariant: VLLM_BATCH_INVARIANT=1), so an order can change an answer.
         "answer_agreement": round(agreement, 4),
         "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT") == "1",
-        "verdict": verdict(ratios, agreement, prepared.num_rows, described),
+        "verdict": verdict(ratios, agreement, prepared.num_rows, described, field_order_agreement),
     }
 
 
@@ -523,7 +541,7 @@ LABELS = {"vllm_generate_sorted": "vLLM's LLM.generate on sorted rows", "vllm_ap
           "vllm_apc": "vLLM with prefix caching", "vllm_nocache": "vLLM without it"}
 
 
-def verdict(ratios: dict, agreement: float, rows: int, described: dict) -> str:
+def verdict(ratios: dict, agreement: float, rows: int, described: dict, field_order_agreement: float | None = None) -> str:
     """One line a team can act on: how this engine compared with the strongest baseline that ran
     (the one it leads by least), with the range over the repetitions."""
     what = f"{rows} rows of {described['source']}" if described["shape"] == "table" else f"the {described['shape']} shape"
@@ -534,6 +552,9 @@ def verdict(ratios: dict, agreement: float, rows: int, described: dict) -> str:
     spread = f"{r['median']:.2f}x (range {r['min']:.2f}-{r['max']:.2f})" if r["min"] != r["max"] else f"{r['median']:.2f}x"
     call = {"faster": "faster than", "on par": "on par with", "slower": "SLOWER than"}[r["call"]]
     equal = "outputs equal" if agreement == 1 else f"OUTPUTS DIFFER in {100 * (1 - agreement):.1f}% of rows"
+    if field_order_agreement is not None:
+        equal = (f"baselines' outputs {'equal' if agreement == 1 else 'DIFFER'}; batchllm's field order gave the same "
+                 f"answer for {100 * field_order_agreement:.1f}% of rows")
     others = ", ".join(f"{ratios[k]['median']:.2f}x {LABELS[k[3:]]}" for k in ratios if k != strongest)
     return (f"on {what}: batchllm is {call} the strongest baseline, {LABELS[strongest[3:]]}: {spread}"
             + (f"; {others}" if others else "") + f" ({equal})")

@@ -77,7 +77,9 @@ def drive(
             if not scheduler.done:  # schedule() always admits into an idle engine
                 raise RuntimeError("scheduler stalled: nothing in the engine and rows left to run")
             return
+        started = time.perf_counter()
         report = engine.step()
+        report.seconds = time.perf_counter() - started
         totals.add(report)
         generated = report.generated
         scheduler.after_step(report.started)

@@ -78,6 +78,11 @@ class StepReport:
     kv_usage: float = 0.0
     running: int = 0
     preempted: int = 0
+    # For a per-step profile: the step's wall time (set by drive), the prompt tokens vLLM computed
+    # for the requests whose prefill ended in it and the output tokens it generated.
+    seconds: float = 0.0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
 
 
 class Engine(Protocol):

@@ -36,6 +36,8 @@ class _Gauges:
     kv_usage: float = 0.0
     running: int = 0
     preempted: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
 
 
 def _stat_logger_factory(gauges: _Gauges):
@@ -48,6 +50,8 @@ def _stat_logger_factory(gauges: _Gauges):
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
             if iteration_stats is not None:
                 gauges.preempted += iteration_stats.num_preempted_reqs
+                gauges.prefill_tokens += iteration_stats.prompt_token_stats.computed
+                gauges.decode_tokens += iteration_stats.num_generation_tokens
             if scheduler_stats is not None:
                 gauges.running = scheduler_stats.num_running_reqs
                 gauges.kv_usage = scheduler_stats.kv_cache_usage
@@ -176,7 +180,7 @@ class VLLMEngine:
 
     def step(self) -> StepReport:
         """One engine step: what finished, how far the others got, and vLLM's own gauges."""
-        self._gauges.preempted = 0
+        self._gauges.preempted = self._gauges.prefill_tokens = self._gauges.decode_tokens = 0
         report = StepReport()
         for out in self._engine.step():
             submission = self._submitted[out.request_id]
@@ -202,8 +206,9 @@ class VLLMEngine:
                 )
             )
         report.generated = self._generated
-        report.kv_usage, report.running, report.preempted = (
-            self._gauges.kv_usage, self._gauges.running, self._gauges.preempted)
+        gauges = self._gauges
+        report.kv_usage, report.running, report.preempted = gauges.kv_usage, gauges.running, gauges.preempted
+        report.prefill_tokens, report.decode_tokens = gauges.prefill_tokens, gauges.decode_tokens
         return report
 
     def close(self) -> None:

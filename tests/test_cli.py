@@ -155,3 +155,50 @@ def test_run_with_choices_answers_only_those(prompt_parquet, tiny_model, tmp_pat
     batchllm("run", str(prompt_parquet), "--model", tiny_model, "--output", str(output), "--max-tokens", "6",
              "--kv-cache-blocks", "64", "--choice", "yes", "--choice", "no")
     assert set(pq.read_table(output).column("text").to_pylist()) <= {"yes", "no"}
+
+
+def reviews_parquet(tmp_path):
+    import pyarrow as pa
+
+    description = ["A long description of product one, " * 12, "Product two is described at length here, " * 12]
+    rows = [{"id": i, "review": f"review number {i} says {'good' if i % 2 else 'bad'}", "description": description[i % 2],
+             "category": f"category {i % 2}"} for i in range(12)]
+    path = tmp_path / "reviews.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_plan_with_fields_shows_both_orders_and_where_each_field_went(tmp_path, tiny_model):
+    path = reviews_parquet(tmp_path)
+    fields = ["--fields", "review,description,category", "--instruction", "Rate the review.", "--question", "Rating:"]
+    declared = json.loads(batchllm("plan", str(path), "--model", tiny_model, *fields, "--json").stdout)["fields"]
+    assert declared["field_order"] == "as_declared" and declared["unique_tokens_ratio"] == 1
+    summary = json.loads(batchllm("plan", str(path), "--model", tiny_model, *fields, "--field-order", "optimize",
+                                  "--json").stdout)
+    chosen = summary["fields"]
+    assert chosen["chosen"]["prompt_tokens"] == chosen["declared"]["prompt_tokens"]  # the same text, reordered
+    assert chosen["chosen"]["unique_tokens"] < 0.6 * chosen["declared"]["unique_tokens"]
+    assert chosen["positions"]["description"] == [12, 0, 0] and chosen["positions"]["review"] == [0, 0, 12]
+    text = batchllm("plan", str(path), "--model", tiny_model, *fields, "--field-order", "optimize").stdout
+    assert "in the declared field order" in text and "field description: rows per position [12, 0, 0]" in text
+    missing = batchllm("plan", str(path), "--model", tiny_model, "--fields", "review,nope", check=False)
+    assert missing.returncode != 0 and "['nope'] are not columns" in missing.stderr
+
+
+@pytest.mark.slow
+def test_bench_on_a_table_with_fields_reports_both_orders_and_their_agreement(tmp_path, tiny_model):
+    path = reviews_parquet(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "engine.cli", "bench", str(path), "--model", tiny_model,
+                           "--fields", "review,description,category", "--instruction", "Rate.", "--field-order",
+                           "optimize", "--runs", "vllm_apc_sorted,batchllm", "--repeat", "2", "--max-tokens", "3",
+                           "--json"], capture_output=True, text=True, check=True)
+    report = json.loads(done.stdout)
+    assert report["repeat"] == 2 and report["run_order"] == [["vllm_apc_sorted", "batchllm"], ["batchllm", "vllm_apc_sorted"]]
+    assert len(set(report["runs"]["batchllm"]["pids"])) == 2  # every run in a process of its own
+    assert report["workload"]["batchllm_unique_tokens"] < report["workload"]["unique_tokens"]
+    assert report["prefill_ratios"]["vs_vllm_apc_sorted"] < 0.6
+    assert 0 <= report["field_order_agreement"] <= 1
+    ratio = report["ratios"]["vs_vllm_apc_sorted"]
+    assert ratio["min"] <= ratio["median"] <= ratio["max"]
+    assert "field order gave the same answer" in report["verdict"]
+    assert report["runs"]["batchllm"]["per_step"]["steps"] == report["runs"]["batchllm"]["engine_steps"]

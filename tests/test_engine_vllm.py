@@ -173,3 +173,18 @@ def test_the_engine_core_in_its_own_process_started_by_spawn_gives_the_same_answ
     one, one_s = batchllm_run(tmp_path / "one.parquet")
     assert separate == one and len(one) == make_prompt_table().num_rows
     print(f"batchllm run, {len(one)} rows: engine core in its own process {separate_s:.1f}s, in one process {one_s:.1f}s")
+
+
+def test_identical_rows_run_once_and_every_id_gets_plain_vllms_answer(tiny_model):
+    base = make_prompt_table(documents=3, questions=3, singles=2)
+    repeated = base.slice(0, 4)  # the same rows again under other ids
+    repeated = repeated.set_column(0, "id", pa.array([f"again-{i}" for i in repeated.column("id").to_pylist()]))
+    table = pa.concat_tables([base, repeated])
+    ours, ours_stats = run(tiny_model, table)
+    plain, plain_stats = run(tiny_model, table, plain=True)
+    assert {i: r.text for i, r in ours.items()} == {i: r.text for i, r in plain.items()}
+    for original in base.slice(0, 4).column("id").to_pylist():
+        assert ours[f"again-{original}"].text == ours[original].text
+    assert ours_stats.duplicate_rows == 4 and plain_stats.duplicate_rows == 0
+    assert ours_stats.output_tokens == plain_stats.output_tokens  # every id answered in full
+    assert ours_stats.prefill_tokens < plain_stats.prefill_tokens
