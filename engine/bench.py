@@ -304,6 +304,8 @@ def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: Sam
         info = engine.info
     report = _report(run.stats, info.max_num_seqs, info.kv_capacity_blocks)
     report["per_step"] = profile.summary()
+    if report["per_step"]:  # the run's time outside vLLM's steps: our scheduler, submissions, results
+        report["per_step"]["outside_steps_s"] = round(run.stats.wall_s - report["per_step"]["step_s"], 3)
     return report, outputs
 
 
@@ -531,9 +533,11 @@ def _prefill_ratios(repetitions: list[dict]) -> dict:
 def _median_run(reports: list[dict]) -> dict:
     """One run's report over the repetitions: each number's median, tokens/s with its range."""
     out = {key: (float(np.median([r[key] for r in reports])) if isinstance(value, float) else value)
-           for key, value in reports[0].items() if key != "pid"}
+           for key, value in reports[0].items() if key not in ("pid", "per_step")}
     out["tokens_per_s_range"] = [min(r["tokens_per_s"] for r in reports), max(r["tokens_per_s"] for r in reports)]
     out["pids"] = [r["pid"] for r in reports]
+    if "per_step" in reports[0]:  # each repetition's own profile: a median of profiles would describe no run
+        out["per_step"] = [r["per_step"] for r in reports]
     return out
 
 

@@ -201,4 +201,5 @@ def test_bench_on_a_table_with_fields_reports_both_orders_and_their_agreement(tm
     ratio = report["ratios"]["vs_vllm_apc_sorted"]
     assert ratio["min"] <= ratio["median"] <= ratio["max"]
     assert "field order gave the same answer" in report["verdict"]
-    assert report["runs"]["batchllm"]["per_step"]["steps"] == report["runs"]["batchllm"]["engine_steps"]
+    profiles = report["runs"]["batchllm"]["per_step"]
+    assert len(profiles) == 2 and all(p["steps"] > 0 and p["outside_steps_s"] >= 0 for p in profiles)
