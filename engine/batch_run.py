@@ -62,6 +62,21 @@ class BatchRun:
                          row_fingerprint=self.fingerprints[row], settings_fingerprint=self.settings_fingerprint,
                          **fields)
 
+    def _answer(self, row: int, item, cut: str | None, cached_tokens: int) -> RowResult:
+        """Row ``row`` answered by the finished request ``item`` (its own, or an identical row's)."""
+        stats = self.stats
+        stats.rows += 1
+        stats.prompt_tokens += item.prompt_tokens
+        stats.cached_tokens += cached_tokens
+        stats.output_tokens += len(item.token_ids)
+        if cut:
+            stats.error_rows += 1
+        else:
+            stats.ok_rows += 1
+        return self._result(row, status="error" if cut else "ok", text=item.text, error=cut,
+                            prompt_tokens=item.prompt_tokens, cached_tokens=cached_tokens,
+                            output_tokens=len(item.token_ids), finish_reason=item.finish_reason)
+
     def _error(self, row: int, reason: str) -> RowResult:
         self.stats.rows += 1
         self.stats.error_rows += 1
@@ -117,39 +132,15 @@ class BatchRun:
                     yield self._error(row, item.reason)
                 continue
             row = item.submission.row
-            stats.rows += 1
-            stats.prompt_tokens += item.prompt_tokens
-            stats.cached_tokens += item.cached_tokens
-            stats.output_tokens += len(item.token_ids)
             stats.wall_s = time.perf_counter() - started
             # A constrained answer that ran out of max_tokens with its format still open is not an
             # answer: stored as an error row (its text kept to look at), never as ok.
             cut = cut_off_reason(prepared.response_formats.get(row, self.sampling.response_format), item.text,
                                  item.finish_reason, int(prepared.max_tokens[row]))
-            if cut:
-                stats.error_rows += 1
-            else:
-                stats.ok_rows += 1
-            yield self._result(
-                row, status="error" if cut else "ok", text=item.text, error=cut, prompt_tokens=item.prompt_tokens,
-                cached_tokens=item.cached_tokens, output_tokens=len(item.token_ids),
-                finish_reason=item.finish_reason,
-            )
+            yield self._answer(row, item, cut, item.cached_tokens)
             for copy in copies.get(row, []):  # its identical rows: the same answer, their own ids, nothing computed
-                stats.rows += 1
                 stats.duplicate_rows += 1
-                stats.prompt_tokens += item.prompt_tokens
-                stats.cached_tokens += item.prompt_tokens
-                stats.output_tokens += len(item.token_ids)
-                if cut:
-                    stats.error_rows += 1
-                else:
-                    stats.ok_rows += 1
-                yield self._result(
-                    copy, status="error" if cut else "ok", text=item.text, error=cut,
-                    prompt_tokens=item.prompt_tokens, cached_tokens=item.prompt_tokens,
-                    output_tokens=len(item.token_ids), finish_reason=item.finish_reason,
-                )
+                yield self._answer(copy, item, cut, item.prompt_tokens)
         stats.wall_s = time.perf_counter() - started
         stats.startup_s = (totals.first_submit_at or started) - (self.started_at or started)
         stats.preemptions, stats.engine_steps = totals.preemptions, totals.steps
