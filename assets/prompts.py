@@ -11,7 +11,7 @@ import dagster as dg
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import table_preview
 from engine.atomic import Staged
-from engine.dataset import DatasetError, check_unique_ids, read_sql, single_query, source_sql, stream_sql, validate
+from engine.dataset import check_unique_ids, read_sql, single_query, source_sql, stream_sql, validate
 from engine.fields import FieldOrder, PromptFields, with_prompt_column
 from engine.token_cache import CONTENT_KEY, KEY_TYPE, content_keys
 
@@ -64,10 +64,7 @@ def rendered_batches(batches, schema: pa.Schema, fields: PromptFields, prompt_co
     order is chosen over the whole table, so its rows are read at once; in the declared order,
     batch by batch."""
     def render(table: pa.Table) -> list[pa.RecordBatch]:
-        try:
-            return with_prompt_column(table, fields, prompt_column).to_batches(65_536)
-        except ValueError as exc:
-            raise DatasetError(str(exc)) from None
+        return with_prompt_column(table, fields, prompt_column).to_batches(65_536)
 
     def each_batch():
         for batch in batches:

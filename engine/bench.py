@@ -223,11 +223,10 @@ def _field_batches(table: pa.Table, fields: PromptFields, tokenizer):
     the seconds choosing that order took (charged to batchllm like its planning)."""
     from .tokenizing import tokenize_rows
 
-    declared = fields.model_copy(update={"field_order": FieldOrder.as_declared})
     started = time.perf_counter()
     orders = field_orders(table, fields)
     order_s = time.perf_counter() - started
-    return (tokenize_rows(tokenizer, render_prompts(table, declared).to_pylist()),
+    return (tokenize_rows(tokenizer, render_prompts(table, fields.declared()).to_pylist()),
             tokenize_rows(tokenizer, render_prompts(table, fields, orders).to_pylist()), order_s)
 
 
@@ -259,8 +258,7 @@ def table_sample(args, tokenizer, model_path: str, fields: PromptFields | None =
         tables = [load_prompts(args.prompts, args.database)]
     else:
         raw = read_source(args.prompts, args.database)
-        declared = fields.model_copy(update={"field_order": FieldOrder.as_declared})
-        tables = [validate(with_prompt_column(raw, declared, "prompt"))]
+        tables = [validate(with_prompt_column(raw, fields.declared(), "prompt"))]
         if fields.field_order is not FieldOrder.as_declared:
             started = time.perf_counter()
             orders = field_orders(raw, fields)

@@ -74,12 +74,8 @@ def _prepare(args, fields: PromptFields | None = None):
         table = load_prompts(args.prompts, args.database, columns)
     else:  # the prompt rendered from the table's fields, before validate keeps only the engine's columns
         table = read_source(args.prompts, args.database)
-        try:
-            orders = field_orders(table, fields)
-            table = with_prompt_column(table, fields, columns.prompt, orders)
-        except ValueError as exc:
-            raise DatasetError(str(exc)) from None
-        table = validate(table, columns)
+        orders = field_orders(table, fields)
+        table = validate(with_prompt_column(table, fields, columns.prompt, orders), columns)
     prepared = prepare_batch(table, tokenizer, engine, sampling, columns)
     return engine, sampling, table, prepared, orders
 
@@ -90,8 +86,7 @@ def _field_orders_summary(args, prepared, orders) -> dict | None:
     fields = prompt_fields_from(args)
     if fields is None:
         return None
-    declared = prepared if fields.field_order is FieldOrder.as_declared else _prepare(
-        args, fields.model_copy(update={"field_order": FieldOrder.as_declared}))[3]
+    declared = prepared if fields.field_order is FieldOrder.as_declared else _prepare(args, fields.declared())[3]
     out = {"field_order": fields.field_order.value,
            "declared": {"prompt_tokens": declared.plan.prompt_tokens, "unique_tokens": declared.plan.unique_tokens},
            "chosen": {"prompt_tokens": prepared.plan.prompt_tokens, "unique_tokens": prepared.plan.unique_tokens},

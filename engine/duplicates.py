@@ -56,6 +56,19 @@ def duplicate_sets(keys: pa.Array, max_tokens: np.ndarray, response_formats: lis
     return out
 
 
+def first_of_set(duplicate_set: np.ndarray | None, n: int) -> np.ndarray:
+    """Each row's source in the plan: the lowest row of its duplicate set (itself when it has none).
+    The planner puts the set's other rows right after it, so it is also the first in run order."""
+    source = np.arange(n)
+    if duplicate_set is None:
+        return source
+    in_set = np.flatnonzero(duplicate_set >= 0)
+    first = np.full(int(duplicate_set.max(initial=-1)) + 1, n, dtype=np.int64)
+    np.minimum.at(first, duplicate_set[in_set], in_set)
+    source[in_set] = first[duplicate_set[in_set]]
+    return source
+
+
 def answer_sources(duplicate_set: np.ndarray | None, rows_in_run_order: list[int]) -> dict[int, list[int]]:
     """Among ``rows_in_run_order``, the first row of each duplicate set mapped to the other rows of
     its set that take its answer; rows alone in their set are not in it. A set's first row is its

@@ -35,6 +35,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .dataset import DatasetError
+
 
 class FieldOrder(str, Enum):
     as_declared = "as_declared"
@@ -59,11 +61,15 @@ class PromptFields(BaseModel):
             raise ValueError(f"fields are listed more than once: {self.fields}")
         return self
 
+    def declared(self) -> "PromptFields":
+        """The same prompt with its fields in the declared order."""
+        return self.model_copy(update={"field_order": FieldOrder.as_declared})
+
 
 def _missing(table: pa.Table, spec: PromptFields) -> None:
     missing = [f for f in spec.fields if f not in table.column_names]
     if missing:
-        raise ValueError(f"the prompt's fields {missing} are not columns of the table "
+        raise DatasetError(f"the prompt's fields {missing} are not columns of the table "
                          f"(it has {', '.join(table.column_names)})")
 
 
@@ -148,6 +154,6 @@ def field_positions(orders: np.ndarray, spec: PromptFields) -> dict[str, list[in
 def with_prompt_column(table: pa.Table, spec: PromptFields, column: str, orders: np.ndarray | None = None) -> pa.Table:
     """``table`` with its prompt ``column`` rendered from the fields (refused if it has one already)."""
     if column in table.column_names:
-        raise ValueError(f"the table has a {column!r} column and the dataset builds its prompt from fields: "
+        raise DatasetError(f"the table has a {column!r} column and the dataset builds its prompt from fields: "
                          f"drop one of them (or rename the column)")
     return table.append_column(column, render_prompts(table, spec, orders))

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .block_hashes import RowBlocks, rows_by_depth
+from .duplicates import first_of_set
 
 if TYPE_CHECKING:
     from .tokenizing import TokenizedBatch
@@ -208,18 +209,6 @@ def build_plan(
     return plan_blocks(RowBlocks.of_tokens(tokens, offsets, block_size), decode_tokens, min_group_rows, duplicate_set)
 
 
-def _first_of_set(duplicate_set: np.ndarray | None, n: int) -> np.ndarray:
-    """Each row's source: the first row of its duplicate set (itself when it has none)."""
-    source = np.arange(n)
-    if duplicate_set is None:
-        return source
-    in_set = np.flatnonzero(duplicate_set >= 0)
-    first = np.full(int(duplicate_set.max(initial=-1)) + 1, n, dtype=np.int64)
-    np.minimum.at(first, duplicate_set[in_set], in_set)
-    source[in_set] = first[duplicate_set[in_set]]
-    return source
-
-
 def plan_blocks(blocks: RowBlocks, decode_tokens: np.ndarray, min_group_rows: int = 2,
                 duplicate_set: np.ndarray | None = None) -> PrefixPlan:
     """Plan a batch from its rows' lengths and block hashes (no token ids needed). Rows of one
@@ -233,7 +222,7 @@ def plan_blocks(blocks: RowBlocks, decode_tokens: np.ndarray, min_group_rows: in
         empty = np.zeros(0, dtype=np.int64)
         return PrefixPlan(block_size, lengths, decode_tokens, empty, empty, empty, empty, empty, 0)
 
-    source = _first_of_set(duplicate_set, n)
+    source = first_of_set(duplicate_set, n)
     copies = source != np.arange(n)
     if copies.any():  # the tree of the distinct rows; a copy decodes nothing
         blocks = blocks.without(np.flatnonzero(copies))
