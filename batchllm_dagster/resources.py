@@ -8,7 +8,6 @@ from contextlib import contextmanager
 import dagster as dg
 from pydantic import Field
 
-from engine.prepared import PreparedBatch
 from engine.settings import EngineSettings
 from engine.vllm_engine import VLLMEngine, open_engine
 from engine.vllm_env import hardware_name
@@ -23,11 +22,11 @@ class VLLMResource(dg.ConfigurableResource):
         return self.hardware_label or hardware_name()
 
     @contextmanager
-    def engine(self, settings: EngineSettings, prepared: PreparedBatch) -> Iterator[VLLMEngine]:
-        """``with llm.engine(settings, prepared) as engine:`` vLLM sized for the batch, shut down
+    def engine(self, settings: EngineSettings) -> Iterator[VLLMEngine]:
+        """``with llm.engine(settings) as engine:`` vLLM with the job's settings, shut down
         when the block ends (normally or not): the resource owns the engine's lifetime, as
         ``DuckDBResource.get_connection()`` owns a connection's."""
-        with open_engine(settings, prepared) as engine:
+        with open_engine(settings) as engine:
             yield engine
 
 

@@ -67,9 +67,10 @@ from .cli_options import (
     response_format_from,
 )
 from .console import route_library_output
-from .fields import FieldOrder, PromptFields, field_orders, render_prompts, with_prompt_column
+from .fields import FieldOrder, PromptFields, distinct_value_order, field_orders, with_prompt_column
 from .duplicates import count_duplicates, duplicate_sets, token_keys
 from .plan import build_plan, reusable_tokens
+from .response_format import ResponseFormat
 from .results import RunStats
 from .step_profile import StepProfile
 from .settings import EngineSettings, ReserveOutput, SamplingSettings, SchedulerSettings
@@ -88,18 +89,35 @@ def sorted_order(prepared) -> list[int]:
     return sorted(range(prepared.num_rows), key=prepared.batch.row)
 
 
-# Each run: the order a baseline feeds vLLM its rows in (None: this engine's scheduler), and
-# whether vLLM's prefix caching is on. vllm_generate_sorted is vLLM's own LLM.generate on sorted
-# rows with vLLM's own defaults: the one line a user would otherwise write.
+@dataclass(frozen=True)
+class Run:
+    """One run of the bench: the prompts it gets, the order a baseline feeds vLLM its rows in
+    (None: this engine's scheduler), whether vLLM's prefix caching is on, and whether it is vLLM's
+    own ``LLM.generate`` with vLLM's own batch sizes (the one line a user would otherwise write).
+
+    Prompts: ``declared``, the table's prompts (from fields: in the declared order); ``chosen``,
+    batchllm's own field order; ``hand``, the fields in one global order by ascending number of
+    distinct values, what a user who knows prefix caching writes by hand."""
+
+    prompts: str
+    order: object = None
+    caching: bool = True
+    generate: bool = False
+
+
 RUNS = {
-    "vllm_nocache": (input_order, False),
-    "vllm_apc": (input_order, True),
-    "vllm_apc_sorted": (sorted_order, True),
-    "vllm_generate_sorted": (sorted_order, True),
-    "batchllm": (None, True),
+    "vllm_nocache": Run("declared", input_order, caching=False),
+    "vllm_apc": Run("declared", input_order),
+    "vllm_apc_sorted": Run("declared", sorted_order),
+    "vllm_generate_sorted": Run("declared", sorted_order, generate=True),
+    "vllm_hand_order": Run("hand", sorted_order, generate=True),
+    "batchllm": Run("declared"),  # the engine on exactly the baselines' prompts
+    "batchllm_field_order": Run("chosen"),  # the engine with its own field order
 }
-BASELINES = [name for name in RUNS if name != "batchllm"]
-SHAPES = ("groups", "nested", "templates", "duplicates", "fields")
+ENGINE_RUNS = [name for name, run in RUNS.items() if run.order is None]
+BASELINES = [name for name in RUNS if name not in ENGINE_RUNS]
+FIELD_RUNS = [name for name, run in RUNS.items() if run.prompts != "declared"]  # prompts from fields only
+SHAPES = ("groups", "nested", "templates", "duplicates", "fields", "short")
 
 
 @dataclass
@@ -218,16 +236,70 @@ def fields_table(seed: int = 0, products: int = 24, reviews: int = 240) -> pa.Ta
     })
 
 
-def _field_batches(table: pa.Table, fields: PromptFields, tokenizer):
-    """The table's prompts tokenized in the declared field order and in ``fields``' order, and
-    the seconds choosing that order took (charged to batchllm like its planning)."""
+SHORT_SHAPE = PromptFields(
+    instruction="You route support tickets. Read the customer and the ticket, then answer with one word: the team "
+                "that should handle it (billing, technical, account or shipping), or a short label.",
+    fields=["customer", "profile", "plan", "region", "ticket", "priority"], question="Team:",
+    field_order=FieldOrder.optimize)
+SHORT_CHOICES = ["billing", "technical", "account", "shipping"]
+
+
+def short_table(seed: int = 0, customers: int = 100) -> tuple[pa.Table, np.ndarray, dict[int, list[str]]]:
+    """Tickets joined to a small customer table, declared as a user would (the customer, then the
+    ticket): a customer's name and profile of 20-45 words, its plan (3) and region (5), then the
+    ticket of 8-20 words and its priority (3). Each customer has 1-3 tickets, so beyond the shared
+    instruction the prompts form many groups of 1-3 rows. Answers of 1-8 tokens; 40% of the rows
+    are constrained to a choice of teams. Returns the table (rows shuffled), each row's max_tokens,
+    and the choices of the constrained rows."""
+    rng = np.random.default_rng(seed)
+    words = [f"{a}{b}" for a in ("ka", "lo", "mi", "ne", "pu", "ra", "si", "to", "vu", "ze")
+             for b in ("l", "n", "r", "s", "t", "")]
+
+    def text(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(words, int(rng.integers(lo, hi + 1))))
+
+    plans, regions, priorities = ["basic", "pro", "enterprise"], ["north", "south", "east", "west", "central"], \
+        ["low", "normal", "urgent"]
+    profile = [text(20, 45) for _ in range(customers)]
+    plan, region = rng.integers(0, 3, customers), rng.integers(0, 5, customers)
+    customer = np.repeat(np.arange(customers), rng.integers(1, 4, customers))
+    customer = customer[rng.permutation(customer.size)]
+    n = customer.size
+    table = pa.table({
+        "id": [f"ticket-{i:05d}" for i in range(n)],
+        "customer": [f"customer {c:04d}" for c in customer],
+        "profile": [profile[c] for c in customer],
+        "plan": [plans[plan[c]] for c in customer],
+        "region": [regions[region[c]] for c in customer],
+        "ticket": [text(8, 20) for _ in range(n)],
+        "priority": [priorities[p] for p in rng.integers(0, 3, n)],
+    })
+    max_tokens = rng.integers(1, 9, n).astype(np.int64)
+    constrained = np.flatnonzero(rng.random(n) < 0.4)
+    max_tokens[constrained] = 8  # room for the longest choice
+    return table, max_tokens, {int(r): SHORT_CHOICES for r in constrained}
+
+
+def field_prompt_tables(table: pa.Table, fields: PromptFields) -> tuple[dict[str, pa.Table], float]:
+    """The table with its prompt column rendered for each prompt set of ``Run`` (``chosen`` only
+    where ``fields`` reorders), and the seconds choosing batchllm's order took (charged to it)."""
+    tables = {"declared": with_prompt_column(table, fields.declared(), "prompt"),
+              "hand": with_prompt_column(table, fields, "prompt", distinct_value_order(table, fields))}
+    order_s = 0.0
+    if fields.field_order is not FieldOrder.as_declared:
+        started = time.perf_counter()
+        orders = field_orders(table, fields)
+        order_s = time.perf_counter() - started
+        tables["chosen"] = with_prompt_column(table, fields, "prompt", orders)
+    return tables, order_s
+
+
+def _field_batches(table: pa.Table, fields: PromptFields, tokenizer) -> tuple[dict, float]:
+    """Each prompt set's token ids (see ``field_prompt_tables``) and the seconds choosing took."""
     from .tokenizing import tokenize_rows
 
-    started = time.perf_counter()
-    orders = field_orders(table, fields)
-    order_s = time.perf_counter() - started
-    return (tokenize_rows(tokenizer, render_prompts(table, fields.declared()).to_pylist()),
-            tokenize_rows(tokenizer, render_prompts(table, fields, orders).to_pylist()), order_s)
+    tables, order_s = field_prompt_tables(table, fields)
+    return {name: tokenize_rows(tokenizer, t.column("prompt").to_pylist()) for name, t in tables.items()}, order_s
 
 
 def _prepared(batch, max_tokens, block_size: int, ids: list | None = None, response_formats: dict | None = None):
@@ -246,27 +318,23 @@ def _prepared(batch, max_tokens, block_size: int, ids: list | None = None, respo
 
 def table_sample(args, tokenizer, model_path: str, fields: PromptFields | None = None):
     """Whole prefix groups of the user's table, picked at random until ``--sample`` rows, in the
-    table's own order (what plain vLLM would be handed); rows that cannot run are left out. With
-    ``fields`` reordered, also the same rows in their chosen field order (else None) and the
-    seconds choosing it took; the groups are those of the chosen order."""
+    table's own order (what plain vLLM would be handed); rows that cannot run are left out. The
+    sample of each prompt set (see ``Run``; with ``fields`` the hand order too, and batchllm's own
+    where it reorders), the same rows in each, and the seconds choosing batchllm's order took; the
+    groups are those of the prompts batchllm runs in its own order."""
     from .dataset import load_prompts, read_source, validate
     from .prepared import prepare_batch
 
     field_order_s = 0.0
     engine_settings, sampling = engine_settings_from(args, model_path), SamplingSettings(max_tokens=args.max_tokens)
     if fields is None:
-        tables = [load_prompts(args.prompts, args.database)]
+        tables = {"declared": load_prompts(args.prompts, args.database)}
     else:
-        raw = read_source(args.prompts, args.database)
-        tables = [validate(with_prompt_column(raw, fields.declared(), "prompt"))]
-        if fields.field_order is not FieldOrder.as_declared:
-            started = time.perf_counter()
-            orders = field_orders(raw, fields)
-            field_order_s = time.perf_counter() - started
-            tables.append(validate(with_prompt_column(raw, fields, "prompt", orders)))
-    planned = [prepare_batch(t, tokenizer, engine_settings, sampling) for t in tables]
-    whole = planned[-1]  # the groups of the order batchllm runs
-    ok = np.asarray([all(r not in p.errors for p in planned) for r in range(whole.num_rows)])
+        rendered, field_order_s = field_prompt_tables(read_source(args.prompts, args.database), fields)
+        tables = {name: validate(t) for name, t in rendered.items()}
+    planned = {name: prepare_batch(t, tokenizer, engine_settings, sampling) for name, t in tables.items()}
+    whole = planned.get("chosen", planned["declared"])  # the groups of the order batchllm runs
+    ok = np.asarray([all(r not in p.errors for p in planned.values()) for r in range(whole.num_rows)])
     groups = np.unique(whole.group_of_row[ok])
     rng = np.random.default_rng(args.seed)
     picked, rows = set(), 0
@@ -281,8 +349,7 @@ def table_sample(args, tokenizer, model_path: str, fields: PromptFields | None =
                  "error_rows_left_out": int((~ok).sum()), "sampled_groups": len(picked), "seed": args.seed}
     if fields is not None:
         described.update(fields=fields.fields, field_order=fields.field_order.value)
-    samples = [p.subset(chosen) for p in planned]
-    return samples[0], described, (samples[1] if len(samples) > 1 else None), field_order_s
+    return {name: p.subset(chosen) for name, p in planned.items()}, described, field_order_s
 
 
 def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: SamplingSettings,
@@ -291,13 +358,13 @@ def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: Sam
     from .batch_run import BatchRun
     from .vllm_engine import open_engine
 
-    if name == "vllm_generate_sorted":
+    spec = RUNS[name]
+    if spec.generate:
         return _generate_sorted(prepared, engine_settings, sampling)
-    baseline, caching = RUNS[name]
-    with open_engine(engine_settings, prepared, enable_prefix_caching=caching) as engine:
+    with open_engine(engine_settings, enable_prefix_caching=spec.caching) as engine:
         profile = StepProfile.of(prepared.group_of_row)
         run = BatchRun(prepared, engine, sampling, scheduler, rows=input_order(prepared),
-                       baseline_order=baseline(prepared) if baseline else None, step_profile=profile)
+                       baseline_order=spec.order(prepared) if spec.order else None, step_profile=profile)
         outputs = {r.id: r.text for r in run}
         info = engine.info
     report = _report(run.stats, info.max_num_seqs, info.kv_capacity_blocks)
@@ -310,6 +377,7 @@ def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: Sam
 def _generate_sorted(prepared, engine_settings: EngineSettings, sampling: SamplingSettings) -> tuple[dict, dict]:
     """vLLM's ``LLM.generate`` on the rows sorted by prompt, vLLM's own batch sizes (no
     ``max_num_seqs`` from our plan), the same KV blocks and sampling as every run."""
+    from .drive import row_sampling
     from .vllm_engine import sampling_params
     from .vllm_env import configure, engine_args
 
@@ -322,7 +390,8 @@ def _generate_sorted(prepared, engine_settings: EngineSettings, sampling: Sampli
     config = llm.llm_engine.vllm_config
     started = time.perf_counter()
     done = llm.generate([{"prompt_token_ids": prepared.batch.row(r)} for r in order],
-                        [sampling_params(sampling, int(prepared.max_tokens[r])) for r in order], use_tqdm=False)
+                        [sampling_params(row_sampling(sampling, prepared.response_formats.get(r)),
+                                         int(prepared.max_tokens[r])) for r in order], use_tqdm=False)
     stats = RunStats(rows=len(order), ok_rows=len(order), wall_s=time.perf_counter() - started,
                      reusable_tokens=reusable_tokens(prepared.batch, [int(r) for r in prepared.order],
                                                      prepared.block_size))
@@ -360,10 +429,8 @@ def _child(job: str, name: str, out: str, log_file: str) -> None:
     """``python -m engine.bench JOB NAME OUT LOG``: run NAME on the pickled batch and settings in JOB."""
     route_library_output(Path(log_file))  # vLLM's log lines to the bench's log file, as in the parent
     with open(job, "rb") as f:
-        prepared, reordered, engine_settings, sampling, scheduler = pickle.load(f)
-    if name == "batchllm" and reordered is not None:  # its own field order; the baselines run the declared one
-        prepared = reordered
-    report, outputs = _one_run(name, prepared, engine_settings, sampling, scheduler)
+        prompt_sets, engine_settings, sampling, scheduler = pickle.load(f)
+    report, outputs = _one_run(name, prompt_sets[RUNS[name].prompts], engine_settings, sampling, scheduler)
     report["pid"] = os.getpid()
     Path(out).write_text(json.dumps({"report": report, "outputs": outputs}))
 
@@ -389,28 +456,37 @@ def run_bench(args) -> dict:
     tokenizer = load_tokenizer(model_path)
     special = max(tokenizer.all_special_ids or [0])
     vocab = (special + 1, min(len(tokenizer), 32000))
-    response_formats, ids, chosen_batch = {}, None, None  # chosen_batch: batchllm's prompts in its field order
+    response_formats, ids, batches = {}, None, {}  # batches: each prompt set's token ids (see Run)
     field_order_s = 0.0
     fields = prompt_fields_from(args)
     if args.prompts:
-        sample, described, chosen, field_order_s = table_sample(args, tokenizer, model_path, fields)
-        batch, max_tokens, ids, response_formats = sample.batch, sample.max_tokens, sample.ids, sample.response_formats
-        chosen_batch = chosen.batch if chosen is not None else None
+        samples, described, field_order_s = table_sample(args, tokenizer, model_path, fields)
+        sample = samples["declared"]
+        max_tokens, ids, response_formats = sample.max_tokens, sample.ids, sample.response_formats
+        batches = {name: s.batch for name, s in samples.items()}
     elif args.shape == "fields":
         fields = fields or FIELDS_SHAPE
         table = fields_table(args.seed)
-        batch, chosen_batch, field_order_s = _field_batches(table, fields, tokenizer)
+        batches, field_order_s = _field_batches(table, fields, tokenizer)
         max_tokens = np.random.default_rng(args.seed).integers(2, 9, table.num_rows).astype(np.int64)  # short answers
         ids = table.column("id").to_pylist()
         described = {"shape": "fields", "seed": args.seed, "fields": fields.fields, "field_order": fields.field_order.value}
+    elif args.shape == "short":
+        fields = fields or SHORT_SHAPE
+        table, max_tokens, choices = short_table(args.seed)
+        batches, field_order_s = _field_batches(table, fields, tokenizer)
+        response_formats = {row: ResponseFormat(choice=c) for row, c in choices.items()}
+        ids = table.column("id").to_pylist()
+        described = {"shape": "short", "seed": args.seed, "fields": fields.fields, "field_order": fields.field_order.value,
+                     "constrained_rows": len(choices)}
     elif args.shape == "nested":
-        batch, max_tokens = nested_tokens(vocab, args.seed)
+        batches["declared"], max_tokens = nested_tokens(vocab, args.seed)
         described = {"shape": "nested", "seed": args.seed}
     elif args.shape == "templates":
-        batch, max_tokens = templates_tokens(vocab, args.seed)
+        batches["declared"], max_tokens = templates_tokens(vocab, args.seed)
         described = {"shape": "templates", "seed": args.seed}
     elif args.shape == "duplicates":
-        batch, max_tokens = duplicates_tokens(vocab, args.seed)
+        batches["declared"], max_tokens = duplicates_tokens(vocab, args.seed)
         described = {"shape": "duplicates", "seed": args.seed}
     else:
         workload = Workload(
@@ -418,11 +494,12 @@ def run_bench(args) -> dict:
             prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens, output_tokens=args.output_tokens,
             output_mix=args.output_mix, seed=args.seed,
         )
-        batch, max_tokens = synthetic_tokens(workload, vocab)
+        batches["declared"], max_tokens = synthetic_tokens(workload, vocab)
         described = {"shape": "groups", **asdict(workload)}
-    prepared = _prepared(batch, max_tokens, args.block_size, ids, response_formats)
-    reordered = None if chosen_batch is None else _prepared(chosen_batch, max_tokens, args.block_size, prepared.ids,
-                                                            response_formats)
+    prepared = _prepared(batches["declared"], max_tokens, args.block_size, ids, response_formats)
+    prompt_sets = {"declared": prepared, **{name: _prepared(b, max_tokens, args.block_size, prepared.ids, response_formats)
+                                            for name, b in batches.items() if name != "declared"}}
+    reordered = prompt_sets.get("chosen")
     plan = prepared.plan
     working_set = int(plan.unique_tokens // args.block_size)
     kv_blocks = args.kv_cache_blocks or max(64, working_set // 3)
@@ -437,16 +514,21 @@ def run_bench(args) -> dict:
         kv_budget_fraction=args.kv_budget_fraction, prefix_requests=not args.no_prefix_requests,
         reserve_output=args.reserve_output, lookahead_tokens=args.lookahead_tokens,
     )
-    names = args.runs.split(",")
+    names = args.runs.split(",") if args.runs else [n for n, run in RUNS.items() if run.prompts in prompt_sets]
     unknown = [n for n in names if n not in RUNS]
     if unknown:
         raise ValueError(f"unknown run(s) {unknown}: choose from {', '.join(RUNS)}")
+    lacking = [n for n in names if RUNS[n].prompts not in prompt_sets]
+    if lacking:
+        raise ValueError(f"run(s) {lacking} need prompts from fields (--fields, or the fields and short shapes)"
+                         + ("; batchllm_field_order needs --field-order optimize"
+                            if "batchllm_field_order" in lacking else ""))
     repetitions, outputs = [], {}
     with tempfile.TemporaryDirectory(prefix="batchllm-bench-") as folder:
         job = Path(folder) / "job.pickle"
         with open(job, "wb") as f:  # the batch as planned, without the plan's tree: what every run gets
-            pickle.dump((dataclasses.replace(prepared, plan=None),
-                         reordered and dataclasses.replace(reordered, plan=None), engine_settings, sampling, scheduler), f)
+            pickle.dump(({name: dataclasses.replace(p, plan=None) for name, p in prompt_sets.items()},
+                         engine_settings, sampling, scheduler), f)
         for repetition in range(args.repeat):
             runs = {}
             for name in rotated(names, repetition):
@@ -456,19 +538,20 @@ def run_bench(args) -> dict:
                 log.info("bench: %s -> %s", name, runs[name])
             repetitions.append(runs)
 
-    # Answers are compared among runs of the same prompts; batchllm's answers in another field
-    # order are compared with them apart (a different prompt may change an answer).
-    same_prompts = {n: runs for n, runs in outputs.items() if reordered is None or n != "batchllm"} or outputs
+    # Answers are compared among runs of the same prompts; answers in another field order are
+    # compared with them apart (a different prompt may change an answer).
+    same_prompts = {n: runs for n, runs in outputs.items() if RUNS[n].prompts == "declared"} or outputs
     reference = (same_prompts.get("vllm_apc") or next(iter(same_prompts.values())))[0]
     every = [answers for runs in same_prompts.values() for answers in runs]
     mismatched = [i for i in reference if any(answers.get(i) != reference[i] for answers in every)]
     agreement = 1 - len(mismatched) / max(len(reference), 1)
     field_order_agreement = None
-    if reordered is not None and "batchllm" in outputs and len(same_prompts) < len(outputs):
-        ours = outputs["batchllm"][0]
+    if "batchllm_field_order" in outputs and len(same_prompts) < len(outputs):
+        ours = outputs["batchllm_field_order"][0]
         field_order_agreement = round(sum(ours.get(i) == reference[i] for i in reference) / max(len(reference), 1), 4)
-    # Charged to batchllm: the plan of the prompts it ran, and choosing their field order.
-    planning_s = (reordered or prepared).plan_s + field_order_s
+    # Charged to each engine run: the plan of the prompts it ran, and choosing their field order.
+    planning_s = {"batchllm": prepared.plan_s,
+                  "batchllm_field_order": (reordered.plan_s + field_order_s) if reordered else 0.0}
     ratios, with_planning = _ratios(repetitions, planning_s)
     return {
         "workload": {**described, "rows": prepared.num_rows, "model": args.model or DEFAULT_MODEL, "dtype": engine_settings.for_platform(current_platform()).dtype,
@@ -480,7 +563,7 @@ def run_bench(args) -> dict:
                      **({"batchllm_prompt_tokens": reordered.plan.prompt_tokens,
                          "batchllm_unique_tokens": reordered.plan.unique_tokens,
                          "field_order_s": round(field_order_s, 4)} if reordered else {}),
-                     "planning_s_charged": round(planning_s, 4)},
+                     "planning_s_charged": {name: round(s, 4) for name, s in planning_s.items() if name in names}},
         "repeat": args.repeat,
         "run_order": [list(runs) for runs in repetitions],  # each repetition's order (rotated)
         "runs": {name: _median_run([runs[name] for runs in repetitions]) for name in names},
@@ -490,6 +573,9 @@ def run_bench(args) -> dict:
         "ratios_with_planning": with_planning,
         # batchllm's prefill tokens over each baseline's: under 1 is fewer tokens computed
         "prefill_ratios": _prefill_ratios(repetitions),
+        # prompt tokens each prompt set computes at least (sorted, at this block size; see Run)
+        "prompt_set_prefill": {name: int(p.plan.prompt_tokens - p.plan.shared_prompt_tokens)
+                               for name, p in prompt_sets.items()},
         "outputs_equal": not mismatched,
         # With reordered fields: the share of rows whose answer is the same in both orders.
         "field_order_agreement": field_order_agreement,
@@ -503,29 +589,34 @@ def run_bench(args) -> dict:
     }
 
 
-def _ratios(repetitions: list[dict], plan_s: float) -> tuple[dict, dict]:
-    """batchllm against each baseline, per repetition (runs of one repetition ran back to back),
-    summarized: without and with batchllm's planning time charged to its wall time."""
+def _ratios(repetitions: list[dict], plan_s: dict[str, float]) -> tuple[dict, dict]:
+    """Each engine run against each baseline, per repetition (runs of one repetition ran back to
+    back), summarized: without and with the engine run's planning time charged to its wall time.
+    ``batchllm`` is compared only with runs of its own prompts, ``batchllm_field_order`` with all.
+    Throughput is rows answered per second: runs on other prompts (another field order) answer the
+    same rows with other token counts."""
     plain, charged = {}, {}
-    for baseline in BASELINES:
-        pairs = [(runs["batchllm"], runs[baseline]) for runs in repetitions if "batchllm" in runs and baseline in runs]
-        pairs = [(ours, theirs) for ours, theirs in pairs if theirs["tokens_per_s"]]
-        if not pairs:
-            continue
-        plain[f"vs_{baseline}"] = ratio_summary([ours["tokens_per_s"] / theirs["tokens_per_s"] for ours, theirs in pairs])
-        charged[f"vs_{baseline}"] = ratio_summary([
-            (ours["prompt_tokens"] + ours["output_tokens"]) / (ours["wall_s"] + plan_s) / theirs["tokens_per_s"]
-            for ours, theirs in pairs])
+    for ours_name in ENGINE_RUNS:
+        for baseline in BASELINES:
+            if RUNS[ours_name].prompts == "declared" and RUNS[baseline].prompts != "declared":
+                continue  # the engine's own effect: on exactly the prompts the baseline ran
+            pairs = [(runs[ours_name], runs[baseline]) for runs in repetitions if ours_name in runs and baseline in runs]
+            pairs = [(ours, theirs) for ours, theirs in pairs if theirs["wall_s"]]
+            if not pairs:
+                continue
+            plain.setdefault(ours_name, {})[f"vs_{baseline}"] = ratio_summary(
+                [theirs["wall_s"] / ours["wall_s"] for ours, theirs in pairs])
+            charged.setdefault(ours_name, {})[f"vs_{baseline}"] = ratio_summary(
+                [theirs["wall_s"] / (ours["wall_s"] + plan_s[ours_name]) for ours, theirs in pairs])
     return plain, charged
 
 
 def _prefill_ratios(repetitions: list[dict]) -> dict:
-    """batchllm's computed prompt tokens over each baseline's (the first repetition: counts do not vary)."""
+    """Each engine run's computed prompt tokens over each baseline's (the first repetition: counts do not vary)."""
     runs = repetitions[0]
-    if "batchllm" not in runs:
-        return {}
-    return {f"vs_{b}": round(runs["batchllm"]["prefill_tokens"] / runs[b]["prefill_tokens"], 4)
-            for b in BASELINES if b in runs and runs[b]["prefill_tokens"]}
+    return {ours: {f"vs_{b}": round(runs[ours]["prefill_tokens"] / runs[b]["prefill_tokens"], 4)
+                   for b in BASELINES if b in runs and runs[b]["prefill_tokens"]}
+            for ours in ENGINE_RUNS if ours in runs}
 
 
 def _median_run(reports: list[dict]) -> dict:
@@ -540,26 +631,33 @@ def _median_run(reports: list[dict]) -> dict:
 
 
 LABELS = {"vllm_generate_sorted": "vLLM's LLM.generate on sorted rows", "vllm_apc_sorted": "vLLM on sorted rows",
-          "vllm_apc": "vLLM with prefix caching", "vllm_nocache": "vLLM without it"}
+          "vllm_apc": "vLLM with prefix caching", "vllm_nocache": "vLLM without it",
+          "vllm_hand_order": "LLM.generate on sorted rows with fields by distinct values (by hand)"}
+ENGINE_LABELS = {"batchllm": "batchllm on the same prompts", "batchllm_field_order": "batchllm with its field order"}
 
 
 def verdict(ratios: dict, agreement: float, rows: int, described: dict, field_order_agreement: float | None = None) -> str:
-    """One line a team can act on: how this engine compared with the strongest baseline that ran
-    (the one it leads by least), with the range over the repetitions."""
+    """Lines a team can act on: how each engine run compared with the strongest baseline that ran
+    (the one it leads by least), with the range over the repetitions. ``batchllm`` is judged on
+    the baselines' own prompts (the engine's effect); ``batchllm_field_order`` against every
+    baseline, the hand order included (the engine and its field order together)."""
     what = f"{rows} rows of {described['source']}" if described["shape"] == "table" else f"the {described['shape']} shape"
     if not ratios:
         return f"on {what}: run batchllm and a vLLM run to compare"
-    strongest = min(ratios, key=lambda key: ratios[key]["median"])
-    r = ratios[strongest]
-    spread = f"{r['median']:.2f}x (range {r['min']:.2f}-{r['max']:.2f})" if r["min"] != r["max"] else f"{r['median']:.2f}x"
-    call = {"faster": "faster than", "on par": "on par with", "slower": "SLOWER than"}[r["call"]]
     equal = "outputs equal" if agreement == 1 else f"OUTPUTS DIFFER in {100 * (1 - agreement):.1f}% of rows"
     if field_order_agreement is not None:
-        equal = (f"baselines' outputs {'equal' if agreement == 1 else 'DIFFER'}; batchllm's field order gave the same "
-                 f"answer for {100 * field_order_agreement:.1f}% of rows")
-    others = ", ".join(f"{ratios[k]['median']:.2f}x {LABELS[k[3:]]}" for k in ratios if k != strongest)
-    return (f"on {what}: batchllm is {call} the strongest baseline, {LABELS[strongest[3:]]}: {spread}"
-            + (f"; {others}" if others else "") + f" ({equal})")
+        equal = (f"outputs on the same prompts {'equal' if agreement == 1 else 'DIFFER'}; batchllm's field order gave "
+                 f"the same answer for {100 * field_order_agreement:.1f}% of rows")
+    lines = []
+    for ours, against in ratios.items():
+        strongest = min(against, key=lambda key: against[key]["median"])
+        r = against[strongest]
+        spread = f"{r['median']:.2f}x (range {r['min']:.2f}-{r['max']:.2f})" if r["min"] != r["max"] else f"{r['median']:.2f}x"
+        call = {"faster": "faster than", "on par": "on par with", "slower": "SLOWER than"}[r["call"]]
+        others = ", ".join(f"{against[k]['median']:.2f}x {LABELS[k[3:]]}" for k in against if k != strongest)
+        lines.append(f"{ENGINE_LABELS[ours]} is {call} the strongest baseline, {LABELS[strongest[3:]]}: {spread}"
+                     + (f"; {others}" if others else ""))
+    return f"on {what}: " + "; ".join(lines) + f" ({equal})"
 
 
 def synthetic_analysis_tokens(rows: int, tokens_per_row: int, rows_per_group: int, seed: int = 0):
@@ -634,7 +732,8 @@ def add_bench_parser(sub) -> None:
                        help="rows of PROMPTS to bench, as whole prefix groups (default 500)")
     bench.add_argument("--max-tokens", type=at_least_one, default=64, help="output tokens of a PROMPTS row without its own")
     bench.add_argument("--json", action="store_true", help="JSON on stdout (always; logs go to stderr)")
-    bench.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
+    bench.add_argument("--runs", help="comma-separated subset of " + ",".join(RUNS) + " (default: every run the "
+                       "prompts allow; " + ", ".join(FIELD_RUNS) + " need prompts from fields)")
     bench.add_argument("--repeat", type=at_least_one, default=1,
                        help="run every run N times, the order rotated each time; ratios get a median and a range")
     bench.add_argument("--shape", choices=SHAPES, default="groups", help="the synthetic table (see the module doc)")

@@ -98,7 +98,7 @@ def _start_and_answer(settings: EngineSettings, rows: int, report: Report) -> No
     prepared = prepare_batch(table, load_tokenizer(settings.model_path), settings, sampling)
     started = time.perf_counter()
     try:
-        engine = open_engine(settings, prepared)
+        engine = open_engine(settings)
     except EngineStartError as exc:
         report.problem(f"vLLM did not start: {exc}")
         return

@@ -50,8 +50,12 @@ def request_sampling(submission: Submission, sampling: SamplingSettings,
     """A prefix request only fills the cache (its one token is thrown away): no constraint to compile."""
     if submission.kind is RequestKind.PREFIX:
         return sampling.model_copy(update={"response_format": None}) if sampling.response_format else sampling
-    own = row_formats.get(submission.row)
-    return sampling if own is None else sampling.model_copy(update={"response_format": own})
+    return row_sampling(sampling, row_formats.get(submission.row))
+
+
+def row_sampling(sampling: SamplingSettings, own_format: ResponseFormat | None) -> SamplingSettings:
+    """A row's sampling: the job's, with the row's own constraint where it has one."""
+    return sampling if own_format is None else sampling.model_copy(update={"response_format": own_format})
 
 
 def drive(

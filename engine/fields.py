@@ -95,6 +95,15 @@ def field_orders(table: pa.Table, spec: PromptFields) -> np.ndarray:
     return _greedy_grouping(codes, line_length, declared)
 
 
+def distinct_value_order(table: pa.Table, spec: PromptFields) -> np.ndarray:
+    """The order a user who knows prefix caching writes by hand: one global order, the fields by
+    ascending number of distinct values (ties in the declared order), the same for every row."""
+    _missing(table, spec)
+    distinct = [pc.count_distinct(table.column(f), mode="all").as_py() for f in spec.fields]
+    order = np.array(sorted(range(len(spec.fields)), key=lambda j: (distinct[j], j)), dtype=np.int16)
+    return np.broadcast_to(order, (table.num_rows, order.size)).copy()
+
+
 def _greedy_grouping(codes: np.ndarray, line_length: list[np.ndarray], orders: np.ndarray) -> np.ndarray:
     """The greedy recursive grouping (see the module doc), with an explicit stack: a node is rows
     that share their first ``position`` fields, and the fields not yet placed."""

@@ -157,6 +157,7 @@ class GroupScheduler:
         self._lookahead = settings.lookahead_tokens if settings.reserve_output is ReserveOutput.LOOKAHEAD else None
         keys = group_prefix_keys(batch, groups, block_size)
         self._queue = deque(_GroupState(position, g, keys.chain(position)) for position, g in enumerate(groups) if g.rows)
+        self._open: list[_GroupState] = []  # admitted groups with rows left to admit, in plan order
         # Rows sharing more than their group's prefix with the row before them (a document asked
         # two questions inside a larger group): row -> (that row, whole-block tokens they share).
         self._shares_deeper: dict[int, tuple[int, int]] = {}
@@ -184,7 +185,7 @@ class GroupScheduler:
     @property
     def done(self) -> bool:
         """Every row submitted (or rejected) and finished."""
-        return not self._queue and not self._rows and not self._prefixes
+        return not self._queue and not self._open and not self._rows and not self._prefixes
 
     # -- block accounting -------------------------------------------------------------------
     def _own_blocks(self, tokens: int, shared: int) -> int:
@@ -300,61 +301,99 @@ class GroupScheduler:
 
     # -- the verbs --------------------------------------------------------------------------
     def schedule(self, generated: Mapping[RequestKey, int] | None = None) -> Decision:
-        """What to submit before the next engine step. Its cost grows with what it admits, not with
-        the rows in flight: the count is kept by events (``blocks_in_flight``, see ``after_step``);
-        ``generated`` is not read."""
+        """What to submit before the next engine step, in plan order, until the budget is spent:
+        first the rows of groups already admitted whose prefix is ready, then new groups. A group
+        whose prefix request is still running holds back only its own rows: later groups go on
+        (many small groups per step, as vLLM alone would batch them). Its cost grows with what it
+        admits, not with the rows in flight: the count is kept by events (``blocks_in_flight``,
+        see ``after_step``); ``generated`` is not read."""
         decision = Decision()
-
-        def busy() -> bool:  # into an idle engine something is always admitted: no stall
-            return bool(self._rows or self._prefixes)
-
+        for group in list(self._open):
+            if group.state is _PrefixState.RUNNING:
+                continue  # its rows wait for the prefix; later groups do not
+            if not self._admit_rows(group, decision):
+                return self._scheduled(decision)
+            self._open.remove(group)
         while self._queue:
             group = self._queue[0]
-            planned = group.planned
-            if group.state is _PrefixState.PENDING:
-                new_blocks = sum(1 for key in group.block_keys if key not in self._holders)
-                first = planned.rows[0]
-                need = new_blocks + 1 + self._blocks_at(first, 0, self._cache_hit(first, planned.prefix_tokens) // self._block)
-                if busy() and self.blocks_in_flight + need > self._budget:
-                    break
-                self._hold(group)
-                if self._uses_prefix_request(group):
-                    prefix = self._batch.tokens_of(planned.rows[0])[: planned.prefix_tokens]
-                    decision.submit.append(Submission(RequestKind.PREFIX, group.position, prefix, 1))
-                    self._prefixes[group.position] = group  # counts the prefix request's own output block
-                    self.stats.prefix_requests += 1
-                    group.state = _PrefixState.RUNNING
-                else:
-                    group.state = _PrefixState.READY
-            if group.state is _PrefixState.RUNNING:
-                break  # its rows wait for the prefix; later groups wait for their turn
-            while not group.all_admitted:
-                row = planned.rows[group.next_row]
-                alone = planned.prefix_tokens // self._block + self._own_blocks(
-                    self._lengths[row] + self._max_tokens[row], self._cache_hit(row, planned.prefix_tokens))
-                if alone > self._capacity:
-                    decision.reject.append((row, f"needs {alone} KV blocks with its output; the KV cache has "
-                                                 f"{self._capacity} (block size {self._block})"))
-                    group.next_row += 1
-                    continue
-                hit_blocks = self._shared_len(row, group) // self._block
-                cost = self._blocks_at(row, 0, hit_blocks)
-                if busy() and self.blocks_in_flight + cost > self._budget:
-                    self.stats.max_planned_blocks = max(self.stats.max_planned_blocks, self.blocks_in_flight)
-                    return decision
-                decision.submit.append(Submission(RequestKind.ROW, row, self._batch.tokens_of(row), self._max_tokens[row]))
-                self._rows[row] = group
-                self._accounts[row] = _RowAccount(cost, hit_blocks)
-                self._row_blocks += cost
-                group.outstanding += 1
-                group.next_row += 1
-            if not group.all_admitted:
+            if not self._admit_group(group, decision):
                 break
             self._queue.popleft()
-            if group.outstanding == 0:  # every row was rejected
-                self._release(group)
+            if group.state is _PrefixState.RUNNING:
+                self._open.append(group)
+                continue
+            if not self._admit_rows(group, decision):
+                self._open.append(group)
+                break
+        return self._scheduled(decision)
+
+    def _scheduled(self, decision: Decision) -> Decision:
         self.stats.max_planned_blocks = max(self.stats.max_planned_blocks, self.blocks_in_flight)
         return decision
+
+    def _busy(self) -> bool:
+        """Something is in the engine: into an idle engine something is always admitted (no stall)."""
+        return bool(self._rows or self._prefixes)
+
+    def _admit_group(self, group: _GroupState, decision: Decision) -> bool:
+        """Hold the group's prefix blocks if its first row fits the budget with them. Its prefix is
+        computed by a prefix request only when its rows cannot all enter now: rows that enter in
+        the same step share the prefix anyway (vLLM caches a block when it allocates it, so the
+        first row's prefix blocks are cache hits for the rows scheduled after it), and a prefix
+        request would hold them back a step."""
+        planned = group.planned
+        new_blocks = sum(1 for key in group.block_keys if key not in self._holders)
+        first = planned.rows[0]
+        need = new_blocks + 1 + self._blocks_at(first, 0, self._cache_hit(first, planned.prefix_tokens) // self._block)
+        if self._busy() and self.blocks_in_flight + need > self._budget:
+            return False
+        rows_fit = self.blocks_in_flight + new_blocks + self._rows_cost(group) <= self._budget
+        self._hold(group)
+        if self._uses_prefix_request(group) and not rows_fit:
+            prefix = self._batch.tokens_of(first)[: planned.prefix_tokens]
+            decision.submit.append(Submission(RequestKind.PREFIX, group.position, prefix, 1))
+            self._prefixes[group.position] = group  # counts the prefix request's own output block
+            self.stats.prefix_requests += 1
+            group.state = _PrefixState.RUNNING
+        else:
+            group.state = _PrefixState.READY
+        return True
+
+    def _rows_cost(self, group: _GroupState) -> int:
+        """The blocks the group's rows take at admission beyond its prefix, all of them entering at
+        once (each row's deeper sharing with the row before it counted once)."""
+        planned, total = group.planned, 0
+        for row in planned.rows:
+            previous, common = self._shares_deeper.get(row, (None, 0))
+            shared = common if previous is not None else planned.prefix_tokens
+            total += self._blocks_at(row, 0, self._cache_hit(row, shared) // self._block)
+        return total
+
+    def _admit_rows(self, group: _GroupState, decision: Decision) -> bool:
+        """Submit the group's next rows while they fit the budget; False when one did not."""
+        planned = group.planned
+        while not group.all_admitted:
+            row = planned.rows[group.next_row]
+            alone = planned.prefix_tokens // self._block + self._own_blocks(
+                self._lengths[row] + self._max_tokens[row], self._cache_hit(row, planned.prefix_tokens))
+            if alone > self._capacity:
+                decision.reject.append((row, f"needs {alone} KV blocks with its output; the KV cache has "
+                                             f"{self._capacity} (block size {self._block})"))
+                group.next_row += 1
+                continue
+            hit_blocks = self._shared_len(row, group) // self._block
+            cost = self._blocks_at(row, 0, hit_blocks)
+            if self._busy() and self.blocks_in_flight + cost > self._budget:
+                return False
+            decision.submit.append(Submission(RequestKind.ROW, row, self._batch.tokens_of(row), self._max_tokens[row]))
+            self._rows[row] = group
+            self._accounts[row] = _RowAccount(cost, hit_blocks)
+            self._row_blocks += cost
+            group.outstanding += 1
+            group.next_row += 1
+        if group.outstanding == 0:  # every row was rejected
+            self._release(group)
+        return True
 
     def finish(self, finished: Finished) -> None:
         submission = finished.submission

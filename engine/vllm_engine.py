@@ -9,18 +9,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import numpy as np
 
 from .console import tidy_library_loggers
 from .requests import Finished, RequestKey, StepReport, Submission
 from .results import EngineInfo
 from .settings import EngineSettings, SamplingSettings
 from .vllm_env import check_vllm_version, configure, current_platform, engine_args, offline_usage_context, vllm_version
-
-if TYPE_CHECKING:
-    from .prepared import PreparedBatch
 
 log = logging.getLogger(__name__)
 
@@ -229,16 +224,12 @@ class VLLMEngine:
         self.close()
 
 
-def open_engine(
-    engine_settings: EngineSettings, prepared: PreparedBatch | None = None, enable_prefix_caching: bool = True
-) -> VLLMEngine:
-    """Start vLLM for ``prepared`` with ``max_num_seqs`` sized so that the KV budget, not a fixed
-    count, limits admission. The engine is a context manager: whoever opens it closes it."""
-    max_num_seqs = engine_settings.max_num_seqs
-    if max_num_seqs is None and prepared is not None and engine_settings.kv_cache_blocks:
-        ok = prepared.batch.lengths > 0
-        if ok.any():
-            own = (np.ceil((prepared.batch.lengths[ok] + prepared.max_tokens[ok]) / engine_settings.block_size)
-                   - prepared.prefix_tokens_of_row[ok] // engine_settings.block_size)
-            max_num_seqs = int(np.clip(engine_settings.kv_cache_blocks / max(float(np.median(own)), 1), 16, 512))
-    return VLLMEngine(engine_settings, enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs)
+def open_engine(engine_settings: EngineSettings, enable_prefix_caching: bool = True) -> VLLMEngine:
+    """Start vLLM. The engine is a context manager: whoever opens it closes it.
+
+    ``max_num_seqs`` is the job's, or vLLM's own default for an offline batch (256 on CPU, 1,024 on
+    an H100/H200), never sized down from the batch: the scheduler's KV budget decides how many rows
+    enter. A limit below vLLM's own left steps part empty on jobs of many small groups, and a limit
+    per batch would give every shard its own compiled shapes on a GPU."""
+    return VLLMEngine(engine_settings, enable_prefix_caching=enable_prefix_caching,
+                      max_num_seqs=engine_settings.max_num_seqs)

@@ -116,7 +116,7 @@ def test_a_resumable_run_on_a_fake_engine_checkpoints_from_the_first_row_not_fro
     opened = []
 
     @contextlib.contextmanager
-    def slow_starting_engine(settings, prepared):  # the owner of the engine: opens it, and closes it
+    def slow_starting_engine(settings):  # the owner of the engine: opens it, and closes it
         time.sleep(0.6)  # longer than the checkpoint interval
         engine = FakeEngine(num_blocks=64, block_size=2)
         opened.append(engine)

@@ -27,7 +27,7 @@ def run(model, table, plain=False, engine_settings=None, sampling=SAMPLING, inpu
     engine_settings = engine_settings or settings(model)
     prepared = prepare_batch(table, load_tokenizer(model), engine_settings, sampling)
     rows = list(range(table.num_rows)) if input_order else None
-    with open_engine(engine_settings, prepared) as engine:
+    with open_engine(engine_settings) as engine:
         batch_run = BatchRun(prepared, engine, sampling, SchedulerSettings(log_every_s=1), rows=rows,
                              baseline_order=list(range(table.num_rows)) if plain else None)
         results = list(batch_run)
@@ -115,9 +115,7 @@ def test_constrained_answers_follow_their_format_on_real_vllm(tiny_model):
 def test_what_vllm_decided_is_read_back_and_another_block_size_is_refused(tiny_model):
     from engine.vllm_engine import EngineStartError, check_kv_cache_layout, kv_cache_groups
 
-    prepared = prepare_batch(make_prompt_table(documents=1, questions=2, singles=0), load_tokenizer(tiny_model),
-                             settings(tiny_model), SAMPLING)
-    with open_engine(settings(tiny_model), prepared) as engine:
+    with open_engine(settings(tiny_model)) as engine:
         groups = kv_cache_groups(engine._engine)  # in-process: vLLM's own KV cache config
         assert [type(g.kv_cache_spec).__name__ for g in groups] == ["FullAttentionSpec"]
         assert groups[0].kv_cache_spec.block_size == engine.block_size == 32

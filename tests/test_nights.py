@@ -53,7 +53,7 @@ def from_scratch(config: BatchJobConfig) -> dict:
         table = con.sql("SELECT id, prompt, messages FROM prompt_rows").to_arrow_table()
     settings = config.engine_settings()
     prepared = prepare_batch(table, load_tokenizer(settings.model_path), settings, config.sampling)
-    engine = open_engine(settings, prepared)
+    engine = open_engine(settings)
     try:
         return {r.id: r.text for r in BatchRun(prepared, engine, config.sampling)}
     finally:

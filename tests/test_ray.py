@@ -33,7 +33,7 @@ def cluster():
 def local_answers(model: str, table, sampling=SAMPLING) -> dict:
     settings = EngineSettings(model_path=model, kv_cache_blocks=256)
     prepared = prepare_batch(table, load_tokenizer(model), settings, sampling)
-    with open_engine(settings, prepared) as engine:
+    with open_engine(settings) as engine:
         return {r.id: r.text for r in BatchRun(prepared, engine, sampling)}
 
 

@@ -76,8 +76,10 @@ def test_a_group_prefix_stays_cached_until_its_last_row():
     batch, groups = nested_batch(documents=8, rows_per_document=5)
     engine, _, out, _, _ = run(batch, groups, np.full(len(batch.lengths), 6), num_blocks=48)
     prefix_tokens = groups[0].prefix_tokens
-    # Every row found its whole group prefix in the cache: computed once, by the prefix request.
-    assert all(f.cached_tokens >= prefix_tokens for f in out)
+    # Every row but its group's first found the whole group prefix in the cache: computed once,
+    # by the prefix request or by the first row when the rows entered together.
+    first = {g.rows[0] for g in groups}
+    assert all(f.cached_tokens >= prefix_tokens for f in out if f.submission.row not in first)
     assert engine.prefill_tokens == sum(int(batch.lengths[r]) - prefix_tokens for g in groups for r in g.rows) + \
         (6 * BLOCK) + len(groups) * 2 * BLOCK  # rows' own tokens + system prompt once + each document once
 
@@ -137,13 +139,44 @@ def test_lookahead_keeps_more_rows_in_flight_than_full_reservation():
     assert lookahead.rows_per_step > full.rows_per_step
 
 
-def test_the_next_prefix_is_computed_while_the_previous_group_decodes():
+def test_the_next_group_enters_while_the_previous_group_decodes():
     batch, groups = nested_batch(documents=4, rows_per_document=3)
-    engine, _, _, _, _ = run(batch, groups, np.full(len(batch.lengths), 12), num_blocks=200)
+    engine, scheduler, _, _, _ = run(batch, groups, np.full(len(batch.lengths), 12), num_blocks=200)
     submitted_at = {sub.key: step for step, sub in engine.submitted}
     for position in range(1, len(groups)):
         last_row_before = max(engine.finished_at[(RequestKind.ROW, r)] for r in groups[position - 1].rows)
-        assert submitted_at[(RequestKind.PREFIX, position)] < last_row_before
+        assert submitted_at[(RequestKind.ROW, groups[position].rows[0])] < last_row_before
+    # Every group's rows fit at once: they share their prefix in the step they enter, no prefix request.
+    assert scheduler.stats.prefix_requests == 0
+
+
+def test_a_prefix_request_only_for_a_group_whose_rows_cannot_all_enter_and_it_holds_back_no_later_group():
+    # Group 0 is larger than the budget; groups 1.. are small and fit while group 0's prefix is computed.
+    rng = np.random.default_rng(3)
+    big_prefix = rng.integers(100, 1000, 6 * BLOCK)
+    rows, groups = [], []
+    members = []
+    for _ in range(12):
+        members.append(len(rows))
+        rows.append(np.concatenate([big_prefix, rng.integers(2000, 3000, 2 * BLOCK)]))
+    groups.append(PlannedGroup(prefix_tokens=6 * BLOCK, rows=members))
+    for _ in range(4):
+        prefix = rng.integers(1000, 2000, 2 * BLOCK)
+        members = []
+        for _ in range(2):
+            members.append(len(rows))
+            rows.append(np.concatenate([prefix, rng.integers(2000, 3000, 3)]))
+        groups.append(PlannedGroup(prefix_tokens=2 * BLOCK, rows=members))
+    batch = make_batch(rows)
+    engine, scheduler, out, watch, _ = run(batch, groups, np.full(len(rows), 3), num_blocks=40,
+                                           reserve_output=ReserveOutput.FULL)
+    assert scheduler.stats.prefix_requests == 1  # group 0 only
+    first_step = [sub.key for step, sub in engine.submitted if step == 0]
+    assert first_step[0] == (RequestKind.PREFIX, 0)
+    # The small groups entered in the first step, beside group 0's prefix request, not after it.
+    assert {(RequestKind.ROW, r) for g in groups[1:] for r in g.rows} <= set(first_step)
+    assert watch.undercounts == [] and engine.preemptions == 0
+    assert sorted(f.submission.row for f in out) == list(range(len(rows)))
 
 
 def test_a_row_larger_than_the_whole_cache_is_rejected_not_a_stall():
