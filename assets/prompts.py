@@ -12,7 +12,7 @@ from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import table_preview
 from engine.atomic import Staged
 from engine.dataset import check_unique_ids, read_sql, single_query, source_sql, stream_sql, validate
-from engine.fields import FieldOrder, PromptFields, with_prompt_column
+from engine.fields import FieldOrder, FieldOrderChoice, PrefillCounter, PromptFields, choose_field_orders, with_prompt_column
 from engine.token_cache import CONTENT_KEY, KEY_TYPE, content_keys
 
 from .snapshots import SNAPSHOT_DIGEST, snapshot_digest
@@ -29,16 +29,17 @@ def dataset_sql(config: BatchJobConfig) -> tuple[str, str | None, list[str]]:
     return sql, database, [*allowed, *spec.allowed_paths]
 
 
-def snapshot_dataset(config: BatchJobConfig, path: Path) -> tuple[int, pa.Table]:
+def snapshot_dataset(config: BatchJobConfig, path: Path) -> tuple[int, pa.Table, FieldOrderChoice | None]:
     """Stream the dataset from DuckDB to a Parquet snapshot in record batches (the prompt text of
     the whole table is never in memory at once), each row with its content key (what the token
-    cache looks rows up by). Returns the row count and the first rows (a preview)."""
+    cache looks rows up by). Returns the row count, the first rows (a preview) and, for a prompt
+    from fields with an optimized order, the order chosen."""
     columns, fields = config.dataset.columns, config.dataset.prompt
-    writer, rows, preview = None, 0, None
+    writer, rows, preview, choice = None, 0, None, None
     digest = hashlib.blake2b(digest_size=12)  # of everything but the text: ids, content keys, row settings
     with Staged(path) as staged, stream_sql(*dataset_sql(config)) as (schema, batches):
         if fields is not None:
-            batches, schema = rendered_batches(batches, schema, fields, columns.prompt)
+            batches, schema, choice = rendered_batches(batches, schema, fields, columns.prompt, _prefill_counter(config))
         for batch in batches:
             table = validate(pa.Table.from_batches([batch], schema), columns)  # types, NULLs, duplicates within
             table = table.append_column(CONTENT_KEY, content_keys(
@@ -56,25 +57,40 @@ def snapshot_dataset(config: BatchJobConfig, path: Path) -> tuple[int, pa.Table]
         writer.add_key_value_metadata({SNAPSHOT_DIGEST: digest.hexdigest()})
         writer.close()
         check_unique_ids(staged.path, columns.id)  # duplicates across batches
-    return rows, preview
+    return rows, preview, choice
 
 
-def rendered_batches(batches, schema: pa.Schema, fields: PromptFields, prompt_column: str):
-    """The batches with their prompt rendered from ``fields``, and their schema. An optimized field
-    order is chosen over the whole table, so its rows are read at once; in the declared order,
-    batch by batch."""
-    def render(table: pa.Table) -> list[pa.RecordBatch]:
-        return with_prompt_column(table, fields, prompt_column).to_batches(65_536)
+def _prefill_counter(config: BatchJobConfig) -> PrefillCounter | None:
+    """What an optimized field order is chosen by: the job's tokenizer and KV block size."""
+    if config.dataset.prompt is None or config.dataset.prompt.field_order is FieldOrder.as_declared:
+        return None
+    from engine.prepared import sorted_prefill_counter
+    from engine.tokenizing import load_tokenizer
+
+    settings = config.engine_settings()
+    return sorted_prefill_counter(load_tokenizer(settings.model_path), settings.block_size)
+
+
+def rendered_batches(batches, schema: pa.Schema, fields: PromptFields, prompt_column: str,
+                     prefill_tokens: PrefillCounter | None = None):
+    """The batches with their prompt rendered from ``fields``, their schema, and the field order
+    chosen (None in the declared order). An optimized field order is chosen over the whole table
+    (``choose_field_orders``, by ``prefill_tokens``), so its rows are read at once; in the declared
+    order, batch by batch."""
+    def render(table: pa.Table, orders=None) -> list[pa.RecordBatch]:
+        return with_prompt_column(table, fields, prompt_column, orders).to_batches(65_536)
 
     def each_batch():
         for batch in batches:
             yield from render(pa.Table.from_batches([batch], schema))
 
-    render(schema.empty_table())  # a missing field or a prompt column of its own: refused before any row is read
-    out_schema = schema.append(pa.field(prompt_column, pa.string()))
+    with_prompt_column(schema.empty_table(), fields.declared(), prompt_column)  # a missing field or a prompt
+    out_schema = schema.append(pa.field(prompt_column, pa.string()))         # column of its own: refused at once
     if fields.field_order is FieldOrder.optimize:
-        return render(pa.Table.from_batches(list(batches), schema)), out_schema
-    return each_batch(), out_schema
+        table = pa.Table.from_batches(list(batches), schema)
+        choice = choose_field_orders(table, fields, prefill_tokens)
+        return render(table, choice.orders), out_schema, choice
+    return each_batch(), out_schema, None
 
 
 def _ipc_bytes(table: pa.Table) -> bytes:
@@ -108,8 +124,13 @@ def build_prompts(config: BatchJobConfig) -> dg.AssetsDefinition:
     )
     def prompts(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         path, spec = config.prompts_path, config.dataset
-        rows, preview = snapshot_dataset(config, path)
+        rows, preview, choice = snapshot_dataset(config, path)
         context.log.info(f"{rows} prompt rows from {spec.describe()} -> {path}")
+        order = {}
+        if choice is not None:
+            context.log.info(f"field order {choice.chosen} chosen; prompt tokens to compute: {choice.candidates}")
+            order = {"field_order": choice.chosen,
+                     **{f"prompt_tokens_{name}_order": tokens for name, tokens in choice.candidates.items()}}
         return dg.MaterializeResult(
             data_version=dg.DataVersion(snapshot_digest(path)),  # the rows, not the run: unchanged rows keep it
             metadata={
@@ -117,6 +138,7 @@ def build_prompts(config: BatchJobConfig) -> dg.AssetsDefinition:
                 "source": spec.describe(),
                 "snapshot": dg.MetadataValue.path(str(Path(path).resolve())),
                 "preview": table_preview(preview, [spec.id_column, spec.prompt_column, spec.messages_column]),
+                **order,
             }
         )
 

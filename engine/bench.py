@@ -67,7 +67,7 @@ from .cli_options import (
     response_format_from,
 )
 from .console import route_library_output
-from .fields import FieldOrder, PromptFields, distinct_value_order, field_orders, with_prompt_column
+from .fields import FieldOrder, PromptFields, choose_field_orders, distinct_value_order, with_prompt_column
 from .duplicates import count_duplicates, duplicate_sets, token_keys
 from .plan import build_plan, reusable_tokens
 from .response_format import ResponseFormat
@@ -280,25 +280,29 @@ def short_table(seed: int = 0, customers: int = 100) -> tuple[pa.Table, np.ndarr
     return table, max_tokens, {int(r): SHORT_CHOICES for r in constrained}
 
 
-def field_prompt_tables(table: pa.Table, fields: PromptFields) -> tuple[dict[str, pa.Table], float]:
+def field_prompt_tables(table: pa.Table, fields: PromptFields, tokenizer, block_size: int) -> tuple[dict[str, pa.Table], float]:
     """The table with its prompt column rendered for each prompt set of ``Run`` (``chosen`` only
     where ``fields`` reorders), and the seconds choosing batchllm's order took (charged to it)."""
+    from .prepared import sorted_prefill_counter
+
     tables = {"declared": with_prompt_column(table, fields.declared(), "prompt"),
               "hand": with_prompt_column(table, fields, "prompt", distinct_value_order(table, fields))}
     order_s = 0.0
     if fields.field_order is not FieldOrder.as_declared:
         started = time.perf_counter()
-        orders = field_orders(table, fields)
+        choice = choose_field_orders(table, fields, sorted_prefill_counter(tokenizer, block_size))
         order_s = time.perf_counter() - started
-        tables["chosen"] = with_prompt_column(table, fields, "prompt", orders)
+        log.info("bench: field order %s chosen; prompt tokens to compute per candidate: %s", choice.chosen,
+                 choice.candidates)
+        tables["chosen"] = with_prompt_column(table, fields, "prompt", choice.orders)
     return tables, order_s
 
 
-def _field_batches(table: pa.Table, fields: PromptFields, tokenizer) -> tuple[dict, float]:
+def _field_batches(table: pa.Table, fields: PromptFields, tokenizer, block_size: int) -> tuple[dict, float]:
     """Each prompt set's token ids (see ``field_prompt_tables``) and the seconds choosing took."""
     from .tokenizing import tokenize_rows
 
-    tables, order_s = field_prompt_tables(table, fields)
+    tables, order_s = field_prompt_tables(table, fields, tokenizer, block_size)
     return {name: tokenize_rows(tokenizer, t.column("prompt").to_pylist()) for name, t in tables.items()}, order_s
 
 
@@ -330,7 +334,8 @@ def table_sample(args, tokenizer, model_path: str, fields: PromptFields | None =
     if fields is None:
         tables = {"declared": load_prompts(args.prompts, args.database)}
     else:
-        rendered, field_order_s = field_prompt_tables(read_source(args.prompts, args.database), fields)
+        rendered, field_order_s = field_prompt_tables(read_source(args.prompts, args.database), fields, tokenizer,
+                                                      engine_settings.block_size)
         tables = {name: validate(t) for name, t in rendered.items()}
     planned = {name: prepare_batch(t, tokenizer, engine_settings, sampling) for name, t in tables.items()}
     whole = planned.get("chosen", planned["declared"])  # the groups of the order batchllm runs
@@ -467,14 +472,14 @@ def run_bench(args) -> dict:
     elif args.shape == "fields":
         fields = fields or FIELDS_SHAPE
         table = fields_table(args.seed)
-        batches, field_order_s = _field_batches(table, fields, tokenizer)
+        batches, field_order_s = _field_batches(table, fields, tokenizer, args.block_size)
         max_tokens = np.random.default_rng(args.seed).integers(2, 9, table.num_rows).astype(np.int64)  # short answers
         ids = table.column("id").to_pylist()
         described = {"shape": "fields", "seed": args.seed, "fields": fields.fields, "field_order": fields.field_order.value}
     elif args.shape == "short":
         fields = fields or SHORT_SHAPE
         table, max_tokens, choices = short_table(args.seed)
-        batches, field_order_s = _field_batches(table, fields, tokenizer)
+        batches, field_order_s = _field_batches(table, fields, tokenizer, args.block_size)
         response_formats = {row: ResponseFormat(choice=c) for row, c in choices.items()}
         ids = table.column("id").to_pylist()
         described = {"shape": "short", "seed": args.seed, "fields": fields.fields, "field_order": fields.field_order.value,

@@ -31,7 +31,7 @@ from .cli_options import (
 from .console import LOG_DIR, ProgressBar, file_logger, route_library_output, run_summary, summary_table
 from .dataset import Columns, DatasetError, load_prompts, read_source, validate
 from .duplicates import count_duplicates
-from .fields import FieldOrder, PromptFields, field_orders, field_positions, with_prompt_column
+from .fields import FieldOrder, PromptFields, choose_field_orders, field_positions, with_prompt_column
 from .settings import EngineSettings, SamplingSettings, SchedulerSettings
 
 log = logging.getLogger("batchllm")
@@ -61,7 +61,7 @@ def _settings(args) -> tuple[EngineSettings, SamplingSettings, Columns]:
 
 def _prepare(args, fields: PromptFields | None = None):
     """Load, (render,) tokenize and plan the table; ``fields`` overrides the command line's."""
-    from .prepared import prepare_batch
+    from .prepared import prepare_batch, sorted_prefill_counter
     from .response_format import check_room_for_answers
     from .tokenizing import load_tokenizer
 
@@ -74,8 +74,8 @@ def _prepare(args, fields: PromptFields | None = None):
         table = load_prompts(args.prompts, args.database, columns)
     else:  # the prompt rendered from the table's fields, before validate keeps only the engine's columns
         table = read_source(args.prompts, args.database)
-        orders = field_orders(table, fields)
-        table = validate(with_prompt_column(table, fields, columns.prompt, orders), columns)
+        orders = choose_field_orders(table, fields, sorted_prefill_counter(tokenizer, engine.block_size))
+        table = validate(with_prompt_column(table, fields, columns.prompt, orders.orders), columns)
     prepared = prepare_batch(table, tokenizer, engine, sampling, columns)
     return engine, sampling, table, prepared, orders
 
@@ -90,7 +90,9 @@ def _field_orders_summary(args, prepared, orders) -> dict | None:
     out = {"field_order": fields.field_order.value,
            "declared": {"prompt_tokens": declared.plan.prompt_tokens, "unique_tokens": declared.plan.unique_tokens},
            "chosen": {"prompt_tokens": prepared.plan.prompt_tokens, "unique_tokens": prepared.plan.unique_tokens},
-           "positions": field_positions(orders, fields)}
+           "positions": field_positions(orders.orders, fields),
+           # each candidate order's prompt tokens to compute (sorted, at the job's block size), and the one chosen
+           "candidates": orders.candidates, "chosen_order": orders.chosen}
     out["unique_tokens_ratio"] = round(prepared.plan.unique_tokens / max(declared.plan.unique_tokens, 1), 4)
     return out
 
@@ -133,6 +135,10 @@ def cmd_plan(args) -> int:
         f = summary["fields"]
         print(f"prompt tokens to compute (sorted): {f['declared']['unique_tokens']} in the declared field order, "
               f"{f['chosen']['unique_tokens']} in the {f['field_order']} order ({f['unique_tokens_ratio']:.2f}x)")
+        if f["candidates"]:
+            print("  candidate orders, prompt tokens to compute: " + ", ".join(
+                f"{name} {tokens}" + (" (chosen)" if name == f["chosen_order"] else "")
+                for name, tokens in f["candidates"].items()))
         for name, counts in f["positions"].items():
             print(f"  field {name}: rows per position {counts}")
     print(f"{'group':>6} {'rows':>6} {'prefix':>7}  first id")

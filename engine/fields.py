@@ -14,20 +14,32 @@ closing question instead of a prompt column. Each row's prompt is rendered as
 (one line per field, NULL rendered as an empty value; without a question the prompt ends after the
 last field's line). Applied to the rendered prompt, a chat template works as on any prompt.
 
-``field_order: as_declared`` renders the fields in the declared order. ``optimize`` chooses each
-row's order so rows share the longest prefixes: the greedy recursive grouping of Liu et al.,
-"Optimizing LLM Queries in Relational Workloads" (arXiv 2403.05821). At each step, among the rows
-that share everything before the current position, the field whose repeated values save the most
-(``(rows with the value - 1) x length of its line``, summed over its values) goes next for the rows
-whose value of it repeats, followed by every field that is then constant among them; each value's
-rows and the rows left over are grouped again the same way. A review table joined to products
-whose long description was declared after the review text thus puts the description first, and
-the unique review last. A different order can change an answer: check on a sample
-(``batchllm bench --fields ...`` reports how many answers the two orders share).
+``field_order: as_declared`` renders the fields in the declared order. ``optimize`` chooses the
+order that computes the fewest prompt tokens, by the exact count: each candidate's prompts are
+tokenized and planned, and the minimum prefill the planner finds at the job's KV block size (what
+sorted rows compute on vLLM) decides. The candidates:
+
+* ``declared``: the declared order;
+* ``distinct_values``: one global order, the fields by ascending number of distinct values (what a
+  user who knows prefix caching writes by hand);
+* ``greedy``: a per-row order, the greedy recursive grouping of Liu et al., "Optimizing LLM
+  Queries in Relational Workloads" (arXiv 2403.05821). At each step, among the rows that share
+  everything before the current position, the field whose repeated values save the most
+  (``(rows with the value - 1) x length of its line``, summed over its values) goes next for the
+  rows whose value of it repeats, followed by every field that is then constant among them; each
+  value's rows and the rows left over are grouped again the same way.
+
+So a per-row order is kept only where it computes fewer tokens than both global orders; a tie goes
+to the global order. A review table joined to products whose long description was declared after
+the review text thus puts the description first, and the unique review last. A different order can
+change an answer: check on a sample (``batchllm bench --fields ...`` reports how many answers the
+two orders share).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from enum import Enum
 
 import numpy as np
@@ -78,12 +90,47 @@ def _values(table: pa.Table, spec: PromptFields) -> list[list[str]]:
     return [pc.fill_null(pc.cast(table.column(f), pa.string()), "").to_pylist() for f in spec.fields]
 
 
-def field_orders(table: pa.Table, spec: PromptFields) -> np.ndarray:
-    """Each row's field order: (rows, fields) indices into ``spec.fields``."""
+# The prompt tokens sorted rows compute for these prompts (tokenized and planned at the job's block
+# size): ``engine.prepared.sorted_prefill_counter`` gives one for a tokenizer.
+PrefillCounter = Callable[[list[str]], int]
+
+
+@dataclass
+class FieldOrderChoice:
+    """Each row's field order ((rows, fields) indices into the spec's fields), which candidate it
+    is, and every candidate's prompt tokens to compute (empty for ``as_declared``: nothing chosen)."""
+
+    orders: np.ndarray
+    chosen: str
+    candidates: dict[str, int]
+
+
+def declared_order(table: pa.Table, spec: PromptFields) -> np.ndarray:
     _missing(table, spec)
-    n, k = table.num_rows, len(spec.fields)
-    declared = np.broadcast_to(np.arange(k, dtype=np.int16), (n, k)).copy()
-    if spec.field_order is FieldOrder.as_declared or n < 2:
+    k = len(spec.fields)
+    return np.broadcast_to(np.arange(k, dtype=np.int16), (table.num_rows, k)).copy()
+
+
+def choose_field_orders(table: pa.Table, spec: PromptFields, prefill_tokens: PrefillCounter | None) -> FieldOrderChoice:
+    """The field order of every row (see the module doc). ``prefill_tokens`` counts a candidate's
+    cost; ``optimize`` needs one, ``as_declared`` does not."""
+    if spec.field_order is FieldOrder.as_declared:
+        return FieldOrderChoice(declared_order(table, spec), "declared", {})
+    if prefill_tokens is None:
+        raise ValueError("field_order: optimize chooses by the prompt tokens each order computes: give a counter")
+    candidates = {"declared": declared_order(table, spec), "distinct_values": distinct_value_order(table, spec),
+                  "greedy": greedy_field_orders(table, spec)}
+    costs = {name: int(prefill_tokens(render_prompts(table, spec, orders).to_pylist()))
+             for name, orders in candidates.items()}
+    chosen = min(costs, key=costs.__getitem__)  # the first of equals: a global order before the per-row one
+    return FieldOrderChoice(candidates[chosen], chosen, costs)
+
+
+def greedy_field_orders(table: pa.Table, spec: PromptFields) -> np.ndarray:
+    """Each row's field order by the greedy recursive grouping (see the module doc)."""
+    declared = declared_order(table, spec)
+    n, k = declared.shape
+    if n < 2:
         return declared
     codes = np.empty((n, k), dtype=np.int64)
     line_length = []
@@ -143,8 +190,12 @@ def _greedy_grouping(codes: np.ndarray, line_length: list[np.ndarray], orders: n
 
 
 def render_prompts(table: pa.Table, spec: PromptFields, orders: np.ndarray | None = None) -> pa.Array:
-    """Each row's prompt (see the module doc), its fields in ``orders`` (default: ``field_orders``)."""
-    orders = field_orders(table, spec) if orders is None else orders
+    """Each row's prompt (see the module doc), its fields in ``orders`` (``choose_field_orders``;
+    may be left out for ``as_declared``)."""
+    if orders is None:
+        if spec.field_order is not FieldOrder.as_declared:
+            raise ValueError("render_prompts: an optimized field order is chosen first (choose_field_orders)")
+        orders = declared_order(table, spec)
     values = _values(table, spec)
     head = spec.instruction + "\n\n"
     tail = "\n\n" + spec.question if spec.question else ""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from .block_hashes import RowBlocks
 from .dataset import Columns
 from .duplicates import count_duplicates, duplicate_sets, token_keys
 from .plan import PrefixPlan, plan_blocks
@@ -148,3 +149,14 @@ def plan_tokenized(
     return PreparedBatch.from_plan(ids, table.schema.field(columns.id).type, batch, max_tokens, errors, plan,
                                    response_formats=formats, tokenize_s=rows.seconds, plan_s=plan_s,
                                    duplicate_set=same)
+
+
+def sorted_prefill_counter(tokenizer, block_size: int):
+    """A ``fields.PrefillCounter``: the prompt tokens sorted rows compute for these prompts, the
+    planner's minimum prefill at this KV block size (whole blocks shared, as vLLM's cache shares them)."""
+    def count(prompts: list[str]) -> int:
+        batch = tokenize_rows(tokenizer, prompts)
+        blocks = RowBlocks.of_tokens(batch.tokens, batch.offsets, block_size)
+        return int(plan_blocks(blocks, np.zeros(len(prompts), dtype=np.int64)).unique_tokens)
+
+    return count

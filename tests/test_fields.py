@@ -1,4 +1,5 @@
-"""Prompts from fields: the rendering, the greedy field order, and a dataset that declares them."""
+"""Prompts from fields: the rendering, the candidate field orders and the choice among them by the
+tokens each computes, and a dataset that declares them."""
 
 import numpy as np
 import pyarrow as pa
@@ -6,7 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from engine.dataset import DatasetError
-from engine.fields import FieldOrder, PromptFields, field_orders, field_positions, render_prompts, with_prompt_column
+from engine.fields import (FieldOrder, PromptFields, choose_field_orders, distinct_value_order, field_positions,
+                           greedy_field_orders, render_prompts, with_prompt_column)
 
 
 def reviews(products=4, per_product=5, seed=0) -> pa.Table:
@@ -22,6 +24,32 @@ def reviews(products=4, per_product=5, seed=0) -> pa.Table:
 SPEC = PromptFields(instruction="Label it.", fields=["review", "description", "category", "stars"], question="Label:")
 
 
+def unique_prefix_chars(prompts: list[str]) -> int:
+    """A prefill counter at the finest grain: characters a perfect prefix cache computes on sorted prompts."""
+    prompts = sorted(prompts)
+    total = len(prompts[0])
+    for a, b in zip(prompts, prompts[1:]):
+        common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        total += len(b) - common
+    return total
+
+
+def categories_of_products(seed=0, categories=3, products_per=4, reviews_per=3) -> pa.Table:
+    """Reviews of products within categories: each product in one category, its text about twice as long
+    as the category's. Greedy grouping puts the product first (it saves more characters alone), then
+    the category, repeated under each product; the global order by distinct values puts the category
+    first and shares it across its products."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for c in range(categories):
+        category = f"category {c}: " + " ".join(rng.choice(["ka", "lo", "mi", "ne"], 30))
+        for p in range(products_per):
+            product = f"product {c}-{p} " + " ".join(rng.choice(["pu", "ra", "si", "to"], 60))
+            rows += [(f"r{c}-{p}-{k}", category, product, f"review {rng.integers(10**6)}") for k in range(reviews_per)]
+    order = rng.permutation(len(rows))
+    return pa.table(dict(zip(["id", "category", "product", "review"], zip(*[rows[i] for i in order]))))
+
+
 def test_a_prompt_is_rendered_in_the_documented_format():
     table = pa.table({"a": ["x"], "b": [None], "c": [3]})
     spec = PromptFields(instruction="Do it.", fields=["a", "b", "c"], question="Answer:")
@@ -31,14 +59,16 @@ def test_a_prompt_is_rendered_in_the_documented_format():
 
 
 def test_the_declared_order_is_kept_unless_asked_to_optimize():
-    orders = field_orders(reviews(), SPEC)
-    assert (orders == np.arange(4)).all()
+    choice = choose_field_orders(reviews(), SPEC, None)  # nothing to count: nothing is chosen
+    assert (choice.orders == np.arange(4)).all() and choice.chosen == "declared" and choice.candidates == {}
+    with pytest.raises(ValueError, match="an optimized field order is chosen first"):
+        render_prompts(reviews(), SPEC.model_copy(update={"field_order": FieldOrder.optimize}))
 
 
-def test_optimize_puts_the_long_shared_field_first_then_what_is_constant_and_the_unique_field_last():
+def test_greedy_grouping_puts_the_long_shared_field_first_then_what_is_constant_and_the_unique_field_last():
     table = reviews()
     spec = SPEC.model_copy(update={"field_order": FieldOrder.optimize})
-    orders = field_orders(table, spec)
+    orders = greedy_field_orders(table, spec)
     names = [[spec.fields[f] for f in row] for row in orders.tolist()]
     assert all(row[:2] == ["description", "category"] for row in names)  # category is constant per product
     assert all(row[-1] in ("review", "stars") and set(row) == set(spec.fields) for row in names)
@@ -51,18 +81,38 @@ def test_optimize_puts_the_long_shared_field_first_then_what_is_constant_and_the
 
 def test_the_optimized_order_computes_fewer_unique_characters_than_the_declared_one():
     table = reviews(products=6, per_product=8)
+    spec = SPEC.model_copy(update={"field_order": "optimize"})
+    choice = choose_field_orders(table, spec, unique_prefix_chars)
+    optimized = unique_prefix_chars(render_prompts(table, spec, choice.orders).to_pylist())
+    assert optimized == choice.candidates[choice.chosen] == min(choice.candidates.values())
+    assert optimized < 0.5 * unique_prefix_chars(render_prompts(table, SPEC).to_pylist())
 
-    def unique_prefix_chars(prompts):  # characters a perfect prefix cache computes, on sorted prompts
-        prompts = sorted(prompts)
-        total = len(prompts[0])
-        for a, b in zip(prompts, prompts[1:]):
-            common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            total += len(b) - common
-        return total
 
-    declared = unique_prefix_chars(render_prompts(table, SPEC).to_pylist())
-    optimized = unique_prefix_chars(render_prompts(table, SPEC.model_copy(update={"field_order": "optimize"})).to_pylist())
-    assert optimized < 0.5 * declared
+def test_where_greedy_grouping_loses_the_global_order_by_distinct_values_is_chosen():
+    table = categories_of_products()
+    spec = PromptFields(instruction="Rate.", fields=["review", "product", "category"], field_order="optimize")
+    assert (distinct_value_order(table, spec) == [2, 1, 0]).all()  # category (3), product (12), review (36)
+    greedy = greedy_field_orders(table, spec)
+    assert (greedy == [1, 2, 0]).all()  # the product first: its category repeats under each of them
+    choice = choose_field_orders(table, spec, unique_prefix_chars)
+    assert choice.candidates["greedy"] > 1.2 * choice.candidates["distinct_values"]
+    assert choice.chosen == "distinct_values" and (choice.orders == [2, 1, 0]).all()
+
+
+def test_optimize_never_computes_more_prompt_tokens_than_a_global_order_at_the_block_size(tiny_model):
+    from engine.prepared import sorted_prefill_counter
+    from engine.tokenizing import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model)
+    spec = PromptFields(instruction="Rate.", fields=["review", "product", "category"], field_order="optimize")
+    for table in (categories_of_products(), reviews(products=6, per_product=8)):
+        spec = spec.model_copy(update={"fields": [c for c in table.column_names if c != "id"]})
+        for block_size in (1, 16, 32):
+            count = sorted_prefill_counter(tokenizer, block_size)
+            choice = choose_field_orders(table, spec, count)
+            computed = count(render_prompts(table, spec, choice.orders).to_pylist())
+            assert computed == choice.candidates[choice.chosen]
+            assert computed <= min(choice.candidates["declared"], choice.candidates["distinct_values"])
 
 
 def test_bad_declarations_are_refused_with_what_to_fix():
@@ -71,12 +121,13 @@ def test_bad_declarations_are_refused_with_what_to_fix():
     with pytest.raises(ValueError, match="more than once"):
         PromptFields(instruction="x", fields=["a", "a"])
     with pytest.raises(ValueError, match=r"\['nope'\] are not columns"):
-        field_orders(reviews(), PromptFields(instruction="x", fields=["review", "nope"], field_order="optimize"))
+        choose_field_orders(reviews(), PromptFields(instruction="x", fields=["review", "nope"], field_order="optimize"),
+                            unique_prefix_chars)
     with pytest.raises(ValueError, match="has a 'review' column"):
         with_prompt_column(reviews(), SPEC, "review")
 
 
-def test_a_dataset_declared_with_fields_snapshots_the_rendered_prompts(tmp_path):
+def test_a_dataset_declared_with_fields_snapshots_the_rendered_prompts(tmp_path, tiny_model):
     from assets.prompts import snapshot_dataset
     from batchllm_dagster.config import BatchJobConfig, DatasetSpec
     from engine.settings import EngineSettings
@@ -85,12 +136,14 @@ def test_a_dataset_declared_with_fields_snapshots_the_rendered_prompts(tmp_path)
     pq.write_table(table, tmp_path / "reviews.parquet")
     spec = SPEC.model_copy(update={"field_order": FieldOrder.optimize})
     config = BatchJobConfig(name="reviews", dataset=DatasetSpec(parquet=str(tmp_path / "reviews.parquet"), prompt=spec),
-                            llm=EngineSettings(model_path="unused"), output_database=str(tmp_path / "o.duckdb"),
+                            llm=EngineSettings(model_path=tiny_model), output_database=str(tmp_path / "o.duckdb"),
                             storage_dir=str(tmp_path / "jobs"))
-    rows, _ = snapshot_dataset(config, tmp_path / "snapshot.parquet")
+    rows, _, choice = snapshot_dataset(config, tmp_path / "snapshot.parquet")
     snapshot = pq.read_table(tmp_path / "snapshot.parquet")
     assert rows == table.num_rows
-    assert snapshot.column("prompt").to_pylist() == render_prompts(table, spec).to_pylist()
+    assert set(choice.candidates) == {"declared", "distinct_values", "greedy"}
+    assert choice.candidates[choice.chosen] < choice.candidates["declared"]
+    assert snapshot.column("prompt").to_pylist() == render_prompts(table, spec, choice.orders).to_pylist()
     assert snapshot.column("id").to_pylist() == table.column("id").to_pylist()
 
     clash = config.model_copy(update={"dataset": DatasetSpec(parquet=str(tmp_path / "reviews.parquet"),
