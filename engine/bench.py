@@ -8,7 +8,8 @@ the batch's prefix working set, as in a real offline job with thousands of docum
 * ``vllm_apc_sorted``      - vLLM with prefix caching on ``sorted()`` rows (our engine loop);
 * ``vllm_generate_sorted`` - vLLM's own ``LLM.generate`` on ``sorted()`` rows with vLLM's own batch
   sizes: the one line a user would write instead of this package;
-* ``batchllm``             - this engine: global plan, prefix-first groups, KV-budgeted admission.
+* ``batchllm``             - this engine on the same prompts: global plan, groups, KV-budgeted admission;
+* ``vllm_hand_order`` and ``batchllm_field_order`` where prompts come from fields (below).
 
 All get the same token ids and greedy sampling with ``ignore_eos`` (fixed output lengths).
 ``--repeat N`` runs them all N times, the order rotated each time; every ratio is reported with
@@ -24,16 +25,23 @@ without batchllm's planning time charged to it, and the verdict names the strong
 * ``duplicates`` - the nested shape with 20% of the rows copies of another row under other ids
   (this engine computes each content once; vLLM computes every row);
 * ``fields``    - reviews joined to products, each prompt built from fields declared unique first
-  (review, description, category, brand, stars), answers of 2-8 tokens: the baselines run the
-  declared order, this engine the order ``field_order: optimize`` chooses (``engine.fields``).
-  ``--fields`` on a user's table (``batchllm bench PROMPTS --fields a,b --field-order optimize``)
-  does the same with its columns.
+  (review, description, category, brand, stars), answers of 2-8 tokens;
+* ``short``     - support tickets joined to a small customer table (the customer, then the ticket):
+  many groups of 1-3 rows beyond a shared instruction, answers of 1-8 tokens, 40% of them
+  constrained to a choice (stop at EOS, not ``ignore_eos``).
+
+With prompts from fields (``fields``, ``short``, or ``--fields`` on a user's table: ``batchllm
+bench PROMPTS --fields a,b --field-order optimize``) the baselines and ``batchllm`` run the
+declared order; ``vllm_hand_order`` is ``LLM.generate`` on sorted prompts with the fields in one
+global order by ascending distinct values (a user's hand recipe), and ``batchllm_field_order`` is
+this engine with the order ``field_order: optimize`` chooses (``engine.fields``).
 
 ``batchllm bench PROMPTS`` runs the same four on a sample of the user's own table instead (whole
 prefix groups, so the sample shares what the table shares), each row with its own ``max_tokens``.
 
 ``--analysis`` times the plan alone on synthetic token ids (no model); ``--scheduler-only`` our
-own cost per engine step at GPU batch sizes (``engine/bench_scheduler.py``, no model).
+own cost per engine step at GPU batch sizes, and with ``--shape short`` how full the batch runs at
+an H200's settings on the block-accounting stand-in (``engine/bench_scheduler.py``, no model).
 """
 
 from __future__ import annotations
@@ -717,9 +725,12 @@ def cmd_bench(args) -> int:
                              f"the batch: leave the option out")
         os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by vLLM when its engines start
     if args.scheduler_only:
-        from .bench_scheduler import run_scheduler_only
+        from .bench_scheduler import measure_fill, run_scheduler_only
 
-        result = run_scheduler_only([int(n) for n in args.rows_in_flight.split(",")])
+        if args.shape == "short":  # how full the batch runs at a GPU's settings
+            result = measure_fill()
+        else:
+            result = run_scheduler_only([int(n) for n in args.rows_in_flight.split(",")])
     else:
         result = run_analysis(args) if args.analysis else run_bench(args)
     if "verdict" in result:
@@ -761,7 +772,9 @@ def add_bench_parser(sub) -> None:
                        "depend on which rows share a step, so the runs' answers can be compared exactly")
     bench.add_argument("--analysis", action="store_true", help="time the plan alone on synthetic token ids")
     bench.add_argument("--scheduler-only", action="store_true",
-                       help="our own cost per engine step (scheduler + drive loop) on a stand-in engine, no vLLM")
+                       help="our own cost per engine step (scheduler + drive loop) on a stand-in engine, no vLLM; "
+                       "with --shape short, how full the batch runs at an H200's settings on the block-accounting "
+                       "stand-in, against vLLM alone on sorted rows")
     bench.add_argument("--rows-in-flight", default="1024,4096,16384", help="sizes for --scheduler-only")
     bench.add_argument("--scale", type=at_least_one, metavar="ROWS",
                        help="a ROWS-row nightly job through Dagster: first plan, a rerun with 1%% of the rows "

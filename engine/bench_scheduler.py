@@ -129,3 +129,70 @@ def run_scheduler_only(sizes: list[int]) -> dict:
             "verdict": f"{worst['us_per_step_median']:.0f} us per step (median; p90 {worst['us_per_step_p90']:.0f}) at "
                        f"{worst['rows_in_flight']:,} rows in flight, {worst['rows_finishing_per_step']} finishing per "
                        f"step; recounting every row in flight, as each step did before: {worst['us_recount_all_rows']:.0f} us"}
+
+
+# An H200 running an 8B model in bf16 (128 KiB of KV per token): about 106 GB of its 141 GB left for
+# the KV cache at vLLM's 0.9 memory share, 810,000 tokens, 50,000 blocks of 16; vLLM's offline
+# batch sizes there (``LLM`` usage context): 1,024 sequences and 16,384 batched tokens per step.
+H200 = {"kv_blocks": 50_000, "max_num_seqs": 1024, "max_num_batched_tokens": 16_384}
+
+
+def short_shape_tokens(rows: int = 20_000, seed: int = 0) -> tuple[TokenizedBatch, np.ndarray]:
+    """The bench's ``short`` shape at GPU scale, as token ids: an instruction above every row,
+    customers (profile and attributes, 60-120 tokens) each with 1-3 tickets of 15-40 tokens,
+    answers of 1-8 tokens; rows in a shuffled (table) order."""
+    rng = np.random.default_rng(seed)
+    instruction = rng.integers(10, 30000, 64, dtype=np.int32)
+    out = []
+    while len(out) < rows:
+        customer = rng.integers(10, 30000, int(rng.integers(60, 121)), dtype=np.int32)
+        for _ in range(int(rng.integers(1, 4))):
+            ticket = rng.integers(10, 30000, int(rng.integers(15, 41)), dtype=np.int32)
+            out.append(np.concatenate([instruction, customer, ticket]))
+    out = out[:rows]
+    order = rng.permutation(rows)
+    return TokenizedBatch.from_rows([out[i] for i in order]), rng.integers(1, 9, rows)
+
+
+def measure_fill(rows: int = 20_000, platform: dict = H200, seed: int = 0) -> dict:
+    """How full the engine's batch runs on the ``short`` shape at a GPU's settings, on the
+    block-accounting stand-in (``engine.sim_engine``): rows in flight and batched tokens per
+    step in steady state (the middle half of the steps), for this engine and for vLLM alone on
+    sorted rows (every row submitted at once, as ``LLM.generate`` does)."""
+    from .plan import build_plan
+    from .scheduler import InOrderScheduler, groups_in_run_order
+    from .sim_engine import FakeEngine
+
+    batch, max_tokens = short_shape_tokens(rows, seed)
+    plan = build_plan(batch.tokens, batch.offsets, max_tokens, BLOCK)
+    out = {}
+    for name in ("vllm_generate_sorted", "batchllm"):
+        engine = FakeEngine(platform["kv_blocks"], BLOCK, platform["max_num_seqs"], platform["max_num_batched_tokens"])
+        if name == "batchllm":
+            groups = groups_in_run_order(plan.order.tolist(), plan.group_of_row, plan.group_prefix_tokens[plan.group_of_row])
+            scheduler = GroupScheduler(batch, max_tokens, groups, SchedulerSettings(log_every_s=3600), BLOCK,
+                                       platform["kv_blocks"])
+        else:
+            scheduler = InOrderScheduler(batch, max_tokens, sorted(range(rows), key=batch.row))
+        running, batched = [], []
+
+        def record(report) -> None:
+            running.append(report.running)
+            batched.append(report.prefill_tokens + report.decode_tokens)
+
+        finished = sum(1 for _ in drive(scheduler, engine, SamplingSettings(), StepTotals(), on_step=record))
+        steady = slice(len(running) // 4, len(running) * 3 // 4)
+        out[name] = {"rows": finished, "steps": len(running), "prefill_tokens": engine.prefill_tokens,
+                     "rows_in_flight_median": float(np.median(running[steady])),
+                     "batched_tokens_per_step_mean": round(float(np.mean(batched[steady])), 1),
+                     "prefix_requests": scheduler.stats.prefix_requests, "preemptions": engine.preemptions}
+    ours, theirs = out["batchllm"], out["vllm_generate_sorted"]
+    share = ours["rows_in_flight_median"] / max(theirs["rows_in_flight_median"], 1)
+    return {"shape": "short", "rows": rows, "platform": platform, "block_size": BLOCK, "runs": out,
+            "rows_in_flight_share": round(share, 3), "steps_ratio": round(theirs["steps"] / max(ours["steps"], 1), 3),
+            "verdict": f"short shape at {platform['max_num_seqs']:,} sequences, {platform['max_num_batched_tokens']:,} "
+                       f"tokens per step and {platform['kv_blocks']:,} KV blocks: batchllm keeps "
+                       f"{ours['rows_in_flight_median']:.0f} rows in flight in steady state, {100 * share:.0f}% of the "
+                       f"{theirs['rows_in_flight_median']:.0f} of vLLM alone on sorted rows, "
+                       f"{ours['batched_tokens_per_step_mean']:,.0f} tokens per step against "
+                       f"{theirs['batched_tokens_per_step_mean']:,.0f}; {ours['steps']} steps against {theirs['steps']}"}

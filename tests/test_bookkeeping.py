@@ -107,7 +107,7 @@ def test_a_resumable_run_on_a_fake_engine_checkpoints_from_the_first_row_not_fro
     from engine.resume import run_resumable
     from engine.settings import EngineSettings, SamplingSettings
 
-    from .fake_engine import FakeEngine
+    from engine.sim_engine import FakeEngine
 
     rows = [[1, 2, 3, 4, 5, 6, 7, i] for i in range(12)]
     prepared = prepared_of(rows, order=list(range(12)), groups=[0] * 12, prefix=[6] * 12)
@@ -177,7 +177,7 @@ def test_a_model_rewritten_in_place_reruns_every_row_and_says_why(tmp_path):
     from engine.resume import run_resumable
     from engine.settings import EngineSettings, SamplingSettings
 
-    from .fake_engine import FakeEngine
+    from engine.sim_engine import FakeEngine
 
     model = tmp_path / "model"
     model.mkdir()

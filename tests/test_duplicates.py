@@ -12,7 +12,7 @@ from engine.requests import RequestKind
 from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
 from engine.tokenizing import TokenizedBatch
 
-from .fake_engine import FakeEngine
+from engine.sim_engine import FakeEngine
 
 BLOCK = 8
 SETTINGS = EngineSettings(model_path="unused", block_size=BLOCK, max_model_len=512)

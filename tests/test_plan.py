@@ -103,10 +103,18 @@ def test_decode_heavy_groups_run_first():
     assert set(plan.order[:3].tolist()) == {3, 4, 5}
 
 
-def test_rows_within_a_group_run_decode_heavy_first():
+def test_rows_within_a_group_mix_long_and_short_answers():
     rows = [[7] * 8 + [i] for i in range(4)]
     plan = plan_of(rows, decode=[1, 50, 10, 30])
-    assert plan.order.tolist() == [1, 3, 2, 0]
+    assert plan.order.tolist() == [1, 0, 3, 2]  # the longest, the shortest, the second longest, ...
+
+
+def test_groups_interleave_by_decode_ratio_so_no_stretch_of_the_run_is_all_long_answers():
+    groups = [[[g + 1] * 8 + [i] for i in range(2)] for g in range(4)]
+    decode = [20, 20, 200, 200, 5, 5, 80, 80]
+    plan = plan_of([row for group in groups for row in group], decode=decode)
+    first_rows = plan.order[::2].tolist()  # each group's first row, in run order
+    assert [decode[r] for r in first_rows] == [200, 5, 80, 20]
 
 
 def test_empty_and_zero_length_rows():

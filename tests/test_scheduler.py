@@ -11,7 +11,7 @@ from engine.scheduler import GroupScheduler, InOrderScheduler, PlannedGroup, gro
 from engine.settings import ReserveOutput, SamplingSettings, SchedulerSettings
 from engine.tokenizing import TokenizedBatch
 
-from .fake_engine import FakeEngine
+from engine.sim_engine import FakeEngine
 
 BLOCK = 4
 SAMPLING = SamplingSettings()

@@ -1,4 +1,5 @@
-"""A fake engine for scheduler unit tests: vLLM V1's KV block accounting in miniature.
+"""A stand-in for vLLM with its KV block accounting in miniature: for the scheduler's unit tests and
+``batchllm bench --scheduler-only`` (how full a GPU's batch runs). Never an end-to-end engine.
 
 What it models, as vLLM's ``KVCacheManager`` does: a pool of ``num_blocks`` blocks (one kept as
 the null block); full prompt blocks cached by the chained hash of their tokens and shared by
@@ -9,6 +10,12 @@ output blocks allocated lazily, one when a decode crosses a block boundary; free
 cached (evictable, least recently freed first); when a running request cannot get a block, the
 most recently admitted one is preempted (its blocks freed, recomputed later). The KV usage it
 reports is vLLM's: 1 - free / total, cached-but-unreferenced blocks counting as free.
+
+With ``max_num_batched_tokens`` a step computes at most that many tokens, as vLLM V1 schedules
+them: running requests first (a prefill continues in chunks, a decode takes one token), then
+waiting ones while tokens are left, the last of them possibly a partial (chunked) prefill; a
+request gets its next token in a step that completes its prompt or decodes it. Without it, every
+admitted prompt is computed in the step it enters.
 
 It does no arithmetic on tokens: a request's answer is a function of its prompt alone, as greedy
 decoding is.
@@ -38,6 +45,7 @@ class _Request:
     generated: int = 0
     blocks: list[_Block] = field(default_factory=list)
     cached_tokens: int | None = None
+    computed: int = 0  # prompt tokens in the KV cache (hits and computed chunks)
     prefilled: bool = False
     prompt_hashes: list[int] | None = None  # its whole prompt blocks' chained hashes, computed once
 
@@ -47,8 +55,11 @@ class _Request:
 
 
 class FakeEngine:
-    def __init__(self, num_blocks: int, block_size: int = 4, max_num_seqs: int = 256):
+    def __init__(self, num_blocks: int, block_size: int = 4, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None):
         self.block_size, self.kv_capacity_blocks, self.max_num_seqs = block_size, num_blocks, max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self._budget = 0  # tokens left in the step being scheduled
         self._fresh = num_blocks - 1  # never-used free blocks (one is vLLM's null block)
         self._evictable: OrderedDict[int, _Block] = OrderedDict()  # cached, unreferenced, by id
         self._cache: dict[int, _Block] = {}  # block hash -> cached block
@@ -88,10 +99,14 @@ class FakeEngine:
 
     def step(self) -> StepReport:
         self.step_count += 1
+        self._budget = self.max_num_batched_tokens or float("inf")
         preempted = self._grow_running()
-        self._admit_waiting()
         report = StepReport()
-        for request in list(self._running):
+        scheduled = [request for request in self._running if self._schedule(request, report)]
+        self._admit_waiting(scheduled, report)
+        for request in scheduled:
+            if request.computed < len(request.submission.token_ids):
+                continue  # a chunk of its prompt: no token yet
             request.generated += 1
             if request.generated >= request.submission.max_tokens:
                 self._running.remove(request)
@@ -173,8 +188,23 @@ class FakeEngine:
             request.prompt_hashes = RowBlocks.of_tokens(tokens, np.array([0, len(tokens)]), self.block_size).chain(0)
         return request.prompt_hashes
 
-    def _admit_waiting(self) -> None:
-        while self._waiting and len(self._running) < self.max_num_seqs:
+    def _schedule(self, request: _Request, report: StepReport) -> bool:
+        """A running request's tokens this step, from what is left of the step's budget."""
+        prompt = len(request.submission.token_ids)
+        if request.computed < prompt:  # its prefill goes on, in a chunk as large as the budget allows
+            chunk = min(prompt - request.computed, self._budget)
+            request.computed += chunk
+            report.prefill_tokens += chunk
+        elif self._budget >= 1:
+            chunk = 1
+            report.decode_tokens += 1
+        else:
+            return False
+        self._budget -= chunk
+        return chunk > 0
+
+    def _admit_waiting(self, scheduled: list[_Request], report: StepReport) -> None:
+        while self._waiting and len(self._running) < self.max_num_seqs and self._budget >= 1:
             request = self._waiting[0]
             hits = []
             for h in self._prompt_hashes(request):
@@ -200,8 +230,12 @@ class FakeEngine:
                 request.cached_tokens = len(hits) * self.block_size
             self.prefill_tokens += request.tokens - len(hits) * self.block_size
             request.prefilled = True
+            request.computed = len(hits) * self.block_size
             self._running.append(request)
             self._cache_prompt_blocks(request)
+            # a preempted request recomputes its prompt and what it generated before the next token
+            self._schedule(request, report)
+            scheduled.append(request)
 
     def _cache_prompt_blocks(self, request: _Request) -> None:
         for block, h in zip(request.blocks, self._prompt_hashes(request)):
