@@ -39,7 +39,8 @@ def snapshot_dataset(config: BatchJobConfig, path: Path) -> tuple[int, pa.Table,
     digest = hashlib.blake2b(digest_size=12)  # of everything but the text: ids, content keys, row settings
     with Staged(path) as staged, stream_sql(*dataset_sql(config)) as (schema, batches):
         if fields is not None:
-            batches, schema, choice = rendered_batches(batches, schema, fields, columns.prompt, _prefill_counter(config))
+            batches, schema, choice = rendered_batches(batches, schema, fields, columns.prompt, _prefill_counter(config),
+                                                        columns.messages)
         for batch in batches:
             table = validate(pa.Table.from_batches([batch], schema), columns)  # types, NULLs, duplicates within
             table = table.append_column(CONTENT_KEY, content_keys(
@@ -72,13 +73,13 @@ def _prefill_counter(config: BatchJobConfig) -> PrefillCounter | None:
 
 
 def rendered_batches(batches, schema: pa.Schema, fields: PromptFields, prompt_column: str,
-                     prefill_tokens: PrefillCounter | None = None):
+                     prefill_tokens: PrefillCounter | None = None, messages_column: str = "messages"):
     """The batches with their prompt rendered from ``fields``, their schema, and the field order
     chosen (None in the declared order). An optimized field order is chosen over the whole table
     (``choose_field_orders``, by ``prefill_tokens``), so its rows are read at once; in the declared
     order, batch by batch."""
     def render(table: pa.Table, orders=None) -> list[pa.RecordBatch]:
-        return with_prompt_column(table, fields, prompt_column, orders).to_batches(65_536)
+        return with_prompt_column(table, fields, prompt_column, orders, messages_column).to_batches(65_536)
 
     def each_batch():
         for batch in batches:

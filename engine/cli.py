@@ -75,7 +75,7 @@ def _prepare(args, fields: PromptFields | None = None):
     else:  # the prompt rendered from the table's fields, before validate keeps only the engine's columns
         table = read_source(args.prompts, args.database)
         orders = choose_field_orders(table, fields, sorted_prefill_counter(tokenizer, engine.block_size))
-        table = validate(with_prompt_column(table, fields, columns.prompt, orders.orders), columns)
+        table = validate(with_prompt_column(table, fields, columns.prompt, orders.orders, columns.messages), columns)
     prepared = prepare_batch(table, tokenizer, engine, sampling, columns)
     return engine, sampling, table, prepared, orders
 

@@ -11,8 +11,20 @@ closing question instead of a prompt column. Each row's prompt is rendered as
 
     {question}
 
-(one line per field, NULL rendered as an empty value; without a question the prompt ends after the
-last field's line). Applied to the rendered prompt, a chat template works as on any prompt.
+(one line per field; without a question the prompt ends after the last field's line). Applied to
+the rendered prompt, a chat template works as on any prompt. A value is rendered so that two
+different rows never give the same prompt, and the same value gives the same text whatever its SQL
+type:
+
+* NULL is an empty value;
+* a backslash is written ``\\\\``, a newline ``\\n`` and a carriage return ``\\r``: a value stays on
+  its own line, so a value holding a line that looks like another field's (``"x\\nstars: 5"``) cannot
+  pass for it (field names may not hold a newline or ``": "``);
+* a number as its shortest text: a DECIMAL without trailing zeros (4.50 as ``4.5``, 4.00 as ``4``),
+  as a DOUBLE of the same value renders;
+* a list, struct or map as JSON (keys sorted);
+* other types as Arrow casts them to text (dates ISO 8601, booleans ``true``/``false``); a type
+  Arrow cannot cast is refused with its field's name.
 
 ``field_order: as_declared`` renders the fields in the declared order. ``optimize`` chooses the
 order that computes the fewest prompt tokens, by the exact count: each candidate's prompts are
@@ -42,12 +54,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
+import json
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .dataset import DatasetError
+from .dataset import Columns, DatasetError
 
 
 class FieldOrder(str, Enum):
@@ -71,6 +85,10 @@ class PromptFields(BaseModel):
             raise ValueError("a prompt made of fields needs at least one field")
         if len(set(self.fields)) != len(self.fields):
             raise ValueError(f"fields are listed more than once: {self.fields}")
+        unclear = [f for f in self.fields if "\n" in f or "\r" in f or ": " in f]
+        if unclear:
+            raise ValueError(f"field names may not hold a newline or ': ' (a line would not say which field it is): "
+                             f"{unclear}")
         return self
 
     def declared(self) -> "PromptFields":
@@ -85,9 +103,30 @@ def _missing(table: pa.Table, spec: PromptFields) -> None:
                          f"(it has {', '.join(table.column_names)})")
 
 
+def field_text(column: pa.ChunkedArray | pa.Array, name: str) -> pa.Array:
+    """A field's values as they are rendered in a prompt (see the module doc)."""
+    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    kind = column.type
+    if pa.types.is_nested(kind):
+        text = pa.array([None if v is None else json.dumps(v, ensure_ascii=False, sort_keys=True, default=str)
+                         for v in column.to_pylist()], pa.string())
+    else:
+        try:
+            text = pc.cast(column, pa.string())
+        except (pa.ArrowNotImplementedError, pa.ArrowInvalid) as exc:
+            raise DatasetError(f"field {name!r} of type {kind} cannot be rendered as text ({exc}): cast it in the "
+                               f"dataset's SQL") from None
+        if pa.types.is_decimal(kind):  # 4.50 and 4.00 as 4.5 and 4, as a DOUBLE renders them
+            text = pc.replace_substring_regex(pc.replace_substring_regex(text, r"(\.\d*?)0+$", r"\1"), r"\.$", "")
+    text = pc.fill_null(text, "")
+    for raw, escaped in (("\\", "\\\\"), ("\n", "\\n"), ("\r", "\\r")):  # the backslash first
+        text = pc.replace_substring(text, raw, escaped)
+    return text
+
+
 def _values(table: pa.Table, spec: PromptFields) -> list[list[str]]:
-    """Each field's values as text (NULL: empty)."""
-    return [pc.fill_null(pc.cast(table.column(f), pa.string()), "").to_pylist() for f in spec.fields]
+    """Each field's values as rendered text."""
+    return [field_text(table.column(f), f).to_pylist() for f in spec.fields]
 
 
 # The prompt tokens sorted rows compute for these prompts (tokenized and planned at the job's block
@@ -135,7 +174,7 @@ def greedy_field_orders(table: pa.Table, spec: PromptFields) -> np.ndarray:
     codes = np.empty((n, k), dtype=np.int64)
     line_length = []
     for j, name in enumerate(spec.fields):
-        encoded = pc.dictionary_encode(pc.fill_null(pc.cast(table.column(name), pa.string()), "")).combine_chunks()
+        encoded = pc.dictionary_encode(field_text(table.column(name), name))
         codes[:, j] = encoded.indices.to_numpy(zero_copy_only=False)
         # The length of the value's line, in UTF-8 bytes: a proxy for its tokens.
         line_length.append(pc.binary_length(encoded.dictionary).to_numpy(zero_copy_only=False) + len(name) + 3)
@@ -146,7 +185,7 @@ def distinct_value_order(table: pa.Table, spec: PromptFields) -> np.ndarray:
     """The order a user who knows prefix caching writes by hand: one global order, the fields by
     ascending number of distinct values (ties in the declared order), the same for every row."""
     _missing(table, spec)
-    distinct = [pc.count_distinct(table.column(f), mode="all").as_py() for f in spec.fields]
+    distinct = [pc.count_distinct(field_text(table.column(f), f)).as_py() for f in spec.fields]
     order = np.array(sorted(range(len(spec.fields)), key=lambda j: (distinct[j], j)), dtype=np.int16)
     return np.broadcast_to(order, (table.num_rows, order.size)).copy()
 
@@ -211,9 +250,14 @@ def field_positions(orders: np.ndarray, spec: PromptFields) -> dict[str, list[in
             for j, name in enumerate(spec.fields)}
 
 
-def with_prompt_column(table: pa.Table, spec: PromptFields, column: str, orders: np.ndarray | None = None) -> pa.Table:
-    """``table`` with its prompt ``column`` rendered from the fields (refused if it has one already)."""
+def with_prompt_column(table: pa.Table, spec: PromptFields, column: str, orders: np.ndarray | None = None,
+                       messages_column: str = Columns().messages) -> pa.Table:
+    """``table`` with its prompt ``column`` rendered from the fields; refused if it has one already,
+    or chat messages in a row (a row's messages would be run instead of its fields)."""
     if column in table.column_names:
         raise DatasetError(f"the table has a {column!r} column and the dataset builds its prompt from fields: "
                          f"drop one of them (or rename the column)")
+    if messages_column in table.column_names and table.column(messages_column).null_count < table.num_rows:
+        raise DatasetError(f"the table has chat messages in its {messages_column!r} column and the dataset builds its "
+                           f"prompt from fields: a row runs one or the other; drop the column or the fields")
     return table.append_column(column, render_prompts(table, spec, orders))

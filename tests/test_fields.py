@@ -150,3 +150,44 @@ def test_a_dataset_declared_with_fields_snapshots_the_rendered_prompts(tmp_path,
                                                              prompt=spec.model_copy(update={"fields": ["nope"]}))})
     with pytest.raises(DatasetError, match="not columns"):
         snapshot_dataset(clash, tmp_path / "other.parquet")
+
+
+def test_a_value_cannot_pass_for_another_field_and_two_rows_never_render_the_same_prompt():
+    # Before values were escaped both rows rendered "a: x\nb: y\nb: ".
+    table = pa.table({"a": ["x\nb: y", "x", "back\\slash\r"], "b": ["", "y\nb: ", None]})
+    spec = PromptFields(instruction="Do it.", fields=["a", "b"])
+    prompts = render_prompts(table, spec).to_pylist()
+    assert len(set(prompts)) == 3
+    assert prompts[0] == "Do it.\n\na: x\\nb: y\nb: "
+    assert prompts[2] == "Do it.\n\na: back\\\\slash\\r\nb: "
+    assert all(p.count("\n") == prompts[0].count("\n") for p in prompts)  # one line per field, always
+    with pytest.raises(ValueError, match="may not hold a newline or ': '"):
+        PromptFields(instruction="x", fields=["a: b"])
+
+
+def test_numbers_render_alike_whatever_their_sql_type_and_nested_values_as_json():
+    import decimal
+
+    table = pa.table({"price": pa.array([decimal.Decimal("4.50"), decimal.Decimal("4.00"), decimal.Decimal("0.10")],
+                                        pa.decimal128(6, 2)),
+                      "as_double": [4.5, 4.0, 0.1], "as_int": [4, 4, 0],
+                      "tags": [["b", "a"], [], None], "info": [{"k": 1, "a": "z"}, None, {"k": 2, "a": None}]})
+    values = {name: render_prompts(table, PromptFields(instruction="", fields=[name])).to_pylist()
+              for name in table.column_names}
+    assert values["price"] == ["\n\nprice: 4.5", "\n\nprice: 4", "\n\nprice: 0.1"]
+    assert [v.split(": ")[1] for v in values["price"]] == [v.split(": ")[1] for v in values["as_double"]]
+    assert values["tags"] == ['\n\ntags: ["b", "a"]', "\n\ntags: []", "\n\ntags: "]
+    assert values["info"] == ['\n\ninfo: {"a": "z", "k": 1}', "\n\ninfo: ", '\n\ninfo: {"a": null, "k": 2}']
+    # The optimizer reads the same text: nested fields are no Arrow error there either.
+    spec = PromptFields(instruction="", fields=["tags", "info", "price"], field_order="optimize")
+    assert choose_field_orders(table, spec, unique_prefix_chars).orders.shape == (3, 3)
+
+
+def test_fields_with_chat_messages_in_the_table_are_refused():
+    table = pa.table({"id": [1, 2], "review": ["a", "b"], "messages": [None, '[{"role": "user", "content": "hi"}]']})
+    spec = PromptFields(instruction="Rate.", fields=["review"])
+    with pytest.raises(DatasetError, match="chat messages in its 'messages' column"):
+        with_prompt_column(table, spec, "prompt")
+    empty = table.set_column(2, "messages", pa.array([None, None], pa.string()))
+    assert with_prompt_column(empty, spec, "prompt").column("prompt").to_pylist() == ["Rate.\n\nreview: a",
+                                                                                      "Rate.\n\nreview: b"]
