@@ -43,6 +43,7 @@ class BatchRun:
         display: Display | None = None,
         settings_fingerprint: str | None = None,
         step_profile: StepProfile | None = None,
+        after_step: Callable[[], None] | None = None,
     ):
         self.prepared, self.engine, self.sampling = prepared, engine, sampling
         self.scheduler_settings = scheduler_settings
@@ -55,6 +56,7 @@ class BatchRun:
         self.started_at = started_at
         self.display = display  # a live view (a progress bar) besides the progress lines
         self.step_profile = step_profile  # each engine step recorded (the bench's per-step timing)
+        self.after_step = after_step  # called after every engine step (a checkpoint's timed write)
         self.stats = RunStats()
 
     def _result(self, row: int, **fields) -> RowResult:
@@ -122,6 +124,8 @@ class BatchRun:
         def on_step(report) -> None:
             if self.step_profile is not None:
                 self.step_profile.record(report)
+            if self.after_step is not None:
+                self.after_step()
             progress.update(stats.rows, stats.prompt_tokens + stats.output_tokens, saved(),
                             report.running, report.kv_usage, totals.preemptions,
                             planned_blocks=(lambda: planned(report.generated)) if planned else None)
@@ -133,10 +137,10 @@ class BatchRun:
                 continue
             row = item.submission.row
             stats.wall_s = time.perf_counter() - started
-            # A constrained answer that ran out of max_tokens with its format still open is not an
-            # answer: stored as an error row (its text kept to look at), never as ok.
+            # A constrained answer that ended at max_tokens or a stop string, not proved complete,
+            # is not an answer: stored as an error row (its text kept to look at), never as ok.
             cut = cut_off_reason(prepared.response_formats.get(row, self.sampling.response_format), item.text,
-                                 item.finish_reason, int(prepared.max_tokens[row]))
+                                 item.finish_reason, int(prepared.max_tokens[row]), item.stop_reason)
             yield self._answer(row, item, cut, item.cached_tokens)
             for copy in copies.get(row, []):  # its identical rows: the same answer, their own ids, nothing computed
                 stats.duplicate_rows += 1

@@ -136,7 +136,15 @@ class Checkpoint:
 
     def add(self, result: RowResult) -> None:
         self._pending.append(result)
-        if len(self._pending) >= self.every_rows or time.monotonic() - self._last_flush >= self.every_s:
+        if len(self._pending) >= self.every_rows:
+            self.flush()
+        else:
+            self.flush_if_due()
+
+    def flush_if_due(self) -> None:
+        """Write what is pending once ``every_s`` has passed since the last part: called after every
+        engine step too, so a row that finished minutes before the next one is on disk meanwhile."""
+        if self._pending and time.monotonic() - self._last_flush >= self.every_s:
             self.flush()
 
     def flush(self) -> None:

@@ -12,9 +12,11 @@ PROMPTS is a Parquet file (or glob), a ``.sql`` file run by DuckDB, or a table o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -152,6 +154,21 @@ def cmd_plan(args) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def terminate_as_exit():
+    """A terminate (SIGTERM: ``kill``, a batch scheduler, a container stop) ends the run as Ctrl-C
+    does, by an exception: the run's ``finally`` writes every finished row to the checkpoint, and
+    the engine is shut down, instead of the process dying where it stands."""
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def cmd_run(args) -> int:
     from .output import OutputLock, check_output, write_result
     from .results import results_to_table
@@ -159,7 +176,7 @@ def cmd_run(args) -> int:
 
     output = Path(args.output)
     check_output(output, args.prompts, args.overwrite)  # before any work
-    with OutputLock(output):
+    with OutputLock(output), terminate_as_exit():
         engine_settings, sampling, _, prepared, _ = _prepare(args)
         checkpoint_dir = Path(args.checkpoint_dir or f"{output}.checkpoint")
         bar = ProgressBar.on_terminal() if not args.json else None

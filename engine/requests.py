@@ -65,6 +65,7 @@ class Finished:
     prompt_tokens: int
     cached_tokens: int
     finish_reason: str | None
+    stop_reason: int | str | None = None  # the stop string that ended it (vLLM's; None: end of sequence)
 
 
 @dataclass

@@ -102,14 +102,41 @@ def check_room_for_answers(response_format: ResponseFormat | None, max_tokens: i
 
 
 CUT_OFF = "cut off at max_tokens"
+STOPPED = "ended by the stop string"
+
+
+def proved_complete(response_format: ResponseFormat, text: str) -> str | None:
+    """Why ``text``, an answer that ended before its format let it end (cut at ``max_tokens``, or
+    at a stop string), is not proved complete (None: it is). Proved complete: a choice that no
+    other choice extends (``no`` is not, beside ``not sure``), or a closed JSON value (an object,
+    array, string, true, false or null) valid against the schema: text after it could not be
+    JSON. A number could still grow (``12`` of ``123``), and a regex match could too (``[0-9]+``
+    cut at ``12``): never proved."""
+    why = response_format.violation(text)
+    if why is not None:
+        return why
+    if response_format.choice is not None:
+        longer = [c for c in response_format.choice if c != text and c.startswith(text)]
+        return f"{text!r} may be the start of {longer[0]!r}" if longer else None
+    if response_format.regex is not None:
+        return f"{text[:40]!r} matches the regex, but a longer answer might too"
+    closed = text.rstrip()[-1:] in ("}", "]", '"') or text.strip() in ("true", "false", "null")
+    return None if closed else f"{text[:40]!r} is a JSON number, which a longer answer might extend"
 
 
 def cut_off_reason(response_format: ResponseFormat | None, text: str, finish_reason: str | None,
-                   max_tokens: int) -> str | None:
-    """Why a constrained answer that stopped at ``max_tokens`` with its format still open is not an
-    answer (None: it is complete, or unconstrained, or it ended by itself)."""
-    if response_format is None or finish_reason != "length":
+                   max_tokens: int, stop_reason: int | str | None = None) -> str | None:
+    """Why a constrained answer is not an answer (None: it is, or it is unconstrained). An answer
+    that ended by itself (the model's end of sequence, which vLLM's grammar allows only where the
+    format is complete) is one; one that ended at ``max_tokens`` or at a stop string is one only
+    where ``proved_complete`` proves it."""
+    if response_format is None:
         return None
-    why = response_format.violation(text or "")
-    return None if why is None else f"{CUT_OFF} ({max_tokens}) before the answer was complete: {why}"
-
+    if finish_reason == "length":
+        ended = f"{CUT_OFF} ({max_tokens})"
+    elif finish_reason == "stop" and isinstance(stop_reason, str):
+        ended = f"{STOPPED} {stop_reason!r}"
+    else:
+        return None
+    why = proved_complete(response_format, text or "")
+    return None if why is None else f"{ended} before the answer was complete: {why}"

@@ -78,12 +78,13 @@ def run_resumable(
         try:
             run = BatchRun(prepared, engine, sampling, scheduler_settings, rows=todo, progress_sink=progress_sink,
                            row_fingerprints=fingerprints, started_at=started_at, display=display,
-                           settings_fingerprint=settings_fp)
+                           settings_fingerprint=settings_fp, after_step=checkpoint.flush_if_due)
             for result in run:
                 checkpoint.add(result)
                 results.append(result)
-            checkpoint.flush()
         finally:
+            # Whatever ended the run (done, a vLLM error, a stall, a terminate): what finished is kept.
+            checkpoint.flush()
             stopping = time.perf_counter()
             opened.close()  # leaves the engine's context: its owner shuts it down
             engine_stop_s = time.perf_counter() - stopping

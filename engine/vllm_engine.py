@@ -198,6 +198,7 @@ class VLLMEngine:
                     prompt_tokens=len(out.prompt_token_ids or []),
                     cached_tokens=int(out.num_cached_tokens or 0),
                     finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
                 )
             )
         report.generated = self._generated

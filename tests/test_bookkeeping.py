@@ -211,3 +211,70 @@ def test_a_model_rewritten_in_place_reruns_every_row_and_says_why(tmp_path):
     outcome, _ = run(edited)
     assert outcome.stats.reused_rows == 11 and outcome.not_reused == {ROW_CHANGED: 1}
     assert {r.settings_fingerprint for r in outcome.results} == {changed.results[0].settings_fingerprint}
+
+
+def _twelve_rows():
+    rows = [[1, 2, 3, 4, 5, 6, 7, i] for i in range(12)]
+    prepared = prepared_of(rows, order=list(range(12)), groups=[0] * 12, prefix=[6] * 12)
+    prepared.errors.clear()
+    return prepared
+
+
+def test_rows_finished_before_an_engine_error_are_in_the_checkpoint(tmp_path):
+    """Nothing finished is lost: the last part is written whatever ends the run (a vLLM error, a stall,
+    a terminate), not only when it ends well."""
+    from engine.resume import run_resumable
+    from engine.settings import EngineSettings, SamplingSettings
+    from engine.sim_engine import FakeEngine
+
+    class FailingEngine(FakeEngine):  # vLLM dies after some rows finished
+        finished = 0
+
+        def step(self):
+            if self.finished >= 5:
+                raise RuntimeError("engine core died")
+            report = super().step()
+            self.finished += len(report.finished)
+            return report
+
+    prepared = _twelve_rows()
+    prepared.max_tokens[:] = np.arange(1, 13)  # one row finishes per step
+    with pytest.raises(RuntimeError, match="engine core died"):
+        run_resumable(prepared, EngineSettings(model_path="unused", block_size=8), SamplingSettings(max_tokens=12),
+                      tmp_path / "ckpt", checkpoint_every_rows=1000, checkpoint_every_s=3600,
+                      open_engine=lambda *a: contextlib.nullcontext(FailingEngine(num_blocks=64, block_size=2)),
+                      progress_sink=lambda line: None)
+    import pyarrow.parquet as pq
+
+    kept = pa.concat_tables([pq.read_table(p) for p in (tmp_path / "ckpt").glob("part-*.parquet")])
+    assert sorted(kept.column("id").to_pylist()) == sorted(prepared.ids[:5])
+
+
+def test_a_finished_row_is_written_on_time_while_no_other_row_finishes(tmp_path, monkeypatch):
+    """The checkpoint's timed write runs after every engine step, not only when a row finishes: one
+    row done and the next minutes later is on disk meanwhile (an engine step here takes a minute of
+    a fake clock)."""
+    import engine.checkpoint as checkpoint_module
+    from engine.resume import run_resumable
+    from engine.settings import EngineSettings, SamplingSettings
+    from engine.sim_engine import FakeEngine
+
+    clock = [0.0]
+    monkeypatch.setattr(checkpoint_module.time, "monotonic", lambda: clock[0])
+    parts_seen = []
+    folder = tmp_path / "ckpt"
+
+    class SlowSteps(FakeEngine):
+        def step(self):
+            parts_seen.append(len(list(folder.glob("part-*.parquet"))))
+            clock[0] += 60
+            return super().step()
+
+    prepared = _twelve_rows()
+    prepared.max_tokens[:] = 40
+    prepared.max_tokens[0] = 1  # done in the first step; the others run 40 steps (40 minutes)
+    run_resumable(prepared, EngineSettings(model_path="unused", block_size=8), SamplingSettings(max_tokens=40),
+                  folder, checkpoint_every_rows=1000, checkpoint_every_s=300,
+                  open_engine=lambda *a: contextlib.nullcontext(SlowSteps(num_blocks=256, block_size=2)),
+                  progress_sink=lambda line: None)
+    assert parts_seen[:2] == [0, 0] and parts_seen[10] == 1  # row 0 written within 5 minutes, long before the rest

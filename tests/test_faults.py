@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,6 +46,32 @@ def kill_when_checkpointed(process: subprocess.Popen, folder: Path, parts: int =
 
 def cli(*args) -> list[str]:
     return [sys.executable, "-m", "engine.cli", *args]
+
+
+def test_cli_run_terminated_writes_what_finished_and_shuts_down(big_prompts, tmp_path, tiny_model):
+    """SIGTERM (a scheduler's or a container's stop) is not SIGKILL: the run writes every finished
+    row, including those since the last part, and exits; the rerun reuses all of them."""
+    output = tmp_path / "answers.parquet"
+    checkpoint = Path(f"{output}.checkpoint")
+    args = ("run", str(big_prompts), "--model", tiny_model, "--output", str(output), "--max-tokens", MAX_TOKENS,
+            "--kv-cache-blocks", "256", "--checkpoint-every-rows", "1000", "--json")
+    run = subprocess.Popen(cli(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    lines = []
+    for line in run.stdout:  # until a progress line says rows have finished
+        lines.append(line)
+        done = re.search(r"(\d+)/(\d+) rows \(", line)
+        if done and 0 < int(done.group(1)) < int(done.group(2)):
+            break
+    assert run.poll() is None, "run ended before it could be terminated:\n" + "".join(lines)
+    assert rows_in_parts(checkpoint) == 0  # 1,000 rows per part: nothing written on its own yet
+    run.send_signal(signal.SIGTERM)
+    run.wait(timeout=120)
+    assert run.returncode == 128 + signal.SIGTERM  # ended by the handler, its finally blocks run
+    written = rows_in_parts(checkpoint)
+    total = make_prompt_table(seed=3, **ROWS).num_rows
+    assert 0 < written < total and not output.exists()
+    rerun = json.loads(subprocess.run(cli(*args), capture_output=True, text=True, check=True, cwd=ROOT).stdout.splitlines()[-1])
+    assert rerun["reused_rows"] == written and rerun["computed_rows"] == total - written
 
 
 @pytest.fixture

@@ -130,3 +130,31 @@ def test_a_constrained_answer_cut_off_at_max_tokens_is_an_error_row_never_ok(tin
         assert results[row_id].status == "error" and results[row_id].text
         assert results[row_id].error.startswith("cut off at max_tokens (3) before the answer was complete")
     assert (run.stats.ok_rows, run.stats.error_rows) == (1, 2)
+
+
+NUMBER = ResponseFormat(json_schema={"type": "integer"})
+AGREE = ResponseFormat(choice=["no", "not sure", "yes"])
+
+
+@pytest.mark.parametrize("fmt, text, finish, stop, complete", [
+    (AGREE, "yes", "length", None, True),  # no other choice extends it
+    (AGREE, "no", "length", None, False),  # "not sure" starts with it
+    (AGREE, "no", "stop", None, True),  # ended by itself: the grammar allowed the end here
+    (AGREE, "no", "stop", "\n", False),  # a stop string ended it
+    (ResponseFormat(regex="[0-9]+"), "12", "length", None, False),  # "123" matches too
+    (NUMBER, "12", "length", None, False),  # a number may go on
+    (NUMBER, "12", "stop", None, True),
+    (PERSON, '{"age": 3}', "length", None, True),  # a closed object: nothing valid can follow
+    (PERSON, "{", "stop", "}", False),  # a stop string cut the object open
+    (ResponseFormat(json_schema={"type": "string"}), '"ab"', "length", None, True),
+    (ResponseFormat(json_schema={"type": "boolean"}), "true", "stop", "\n", True),
+    (None, "anything", "length", None, True),  # unconstrained: a long answer is still an answer
+])
+def test_a_constrained_answer_that_ended_early_is_ok_only_where_its_format_proves_it_complete(
+        fmt, text, finish, stop, complete):
+    from engine.response_format import cut_off_reason
+
+    reason = cut_off_reason(fmt, text, finish, 8, stop)
+    assert (reason is None) == complete, reason
+    if not complete:
+        assert reason.startswith("cut off at max_tokens (8)" if finish == "length" else f"ended by the stop string {stop!r}")
