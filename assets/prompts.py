@@ -12,7 +12,8 @@ from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import table_preview
 from engine.atomic import Staged
 from engine.dataset import check_unique_ids, read_sql, single_query, source_sql, stream_sql, validate
-from engine.fields import FieldOrder, FieldOrderChoice, PrefillCounter, PromptFields, choose_field_orders, with_prompt_column
+from engine.field_order_state import KeptOrders, kept_field_orders
+from engine.fields import FieldOrder, PrefillCounter, PromptFields, with_prompt_column
 from engine.token_cache import CONTENT_KEY, KEY_TYPE, content_keys
 
 from .snapshots import SNAPSHOT_DIGEST, snapshot_digest
@@ -29,18 +30,18 @@ def dataset_sql(config: BatchJobConfig) -> tuple[str, str | None, list[str]]:
     return sql, database, [*allowed, *spec.allowed_paths]
 
 
-def snapshot_dataset(config: BatchJobConfig, path: Path) -> tuple[int, pa.Table, FieldOrderChoice | None]:
+def snapshot_dataset(config: BatchJobConfig, path: Path) -> tuple[int, pa.Table, KeptOrders | None]:
     """Stream the dataset from DuckDB to a Parquet snapshot in record batches (the prompt text of
     the whole table is never in memory at once), each row with its content key (what the token
     cache looks rows up by). Returns the row count, the first rows (a preview) and, for a prompt
-    from fields with an optimized order, the order chosen."""
+    from fields with an optimized order, the orders (kept from an earlier night, or chosen)."""
     columns, fields = config.dataset.columns, config.dataset.prompt
     writer, rows, preview, choice = None, 0, None, None
     digest = hashlib.blake2b(digest_size=12)  # of everything but the text: ids, content keys, row settings
     with Staged(path) as staged, stream_sql(*dataset_sql(config)) as (schema, batches):
         if fields is not None:
             batches, schema, choice = rendered_batches(batches, schema, fields, columns.prompt, _prefill_counter(config),
-                                                        columns.messages)
+                                                        columns.messages, columns.id, config.field_order_path)
         for batch in batches:
             table = validate(pa.Table.from_batches([batch], schema), columns)  # types, NULLs, duplicates within
             table = table.append_column(CONTENT_KEY, content_keys(
@@ -73,11 +74,12 @@ def _prefill_counter(config: BatchJobConfig) -> PrefillCounter | None:
 
 
 def rendered_batches(batches, schema: pa.Schema, fields: PromptFields, prompt_column: str,
-                     prefill_tokens: PrefillCounter | None = None, messages_column: str = "messages"):
-    """The batches with their prompt rendered from ``fields``, their schema, and the field order
-    chosen (None in the declared order). An optimized field order is chosen over the whole table
-    (``choose_field_orders``, by ``prefill_tokens``), so its rows are read at once; in the declared
-    order, batch by batch."""
+                     prefill_tokens: PrefillCounter | None = None, messages_column: str = "messages",
+                     id_column: str = "id", field_order_path: Path | None = None):
+    """The batches with their prompt rendered from ``fields``, their schema, and the field orders
+    (None in the declared order). An optimized field order is kept from the job's earlier nights
+    or chosen over the whole table (``engine.field_order_state``, by ``prefill_tokens``), so its
+    rows are read at once; in the declared order, batch by batch."""
     def render(table: pa.Table, orders=None) -> list[pa.RecordBatch]:
         return with_prompt_column(table, fields, prompt_column, orders, messages_column).to_batches(65_536)
 
@@ -89,8 +91,8 @@ def rendered_batches(batches, schema: pa.Schema, fields: PromptFields, prompt_co
     out_schema = schema.append(pa.field(prompt_column, pa.string()))         # column of its own: refused at once
     if fields.field_order is FieldOrder.optimize:
         table = pa.Table.from_batches(list(batches), schema)
-        choice = choose_field_orders(table, fields, prefill_tokens)
-        return render(table, choice.orders), out_schema, choice
+        kept = kept_field_orders(table, fields, id_column, field_order_path, prefill_tokens)
+        return render(table, kept.choice.orders), out_schema, kept
     return each_batch(), out_schema, None
 
 
@@ -129,9 +131,10 @@ def build_prompts(config: BatchJobConfig) -> dg.AssetsDefinition:
         context.log.info(f"{rows} prompt rows from {spec.describe()} -> {path}")
         order = {}
         if choice is not None:
-            context.log.info(f"field order {choice.chosen} chosen; prompt tokens to compute: {choice.candidates}")
-            order = {"field_order": choice.chosen,
-                     **{f"prompt_tokens_{name}_order": tokens for name, tokens in choice.candidates.items()}}
+            context.log.info(choice.describe())
+            order = {"field_order": choice.choice.chosen, "field_order_chosen": choice.reason,
+                     "field_order_kept_rows": choice.kept_rows, "field_order_new_rows": choice.new_rows,
+                     **{f"prompt_tokens_{name}_order": tokens for name, tokens in choice.choice.candidates.items()}}
         return dg.MaterializeResult(
             data_version=dg.DataVersion(snapshot_digest(path)),  # the rows, not the run: unchanged rows keep it
             metadata={

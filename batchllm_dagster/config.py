@@ -233,6 +233,11 @@ class BatchJobConfig(JobSpec):
         return self.job_dir / "prompts.parquet"
 
     @property
+    def field_order_path(self) -> Path:
+        """The job's field order, kept from night to night (``engine.field_order_state``)."""
+        return self.job_dir / "field_order.parquet"
+
+    @property
     def plan_path(self) -> Path:
         return self.job_dir / "plan.parquet"
 

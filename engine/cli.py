@@ -61,8 +61,11 @@ def _settings(args) -> tuple[EngineSettings, SamplingSettings, Columns]:
     return engine, sampling, columns
 
 
-def _prepare(args, fields: PromptFields | None = None):
-    """Load, (render,) tokenize and plan the table; ``fields`` overrides the command line's."""
+def _prepare(args, fields: PromptFields | None = None, field_order_state: Path | None = None):
+    """Load, (render,) tokenize and plan the table; ``fields`` overrides the command line's. With
+    ``field_order_state`` an optimized field order is kept there from run to run
+    (``engine.field_order_state``); without, it is chosen afresh."""
+    from .field_order_state import kept_field_orders
     from .prepared import prepare_batch, sorted_prefill_counter
     from .response_format import check_room_for_answers
     from .tokenizing import load_tokenizer
@@ -76,7 +79,14 @@ def _prepare(args, fields: PromptFields | None = None):
         table = load_prompts(args.prompts, args.database, columns)
     else:  # the prompt rendered from the table's fields, before validate keeps only the engine's columns
         table = read_source(args.prompts, args.database)
-        orders = choose_field_orders(table, fields, sorted_prefill_counter(tokenizer, engine.block_size))
+        counter = sorted_prefill_counter(tokenizer, engine.block_size)
+        if field_order_state is None:
+            orders = choose_field_orders(table, fields, counter)
+        else:
+            kept = kept_field_orders(table, fields, columns.id, field_order_state, counter)
+            if fields.field_order is FieldOrder.optimize:
+                log.info(kept.describe())
+            orders = kept.choice
         table = validate(with_prompt_column(table, fields, columns.prompt, orders.orders, columns.messages), columns)
     prepared = prepare_batch(table, tokenizer, engine, sampling, columns)
     return engine, sampling, table, prepared, orders
@@ -177,7 +187,7 @@ def cmd_run(args) -> int:
     output = Path(args.output)
     check_output(output, args.prompts, args.overwrite)  # before any work
     with OutputLock(output), terminate_as_exit():
-        engine_settings, sampling, _, prepared, _ = _prepare(args)
+        engine_settings, sampling, _, prepared, _ = _prepare(args, field_order_state=Path(f"{output}.field_order.parquet"))
         checkpoint_dir = Path(args.checkpoint_dir or f"{output}.checkpoint")
         bar = ProgressBar.on_terminal() if not args.json else None
         # With a bar on screen the progress lines go to the log file only.

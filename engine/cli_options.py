@@ -85,6 +85,9 @@ def add_prompt_fields_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--question", help=PromptFields.model_fields["question"].description)
     group.add_argument("--field-order", choices=[o.value for o in FieldOrder], default=FieldOrder.as_declared.value,
                        help="the fields in the declared order, or each row's order that shares most")
+    group.add_argument("--choose-field-order-again", action="store_true",
+                       help=PromptFields.model_fields["choose_order_again"].description + " (run: the order is "
+                       "otherwise kept beside --output, so a rerun of a grown table keeps every old row's prompt)")
 
 
 def prompt_fields_from(args) -> PromptFields | None:
@@ -94,6 +97,7 @@ def prompt_fields_from(args) -> PromptFields | None:
         return None
     try:
         return PromptFields(instruction=args.instruction or "", fields=[f.strip() for f in args.fields.split(",") if f.strip()],
-                            question=args.question, field_order=args.field_order)
+                            question=args.question, field_order=args.field_order,
+                            choose_order_again=getattr(args, "choose_field_order_again", False))
     except ValidationError as exc:
         raise SystemExit(f"--fields: {one_line(exc)}") from None

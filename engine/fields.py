@@ -78,6 +78,9 @@ class PromptFields(BaseModel):
     fields: list[str] = Field(description="columns rendered as 'name: value' lines")
     question: str | None = Field(None, description="text after the fields")
     field_order: FieldOrder = Field(FieldOrder.as_declared, description="as_declared, or optimize (shares most)")
+    choose_order_again: bool = Field(
+        False, description="optimize: choose the order again instead of keeping the job's (every old row's prompt "
+        "may change, and its answer with it)")
 
     @model_validator(mode="after")
     def _fields_given(self) -> "PromptFields":

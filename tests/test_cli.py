@@ -210,3 +210,26 @@ def test_bench_on_a_table_with_fields_reports_both_orders_and_their_agreement(tm
     assert "field order gave the same answer" in report["verdict"] and "by hand" in report["verdict"]
     profiles = report["runs"]["batchllm"]["per_step"]
     assert len(profiles) == 2 and all(p["steps"] > 0 and p["outside_steps_s"] >= 0 for p in profiles)
+
+
+@pytest.mark.slow
+def test_a_rerun_of_a_grown_table_keeps_the_field_order_and_reuses_every_old_answer(tmp_path, tiny_model):
+    import pyarrow as pa
+
+    from .test_fields import reviews
+
+    path, output = tmp_path / "reviews.parquet", tmp_path / "answers.parquet"
+    table = reviews(products=5, per_product=9, seed=2)
+    pq.write_table(table.slice(0, 40), path)
+    fields = ["--fields", "review,description,category,stars", "--instruction", "Rate.", "--field-order", "optimize"]
+    args = ["run", str(path), "--model", tiny_model, "--output", str(output), "--max-tokens", "3",
+            "--kv-cache-blocks", "64", *fields, "--json"]
+    first = json.loads(batchllm(*args).stdout.splitlines()[-1])
+    assert first["computed_rows"] == 40 and (tmp_path / "answers.parquet.field_order.parquet").exists()
+    pq.write_table(pa.concat_tables([table.slice(0, 40), table.slice(40)]), path)  # 5 new rows
+    second = batchllm(*args)
+    summary = json.loads(second.stdout.splitlines()[-1])
+    assert summary["reused_rows"] == 40 and summary["computed_rows"] == 5
+    assert "field order kept" in second.stderr and "40 rows kept their order, 5 new rows placed" in second.stderr
+    again = batchllm(*args[:-1], "--choose-field-order-again", "--json")
+    assert "field order chosen (asked)" in again.stderr
