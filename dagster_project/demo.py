@@ -68,7 +68,9 @@ def materialize_job(instance, defs, name: str) -> dict:
     graph = defs.resolve_asset_graph()
     upstream = [graph.assets_def_for_key(dg.AssetKey([name, n])) for n in ("prompts", "prefix_groups")]
     # Assets from the resolved graph come with their resources bound.
-    assert dg.materialize(upstream, instance=instance, run_config=QUIET).success, f"{name}: planning failed"
+    planned = dg.materialize(upstream, instance=instance, run_config=QUIET)
+    assert planned.success, f"{name}: planning failed"
+    prompts = planned.asset_materializations_for_node(f"{name}__prompts")[0].metadata
     shard_runs = run_planned_shards(instance, defs, name)
     evaluations = [e for run in shard_runs for e in run.get_asset_check_evaluations()]
     assert any(e.check_name == "all_prompts_answered" for e in evaluations), f"{name}: the table check did not run"
@@ -81,6 +83,11 @@ def materialize_job(instance, defs, name: str) -> dict:
         "saving_vs_ideal": min((m["saving_vs_ideal"].value for m in metadata), default=1.0),
         "failed_checks": sorted({e.check_name for e in evaluations if not e.passed}),
         "checks": len(evaluations),
+        # prompts from fields with an optimized order: the order and the prompt tokens it saves
+        "field_order": prompts["field_order"].value if "field_order" in prompts else None,
+        "field_order_saved_tokens": (prompts["prompt_tokens_declared_order"].value
+                                     - prompts[f"prompt_tokens_{prompts['field_order'].value}_order"].value
+                                     if "field_order" in prompts else None),
     }
 
 
@@ -114,8 +121,10 @@ def materialize_all() -> None:
                       else f"FAILED checks: {', '.join(done['failed_checks'])}")
             ran = (f"{done['tokens_per_s']:,.0f} tok/s, cache {100 * done['saving_vs_ideal']:.0f}% of the ideal"
                    if done["computed_shards"] else "every row reused from the last run")
+            order = (f"; field order {done['field_order']}: {done['field_order_saved_tokens']:,} prompt tokens fewer "
+                     f"than as declared" if done["field_order"] else "")
             rows.append((name, f"{total} rows ({ok} ok, {errors} errors) in {table}; {len(done['partitions'])} shard(s), "
-                               f"{ran}; {checks}"))
+                               f"{ran}; {checks}{order}"))
             examples.append((row_id, repr(text.strip()[:90])))
     print("\nSummary\n" + summary_table(rows) + "\n\nFirst answers\n" + summary_table(examples))
     print(f"\nAll in {DATABASE}. Query them:\n  .venv/bin/python -c \"import duckdb; "

@@ -1,10 +1,12 @@
 """The demo's embedded DuckDB database, generated from a fixed seed (nothing large in git).
 
-Three prompt tables, each with the prefix shape of a real batch job:
+Prompt tables, each with the prefix shape of a real batch job:
 * ``review_labels``: one long instruction + few-shot block shared by every row (classification);
 * ``document_questions``: several questions asked about each of many documents (chat rows, a
   system prompt shared by all, a document shared by its questions: nested prefixes);
-* ``support_replies``: chat rows sharing a support-agent system prompt, each with its own ticket.
+* ``support_replies``: chat rows sharing a support-agent system prompt, each with its own ticket;
+* ``customers`` and ``support_tickets``: a relational pair, joined by the ``tickets`` job, whose
+  prompt is built from the join's fields (each customer has 1-3 tickets: many small groups).
 """
 
 from __future__ import annotations
@@ -128,20 +130,55 @@ def support_replies(rng: random.Random, rows: int = 80) -> pa.Table:
     return pa.table({"id": ids, "messages": messages})
 
 
+_PLANS, _REGIONS, _PRIORITIES = ["basic", "plus", "pro"], ["north", "south", "east", "west"], ["low", "normal", "urgent"]
+_BUSINESSES = ["bakery", "law firm", "design studio", "dental clinic", "bike shop", "school", "hotel", "garage"]
+
+
+def customers_and_tickets(rng: random.Random, customers: int = 24) -> tuple[pa.Table, pa.Table]:
+    """Customers (a plan, a region, a short profile) and their 1-3 support tickets each."""
+    rows, tickets = [], []
+    for c in range(customers):
+        business = rng.choice(_BUSINESSES)
+        profile = (f"A {business} with {rng.randint(2, 60)} staff, a customer since {rng.randint(2015, 2024)}, "
+                   f"who stores {rng.choice(['invoices', 'photos', 'contracts', 'course material', 'drawings'])} "
+                   f"and shares them with {rng.choice(['clients', 'a partner office', 'students', 'suppliers'])}.")
+        rows.append((f"customer-{c:03d}", f"{rng.choice(['Ana', 'Ben', 'Chen', 'Dara'])} at the {business}", profile,
+                     rng.choice(_PLANS), rng.choice(_REGIONS)))
+        for _ in range(rng.randint(1, 3)):
+            tickets.append((f"ticket-{len(tickets):04d}", f"customer-{c:03d}", rng.choice(_TICKETS),
+                            rng.choice(_PRIORITIES)))
+    customer_table = pa.table(dict(zip(["customer_id", "name", "profile", "plan", "region"], zip(*rows))))
+    ticket_table = pa.table(dict(zip(["id", "customer_id", "subject", "priority"], zip(*tickets))))
+    return customer_table, ticket_table
+
+
+def _tables(rng: random.Random) -> dict[str, pa.Table]:
+    """Every table, generated in a fixed order from one seeded generator (a new table goes last,
+    so the others stay the same)."""
+    tables = {"review_labels": review_labels(rng), "document_questions": document_questions(rng),
+              "support_replies": support_replies(rng)}
+    tables["customers"], tables["support_tickets"] = customers_and_tickets(rng)
+    return tables
+
+
 def build_sample_database(path: str | Path, rebuild: bool = False) -> Path:
-    """Create the demo database with the three prompt tables (idempotent)."""
+    """Create the demo database with its prompt tables; an existing one gets the tables it lacks
+    (a database made by an earlier version), its other tables and answers untouched."""
     import duckdb
 
     path = Path(path)
+    tables = _tables(random.Random(SEED))
     if path.exists() and not rebuild:
+        with duckdb.connect(str(path)) as con:
+            present = {name for (name,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+            for name, table in tables.items():
+                if name not in present:
+                    con.register("incoming", table)
+                    con.execute(f"CREATE TABLE {name} AS SELECT * FROM incoming")
+                    con.unregister("incoming")
         return path
-    rng = random.Random(SEED)
     with Staged(path) as staged, duckdb.connect(str(staged.path)) as con:
-        for name, table in [
-            ("review_labels", review_labels(rng)),
-            ("document_questions", document_questions(rng)),
-            ("support_replies", support_replies(rng)),
-        ]:
+        for name, table in tables.items():
             con.register("incoming", table)
             con.execute(f"CREATE TABLE {name} AS SELECT * FROM incoming")
             con.unregister("incoming")
