@@ -23,7 +23,7 @@ from batchllm_dagster.resources import VLLMResource
 from batchllm_dagster.warehouse import existing_rows, replace_partition
 from engine.atomic import Staged
 from engine.console import ProgressBar
-from engine.plan_table import NotInPlan, StalePlan, load_shard, plan_ids
+from engine.plan_table import NotInPlan, StalePlan, load_shard, superseded
 from engine.prepared import PreparedBatch
 from engine.results import results_to_table
 from engine.resume import RunOutcome, run_resumable
@@ -52,15 +52,6 @@ def load_planned_shard(config: BatchJobConfig, key: str, settings: EngineSetting
             f"materialized; rematerialize {config.name}/prefix_groups, then run its partitions") from None
     except FileNotFoundError as exc:
         raise dg.Failure(str(exc)) from None
-
-
-def live_rows(config: BatchJobConfig, table: pa.Table) -> pa.Table:
-    """The rows whose ids the plan on disk still has: a plan made while this shard ran may have
-    dropped ids deleted at the source, whose answers must not come back."""
-    if config.keep_deleted_answers:
-        return table
-    live = plan_ids(config.plan_path)
-    return table.filter(pc.is_in(table.column("id"), value_set=live))
 
 
 def run_shard_locally(config, key, prepared, settings, sampling, checkpoint, llm, warehouse, log, started_at) -> RunOutcome:
@@ -113,7 +104,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         warehouse: DuckDBResource = getattr(context.resources, config.warehouse_key)
         key = context.partition_key
         settings = config.engine_settings()
-        prepared, shard = load_planned_shard(config, key, settings, context.run.tags.get(PLAN_RUN_TAG))
+        prepared, shard, planned = load_planned_shard(config, key, settings, context.run.tags.get(PLAN_RUN_TAG))
         hardware_partition = config.hardware_of_shard(shard).name
         sampling = config.sampling
         checkpoint = config.checkpoint_path(key)
@@ -137,26 +128,33 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
             .append_column("model", pa.array([config.llm.model_path] * n, pa.string()))
             .append_column("completed_at", pa.array([dt.datetime.now(dt.timezone.utc)] * n, pa.timestamp("us", tz="UTC")))
         )
-        live = live_rows(config, table)
-        if live.num_rows < table.num_rows:
-            context.log.warning(f"{table.num_rows - live.num_rows} rows were deleted at the source while this shard "
-                                "ran (a newer plan no longer has them): their answers are not written")
-            table = live
-        # Parquet staged, DuckDB committed, then Parquet renamed into place: a failure at any point
-        # (a DuckDB lock timeout, say) leaves both as they were and keeps the checkpoint for the rerun.
-        parquet = config.completions_parquet_path(key)
-        with Staged(parquet) as staged:  # published only once DuckDB has committed
-            pq.write_table(table, staged.path)
-            written = replace_partition(warehouse, config.output_table, key, table)
+        # A plan made while this shard ran may want some of its answers from elsewhere (rows moved,
+        # edited or deleted, another model): those are not written, the newer plan's shards answer
+        # them. Then only the rest is written, by id, and no Parquet file: the newer plan's run of
+        # this key (if it has one) writes its file whole, and a key it dropped never comes back.
+        stale = superseded(config.plan_path, key, planned)
+        if len(stale):
+            context.log.warning(f"{len(stale)} of this shard's rows were superseded by a newer plan while it ran "
+                                "(moved to another shard, edited, deleted, or another model): their answers are not "
+                                "written; the newer plan's shards answer them")
+            table = table.filter(pc.invert(pc.is_in(table.column("id"), value_set=stale)))
+            written = replace_partition(warehouse, config.output_table, key, table, whole_partition=False)
+        else:
+            # Parquet staged, DuckDB committed, then Parquet renamed into place: a failure at any point
+            # (a DuckDB lock timeout, say) leaves both as they were and keeps the checkpoint for the rerun.
+            with Staged(config.completions_parquet_path(key)) as staged:  # published once DuckDB has committed
+                pq.write_table(table, staged.path)
+                written = replace_partition(warehouse, config.output_table, key, table)
         shutil.rmtree(checkpoint, ignore_errors=True)  # the table now holds every row of the shard
         context.log.info(f"wrote {written} rows of partition {key} to {config.output_table}")
         return dg.MaterializeResult(
             metadata={
                 **run_metadata(outcome.stats, llm.hardware(), hardware_partition, info),
                 "not_reused_rows": dg.MetadataValue.json(outcome.not_reused),  # why rows ran again
+                "superseded_rows": len(stale),  # answers a newer plan wanted from elsewhere: not written
                 "dagster/row_count": written,
             },
-            check_results=partition_check_results(config, warehouse, key, prepared.ids, outcome.stats,
+            check_results=partition_check_results(config, warehouse, key, table.column("id").to_pylist(), outcome.stats,
                                                   constrained_answers(prepared, outcome.results, sampling)),
         )
 

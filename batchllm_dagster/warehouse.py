@@ -32,8 +32,11 @@ def replace_table(warehouse: DuckDBResource, table: str, data: pa.Table) -> None
         con.unregister("incoming")
 
 
-def replace_partition(warehouse: DuckDBResource, table: str, partition_key: str, rows: pa.Table) -> int:
-    """Make ``rows`` the partition's rows: one row per id, whatever ran before (idempotent)."""
+def replace_partition(warehouse: DuckDBResource, table: str, partition_key: str, rows: pa.Table,
+                      whole_partition: bool = True) -> int:
+    """Make ``rows`` the partition's rows: one row per id, whatever ran before (idempotent). With
+    ``whole_partition=False`` only these ids' rows are replaced (a shard that a newer plan
+    superseded in part: the partition's other rows may be that plan's fresh answers)."""
     target = quote_identifier(table)
     _ensure_folder(warehouse)
     with warehouse.get_connection() as con:
@@ -43,8 +46,8 @@ def replace_partition(warehouse: DuckDBResource, table: str, partition_key: str,
             con.execute(f"CREATE TABLE IF NOT EXISTS {target} AS SELECT * FROM incoming WITH NO DATA")
             # An id that moved to another shard since its last run must not stay twice.
             con.execute(
-                f"DELETE FROM {target} WHERE partition_key = ? OR id IN (SELECT id FROM incoming)", [partition_key]
-            )
+                f"DELETE FROM {target} WHERE (? AND partition_key = ?) OR id IN (SELECT id FROM incoming)",
+                [whole_partition, partition_key])
             con.execute(f"INSERT INTO {target} BY NAME SELECT * FROM incoming")
             con.execute("COMMIT")
         except Exception:

@@ -136,11 +136,6 @@ def plan_content_keys(path: Path) -> pa.Array | None:
     return _read(path, columns=[CONTENT_KEY]).column(CONTENT_KEY).combine_chunks()
 
 
-def plan_ids(path: Path) -> pa.ChunkedArray:
-    """Every row id the plan on disk has."""
-    return _read(path, columns=["id"]).column("id")
-
-
 def previous_shards(path: Path, ids: pa.ChunkedArray) -> np.ndarray | None:
     """Each of ``ids``' shard in the plan on disk (-1 for a row it does not have), so unchanged
     shards keep their rows and partition keys; None without a plan."""
@@ -183,8 +178,10 @@ def _token_ids(rows: pa.Table) -> TokenizedBatch:
     return TokenizedBatch(np.asarray(tokens, dtype=np.int32)[keep], np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
 
 
-def load_shard(path: Path, key: str, stamp: dict[str, str], token_cache_root: Path) -> tuple[PreparedBatch, int]:
-    """Shard ``key`` of the plan at ``path`` with its token ids, and its shard number. Raises
+def load_shard(path: Path, key: str, stamp: dict[str, str],
+               token_cache_root: Path) -> tuple[PreparedBatch, int, pa.Table]:
+    """Shard ``key`` of the plan at ``path`` with its token ids, its shard number, and what decides
+    its rows' answers in this plan (``answer_identity``, for ``superseded`` at write time). Raises
     ``NotInPlan`` when the plan has no such partition and ``StalePlan`` when its stamp no longer
     equals ``stamp``. The plan is read and its entries mapped under the token cache's reader
     lock, so a plan made meanwhile never compacts them away under this run."""
@@ -195,4 +192,39 @@ def load_shard(path: Path, key: str, stamp: dict[str, str], token_cache_root: Pa
         stale = stale_reasons(rows.schema.metadata, stamp)
         if stale:
             raise StalePlan(stale)
-        return prepared_batch(rows, _token_ids(rows)), int(rows["shard"][0].as_py())
+        return prepared_batch(rows, _token_ids(rows)), int(rows["shard"][0].as_py()), answer_identity(rows)
+
+
+# What decides a row's answer in a plan, besides the stamp: its token ids (content key), its
+# max_tokens and its response format. The same in the plan on disk when a shard writes as in the
+# plan it ran, under the same stamp, or the row's answer is superseded.
+_ANSWER_COLUMNS = ["id", CONTENT_KEY, "max_tokens", "response_format"]
+_STAMP_KEYS = [k.encode() for k in _STAMP_WHAT]
+
+
+def answer_identity(rows: pa.Table) -> pa.Table:
+    """The rows' answer-deciding columns, with the plan's stamp (see ``superseded``)."""
+    stamp = {k: v for k, v in (rows.schema.metadata or {}).items() if k in _STAMP_KEYS}
+    return rows.select(_ANSWER_COLUMNS).replace_schema_metadata(stamp)
+
+
+def superseded(path: Path, key: str, ran: pa.Table) -> pa.ChunkedArray:
+    """The ids of ``ran`` (a shard's ``answer_identity`` when it loaded) whose answers the plan on
+    disk no longer wants from this shard: it moved them to another shard, deleted them, changed
+    their prompt, max_tokens or format, or was made from another model or other settings. A newer
+    plan has queued its own shards for them; writing the old answers would overwrite fresh ones."""
+    if not path.exists():
+        return ran.column("id")
+    now = answer_identity(_read(path, columns=_ANSWER_COLUMNS + ["partition_key"],
+                                filters=[("partition_key", "=", key)]).drop_columns(["partition_key"])
+                          .replace_schema_metadata(pq.ParquetFile(path).schema_arrow.metadata))
+    if (now.schema.metadata or {}) != (ran.schema.metadata or {}):
+        return ran.column("id")
+    at = pc.index_in(ran.column("id"), value_set=now.column("id"))
+    kept = pc.is_valid(at)
+    for name in _ANSWER_COLUMNS[1:]:  # NULL (no response format) equals NULL here
+        theirs = pc.take(now.column(name), at)
+        equal = pc.equal(ran.column(name), theirs)
+        both_null = pc.and_(pc.is_null(ran.column(name)), pc.is_null(theirs))
+        kept = pc.and_(kept, pc.fill_null(pc.or_kleene(equal, both_null), False))
+    return pc.filter(ran.column("id"), pc.invert(kept))

@@ -292,3 +292,53 @@ def test_a_job_whose_prompt_is_built_from_a_joins_fields_runs_end_to_end(tmp_pat
         ran_with = dict(con.execute(f"SELECT id, prompt FROM read_parquet('{config.prompts_path}')").fetchall())
     assert answered == tickets.num_rows and set(ran_with) == set(tickets.column("id").to_pylist())
     assert all(p.startswith("Route the support ticket.\n\n") and p.endswith("\n\nTeam:") for p in ran_with.values())
+
+
+def test_a_shard_that_finishes_after_a_newer_plan_writes_nothing_stale(job, monkeypatch):
+    """Shard S runs plan P1; meanwhile row X is edited, plan P2 lands (two hardware partitions), and
+    P2's shards all run and write the fresh X. Then S finishes: it must not write its stale X over
+    the fresh one, nor bring back a Parquet file P2 does not have. Nothing stale: P2's shards run
+    again reuse every row."""
+    import assets.completions as completions_module
+    from dagster_project.demo import run_planned_shards
+
+    job = BatchJobConfig.model_validate({**job.model_dump(), "hardware": ["cpu", {"name": "cpu2", "pool": "p2"}]})
+    defs = build_batch_defs(job)
+    graph = defs.resolve_asset_graph()
+    upstream = [graph.assets_def_for_key(dg.AssetKey(["e2e", n])) for n in ("prompts", "prefix_groups")]
+    completions = graph.assets_def_for_key(dg.AssetKey(["e2e", "completions"]))
+    run_shard = completions_module.run_shard_locally
+    landed = []
+
+    def shard_overtaken_by_a_newer_plan(config, key, prepared, *args, **kwargs):
+        outcome = run_shard(config, key, prepared, *args, **kwargs)
+        if not landed:  # the first shard's answers are ready; before it writes, a newer plan runs whole
+            landed.append(prepared.ids[0])
+            with duckdb.connect(job.dataset.database) as con:
+                con.execute("UPDATE prompt_rows SET prompt = prompt || ' Answer in French.' WHERE id = ?", [landed[0]])
+            assert dg.materialize(upstream, instance=instance).success
+            run_planned_shards(instance, defs, "e2e")
+        return outcome
+
+    with dg.instance_for_test() as instance:
+        assert dg.materialize(upstream, instance=instance).success
+        first_key = instance.get_dynamic_partitions(job.partitions_name)[0]
+        monkeypatch.setattr(completions_module, "run_shard_locally", shard_overtaken_by_a_newer_plan)
+        stale_run = dg.materialize([completions], partition_key=first_key, instance=instance)
+        monkeypatch.setattr(completions_module, "run_shard_locally", run_shard)
+        meta = stale_run.asset_materializations_for_node("e2e__completions")[0].metadata
+        assert meta["superseded_rows"].value >= 1  # at least the edited row
+        new_keys = set(instance.get_dynamic_partitions(job.partitions_name))
+        # Every answer in DuckDB is the newer plan's: its shards, run again, reuse every row.
+        again = [dg.materialize([completions], partition_key=k, instance=instance) for k in sorted(new_keys)]
+        for run in again:
+            m = run.asset_materializations_for_node("e2e__completions")[0].metadata
+            assert m["rows"].value == 0 and m["reused_rows"].value == m["dagster/row_count"].value > 0
+    with duckdb.connect(job.dataset.database, read_only=True) as con:
+        ids = [r[0] for r in con.execute("SELECT id FROM answers").fetchall()]
+        total = con.execute("SELECT count(*) FROM prompt_rows").fetchone()[0]
+    assert len(ids) == len(set(ids)) == total
+    parquet_keys = {p.stem for p in job.completions_dir.glob("*.parquet")}
+    assert parquet_keys <= new_keys  # no superseded key's file came back
+    in_parquet = pq.read_table(job.completions_dir).column("id").to_pylist() if parquet_keys else []
+    assert len(in_parquet) == len(set(in_parquet))
