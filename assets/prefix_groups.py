@@ -11,7 +11,7 @@ from batchllm_dagster.metadata import plan_metadata
 from batchllm_dagster.partitions import shard_key, sync_partitions
 from batchllm_dagster.warehouse import remove_answers_not_in, replace_table
 from engine.duplicates import count_duplicates
-from engine.plan_table import plan_content_keys, plan_table, previous_shards, write_plan
+from engine.plan_table import plan_content_keys, plan_table, previous_shards, stale_reasons, write_plan
 from engine.prepared import plan_tokenized
 from engine.response_format import check_room_for_answers
 from engine.settings import fingerprint
@@ -94,6 +94,10 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
             raise dg.Failure(f"{config.name}: {exc}") from None
         cache = TokenCache(config.token_cache_dir, tokenizer_fingerprint(settings.model_path))
         snapshot = config.prompts_path
+        # What the plan is made from, read before the rows and checked again before the plan is
+        # written: a prompts materialization landing meanwhile (from the UI, say) would otherwise
+        # give a plan of old rows under the new snapshot's stamp.
+        stamp = plan_stamp_of(config, settings)
         meta = read_parquet(snapshot, "prompt snapshot", columns=snapshot_columns(snapshot, columns))
         rows = cache.rows_for(snapshot, tokenizer, columns.prompt, columns.messages, settings.block_size,
                               progress=context.log.info, still_needed=lambda: plan_content_keys(config.plan_path))
@@ -108,7 +112,10 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         # The plan is the contract: every row with its group, shard, run position and content key
         # (its token ids are in the content-addressed token cache the plan names), stamped with what
         # it was made from. completions runs it as written.
-        stamp = plan_stamp_of(config, settings)
+        changed = stale_reasons({k.encode(): v.encode() for k, v in stamp.items()}, plan_stamp_of(config, settings))
+        if changed:
+            raise dg.Failure(f"{config.name}: {', '.join(changed)} changed while this plan was being made (prompts "
+                             "materialized meanwhile?): no plan written; materialize prefix_groups again")
         plan_bytes = write_plan(plan_table(prepared, meta.column(CONTENT_KEY), cache, shards.shard_of_row, keys, stamp,
                                            context.run.run_id), config.plan_path)
         groups = groups_table(prepared, shards, keys, config)

@@ -1,0 +1,69 @@
+"""Plans under change: a shard writes only the answers the plan on disk still wants from it, and a
+plan is made from one snapshot."""
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from engine.plan_table import answer_identity, superseded
+from engine.token_cache import CONTENT_KEY, KEY_TYPE
+
+STAMP = {b"batchllm.model": b"m1", b"batchllm.snapshot": b"s1", b"batchllm.settings": b"x1"}
+
+
+def plan(path, rows, stamp=STAMP):
+    """A plan file with the columns ``superseded`` reads: (id, content key, max_tokens, format, key)."""
+    ids, keys, max_tokens, formats, partitions = zip(*rows)
+    table = pa.table({"id": list(ids), CONTENT_KEY: pa.array([k.to_bytes(16, "big") for k in keys], KEY_TYPE), "max_tokens": list(max_tokens),
+                      "response_format": pa.array(list(formats), pa.string()), "partition_key": list(partitions)})
+    pq.write_table(table.replace_schema_metadata({**stamp, b"batchllm.plan_run": b"run-1"}), path)
+    return pq.read_table(path, filters=[("partition_key", "=", "K")])
+
+
+def test_answers_a_newer_plan_wants_from_elsewhere_are_superseded(tmp_path):
+    path = tmp_path / "plan.parquet"
+    first = [("a", 1, 8, None, "K"), ("b", 2, 8, '{"choice": ["x"]}', "K"), ("c", 3, 8, None, "K"),
+             ("d", 4, 8, None, "K"), ("e", 5, 8, None, "K"), ("z", 9, 8, None, "L")]
+    ran = answer_identity(plan(path, first))
+    assert superseded(path, "K", ran).to_pylist() == []  # the same plan: everything is still wanted
+    # The newer plan: b's format and c's max_tokens unchanged, d edited (new content), e moved to
+    # another shard, a deleted; f is new in K (not this run's business).
+    plan(path, [("b", 2, 8, '{"choice": ["x"]}', "K"), ("c", 3, 8, None, "K"), ("d", 7, 8, None, "K"),
+                ("e", 5, 8, None, "M"), ("f", 6, 8, None, "K")])
+    assert sorted(superseded(path, "K", ran).to_pylist()) == ["a", "d", "e"]
+    plan(path, [(i, k, 16 if i == "c" else m, f, p) for i, k, m, f, p in first])  # c's max_tokens changed
+    assert superseded(path, "K", ran).to_pylist() == ["c"]
+    plan(path, first, stamp={**STAMP, b"batchllm.model": b"m2"})  # another model: no old answer is wanted
+    assert sorted(superseded(path, "K", ran).to_pylist()) == ["a", "b", "c", "d", "e"]
+
+
+def test_a_plan_whose_snapshot_changed_while_it_was_made_is_not_written(tmp_path, tiny_model, monkeypatch):
+    import dagster as dg
+
+    import assets.prefix_groups as prefix_groups_module
+    from assets import build_batch_defs
+    from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings
+
+    source = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"id": [1, 2, 3], "prompt": ["a shared start, then one", "a shared start, then two",
+                                                         "a shared start, then three"]}), source)
+    config = BatchJobConfig(name="race", dataset=DatasetSpec(parquet=str(source)), llm=EngineSettings(model_path=tiny_model),
+                            output_database=str(tmp_path / "o.duckdb"), storage_dir=str(tmp_path / "jobs"))
+    graph = build_batch_defs(config).resolve_asset_graph()
+    prompts, groups = (graph.assets_def_for_key(dg.AssetKey(["race", n])) for n in ("prompts", "prefix_groups"))
+    plan_tokenized = prefix_groups_module.plan_tokenized
+
+    def prompts_land_meanwhile(*args, **kwargs):  # the rows are read; then prompts is materialized again
+        pq.write_table(pa.table({"id": [1, 2, 3], "prompt": ["edited", "a shared start, then two", "x"]}), source)
+        assert dg.materialize([prompts], instance=instance).success
+        return plan_tokenized(*args, **kwargs)
+
+    with dg.instance_for_test() as instance:
+        assert dg.materialize([prompts], instance=instance).success
+        monkeypatch.setattr(prefix_groups_module, "plan_tokenized", prompts_land_meanwhile)
+        result = dg.materialize([groups], instance=instance, raise_on_error=False)
+        assert not result.success
+        failure = result.get_step_failure_events()[0].step_failure_data.error.message
+        assert "the prompt snapshot changed while this plan was being made" in failure
+        assert not config.plan_path.exists()
+        monkeypatch.setattr(prefix_groups_module, "plan_tokenized", plan_tokenized)
+        assert dg.materialize([groups], instance=instance).success and config.plan_path.exists()
