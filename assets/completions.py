@@ -5,7 +5,9 @@ A partition never tokenizes or plans: it reads its rows from the plan ``prefix_g
 snapshot and the settings that shaped the plan have not changed since.
 """
 
+import contextlib
 import datetime as dt
+import os
 import shutil
 import time
 from dataclasses import asdict
@@ -23,6 +25,7 @@ from batchllm_dagster.resources import VLLMResource
 from batchllm_dagster.warehouse import existing_rows, replace_partition
 from engine.atomic import Staged
 from engine.console import ProgressBar
+from engine.locks import Busy, held_alone
 from engine.plan_table import NotInPlan, StalePlan, load_shard, superseded
 from engine.prepared import PreparedBatch
 from engine.results import results_to_table
@@ -99,6 +102,19 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         required_resource_keys={"llm", config.warehouse_key},
     )
     def completions(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+        # One run per partition key at a time, whatever launched it (a backfill, the sensor, the UI,
+        # two hardware partitions' jobs), in any instance: the second refuses before it reads the
+        # checkpoint the first is writing.
+        key = context.partition_key
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(held_alone(config.lock_path(f"partition-{key}"),
+                                              f"run {context.run_id}, pid {os.getpid()}", f"partition {key} of {config.name}"))
+            except Busy as busy:
+                raise dg.Failure(f"{busy}: this run stops without touching its checkpoint or output") from None
+            return run_partition(context)
+
+    def run_partition(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         started_at = time.perf_counter()
         llm: VLLMResource = context.resources.llm
         warehouse: DuckDBResource = getattr(context.resources, config.warehouse_key)

@@ -11,6 +11,7 @@ from batchllm_dagster.metadata import plan_metadata
 from batchllm_dagster.partitions import shard_key, sync_partitions
 from batchllm_dagster.warehouse import remove_answers_not_in, replace_table
 from engine.duplicates import count_duplicates
+from engine.locks import locked
 from engine.plan_table import plan_content_keys, plan_table, previous_shards, stale_reasons, write_plan
 from engine.prepared import plan_tokenized
 from engine.response_format import check_room_for_answers
@@ -83,6 +84,12 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         code_version=config.plan_code_version(),
     )
     def prefix_groups(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+        # One plan of this job at a time in any instance (the plan pool needs an instance's limits):
+        # a second waits, then plans from the snapshot as it is then.
+        with locked(config.lock_path("plan")):
+            return make_plan(context)
+
+    def make_plan(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         columns = config.dataset.columns
         settings = config.engine_settings()
         # Lengths and block hashes come from the cache; only new or changed rows are tokenized. The

@@ -232,6 +232,10 @@ class BatchJobConfig(JobSpec):
     def prompts_path(self) -> Path:
         return self.job_dir / "prompts.parquet"
 
+    def lock_path(self, name: str) -> Path:
+        """A lock the job's runs take whatever launched them (``engine.locks``)."""
+        return self.job_dir / "locks" / f"{name}.lock"
+
     @property
     def field_order_path(self) -> Path:
         """The job's field order, kept from night to night (``engine.field_order_state``)."""

@@ -14,8 +14,6 @@ just its rows' ids from them.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import logging
 import time
@@ -30,6 +28,7 @@ import pyarrow.parquet as pq
 
 from .atomic import Staged
 from .block_hashes import HASH_VERSION, RowBlocks
+from .locks import locked
 from .sql import quote_identifier
 from .tokenizing import tokenize_rows
 
@@ -113,19 +112,6 @@ class CachedRows:
         return self.blocks
 
 
-@contextlib.contextmanager
-def _locked(path: Path, shared: bool):
-    """An advisory file lock (``flock``): shared for readers, exclusive for a writer; released when
-    the process dies, so a killed run never leaves the cache locked."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as handle:
-        fcntl.flock(handle, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 class TokenCache:
     """Safe for concurrent readers and writers: one writer at a time (``rows_for`` holds the
     root's writer lock), and parts are deleted (compaction) only under the root's exclusive
@@ -141,7 +127,7 @@ class TokenCache:
     def reading(root: str | Path):
         """Hold while reading a plan and mapping the entries it names in the cache under ``root``
         (any tokenizer's): no part is deleted meanwhile."""
-        return _locked(Path(root) / ".readers.lock", shared=True)
+        return locked(Path(root) / ".readers.lock", shared=True)
 
     @classmethod
     def at(cls, folder: str | Path) -> "TokenCache":
@@ -209,7 +195,7 @@ class TokenCache:
         (and cached; ``progress`` hears how far that got). No token ids are read back: the plan
         does not need them. ``still_needed``: keys that compaction must keep besides the
         snapshot's (those of the plan partitions may still be running), read under its lock."""
-        with _locked(self.root / ".writer.lock", shared=False):  # one writer at a time
+        with locked(self.root / ".writer.lock", shared=False):  # one writer at a time
             return self._rows_for(snapshot, tokenizer, prompt_column, messages_column, block_size, progress,
                                   still_needed)
 
@@ -289,7 +275,7 @@ class TokenCache:
                  still_needed: Callable[[], pa.Array | None]) -> None:
         """Rewrite the ``loaded`` parts (those ``cache`` was read from, never a part another writer
         added since) as one, keeping the snapshot's entries and the ones still needed."""
-        with _locked(self.root / ".readers.lock", shared=False):
+        with locked(self.root / ".readers.lock", shared=False):
             needed = still_needed()
             if needed is not None and len(needed):
                 keys = pa.concat_arrays([keys, needed.cast(KEY_TYPE)])

@@ -67,3 +67,33 @@ def test_a_plan_whose_snapshot_changed_while_it_was_made_is_not_written(tmp_path
         assert not config.plan_path.exists()
         monkeypatch.setattr(prefix_groups_module, "plan_tokenized", plan_tokenized)
         assert dg.materialize([groups], instance=instance).success and config.plan_path.exists()
+
+
+def test_one_run_per_partition_key_whatever_launches_it_and_in_an_instance_without_limits(tmp_path, tiny_model):
+    """The instance here has no dagster.yaml (no run-tag or pool limits): a second run of a partition
+    that is running refuses at once, naming the holder, and touches nothing."""
+    import os
+
+    import dagster as dg
+
+    from assets import build_batch_defs
+    from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings
+    from engine.locks import held_alone
+
+    source = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"id": [1, 2], "prompt": ["one shared start", "one shared start too"]}), source)
+    config = BatchJobConfig(name="once", dataset=DatasetSpec(parquet=str(source)), llm=EngineSettings(model_path=tiny_model),
+                            output_database=str(tmp_path / "o.duckdb"), storage_dir=str(tmp_path / "jobs"))
+    graph = build_batch_defs(config).resolve_asset_graph()
+    upstream = [graph.assets_def_for_key(dg.AssetKey(["once", n])) for n in ("prompts", "prefix_groups")]
+    completions = graph.assets_def_for_key(dg.AssetKey(["once", "completions"]))
+    with dg.instance_for_test() as instance:
+        assert not (instance.get_settings("run_queue") or {}).get("tag_concurrency_limits")
+        assert dg.materialize(upstream, instance=instance).success
+        key = instance.get_dynamic_partitions(config.partitions_name)[0]
+        with held_alone(config.lock_path(f"partition-{key}"), f"run first-run, pid {os.getpid()}", "the first run"):
+            second = dg.materialize([completions], partition_key=key, instance=instance, raise_on_error=False)
+        assert not second.success
+        message = second.get_step_failure_events()[0].step_failure_data.error.message
+        assert f"partition {key} of once is already running (run first-run, pid {os.getpid()})" in message
+        assert not config.checkpoint_path(key).exists() and not config.completions_parquet_path(key).exists()
