@@ -20,6 +20,7 @@ from dagster_duckdb import DuckDBResource
 
 from batchllm_dagster.checks import partition_check_results, partition_check_specs
 from batchllm_dagster.config import Backend, BatchJobConfig
+from batchllm_dagster.instance_limits import warn_if_unlimited
 from batchllm_dagster.metadata import run_metadata
 from batchllm_dagster.resources import VLLMResource
 from batchllm_dagster.warehouse import existing_rows, replace_partition
@@ -106,6 +107,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         # two hardware partitions' jobs), in any instance: the second refuses before it reads the
         # checkpoint the first is writing.
         key = context.partition_key
+        warn_if_unlimited(context)
         with contextlib.ExitStack() as held:
             try:
                 held.enter_context(held_alone(config.lock_path(f"partition-{key}"),

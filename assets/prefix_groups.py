@@ -7,6 +7,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchllm_dagster.config import BatchJobConfig
+from batchllm_dagster.instance_limits import warn_if_unlimited
 from batchllm_dagster.metadata import plan_metadata
 from batchllm_dagster.partitions import shard_key, sync_partitions
 from batchllm_dagster.warehouse import remove_answers_not_in, replace_table
@@ -86,6 +87,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
     def prefix_groups(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         # One plan of this job at a time in any instance (the plan pool needs an instance's limits):
         # a second waits, then plans from the snapshot as it is then.
+        warn_if_unlimited(context)
         with locked(config.lock_path("plan")):
             return make_plan(context)
 

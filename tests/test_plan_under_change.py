@@ -97,3 +97,19 @@ def test_one_run_per_partition_key_whatever_launches_it_and_in_an_instance_witho
         message = second.get_step_failure_events()[0].step_failure_data.error.message
         assert f"partition {key} of once is already running (run first-run, pid {os.getpid()})" in message
         assert not config.checkpoint_path(key).exists() and not config.completions_parquet_path(key).exists()
+
+
+def test_an_instance_without_the_queueing_limits_is_named_with_the_lines_to_add():
+    from pathlib import Path
+
+    import dagster as dg
+    import yaml
+
+    from batchllm_dagster.instance_limits import DAGSTER_YAML, missing_limits
+
+    with dg.instance_for_test() as bare:
+        assert len(missing_limits(bare)) == 3
+    demo = yaml.safe_load((Path(__file__).parents[1] / "dagster_project" / "dagster.yaml").read_text())
+    for settings in (yaml.safe_load(DAGSTER_YAML), demo):  # the lines the warning gives, and the demo's file
+        with dg.instance_for_test(overrides=settings) as configured:
+            assert missing_limits(configured) == []
