@@ -27,12 +27,13 @@ from batchllm_dagster.warehouse import existing_rows, replace_partition
 from engine.atomic import Staged
 from engine.console import ProgressBar
 from engine.locks import Busy, held_alone
-from engine.plan_table import NotInPlan, StalePlan, load_shard, superseded
+from engine.plan_table import NotInPlan, StalePlan, load_shard, planned_keys, superseded
 from engine.prepared import PreparedBatch
 from engine.results import results_to_table
 from engine.resume import RunOutcome, run_resumable
 from engine.settings import EngineSettings, SamplingSettings
 
+from .checkpoints import other_checkpoints, prune_checkpoints
 from .snapshots import PLAN_RUN_TAG, plan_stamp_of
 
 
@@ -65,6 +66,9 @@ def run_shard_locally(config, key, prepared, settings, sampling, checkpoint, llm
     # are reused like checkpointed ones.
     previous = existing_rows(warehouse, config.output_table, pa.array(prepared.ids, prepared.id_type))
     reuse = [previous] if previous is not None and previous.num_rows else []
+    # Answers other shards of this job finished and did not write (a shard killed before a new plan
+    # gave its rows other keys): reused by row fingerprint, like this shard's own checkpoint.
+    reuse += other_checkpoints(config, key)
     bar = ProgressBar.on_terminal(f"{config.name} {key}")
     try:
         return run_resumable(prepared, settings, sampling, checkpoint, config.scheduler, reuse_from=reuse,
@@ -111,7 +115,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         with contextlib.ExitStack() as held:
             try:
                 held.enter_context(held_alone(config.lock_path(f"partition-{key}"),
-                                              f"run {context.run_id}, pid {os.getpid()}", f"partition {key} of {config.name}"))
+                                              f"run {context.run.run_id}, pid {os.getpid()}", f"partition {key} of {config.name}"))
             except Busy as busy:
                 raise dg.Failure(f"{busy}: this run stops without touching its checkpoint or output") from None
             return run_partition(context)
@@ -164,6 +168,9 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
                 pq.write_table(table, staged.path)
                 written = replace_partition(warehouse, config.output_table, key, table)
         shutil.rmtree(checkpoint, ignore_errors=True)  # the table now holds every row of the shard
+        planned = planned_keys(config.plan_path)  # other shards' checkpoints this write made useless
+        prune_checkpoints(config, warehouse, set(planned.column("partition_key").to_pylist()),
+                          planned.column("id").combine_chunks())
         context.log.info(f"wrote {written} rows of partition {key} to {config.output_table}")
         return dg.MaterializeResult(
             metadata={

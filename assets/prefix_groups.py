@@ -1,7 +1,5 @@
 """``prefix_groups``: the global prefix plan of the batch, cut into shards (the partitions)."""
 
-import shutil
-
 import dagster as dg
 import numpy as np
 import pyarrow as pa
@@ -21,6 +19,7 @@ from engine.shards import assign_shards
 from engine.token_cache import CONTENT_KEY, TokenCache
 from engine.tokenizing import LazyTokenizer, tokenizer_fingerprint
 
+from .checkpoints import prune_checkpoints
 from .snapshots import plan_stamp_of, read_parquet, snapshot_columns
 
 
@@ -59,17 +58,14 @@ def _ids_by_shard(prepared, shard_of_row: np.ndarray, shard_count: int) -> list[
 
 def remove_deleted_answers(config: BatchJobConfig, warehouse, ids: pa.ChunkedArray, keys: list[str]) -> int:
     """The output keeps only rows the plan has: answers of deleted ids leave the DuckDB table, and a
-    removed partition's Parquet file and checkpoint go (a kept partition key has the same ids, so
-    its file holds no deleted id; the live rows of a removed one stay in DuckDB for their new shard
-    to reuse). Returns the answers removed from the table."""
+    removed partition's Parquet file goes (a kept partition key has the same ids, so its file holds
+    no deleted id; the live rows of a removed one stay in DuckDB for their new shard to reuse).
+    Returns the answers removed from the table."""
     removed = remove_answers_not_in(warehouse, config.output_table, ids.combine_chunks())
     live = set(keys)
     for path in config.completions_dir.glob("*.parquet"):
         if path.stem not in live:
             path.unlink(missing_ok=True)
-    for folder in config.checkpoints_dir.glob("*"):
-        if folder.name not in live:
-            shutil.rmtree(folder, ignore_errors=True)
     return removed
 
 
@@ -130,8 +126,11 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         groups = groups_table(prepared, shards, keys, config)
         replace_table(getattr(context.resources, config.warehouse_key), f"{config.output_table}_prefix_groups", groups)
         added, removed = sync_partitions(context.instance, config.partitions_name, used)
+        warehouse = getattr(context.resources, config.warehouse_key)
         removed_answers = 0 if config.keep_deleted_answers else remove_deleted_answers(
-            config, getattr(context.resources, config.warehouse_key), meta.column(columns.id), used)
+            config, warehouse, meta.column(columns.id), used)
+        # A removed key's checkpoint stays while it holds answers the new plan's shards can reuse.
+        prune_checkpoints(config, warehouse, set(used), meta.column(columns.id).combine_chunks())
         context.log.info(f"{plan.num_groups} groups in {len(used)} shards; partitions added {added}, removed {removed}; "
                          f"plan {plan_bytes} bytes ({plan_bytes / max(plan.prompt_tokens, 1):.2f} per prompt token)")
         shard_rows = {keys[s]: len(ids) for s, ids in enumerate(ids_by_shard) if ids}

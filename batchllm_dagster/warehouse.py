@@ -70,6 +70,21 @@ def existing_rows(warehouse: DuckDBResource, table: str, ids: pa.Array):
         return rows
 
 
+def answered_ids(warehouse: DuckDBResource, table: str, ids: pa.Array, keys: set[str]) -> set:
+    """Of ``ids``, those the output table holds under one of ``keys``."""
+    _ensure_folder(warehouse)
+    with warehouse.get_connection() as con:
+        if not table_exists(con, table):
+            return set()
+        con.register("wanted", pa.table({"id": ids}))
+        con.register("live_keys", pa.table({"key": pa.array(sorted(keys), pa.string())}))
+        found = con.execute(f"SELECT DISTINCT id FROM {quote_identifier(table)} WHERE id IN (SELECT id FROM wanted) "
+                            "AND partition_key IN (SELECT key FROM live_keys)").fetchall()
+        con.unregister("wanted")
+        con.unregister("live_keys")
+    return {row[0] for row in found}
+
+
 def remove_answers_not_in(warehouse: DuckDBResource, table: str, live_ids: pa.Array) -> int:
     """Delete the answers of ids that are no longer prompt rows (deleted at the source); returns
     how many. One transaction: readers see the table before or after, never half of it."""

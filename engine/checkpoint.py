@@ -92,7 +92,8 @@ class Checkpoint:
     def load(self, expected: dict, also: list[Path | pa.Table] = (), settings_fp: str | None = None) -> dict:
         """Reusable ok results by id: those whose fingerprint equals ``expected[id]``.
 
-        ``also`` names more results to reuse from (a previous run's output: files or tables);
+        ``also`` names more results to reuse from (a previous run's output, another checkpoint's
+        parts: files or tables);
         ``settings_fp`` (the current ``settings_fingerprint``) lets ``not_reused`` say why the
         other rows were not reused."""
         parts = sorted(self.folder.glob("part-*.parquet")) if self.folder.exists() else []
@@ -118,7 +119,9 @@ class Checkpoint:
                 latest[row_id] = record
                 if record["row_fingerprint"] == expected[row_id] and record["status"] == "ok":
                     reusable[row_id] = RowResult(id=row_id, **record)
-                    self.reused_from[row_id] = "checkpoint" if part in parts else str(part)
+                    self.reused_from[row_id] = ("checkpoint" if part in parts else f"the checkpoint {part.parent}"
+                                                if str(part).endswith(".parquet") and part.name.startswith("part-")
+                                                else str(part))
         self.not_reused = Counter(_why_not_reused(latest.get(i), settings_fp) for i in expected if i not in reusable)
         return reusable
 

@@ -136,6 +136,11 @@ def plan_content_keys(path: Path) -> pa.Array | None:
     return _read(path, columns=[CONTENT_KEY]).column(CONTENT_KEY).combine_chunks()
 
 
+def planned_keys(path: Path) -> pa.Table:
+    """Every row id of the plan on disk with its partition key."""
+    return _read(path, columns=["id", "partition_key"])
+
+
 def previous_shards(path: Path, ids: pa.ChunkedArray) -> np.ndarray | None:
     """Each of ``ids``' shard in the plan on disk (-1 for a row it does not have), so unchanged
     shards keep their rows and partition keys; None without a plan."""

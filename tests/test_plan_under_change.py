@@ -113,3 +113,59 @@ def test_an_instance_without_the_queueing_limits_is_named_with_the_lines_to_add(
     for settings in (yaml.safe_load(DAGSTER_YAML), demo):  # the lines the warning gives, and the demo's file
         with dg.instance_for_test(overrides=settings) as configured:
             assert missing_limits(configured) == []
+
+
+def test_a_killed_shard_whose_key_changed_gives_its_finished_answers_to_the_new_shard(tmp_path, tiny_model,
+                                                                                       monkeypatch):
+    """A shard dies at 90%; a row is inserted, so the next plan gives the shard's rows a new key. The
+    new key's run reuses every answer the dead run finished (from its checkpoint, by row
+    fingerprint), computes only the rest, and the dead key's checkpoint goes once it is useless."""
+    import contextlib
+
+    import dagster as dg
+
+    import batchllm_dagster.resources as resources_module
+    from assets import build_batch_defs
+    from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings
+    from engine.sim_engine import FakeEngine
+
+    class DiesAfter(FakeEngine):
+        finished = 0
+
+        def step(self):
+            if self.finished >= 18:
+                raise RuntimeError("the node went away")
+            report = super().step()
+            self.finished += len(report.finished)
+            return report
+
+    engines = []
+
+    def fake_engine(settings):  # the resource's engine: a block-accounting stand-in, no vLLM
+        engines.append(DiesAfter(num_blocks=512, block_size=32) if not engines else
+                       FakeEngine(num_blocks=512, block_size=32))
+        return contextlib.nullcontext(engines[-1])
+
+    monkeypatch.setattr(resources_module, "open_engine", fake_engine)
+    source = tmp_path / "prompts.parquet"
+    prompt = "Answer the question about the shared document below in one short sentence. " * 4
+    rows = [{"id": i, "prompt": f"{prompt}Question {i}?", "max_tokens": i + 1} for i in range(20)]  # one done per step
+    pq.write_table(pa.Table.from_pylist(rows), source)
+    config = BatchJobConfig(name="kill", dataset=DatasetSpec(parquet=str(source)), llm=EngineSettings(model_path=tiny_model),
+                            output_database=str(tmp_path / "o.duckdb"), storage_dir=str(tmp_path / "jobs"))
+    graph = build_batch_defs(config).resolve_asset_graph()
+    upstream = [graph.assets_def_for_key(dg.AssetKey(["kill", n])) for n in ("prompts", "prefix_groups")]
+    completions = graph.assets_def_for_key(dg.AssetKey(["kill", "completions"]))
+    with dg.instance_for_test() as instance:
+        assert dg.materialize(upstream, instance=instance).success
+        [first_key] = instance.get_dynamic_partitions(config.partitions_name)
+        died = dg.materialize([completions], partition_key=first_key, instance=instance, raise_on_error=False)
+        assert not died.success and len(list(config.checkpoint_path(first_key).glob("part-*.parquet"))) >= 1
+        pq.write_table(pa.Table.from_pylist(rows + [{"id": 20, "prompt": f"{prompt}Question 20?", "max_tokens": 4}]), source)
+        assert dg.materialize(upstream, instance=instance).success
+        [new_key] = instance.get_dynamic_partitions(config.partitions_name)
+        assert new_key != first_key and config.checkpoint_path(first_key).exists()  # kept: it holds answers
+        rerun = dg.materialize([completions], partition_key=new_key, instance=instance)
+        meta = rerun.asset_materializations_for_node("kill__completions")[0].metadata
+        assert meta["reused_rows"].value == 18 and meta["rows"].value == 3  # 2 unfinished + the new row
+        assert not config.checkpoint_path(first_key).exists()  # its answers are in the table now
