@@ -138,7 +138,8 @@ def test_a_dataset_declared_with_fields_snapshots_the_rendered_prompts(tmp_path,
     config = BatchJobConfig(name="reviews", dataset=DatasetSpec(parquet=str(tmp_path / "reviews.parquet"), prompt=spec),
                             llm=EngineSettings(model_path=tiny_model), output_database=str(tmp_path / "o.duckdb"),
                             storage_dir=str(tmp_path / "jobs"))
-    rows, _, choice = snapshot_dataset(config, tmp_path / "snapshot.parquet")
+    rows, _, kept = snapshot_dataset(config, tmp_path / "snapshot.parquet")
+    choice = kept.choice
     snapshot = pq.read_table(tmp_path / "snapshot.parquet")
     assert rows == table.num_rows
     assert set(choice.candidates) == {"declared", "distinct_values", "greedy"}
