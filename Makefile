@@ -25,6 +25,7 @@ demo: install
 	$(PY) -m dagster_project.demo
 
 test: install
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 
 # Everything but what needs real vLLM, the dg CLI, Ray or a browser: under a minute.
