@@ -135,6 +135,10 @@ class JobSpec(BaseModel):
     ray_address: Annotated[str | None, *described(
         "Ray cluster address for backend 'ray' (None: start or join a local one)")] = None
     ray_replicas: Annotated[int, *described("vLLM replicas a shard is spread over, whole prefix groups each (>= 1)")] = 1
+    ray_shard_timeout_s: Annotated[float | None, *described(
+        "backend 'ray': fail a shard's run not done within this many seconds (None: no limit)")] = None
+    ray_gpu_wait_s: Annotated[float, *described(
+        "backend 'ray' with vLLM's GPU build: how long to wait for a GPU node to join before refusing")] = 600.0
     pool: Annotated[str | None, *described(
         "Dagster pool of the inference steps (default: the hardware partition's pool when the job has one, "
         "none when several: their runs queue per hardware pool instead); dagster.yaml limits each to one")] = None

@@ -105,6 +105,29 @@ def replica_resources(node_gpus: list[float], replicas: int, tensor_parallel_siz
     return {"num_gpus": tensor_parallel_size}
 
 
+def gpus_of_live_nodes(nodes: list[dict]) -> list[float]:
+    return [node["Resources"].get("GPU", 0.0) for node in nodes if node.get("Alive")]
+
+
+def wait_for_gpu_nodes(nodes, wants_gpus: bool, timeout_s: float, sleep=None) -> list[float]:
+    """The GPUs of the cluster's live nodes (``nodes()``: Ray's node list). A job built for GPUs
+    waits up to ``timeout_s`` for a GPU node to join (an autoscaler starting one), then refuses
+    with the numbers: it never runs its replicas as CPU actors."""
+    import time
+
+    sleep = sleep or time.sleep
+    deadline = time.monotonic() + timeout_s
+    while True:
+        gpus = gpus_of_live_nodes(nodes())
+        if any(gpus) or not wants_gpus:
+            return gpus
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"no GPU node joined the Ray cluster within {timeout_s:g}s ({len(gpus)} live nodes, "
+                               f"0 GPUs): this job runs vLLM's GPU build, so its replicas need GPUs; start GPU nodes "
+                               f"or raise ray_gpu_wait_s")
+        sleep(5.0)
+
+
 def _shards(prepared: PreparedBatch, replicas: int, placement: Placement, weights: list[float] | None) -> np.ndarray:
     if placement is Placement.GROUPS:
         return split_prepared(prepared, replicas, weights)
@@ -127,20 +150,28 @@ def run_on_ray(
     actor_prefix: str = "batchllm-replica",
     max_attempts: int = 3,
     start_timeout_s: float = 900.0,
+    run_timeout_s: float | None = None,
+    gpu_wait_s: float = 600.0,
 ) -> RayRunResult:
     """Run every row of ``prepared`` on ``replicas`` Ray actors; shards are whole prefix groups.
 
-    ``resources_per_replica`` defaults to ``replica_resources`` of the cluster's nodes. Replicas that
-    have not started and answered within ``start_timeout_s`` (the cluster lacks what they ask for,
-    an image pull hangs) fail the run with what they asked for, instead of waiting forever.
+    ``resources_per_replica`` defaults to ``replica_resources`` of the cluster's nodes (a job built
+    for GPUs waits up to ``gpu_wait_s`` for a GPU node, then refuses). Replicas that have not
+    started and answered within ``start_timeout_s`` (the cluster lacks what they ask for, an image
+    pull hangs) fail the run with what they asked for, and a run whose shards are not all done
+    within ``run_timeout_s`` (a hung engine) fails with what was done: never a wait forever. Its
+    actors are killed however the run ends, so a retry finds their names and GPUs free.
     """
     import ray
+
+    from .settings import Platform
+    from .vllm_env import current_platform
 
     if not ray.is_initialized():
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
     shard_of_row = _shards(prepared, replicas, Placement.parse(placement), replica_weights)
     if resources_per_replica is None:
-        node_gpus = [node["Resources"].get("GPU", 0.0) for node in ray.nodes() if node.get("Alive")]
+        node_gpus = wait_for_gpu_nodes(ray.nodes, current_platform() is Platform.CUDA, gpu_wait_s)
         resources_per_replica = replica_resources(node_gpus, replicas, engine_settings.tensor_parallel_size)
     actor_class = ray.remote(max_restarts=0, **resources_per_replica)(ReplicaWorker)
     actors = {
@@ -148,13 +179,29 @@ def run_on_ray(
         for i in range(replicas)
     }
     try:
+        return _run_shards(ray, prepared, engine_settings, sampling, scheduler_settings, checkpoint_root, shard_of_row,
+                           actors, resources_per_replica, max_attempts, start_timeout_s, run_timeout_s)
+    finally:
+        for actor in actors.values():
+            try:
+                ray.kill(actor)
+            except Exception:  # already dead: nothing to free
+                pass
+
+
+def _run_shards(ray, prepared, engine_settings, sampling, scheduler_settings, checkpoint_root, shard_of_row, actors,
+                resources_per_replica, max_attempts, start_timeout_s, run_timeout_s) -> RayRunResult:
+    import time
+
+    replicas = len(actors)
+    actors = dict(actors)  # the live ones; the caller kills every one it started
+    try:
         ray.get([a.ping.remote() for a in actors.values()], timeout=start_timeout_s)
     except ray.exceptions.GetTimeoutError:
-        for actor in actors.values():
-            ray.kill(actor)
         raise RuntimeError(f"{replicas} replicas asking for {resources_per_replica} each did not start within "
                            f"{start_timeout_s:g}s: the cluster may not have these resources free "
                            f"(it has {ray.available_resources()})") from None
+    deadline = None if run_timeout_s is None else time.monotonic() + run_timeout_s
 
     def submit(shard: int, replica: int):
         part = prepared.subset(np.flatnonzero(shard_of_row == shard))
@@ -165,7 +212,12 @@ def run_on_ray(
     done: dict[int, dict] = {}
     reassigned: list[int] = []
     while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+        if not ready:
+            raise RuntimeError(f"the shard's run on Ray exceeded its {run_timeout_s:g}s (ray_shard_timeout_s): "
+                               f"{len(done)} of {len(done) + len(pending)} sub-shards done, the others still running "
+                               f"(a hung engine?); their finished rows are in their checkpoints for the retry")
         shard, replica = pending.pop(ready[0])
         try:
             done[shard] = ray.get(ready[0])
@@ -181,9 +233,6 @@ def run_on_ray(
             attempts[shard] += 1
             reassigned.append(shard)
             pending[submit(shard, spare)] = (shard, spare)
-    for actor in actors.values():
-        ray.kill(actor)
-
     return RayRunResult(
         outcomes={s: out["outcome"] for s, out in done.items()},
         shard_of_row=shard_of_row,

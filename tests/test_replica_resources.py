@@ -19,3 +19,15 @@ def test_too_few_gpus_are_refused_with_the_numbers_never_cpu_actors():
 def test_a_replicas_gpus_must_be_on_one_node():
     with pytest.raises(RuntimeError, match=r"a replica's 8 GPUs must be on one node; the nodes have \[4, 4\] GPUs"):
         replica_resources([4.0, 4.0], replicas=1, tensor_parallel_size=8)
+
+
+def test_a_gpu_job_waits_for_a_gpu_node_then_refuses_with_the_numbers_never_cpu_actors():
+    from engine.distributed import wait_for_gpu_nodes
+
+    cpu_node, gpu_node = {"Alive": True, "Resources": {"CPU": 8.0}}, {"Alive": True, "Resources": {"GPU": 8.0}}
+    naps = []
+    joined = iter([[cpu_node], [cpu_node], [cpu_node, gpu_node]])  # an autoscaler brings a GPU node
+    assert wait_for_gpu_nodes(lambda: next(joined), True, 60, sleep=naps.append) == [0.0, 8.0] and len(naps) == 2
+    with pytest.raises(RuntimeError, match=r"no GPU node joined the Ray cluster within 0s \(1 live nodes, 0 GPUs\)"):
+        wait_for_gpu_nodes(lambda: [cpu_node], True, 0, sleep=naps.append)
+    assert wait_for_gpu_nodes(lambda: [cpu_node], False, 0) == [0.0]  # the CPU build: CPU actors are the plan
