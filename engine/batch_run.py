@@ -116,7 +116,8 @@ class BatchRun:
         progress = Progress(len(self.rows), self.scheduler_settings.log_every_s, self.progress_sink, self.display,
                             reusable=stats.reusable_tokens)
 
-        planned = getattr(scheduler, "planned_blocks", None)
+
+        counted = hasattr(scheduler, "blocks_in_flight")  # the scheduler's own count (a baseline has none)
 
         def saved() -> int:  # prompt tokens not computed: the rows' cache hits less what prefix requests computed
             return stats.cached_tokens - (scheduler.stats.prefix_prompt_tokens - scheduler.stats.prefix_cached_tokens)
@@ -128,7 +129,7 @@ class BatchRun:
                 self.after_step()
             progress.update(stats.rows, stats.prompt_tokens + stats.output_tokens, saved(),
                             report.running, report.kv_usage, totals.preemptions,
-                            planned_blocks=(lambda: planned(report.generated)) if planned else None)
+                            planned_blocks=(lambda: scheduler.blocks_in_flight) if counted else None)
 
         for item in drive(scheduler, self.engine, self.sampling, totals, on_step, prepared.response_formats):
             if isinstance(item, Rejected):

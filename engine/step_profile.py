@@ -8,7 +8,8 @@ the rows running and how many distinct prefix groups (of the plan) those rows be
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -19,15 +20,29 @@ from .requests import RequestKind, StepReport
 class StepProfile:
     group_of_row: np.ndarray
     steps: list[tuple[float, int, int, int, int]]  # seconds, prefill tokens, decode tokens, rows, groups
+    in_flight: set = field(default_factory=set)  # rows that have their first token and are not done
+    rows_of_group: Counter = field(default_factory=Counter)  # of those, per group
 
     @classmethod
     def of(cls, group_of_row: np.ndarray) -> "StepProfile":
         return cls(group_of_row, [])
 
     def record(self, report: StepReport) -> None:
-        rows = [subject for kind, subject in report.generated if kind is RequestKind.ROW]
-        groups = np.unique(self.group_of_row[rows]).size if rows else 0
-        self.steps.append((report.seconds, report.prefill_tokens, report.decode_tokens, len(rows), groups))
+        """One step, at a cost that follows the rows that started and finished in it, not the rows running."""
+        for kind, row in report.started:
+            if kind is RequestKind.ROW:
+                self.in_flight.add(row)
+                self.rows_of_group[int(self.group_of_row[row])] += 1
+        for finished in report.finished:
+            row = finished.submission.row
+            if finished.submission.kind is RequestKind.ROW and row in self.in_flight:
+                self.in_flight.discard(row)
+                group = int(self.group_of_row[row])
+                self.rows_of_group[group] -= 1
+                if not self.rows_of_group[group]:
+                    del self.rows_of_group[group]
+        self.steps.append((report.seconds, report.prefill_tokens, report.decode_tokens, len(self.in_flight),
+                           len(self.rows_of_group)))
 
     def summary(self) -> dict:
         """Steps with a prefill and decode-only steps apart: their count, time, tokens, rows and groups."""

@@ -186,3 +186,27 @@ def test_identical_rows_run_once_and_every_id_gets_plain_vllms_answer(tiny_model
     assert ours_stats.duplicate_rows == 4 and plain_stats.duplicate_rows == 0
     assert ours_stats.output_tokens == plain_stats.output_tokens  # every id answered in full
     assert ours_stats.prefill_tokens < plain_stats.prefill_tokens
+
+
+def test_vllm_emits_a_rows_first_output_and_its_last_not_one_per_step(tiny_model):
+    """Host work per step follows what changed, not the rows running: each row's RequestOutputs are
+    its first token's and its last, however many steps it decodes, and its answer is whole."""
+    table = make_prompt_table(documents=2, questions=3, singles=2)
+    sampling = SamplingSettings(max_tokens=16, ignore_eos=True)
+    engine_settings = settings(tiny_model)
+    prepared = prepare_batch(table, load_tokenizer(tiny_model), engine_settings, sampling)
+    with open_engine(engine_settings) as engine:
+        emitted = []
+        step = engine._engine.step
+
+        def counted_step():
+            outputs = step()
+            emitted.extend(o.request_id for o in outputs)
+            return outputs
+
+        engine._engine.step = counted_step
+        results = list(BatchRun(prepared, engine, sampling, SchedulerSettings(log_every_s=60)))
+    rows = [r for r in results if r.status == "ok"]
+    assert rows and all(r.output_tokens == 16 for r in rows)
+    per_request = {i: emitted.count(i) for i in set(emitted)}
+    assert max(per_request.values()) <= 2  # 16 tokens each, two outputs at most

@@ -180,6 +180,7 @@ def test_requests_ask_vllm_for_deltas_only():
     engine._engine, engine._submitted, engine._outputs = LLMEngineDouble(), {}, {}
     engine.submit(Submission(RequestKind.ROW, 0, np.array([1, 2, 3]), 4), SamplingSettings(max_tokens=4))
     assert engine._engine.params.output_kind is RequestOutputKind.DELTA and engine._engine.params.max_tokens == 4
+    assert engine._engine.params.stream_interval >= 1 << 20  # a first output and a last: O(changes) per step
 
 
 def test_batch_invariant_mode_is_refused_off_cuda_with_the_reason():
