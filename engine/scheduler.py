@@ -11,10 +11,13 @@ A scheduler has four verbs, in the manner of vLLM V1's scheduler interface:
 
 ``GroupScheduler`` is BatchLLM's policy on an unmodified vLLM:
 
-* groups enter in plan order; a group's shared prefix is computed once, by a prefix request (the
-  prefix alone, one output token), before any of its rows enter, so no two rows of the group
-  prefill the same prefix in the same step;
-* the next group's prefix request runs while the current group's rows decode (pipelining);
+* groups enter in plan order, as many per step as the KV budget allows (vLLM's own batch limits,
+  never smaller ones of ours, cap a step); a group's shared prefix is computed once: by its first
+  row when all its rows enter together (vLLM caches a block when it allocates it, so the rows
+  scheduled after the first in the same step find the prefix in the cache), else by a prefix
+  request (the prefix alone, one output token) before its rows enter;
+* a group whose prefix request is running holds back only its own rows: later groups enter
+  meanwhile (many small groups per step), and its rows follow once the prefix is cached;
 * rows are admitted while the KV blocks of everything in flight stay under a share of the
   engine's capacity (read after start-up), counted **as vLLM holds them**: a prefix block is
   identified by the chained hash of its tokens, as vLLM's prefix cache identifies it, so a block
