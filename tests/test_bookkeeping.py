@@ -99,11 +99,13 @@ def test_partition_sync_adds_new_keys_and_removes_stale_ones():
     assert shard_key("GPU A100", 3, ["x"]).startswith("gpu-a100-03-")
 
 
-def test_a_resumable_run_on_a_fake_engine_checkpoints_from_the_first_row_not_from_start_up(tmp_path):
+def test_a_resumable_run_on_a_fake_engine_checkpoints_from_the_first_row_not_from_start_up(tmp_path, monkeypatch):
     """run_resumable end to end without vLLM: the checkpoint's timer starts when rows start running,
-    so a slow engine start-up does not make the first part hold a single row; a rerun reuses all."""
+    so a slow engine start-up does not make the first part hold a single row; a rerun reuses all.
+    The checkpoint's clock is a fake one that only start-up moves: a slow machine cannot split the parts."""
     import time
 
+    import engine.checkpoint as checkpoint_module
     from engine.resume import run_resumable
     from engine.settings import EngineSettings, SamplingSettings
 
@@ -115,9 +117,13 @@ def test_a_resumable_run_on_a_fake_engine_checkpoints_from_the_first_row_not_fro
 
     opened = []
 
+    clock = [0.0]
+    monkeypatch.setattr(checkpoint_module.time, "monotonic", lambda: clock[0])
+
     @contextlib.contextmanager
     def slow_starting_engine(settings):  # the owner of the engine: opens it, and closes it
-        time.sleep(0.6)  # longer than the checkpoint interval
+        time.sleep(0.6)  # the run's start-up time (measured on the wall clock)
+        clock[0] += 0.6  # longer than the checkpoint interval
         engine = FakeEngine(num_blocks=64, block_size=2)
         opened.append(engine)
         yield engine
