@@ -36,20 +36,30 @@ def test_answers_a_newer_plan_wants_from_elsewhere_are_superseded(tmp_path):
     assert sorted(superseded(path, "K", ran).to_pylist()) == ["a", "b", "c", "d", "e"]
 
 
-def test_a_plan_whose_snapshot_changed_while_it_was_made_is_not_written(tmp_path, tiny_model, monkeypatch):
+def parquet_job(tmp_path, tiny_model, name: str, rows: list[dict]):
+    """A job over a Parquet file of ``rows``: its config, its prompts and prefix_groups assets, its completions."""
     import dagster as dg
 
-    import assets.prefix_groups as prefix_groups_module
     from assets import build_batch_defs
     from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings
 
     source = tmp_path / "prompts.parquet"
-    pq.write_table(pa.table({"id": [1, 2, 3], "prompt": ["a shared start, then one", "a shared start, then two",
-                                                         "a shared start, then three"]}), source)
-    config = BatchJobConfig(name="race", dataset=DatasetSpec(parquet=str(source)), llm=EngineSettings(model_path=tiny_model),
+    pq.write_table(pa.Table.from_pylist(rows), source)
+    config = BatchJobConfig(name=name, dataset=DatasetSpec(parquet=str(source)), llm=EngineSettings(model_path=tiny_model),
                             output_database=str(tmp_path / "o.duckdb"), storage_dir=str(tmp_path / "jobs"))
     graph = build_batch_defs(config).resolve_asset_graph()
-    prompts, groups = (graph.assets_def_for_key(dg.AssetKey(["race", n])) for n in ("prompts", "prefix_groups"))
+    prompts, groups, completions = (graph.assets_def_for_key(dg.AssetKey([name, n]))
+                                    for n in ("prompts", "prefix_groups", "completions"))
+    return config, source, [prompts, groups], completions
+
+
+def test_a_plan_whose_snapshot_changed_while_it_was_made_is_not_written(tmp_path, tiny_model, monkeypatch):
+    import dagster as dg
+
+    import assets.prefix_groups as prefix_groups_module
+
+    rows = [{"id": i, "prompt": f"a shared start, then {w}"} for i, w in ((1, "one"), (2, "two"), (3, "three"))]
+    config, source, (prompts, groups), _ = parquet_job(tmp_path, tiny_model, "race", rows)
     plan_tokenized = prefix_groups_module.plan_tokenized
 
     def prompts_land_meanwhile(*args, **kwargs):  # the rows are read; then prompts is materialized again
@@ -76,17 +86,10 @@ def test_one_run_per_partition_key_whatever_launches_it_and_in_an_instance_witho
 
     import dagster as dg
 
-    from assets import build_batch_defs
-    from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings
     from engine.locks import held_alone
 
-    source = tmp_path / "prompts.parquet"
-    pq.write_table(pa.table({"id": [1, 2], "prompt": ["one shared start", "one shared start too"]}), source)
-    config = BatchJobConfig(name="once", dataset=DatasetSpec(parquet=str(source)), llm=EngineSettings(model_path=tiny_model),
-                            output_database=str(tmp_path / "o.duckdb"), storage_dir=str(tmp_path / "jobs"))
-    graph = build_batch_defs(config).resolve_asset_graph()
-    upstream = [graph.assets_def_for_key(dg.AssetKey(["once", n])) for n in ("prompts", "prefix_groups")]
-    completions = graph.assets_def_for_key(dg.AssetKey(["once", "completions"]))
+    rows = [{"id": 1, "prompt": "one shared start"}, {"id": 2, "prompt": "one shared start too"}]
+    config, _, upstream, completions = parquet_job(tmp_path, tiny_model, "once", rows)
     with dg.instance_for_test() as instance:
         assert not (instance.get_settings("run_queue") or {}).get("tag_concurrency_limits")
         assert dg.materialize(upstream, instance=instance).success
@@ -125,8 +128,6 @@ def test_a_killed_shard_whose_key_changed_gives_its_finished_answers_to_the_new_
     import dagster as dg
 
     import batchllm_dagster.resources as resources_module
-    from assets import build_batch_defs
-    from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings
     from engine.sim_engine import FakeEngine
 
     class DiesAfter(FakeEngine):
@@ -147,15 +148,9 @@ def test_a_killed_shard_whose_key_changed_gives_its_finished_answers_to_the_new_
         return contextlib.nullcontext(engines[-1])
 
     monkeypatch.setattr(resources_module, "open_engine", fake_engine)
-    source = tmp_path / "prompts.parquet"
     prompt = "Answer the question about the shared document below in one short sentence. " * 4
     rows = [{"id": i, "prompt": f"{prompt}Question {i}?", "max_tokens": i + 1} for i in range(20)]  # one done per step
-    pq.write_table(pa.Table.from_pylist(rows), source)
-    config = BatchJobConfig(name="kill", dataset=DatasetSpec(parquet=str(source)), llm=EngineSettings(model_path=tiny_model),
-                            output_database=str(tmp_path / "o.duckdb"), storage_dir=str(tmp_path / "jobs"))
-    graph = build_batch_defs(config).resolve_asset_graph()
-    upstream = [graph.assets_def_for_key(dg.AssetKey(["kill", n])) for n in ("prompts", "prefix_groups")]
-    completions = graph.assets_def_for_key(dg.AssetKey(["kill", "completions"]))
+    config, source, upstream, completions = parquet_job(tmp_path, tiny_model, "kill", rows)
     with dg.instance_for_test() as instance:
         assert dg.materialize(upstream, instance=instance).success
         [first_key] = instance.get_dynamic_partitions(config.partitions_name)
