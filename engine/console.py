@@ -20,6 +20,8 @@ THIRD_PARTY_LOGGERS = ("vllm", "torch", "transformers", "tokenizers", "xgrammar"
 
 
 LOG_DIR = CACHE_ROOT / "logs"
+# The process name tells the engine core's lines (its own process on a GPU) from the run's.
+LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
 _to_file: logging.Handler | None = None
 
 
@@ -30,13 +32,18 @@ def route_library_output(log_file: Path) -> Path:
     log_file = Path(log_file)
     log_file.parent.mkdir(parents=True, exist_ok=True)
     to_file = logging.FileHandler(log_file)
-    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    to_file.setFormatter(logging.Formatter(LOG_FORMAT))
     _to_file = to_file
     errors = logging.StreamHandler(sys.stderr)
     errors.setLevel(logging.ERROR)
-    # vLLM installs its own stderr handler unless told not to; torch's C++ side prints warnings
+    # vLLM configures its loggers itself, in this process and in the engine core it spawns on a GPU
+    # (which inherits our environment, not our handlers): given this file's configuration, its INFO
+    # lines (attention backend, KV cache size, compile and CUDA graph times) land in the log file
+    # from every process, and only its errors reach the console. torch's C++ side prints warnings
     # straight to stderr unless its level is raised.
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    if os.environ.get("VLLM_CONFIGURE_LOGGING") != "0" and "VLLM_LOGGING_CONFIG_PATH" not in os.environ:
+        os.environ["VLLM_CONFIGURE_LOGGING"] = "1"
+        os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(_vllm_logging_config(log_file))
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     for name in THIRD_PARTY_LOGGERS:
         logger = logging.getLogger(name)
@@ -50,6 +57,24 @@ def route_library_output(log_file: Path) -> Path:
     py_warnings.propagate = False
     warnings.simplefilter("default")
     return log_file
+
+
+def _vllm_logging_config(log_file: Path) -> Path:
+    """vLLM's logging configuration (``VLLM_LOGGING_CONFIG_PATH``, a ``dictConfig``): its loggers to
+    ``log_file`` and errors to stderr, other loggers left alone; written beside the log file."""
+    import json
+
+    config = {
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": LOG_FORMAT}},
+        "handlers": {"file": {"class": "logging.FileHandler", "filename": str(log_file), "formatter": "plain"},
+                     "errors": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "level": "ERROR",
+                                "formatter": "plain"}},
+        "loggers": {"vllm": {"handlers": ["file", "errors"], "level": "INFO", "propagate": False}},
+    }
+    path = log_file.with_name(log_file.stem + ".vllm-logging.json")
+    path.write_text(json.dumps(config, indent=1))
+    return path
 
 
 def tidy_library_loggers() -> None:

@@ -160,16 +160,22 @@ def test_the_engine_core_in_its_own_process_started_by_spawn_gives_the_same_answ
 
     def batchllm_run(output, **env):
         started = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "engine.cli", "run", str(prompt_parquet), "--model", tiny_model,
-                        "--output", str(output), "--max-tokens", "6", "--kv-cache-blocks", "64", "--json"],
-                       check=True, capture_output=True, text=True, env={**os.environ, **env})
+        done = subprocess.run([sys.executable, "-m", "engine.cli", "run", str(prompt_parquet), "--model", tiny_model,
+                               "--output", str(output), "--max-tokens", "6", "--kv-cache-blocks", "64", "--json",
+                               "--log-file", str(output.with_suffix(".log"))],
+                              check=True, capture_output=True, text=True, env={**os.environ, **env})
         answers = pq.read_table(output)
+        assert "INFO" not in done.stderr  # vLLM's start-up report goes to the log file, not the console
         return dict(zip(answers["id"].to_pylist(), answers["text"].to_pylist())), time.perf_counter() - started
 
     separate, separate_s = batchllm_run(tmp_path / "mp.parquet", VLLM_ENABLE_V1_MULTIPROCESSING="1",
                                         VLLM_WORKER_MULTIPROC_METHOD="spawn")
     one, one_s = batchllm_run(tmp_path / "one.parquet")
     assert separate == one and len(one) == make_prompt_table().num_rows
+    # The engine core's own lines (its process is not the run's) are in the run's log file.
+    core_lines = [line for line in (tmp_path / "mp.log").read_text().splitlines()
+                  if " INFO [" in line and "[MainProcess]" not in line and " vllm." in line]
+    assert core_lines, "no vLLM line from the engine core's process in the log file"
     print(f"batchllm run, {len(one)} rows: engine core in its own process {separate_s:.1f}s, in one process {one_s:.1f}s")
 
 
