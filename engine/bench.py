@@ -524,7 +524,7 @@ def run_bench(args) -> dict:
     sampling = SamplingSettings(max_tokens=int(max_tokens.max()), ignore_eos=not constrained,
                                 response_format=response_format)
     scheduler = SchedulerSettings(
-        kv_budget_fraction=args.kv_budget_fraction, prefix_requests=not args.no_prefix_requests,
+        kv_budget_fraction=args.kv_budget_fraction, prefix_requests=args.prefix_requests,
         reserve_output=args.reserve_output, lookahead_tokens=args.lookahead_tokens,
     )
     names = args.runs.split(",") if args.runs else [n for n, run in RUNS.items() if run.prompts in prompt_sets]
@@ -763,7 +763,8 @@ def add_bench_parser(sub) -> None:
                        help="fixed lengths, random per row, or a short or long task per group")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--kv-budget-fraction", type=float, default=SchedulerSettings().kv_budget_fraction)
-    bench.add_argument("--no-prefix-requests", action="store_true", help="let the first rows compute their prefix")
+    bench.add_argument("--prefix-requests", action="store_true",
+                       help="compute a group's prefix by a request of its own where its rows cannot all enter at once")
     bench.add_argument("--reserve-output", choices=[r.value for r in ReserveOutput],
                        default=SchedulerSettings().reserve_output.value)
     bench.add_argument("--lookahead-tokens", type=int, default=SchedulerSettings().lookahead_tokens)

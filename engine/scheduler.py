@@ -340,19 +340,22 @@ class GroupScheduler:
 
     def _admit_group(self, group: _GroupState, decision: Decision) -> bool:
         """Hold the group's prefix blocks if its first row fits the budget with them. Its prefix is
-        computed by a prefix request only when its rows cannot all enter now: rows that enter in
-        the same step share the prefix anyway (vLLM caches a block when it allocates it, so the
-        first row's prefix blocks are cache hits for the rows scheduled after it), and a prefix
-        request would hold them back a step."""
+        computed by a prefix request only when some of its blocks are not held yet and its rows
+        cannot all enter now: rows that enter in the same step share the prefix anyway (vLLM caches
+        a block when it allocates it, so the first row's prefix blocks are cache hits for the rows
+        scheduled after it), and a prefix request would hold them back a step."""
         planned = group.planned
         new_blocks = sum(1 for key in group.block_keys if key not in self._holders)
         first = planned.rows[0]
         need = new_blocks + 1 + self._blocks_at(first, 0, self._cache_hit(first, planned.prefix_tokens) // self._block)
         if self._busy() and self.blocks_in_flight + need > self._budget:
             return False
-        rows_fit = self.blocks_in_flight + new_blocks + self._rows_cost(group) <= self._budget
+        # A prefix request computes the prefix before the rows need it: not when every block of it is
+        # already held (a shared system prompt cached by the groups in flight), nor when all its rows
+        # enter now and share it in this step anyway.
+        needs_computing = new_blocks > 0 and self.blocks_in_flight + new_blocks + self._rows_cost(group) > self._budget
         self._hold(group)
-        if self._uses_prefix_request(group) and not rows_fit:
+        if self._uses_prefix_request(group) and needs_computing:
             prefix = self._batch.tokens_of(first)[: planned.prefix_tokens]
             decision.submit.append(Submission(RequestKind.PREFIX, group.position, prefix, 1))
             self._prefixes[group.position] = group  # counts the prefix request's own output block

@@ -144,7 +144,9 @@ class SchedulerSettings(BaseModel):
         ReserveOutput.LOOKAHEAD, description="output KV reserved at admission: 'full' (never preempt) or "
         "'lookahead' (the next lookahead_tokens; more rows in flight)")
     lookahead_tokens: int = Field(16, description="output tokens reserved per running row with 'lookahead' (>= 0)")
-    prefix_requests: bool = Field(True, description="compute each group's prefix once, before its rows enter")
+    prefix_requests: bool = Field(
+        False, description="compute a group's prefix by a request of its own before its rows enter, where they cannot "
+        "all enter at once (off: the group's first row computes it, and the others find it cached)")
     min_group_rows: int = Field(2, description="rows a prefix must be shared by to form a group (>= 2)")
     log_every_s: float = Field(5.0, description="seconds between progress lines (> 0)")
 

@@ -72,9 +72,11 @@ def test_the_budget_is_never_exceeded_and_never_undercounts_what_the_engine_hold
     assert sorted(f.submission.row for f in out) == list(range(len(batch.lengths)))
 
 
-def test_a_group_prefix_stays_cached_until_its_last_row():
+@pytest.mark.parametrize("prefix_requests", [False, True])
+def test_a_group_prefix_stays_cached_until_its_last_row(prefix_requests):
     batch, groups = nested_batch(documents=8, rows_per_document=5)
-    engine, _, out, _, _ = run(batch, groups, np.full(len(batch.lengths), 6), num_blocks=48)
+    engine, _, out, _, _ = run(batch, groups, np.full(len(batch.lengths), 6), num_blocks=48,
+                               prefix_requests=prefix_requests)
     prefix_tokens = groups[0].prefix_tokens
     # Every row but its group's first found the whole group prefix in the cache: computed once,
     # by the prefix request or by the first row when the rows entered together.
@@ -169,7 +171,7 @@ def test_a_prefix_request_only_for_a_group_whose_rows_cannot_all_enter_and_it_ho
         groups.append(PlannedGroup(prefix_tokens=2 * BLOCK, rows=members))
     batch = make_batch(rows)
     engine, scheduler, out, watch, _ = run(batch, groups, np.full(len(rows), 3), num_blocks=40,
-                                           reserve_output=ReserveOutput.FULL)
+                                           reserve_output=ReserveOutput.FULL, prefix_requests=True)
     assert scheduler.stats.prefix_requests == 1  # group 0 only
     first_step = [sub.key for step, sub in engine.submitted if step == 0]
     assert first_step[0] == (RequestKind.PREFIX, 0)
