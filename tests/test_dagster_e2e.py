@@ -295,10 +295,10 @@ def test_a_job_whose_prompt_is_built_from_a_joins_fields_runs_end_to_end(tmp_pat
 
 
 def test_a_shard_that_finishes_after_a_newer_plan_writes_nothing_stale(job, monkeypatch):
-    """Shard S runs plan P1; meanwhile row X is edited, plan P2 lands (two hardware partitions), and
-    P2's shards all run and write the fresh X. Then S finishes: it must not write its stale X over
-    the fresh one, nor bring back a Parquet file P2 does not have. Nothing stale: P2's shards run
-    again reuse every row."""
+    """Shard S runs plan P1; meanwhile row X of its shard is edited and another of its rows deleted
+    (so its key is gone), plan P2 lands (two hardware partitions) and P2's shards all run and write
+    the fresh X. Then S finishes: it must not write its stale X over the fresh one, nor bring back a
+    Parquet file P2 does not have. Nothing stale: P2's shards run again reuse every row."""
     import assets.completions as completions_module
     from dagster_project.demo import run_planned_shards
 
@@ -313,10 +313,13 @@ def test_a_shard_that_finishes_after_a_newer_plan_writes_nothing_stale(job, monk
     def shard_overtaken_by_a_newer_plan(config, key, prepared, *args, **kwargs):
         outcome = run_shard(config, key, prepared, *args, **kwargs)
         if not landed:  # the first shard's answers are ready; before it writes, a newer plan runs whole
-            landed.append(prepared.ids[0])
+            edited, deleted = prepared.ids[0], prepared.ids[1]
+            landed.append(edited)
             with duckdb.connect(job.dataset.database) as con:
-                con.execute("UPDATE prompt_rows SET prompt = prompt || ' Answer in French.' WHERE id = ?", [landed[0]])
+                con.execute("UPDATE prompt_rows SET prompt = prompt || ' Answer in French.' WHERE id = ?", [edited])
+                con.execute("DELETE FROM prompt_rows WHERE id = ?", [deleted])
             assert dg.materialize(upstream, instance=instance).success
+            assert key not in instance.get_dynamic_partitions(job.partitions_name)  # the shard's key is gone
             run_planned_shards(instance, defs, "e2e")
         return outcome
 
@@ -324,10 +327,11 @@ def test_a_shard_that_finishes_after_a_newer_plan_writes_nothing_stale(job, monk
         assert dg.materialize(upstream, instance=instance).success
         first_key = instance.get_dynamic_partitions(job.partitions_name)[0]
         monkeypatch.setattr(completions_module, "run_shard_locally", shard_overtaken_by_a_newer_plan)
-        stale_run = dg.materialize([completions], partition_key=first_key, instance=instance)
+        # Its key is gone from the dynamic partitions, so Dagster fails the run when it records the
+        # materialization; what matters is what it wrote before: nothing.
+        dg.materialize([completions], partition_key=first_key, instance=instance, raise_on_error=False)
         monkeypatch.setattr(completions_module, "run_shard_locally", run_shard)
-        meta = stale_run.asset_materializations_for_node("e2e__completions")[0].metadata
-        assert meta["superseded_rows"].value >= 1  # at least the edited row
+        assert landed
         new_keys = set(instance.get_dynamic_partitions(job.partitions_name))
         # Every answer in DuckDB is the newer plan's: its shards, run again, reuse every row.
         again = [dg.materialize([completions], partition_key=k, instance=instance) for k in sorted(new_keys)]

@@ -160,9 +160,9 @@ def test_the_engine_core_in_its_own_process_started_by_spawn_gives_the_same_answ
 
     def batchllm_run(output, **env):
         started = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "engine.cli", "run", str(prompt_parquet), "--model", tiny_model,
-                               "--output", str(output), "--max-tokens", "6", "--kv-cache-blocks", "64", "--json",
-                               "--log-file", str(output.with_suffix(".log"))],
+        done = subprocess.run([sys.executable, "-m", "engine.cli", "--log-file", str(output.with_suffix(".log")), "run",
+                               str(prompt_parquet), "--model", tiny_model, "--output", str(output), "--max-tokens", "6",
+                               "--kv-cache-blocks", "64", "--json"],
                               check=True, capture_output=True, text=True, env={**os.environ, **env})
         answers = pq.read_table(output)
         assert "INFO" not in done.stderr  # vLLM's start-up report goes to the log file, not the console
