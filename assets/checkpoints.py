@@ -6,7 +6,8 @@ gives its rows other keys (one row inserted into a shard changes its key), the s
 keys reuse them from there (``other_checkpoints``: by row fingerprint, like their own). A folder
 is removed once no plan can use it (``prune_checkpoints``): its key is not in the plan on disk and
 each of its answers is of a deleted row or already in the output table under a key of that plan
-(from where a rerun reuses it). A shard removes its own folder once its rows are written.
+(from where a rerun reuses it). A shard removes its own folder once all its rows are written; one
+whose rows a newer plan superseded while it ran keeps it, for the newer plan's shards to reuse.
 """
 
 from pathlib import Path

@@ -168,11 +168,14 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
             with Staged(config.completions_parquet_path(key)) as staged:  # published once DuckDB has committed
                 pq.write_table(table, staged.path)
                 written = replace_partition(warehouse, config.output_table, key, table)
-        shutil.rmtree(checkpoint, ignore_errors=True)  # the table now holds every row of the shard
+        if not len(stale):
+            shutil.rmtree(checkpoint, ignore_errors=True)  # the table now holds every row of the shard
+        # else kept: the newer plan's shards reuse its still-valid answers by row fingerprint (a row
+        # that only moved to another key), and prune_checkpoints removes it once none is wanted.
         planned = planned_keys(config.plan_path)  # other shards' checkpoints this write made useless
         prune_checkpoints(config, warehouse, set(planned.column("partition_key").to_pylist()),
                           planned.column("id").combine_chunks())
-        context.log.info(f"wrote {written} rows of partition {key} to {config.output_table}")
+        context.log.info(f"wrote {table.num_rows} rows of partition {key} to {config.output_table} ({written} in it now)")
         return dg.MaterializeResult(
             metadata={
                 **run_metadata(outcome.stats, llm.hardware(), hardware_partition, info),
@@ -181,7 +184,8 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
                 "dagster/row_count": written,
             },
             check_results=partition_check_results(config, warehouse, key, table.column("id").to_pylist(), outcome.stats,
-                                                  constrained_answers(prepared, outcome.results, sampling)),
+                                                  constrained_answers(prepared, outcome.results, sampling),
+                                                  stale.to_pylist()),
         )
 
     return completions

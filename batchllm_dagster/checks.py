@@ -37,15 +37,19 @@ def partition_check_specs(config: BatchJobConfig) -> list[dg.AssetCheckSpec]:
 
 
 def partition_check_results(config: BatchJobConfig, warehouse: DuckDBResource, partition_key: str, shard_ids: list,
-                            stats: RunStats, constrained: list[tuple[object, str, ResponseFormat]]
-                            ) -> list[dg.AssetCheckResult]:
-    """``constrained``: (id, answer, format) of the shard's ok rows that have a response format."""
+                            stats: RunStats, constrained: list[tuple[object, str, ResponseFormat]],
+                            superseded_ids: list = ()) -> list[dg.AssetCheckResult]:
+    """``shard_ids``: the rows this run wrote; ``constrained``: (id, answer, format) of the shard's
+    ok rows that have a response format; ``superseded_ids``: rows a newer plan took over while it
+    ran, not written (an older answer of theirs in this partition is that plan's to replace)."""
     table = quote_identifier(config.output_table)
     with warehouse.get_connection() as con:
         con.register("expected", _ids_table(shard_ids))
+        con.register("superseded", _ids_table(list(superseded_ids)))
         missing, extra = con.execute(
             f"""
-            WITH mine AS (SELECT DISTINCT id FROM {table} WHERE partition_key = ?)
+            WITH mine AS (SELECT DISTINCT id FROM {table} WHERE partition_key = ?
+                          AND id NOT IN (SELECT id FROM superseded))
             SELECT (SELECT count(*) FROM expected WHERE id NOT IN (SELECT id FROM mine)),
                    (SELECT count(*) FROM mine WHERE id NOT IN (SELECT id FROM expected))
             """,
@@ -62,6 +66,7 @@ def partition_check_results(config: BatchJobConfig, warehouse: DuckDBResource, p
             [partition_key],
         ).fetchall()[0]
         con.unregister("expected")
+        con.unregister("superseded")
     saving = stats.saving_vs_ideal
     return [
         dg.AssetCheckResult(

@@ -200,11 +200,12 @@ def load_shard(path: Path, key: str, stamp: dict[str, str],
         return prepared_batch(rows, _token_ids(rows)), int(rows["shard"][0].as_py()), answer_identity(rows)
 
 
-# What decides a row's answer in a plan, besides the stamp: its token ids (content key), its
-# max_tokens and its response format. The same in the plan on disk when a shard writes as in the
-# plan it ran, under the same stamp, or the row's answer is superseded.
+# What decides a row's answer in a plan: the model and the settings of the stamp, the row's token
+# ids (content key), its max_tokens and its response format. The same in the plan on disk when a
+# shard writes as in the plan it ran, or the row's answer is superseded. Not the snapshot digest:
+# it changes with any row of the table, and an edit of another row must not discard this one.
 _ANSWER_COLUMNS = ["id", CONTENT_KEY, "max_tokens", "response_format"]
-_STAMP_KEYS = [k.encode() for k in _STAMP_WHAT]
+_STAMP_KEYS = [b"batchllm.model", b"batchllm.settings"]
 
 
 def answer_identity(rows: pa.Table) -> pa.Table:

@@ -115,6 +115,51 @@ def test_cli_run_killed_midway_resumes_without_recomputing_or_duplicating(big_pr
     assert pq.read_table(output).num_rows == total
 
 
+def test_dagster_run_terminated_keeps_every_finished_row(big_prompts, tmp_path, tiny_model, monkeypatch):
+    """Terminating a Dagster run (the UI's Terminate, a run launcher's or a container's stop) reaches
+    the run worker as SIGTERM: Dagster raises it inside the step as an interrupt, and the partition
+    writes every row finished so far, including those since its last checkpoint part; the rerun
+    reuses all of them."""
+    from engine.settings import SchedulerSettings
+
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    config = BatchJobConfig(name="stopped", dataset=DatasetSpec(parquet=str(big_prompts)),
+                            llm=EngineSettings(model_path=tiny_model, kv_cache_blocks=256),
+                            sampling=SamplingSettings(max_tokens=int(MAX_TOKENS)), shards=1,
+                            scheduler=SchedulerSettings(log_every_s=0.2), output_database=str(tmp_path / "out.duckdb"),
+                            output_table="answers", storage_dir=str(tmp_path / "jobs"))
+    config_file = tmp_path / "job.json"
+    config_file.write_text(config.model_dump_json())
+    child = subprocess.Popen([sys.executable, "-m", "tests.fault_job", str(config_file)], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, cwd=ROOT, env={**os.environ, "DAGSTER_HOME": str(home)})
+    lines, written_before = [], None
+    for line in child.stdout:  # until rows have finished that no checkpoint part holds yet
+        lines.append(line)
+        done = re.search(r"(\d+)/(\d+) rows \(", line)
+        if done and 0 < int(done.group(1)) < int(done.group(2)):
+            folders = list((config.job_dir / "checkpoints").glob("*"))
+            written_before = rows_in_parts(folders[0]) if folders else 0
+            if written_before < int(done.group(1)):
+                break
+    assert child.poll() is None and written_before is not None, "run ended before it could be terminated:\n" + "".join(lines)
+    child.send_signal(signal.SIGTERM)
+    rest, _ = child.communicate(timeout=120)
+    assert child.returncode != 0, rest
+    (folder,) = list((config.job_dir / "checkpoints").glob("*"))
+    written = rows_in_parts(folder)
+    total = make_prompt_table(seed=3, **ROWS).num_rows
+    assert written_before < int(done.group(1)) <= written < total  # the rows in memory at the signal too
+    instance = dg.DagsterInstance.get()
+    (stopped,) = [r for r in instance.get_runs() if r.tags.get("dagster/partition") == folder.name]
+    assert stopped.status == dg.DagsterRunStatus.FAILURE and "DagsterExecutionInterruptedError" in rest
+
+    rerun = dg.materialize([completions_and_plan(config)[2]], partition_key=folder.name, instance=instance)
+    meta = rerun.asset_materializations_for_node("stopped__completions")[0].metadata
+    assert meta["reused_rows"].value == written and meta["rows"].value == total - written
+
+
 def test_dagster_partition_killed_midway_resumes(big_prompts, tmp_path, tiny_model, monkeypatch):
     home = tmp_path / "dagster_home"
     home.mkdir()

@@ -1,8 +1,11 @@
-"""Five unattended nights on real vLLM (tiny model) and Dagster: rows inserted, edited and deleted at
-the source, the model's weights replaced in place, the schedule and the source sensor firing at
-once. After every night: one answer per live id, each the current model's answer to the current
-prompt (equal to a run from scratch), no answer of a deleted id, every check green, no run failed."""
+"""Seven unattended nights on real vLLM (tiny model) and Dagster, two hardware partitions: rows
+inserted, edited and deleted at the source, the model's weights replaced in place, the schedule and
+the source sensor firing at once, a plan landing while a shard runs, a shard killed part-way whose
+key then changes. After every night: one answer per live id, each the current model's answer to the
+current prompt (equal to a run from scratch), no answer of a deleted id, the Parquet files holding
+the same rows once, every check green."""
 
+import contextlib
 import shutil
 
 import dagster as dg
@@ -13,8 +16,8 @@ import pytest
 
 from assets import build_batch_defs
 from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings, SamplingSettings
-from dagster_project.demo import run_planned_shards
-from engine.checkpoint import NEW_ROW, ROW_CHANGED, SETTINGS_CHANGED
+from dagster_project.demo import QUIET, run_planned_shards
+from engine.checkpoint import NEW_ROW, ROW_CHANGED, SETTINGS_CHANGED, Checkpoint
 from engine.models import build_tiny_model
 
 from .conftest import make_prompt_table
@@ -36,6 +39,7 @@ def nightly(tmp_path, tiny_model):
         llm=EngineSettings(model_path=str(model), kv_cache_blocks=64),
         sampling=SamplingSettings(max_tokens=6),
         shards=2,
+        hardware=["gpu-a", "gpu-b"],  # shard 0 runs on one, shard 1 on the other
         output_database=str(database),
         output_table="answers",
         storage_dir=str(tmp_path / "jobs"),
@@ -99,7 +103,74 @@ def check_the_night(config, plans, shards, expected: dict) -> dict:
     return reasons
 
 
-def test_five_nights_never_a_stale_answer_an_orphan_or_a_red_check(nightly, tmp_path):
+def new_weights(config: BatchJobConfig, folder, seed: int) -> None:
+    """The model's weights re-exported to the same folder (a nightly fine-tune): every row runs again."""
+    other = build_tiny_model(folder / f"weights-{seed}", seed=seed)
+    shutil.copyfile(other / "model.safetensors", f"{config.llm.model_path}/model.safetensors")
+
+
+def plan_now(defs, instance):
+    plan = defs.resolve_job_def("nightly_plan").execute_in_process(instance=instance, run_config=QUIET)
+    assert plan.success
+    return plan
+
+
+def shard_requests(defs, instance) -> list:
+    """What the shard sensor asks for after the latest plan: one run per shard."""
+    sensor = defs.resolve_sensor_def("nightly_run_shards")
+    with dg.partition_loading_context(dynamic_partitions_store=instance):
+        return sensor.evaluate_tick(dg.build_sensor_context(instance=instance, definitions=defs)).run_requests
+
+
+def run_shard(defs, instance, request):
+    return defs.resolve_job_def(request.job_name).execute_in_process(
+        partition_key=request.partition_key, instance=instance, run_config=QUIET, tags=request.tags,
+        raise_on_error=False)
+
+
+def queue_run(defs, instance, request):
+    """A shard run created as the daemon queues it: it starts later, from what it was queued with."""
+    job = defs.resolve_job_def(request.job_name)
+    return instance.create_run_for_job(job, tags={**job.tags, **request.tags, "dagster/partition": request.partition_key},
+                                       run_config={**QUIET, "execution": {"config": {"in_process": {}}}})
+
+
+def start_queued(defs, instance, request, queued):
+    from dagster._core.definitions.job_base import InMemoryJob
+    from dagster._core.execution.api import execute_run
+
+    return execute_run(InMemoryJob(defs.resolve_job_def(request.job_name)), instance.get_run_by_id(queued.run_id), instance)
+
+
+def shard_ids(config: BatchJobConfig, key: str) -> list:
+    plan = pq.read_table(config.plan_path, columns=["id", "partition_key"]).to_pylist()
+    return [row["id"] for row in plan if row["partition_key"] == key]
+
+
+@contextlib.contextmanager
+def once_a_shard_finished(key: str, rows: int, then):
+    """Call ``then(finished ids)`` inside the run of shard ``key``, right after its ``rows``-th
+    finished row went to its checkpoint (the run goes on afterwards unless ``then`` raises)."""
+    add, finished = Checkpoint.add, []
+
+    def add_and_maybe_interrupt(self, result):
+        add(self, result)
+        if self.folder.name == key:
+            finished.append(result.id)
+            if len(finished) == rows:
+                then(list(finished))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Checkpoint, "add", add_and_maybe_interrupt)
+        yield finished
+
+
+def completions_metadata(run) -> dict:
+    (materialization,) = run.asset_materializations_for_node("nightly__completions")
+    return {name: value.value for name, value in materialization.metadata.items()}
+
+
+def test_seven_nights_never_a_stale_answer_an_orphan_or_a_red_check(nightly, tmp_path):
     config = nightly
     source = config.dataset.database
     defs = build_batch_defs(config)
@@ -116,9 +187,8 @@ def test_five_nights_never_a_stale_answer_an_orphan_or_a_red_check(nightly, tmp_
                 if n == 4:  # a whole document goes, one more edit
                     con.execute("DELETE FROM prompt_rows WHERE id LIKE 'doc4-%'")
                     con.execute("UPDATE prompt_rows SET prompt = prompt || ' (again)' WHERE id = 'new-doc1-q2'")
-            if n in (3, 5):  # the model's weights re-exported to the same folder (a nightly fine-tune)
-                other = build_tiny_model(tmp_path / f"weights-{n}", seed=n)
-                shutil.copyfile(other / "model.safetensors", f"{config.llm.model_path}/model.safetensors")
+            if n in (3, 5):
+                new_weights(config, tmp_path, n)
             plans, shards, cursor = night(defs, config, instance, cursor)
             reasons = check_the_night(config, plans, shards, from_scratch(config))
             with duckdb.connect(source, read_only=True) as con:
@@ -132,7 +202,68 @@ def test_five_nights_never_a_stale_answer_an_orphan_or_a_red_check(nightly, tmp_
                 assert reasons == {SETTINGS_CHANGED: live}
             if n == 4:
                 assert reasons == {ROW_CHANGED: 1}
-    print("five nights (night, live rows, plan runs, shard runs, rows run again by reason):", counts)
+
+        # Night 6: a plan lands while a shard runs. New weights, so every row runs; while shard A
+        # runs, a row of A is edited and a row of the other shard B deleted, and the plan job runs
+        # again (B gets a new key, A keeps its key). A writes all its answers but the edited row's
+        # (superseded: the newer plan wants it again); B's run queued for the old plan refuses; the
+        # newer plan's shards answer the rest.
+        new_weights(config, tmp_path, 6)
+        old_plan = plan_now(defs, instance)
+        first, second = shard_requests(defs, instance)
+        a_rows, b_rows = shard_ids(config, first.partition_key), shard_ids(config, second.partition_key)
+        edited, deleted = a_rows[-1], b_rows[0]
+
+        def edit_and_plan(_finished):
+            with duckdb.connect(source) as con:
+                con.execute("UPDATE prompt_rows SET prompt = prompt || ' (during)' WHERE id = ?", [edited])
+                con.execute("DELETE FROM prompt_rows WHERE id = ?", [deleted])
+            plan_now(defs, instance)
+
+        queued_b = queue_run(defs, instance, second)  # the sensor queues both; B waits for its GPU
+        with once_a_shard_finished(first.partition_key, 1, edit_and_plan):
+            a = run_shard(defs, instance, first)
+        assert a.success
+        meta = completions_metadata(a)
+        assert meta["superseded_rows"] == 1 and meta["rows"] == len(a_rows)  # all ran, one not written
+        b = start_queued(defs, instance, second, queued_b)
+        assert not b.success  # queued for the old plan: its key is gone
+        assert "the plan changed since this run was queued" in "\n".join(
+            str(e.event_specific_data.error) for e in b.all_events if e.is_failure)
+        assert second.partition_key not in instance.get_dynamic_partitions(config.partitions_name)
+        shards = run_planned_shards(instance, defs, "nightly")
+        reasons = check_the_night(config, [old_plan], [a, *shards], from_scratch(config))
+        # A's rows once on the new weights, the edited row again (its checkpointed answer was of the
+        # old prompt), B's rows but the deleted one: nothing else ran twice.
+        assert reasons == {SETTINGS_CHANGED: len(a_rows) + len(b_rows) - 1, ROW_CHANGED: 1}
+        counts.append((6, len(a_rows) + len(b_rows) - 1, 2, 2 + len(shards), reasons))
+
+        # Night 7: a shard killed at 90% whose key then changes. New weights; shard A dies once 90%
+        # of its rows are checkpointed; before the rerun a row of A that had not finished is deleted,
+        # so A's rows get a new key. The new key's run reuses every answer the dead run finished.
+        new_weights(config, tmp_path, 7)
+        plan_now(defs, instance)
+        first, second = shard_requests(defs, instance)
+        a_rows = shard_ids(config, first.partition_key)
+
+        def die(_finished):
+            raise RuntimeError("the node went away")
+
+        with once_a_shard_finished(first.partition_key, len(a_rows) * 9 // 10, die) as finished:
+            assert not run_shard(defs, instance, first).success
+        assert run_shard(defs, instance, second).success
+        unfinished = sorted(set(a_rows) - set(finished))
+        with duckdb.connect(source) as con:
+            con.execute("DELETE FROM prompt_rows WHERE id = ?", [unfinished[0]])
+        plans, shards, cursor = night(defs, config, instance, cursor)
+        assert first.partition_key not in instance.get_dynamic_partitions(config.partitions_name)
+        reasons = check_the_night(config, plans, shards, from_scratch(config))
+        rerun_of_a = [completions_metadata(run) for run in shards if set(shard_ids(config, run.dagster_run.tags["dagster/partition"])) == set(a_rows) - {unfinished[0]}]
+        assert [m["reused_rows"] for m in rerun_of_a] == [len(finished)]
+        assert reasons == {SETTINGS_CHANGED: len(unfinished) - 1}  # only what the dead run had not finished
+        assert not config.checkpoint_path(first.partition_key).exists()  # its answers are in the table now
+        counts.append((7, None, len(plans), len(shards), reasons))
+    print("seven nights (night, live rows, plan runs, shard runs, rows run again by reason):", counts)
 
 
 def test_a_shard_run_queued_for_a_superseded_plan_says_so(nightly):

@@ -32,6 +32,8 @@ def test_answers_a_newer_plan_wants_from_elsewhere_are_superseded(tmp_path):
     assert sorted(superseded(path, "K", ran).to_pylist()) == ["a", "d", "e"]
     plan(path, [(i, k, 16 if i == "c" else m, f, p) for i, k, m, f, p in first])  # c's max_tokens changed
     assert superseded(path, "K", ran).to_pylist() == ["c"]
+    plan(path, first, stamp={**STAMP, b"batchllm.snapshot": b"s2"})  # another row of the table changed: not these
+    assert superseded(path, "K", ran).to_pylist() == []
     plan(path, first, stamp={**STAMP, b"batchllm.model": b"m2"})  # another model: no old answer is wanted
     assert sorted(superseded(path, "K", ran).to_pylist()) == ["a", "b", "c", "d", "e"]
 
