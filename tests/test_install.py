@@ -1,0 +1,20 @@
+"""`make test` and `make demo` keep the extras installed last: on a GPU node installed with
+`make install EXTRAS=gpu,dev` they never reinstall the CPU build."""
+
+import os
+import subprocess
+
+from .conftest import ROOT
+
+
+def dry_run(target: str, venv, *args) -> str:
+    return subprocess.run(["make", "-n", target, f"VENV={venv}", *args], capture_output=True, text=True, check=True,
+                          cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "EXTRAS"}).stdout
+
+
+def test_make_test_keeps_the_gpu_extras_a_node_was_installed_with(tmp_path):
+    assert 'pip install -q -e ".[cpu,dev]"' in dry_run("test", tmp_path)  # nothing installed: the CPU default
+    (tmp_path / ".installed-gpu,dev").touch()  # `make install EXTRAS=gpu,dev` leaves this
+    for target in ("test", "demo"):
+        assert "pip install" not in dry_run(target, tmp_path)
+    assert 'pip install -q -e ".[cpu,dev]"' in dry_run("install", tmp_path, "EXTRAS=cpu,dev")  # asked for: installed
