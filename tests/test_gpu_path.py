@@ -209,3 +209,40 @@ def test_the_gpu_check_script_runs_every_step_and_writes_one_report(tiny_model, 
     assert nested["outputs_equal"] and nested["workload"]["dtype"] == "float32"
     sizes = [m["asked_rows_in_flight"] for m in report["steps"]["scheduler"]["result"]["scheduler_overhead"]]
     assert sizes == [1024, report["batch_size_checked"]]
+
+
+@pytest.mark.slow  # imports vLLM
+def test_shards_of_different_sizes_build_engines_with_one_compile_hash(monkeypatch, tiny_model, tmp_path):
+    """vLLM keys its torch.compile cache and CUDA graphs by ``VllmConfig.compute_hash()``, which
+    holds ``max_num_seqs`` and ``max_num_batched_tokens``: a shard of 5 rows and one of 30, on
+    the engine path every shard takes (``run_resumable`` opening the job's engine), build configs
+    with the same hash, so a node compiles once. (A batch-sized ``max_num_seqs`` would not.)"""
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from engine.prepared import prepare_batch
+    from engine.resume import run_resumable
+    from engine.settings import SamplingSettings
+    from engine.tokenizing import load_tokenizer
+    from engine.vllm_engine import EngineStartError
+
+    from .conftest import make_prompt_table
+
+    hashes = []
+
+    def from_engine_args(args, **kwargs):
+        hashes.append(args.create_engine_config(UsageContext.LLM_CLASS).compute_hash())
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", from_engine_args)
+    settings, sampling = EngineSettings(model_path=tiny_model, kv_cache_blocks=64), SamplingSettings(max_tokens=4)
+    table = make_prompt_table()
+    for rows in (5, 30):
+        prepared = prepare_batch(table.slice(0, rows), load_tokenizer(tiny_model), settings, sampling)
+        with pytest.raises(EngineStartError, match="recorded"):
+            run_resumable(prepared, settings, sampling, tmp_path / f"checkpoint-{rows}")
+    assert len(hashes) == 2 and hashes[0] == hashes[1]
+    sized = EngineSettings(model_path=tiny_model, kv_cache_blocks=64, max_num_seqs=5)
+    with pytest.raises(EngineStartError, match="recorded"):
+        run_resumable(prepared, sized, sampling, tmp_path / "checkpoint-sized")
+    assert hashes[2] != hashes[0]  # the hash does see max_num_seqs
