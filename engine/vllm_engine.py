@@ -76,6 +76,19 @@ def check_kv_cache_layout(engine, block_size: int) -> None:
     if groups is None and (model.is_hybrid or model.get_sliding_window()):
         raise EngineStartError("this model mixes attention kinds (hybrid or sliding window), so its KV cache has "
                                "more than one pool; the scheduler counts one and would over-admit: not supported yet")
+    # With the core in its own process the groups are not readable, but the capacity it copies back
+    # is: vLLM counts a row at max_model_len as the sum of every group's blocks; for one
+    # full-attention group that is ceil(max_model_len / block_size) of ours.
+    cache = engine.vllm_config.cache_config
+    reported = getattr(cache, "kv_cache_size_tokens", None)
+    if reported is not None and cache.num_gpu_blocks:
+        one_pool = int(cache.num_gpu_blocks / -(-model.max_model_len // block_size) * model.max_model_len)
+        if reported != one_pool:
+            raise EngineStartError(
+                f"vLLM reports a KV cache of {reported:,} tokens, but one pool of {cache.num_gpu_blocks:,} blocks of "
+                f"{block_size} tokens holds {one_pool:,} for rows of {model.max_model_len:,}: this model's KV cache has "
+                "more than one group (sliding-window, Mamba or other layers beside full attention); the scheduler "
+                "counts one pool and would over-admit: not supported yet")
 
 
 def kv_cache_groups(engine) -> list | None:

@@ -122,6 +122,19 @@ def test_what_vllm_decided_is_read_back_and_another_block_size_is_refused(tiny_m
         check_kv_cache_layout(engine._engine, 32)
         with pytest.raises(EngineStartError, match="vLLM chose KV blocks of 32 tokens, not the 16"):
             check_kv_cache_layout(engine._engine, 16)
+        # What a core in its own process copies back: the capacity vLLM computed over every group.
+        # One full-attention group: exactly the one-pool count; a second group (a sliding window
+        # beside full attention) makes each row cost more blocks, so vLLM reports fewer tokens.
+        cache, model = engine._engine.vllm_config.cache_config, engine._engine.vllm_config.model_config
+        per_row = -(-model.max_model_len // 32)
+        assert cache.kv_cache_size_tokens == int(cache.num_gpu_blocks / per_row * model.max_model_len)
+        reported = cache.kv_cache_size_tokens
+        try:
+            cache.kv_cache_size_tokens = int(cache.num_gpu_blocks / (per_row + 4) * model.max_model_len)
+            with pytest.raises(EngineStartError, match="more than one group"):
+                check_kv_cache_layout(engine._engine, 32)
+        finally:
+            cache.kv_cache_size_tokens = reported
 
 
 def test_answers_equal_vllms_own_generate(tiny_model):
