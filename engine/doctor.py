@@ -48,7 +48,7 @@ def environment_problems(platform: Platform, env: dict[str, str]) -> list[str]:
 
 
 def check(settings: EngineSettings, rows: int = 16) -> Report:
-    from .gpus import gpus
+    from .gpus import gpus, visible_gpus
     from .vllm_env import (
         VLLM_SERIES,
         check_vllm_version,
@@ -64,14 +64,16 @@ def check(settings: EngineSettings, rows: int = 16) -> Report:
     version = vllm_version()
     report.facts.update(platform=platform.value, detected_by=platform_detection(), vllm=version,
                         vllm_pinned=f"{VLLM_SERIES}.x",
-                        gpus=[{"index": g.index, "name": g.name, "memory_gib": round(g.memory_gib, 1)} for g in gpus()])
+                        gpus=[{"index": g.index, "name": g.name, "memory_gib": round(g.memory_gib, 1)} for g in visible_gpus()],
+                        gpus_on_node=len(gpus()))
     try:
         check_vllm_version(version.split(" ")[-1])
     except RuntimeError as exc:
         report.problem(str(exc))
-    if platform is Platform.CUDA and settings.tensor_parallel_size > len(gpus()):
+    if platform is Platform.CUDA and settings.tensor_parallel_size > len(visible_gpus()):
         report.problem(f"tensor_parallel_size {settings.tensor_parallel_size} needs {settings.tensor_parallel_size} "
-                       f"GPUs; this node has {len(gpus())}: lower it or run on a bigger node")
+                       f"GPUs; this process may use {len(visible_gpus())} of the node's {len(gpus())} "
+                       f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): lower it or give it more")
     env = {**process_env(settings, platform), **os.environ}  # what the engine will see: the user's values win
     for problem in environment_problems(platform, env):
         report.problem(problem)
@@ -110,6 +112,8 @@ def _start_and_answer(settings: EngineSettings, rows: int, report: Report) -> No
             "start_s": round(time.perf_counter() - started, 2), "kv_capacity_blocks": engine.kv_capacity_blocks,
             "block_size": resolved.cache_config.block_size, "max_num_seqs": engine.max_num_seqs,
             "max_num_batched_tokens": engine.max_num_batched_tokens, "dtype": str(resolved.model_config.dtype),
+            "kv_cache_tokens": getattr(resolved.cache_config, "kv_cache_size_tokens", None),
+            "max_model_len": resolved.model_config.max_model_len,
             "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1",
             "platform": current_platform().value}
         run_started = time.perf_counter()

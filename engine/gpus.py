@@ -21,6 +21,7 @@ class GPU:
     index: int
     name: str
     memory_bytes: int
+    uuid: str = ""  # "GPU-8c2f...", how CUDA_VISIBLE_DEVICES may name it
 
     @property
     def memory_gib(self) -> float:
@@ -58,7 +59,12 @@ def read_gpus(nvml=None) -> list[GPU]:
                     or nvml.nvmlDeviceGetName(handle, name, ctypes.c_uint(96)) != 0
                     or nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) != 0):
                 continue
-            gpus.append(GPU(index, name.value.decode(errors="replace"), int(memory.total)))
+            uuid = ctypes.create_string_buffer(96)
+            uuid_read = getattr(nvml, "nvmlDeviceGetUUID", None)
+            if uuid_read is None or uuid_read(handle, uuid, ctypes.c_uint(96)) != 0:
+                uuid.value = b""
+            gpus.append(GPU(index, name.value.decode(errors="replace"), int(memory.total),
+                            uuid.value.decode(errors="replace")))
         return gpus
     finally:
         nvml.nvmlShutdown()
@@ -68,3 +74,26 @@ def read_gpus(nvml=None) -> list[GPU]:
 def gpus() -> tuple[GPU, ...]:
     """This machine's GPUs (read once)."""
     return tuple(read_gpus())
+
+
+def visible(all_gpus: tuple[GPU, ...], cuda_visible_devices: str | None) -> tuple[GPU, ...]:
+    """The GPUs a process started with ``CUDA_VISIBLE_DEVICES`` may use, in its order (unset: all).
+    Entries are indices or UUID prefixes, as CUDA reads them: the list ends at the first that names
+    no GPU ("" or "-1": none)."""
+    if cuda_visible_devices is None:
+        return all_gpus
+    chosen: list[GPU] = []
+    for entry in (e.strip() for e in cuda_visible_devices.split(",")):
+        match = ([g for g in all_gpus if str(g.index) == entry] if entry.isdigit() else
+                 [g for g in all_gpus if g.uuid and entry.startswith(("GPU-", "MIG-")) and g.uuid.startswith(entry)])
+        if len(match) != 1 or match[0] in chosen:
+            break
+        chosen.append(match[0])
+    return tuple(chosen)
+
+
+def visible_gpus() -> tuple[GPU, ...]:
+    """The GPUs this process's ``CUDA_VISIBLE_DEVICES`` leaves it (a Ray actor's, a pod's share)."""
+    import os
+
+    return visible(gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"))

@@ -49,11 +49,29 @@ class FakeNVML:
         return 0
 
 
+    def nvmlDeviceGetUUID(self, handle, uuid, length):
+        text = f"GPU-{handle.value:08d}-aaaa\0".encode()
+        ctypes.memmove(uuid, text, len(text))
+        return 0
+
+
 def test_gpus_are_read_from_nvml_and_none_without_it():
     nvml = FakeNVML(count=2)
-    assert read_gpus(nvml) == [GPU(0, "NVIDIA H200", H200_BYTES), GPU(1, "NVIDIA H200", H200_BYTES)]
+    assert read_gpus(nvml) == [GPU(0, "NVIDIA H200", H200_BYTES, "GPU-00001000-aaaa"),
+                               GPU(1, "NVIDIA H200", H200_BYTES, "GPU-00001001-aaaa")]
     assert nvml.shut
     assert read_gpus() == []  # this machine has no NVIDIA driver
+
+
+def test_the_gpus_a_process_may_use_are_the_ones_cuda_visible_devices_leaves():
+    from engine.gpus import visible
+
+    node = tuple(GPU(i, "NVIDIA H200", H200_BYTES, f"GPU-{i}{i}{i}-aaaa") for i in range(4))
+    assert visible(node, None) == node
+    assert visible(node, "2,0") == (node[2], node[0])  # CUDA's order: the process's cuda:0 is GPU 2
+    assert visible(node, "GPU-111,3") == (node[1], node[3])  # a UUID prefix names a GPU too
+    assert visible(node, "1,7,2") == (node[1],)  # the list ends at an entry that names no GPU
+    assert visible(node, "") == visible(node, "-1") == ()
 
 
 def test_detecting_a_gpu_and_building_its_engine_arguments_never_touch_torch_cuda():
@@ -205,8 +223,11 @@ def test_the_gpu_check_script_runs_every_step_and_writes_one_report(tiny_model, 
                           text=True, timeout=480)
     report = json.loads(out.read_text())
     assert done.returncode == 0, {name: step["stderr_tail"][-800:] for name, step in report["steps"].items()}
-    assert report["ok"] and set(report["steps"]) == {"doctor", "bench_nested", "scheduler"}
-    assert report["steps"]["doctor"]["result"]["verdict"] == "ready"
+    assert report["ok"] and set(report["steps"]) == {"doctor_cold", "doctor", "bench_nested", "scheduler"}
+    assert report["steps"]["doctor_cold"]["result"]["verdict"] == report["steps"]["doctor"]["result"]["verdict"] == "ready"
+    warm = int(report["steps"]["doctor"]["result"]["engine"]["start_s"])
+    assert report["steps"]["bench_nested"]["limit_s"] == 2 * 5 * (warm + 60)  # sized from the warm start
+    assert all(step["limit_why"] and not step["timed_out"] for step in report["steps"].values())
     nested = report["steps"]["bench_nested"]["result"]
     assert nested["outputs_equal"] and nested["workload"]["dtype"] == "float32"
     sizes = [m["asked_rows_in_flight"] for m in report["steps"]["scheduler"]["result"]["scheduler_overhead"]]
