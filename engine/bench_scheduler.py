@@ -68,6 +68,61 @@ class SteadyDecodeEngine:
         return report
 
 
+class LLMEngineStandIn:
+    """vLLM's ``LLMEngine`` as ``VLLMEngine`` drives it, with no model: a request's first token comes
+    in the step it enters and one more each step. With DELTA outputs and ``STREAM_INTERVAL`` vLLM
+    emits a ``RequestOutput`` at a request's first token and at its finish only, and so does this;
+    its own time is kept apart (``engine_s``, ``gaps``), so what is measured is ours: the handle
+    turning outputs into reports and building each request's ``SamplingParams``, the scheduler, drive."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.renderer = SimpleNamespace(render_cmpl=lambda prompts: prompts)
+        self._step, self.running, self.engine_s = 0, 0, 0.0
+        self._entering: list[tuple[str, int, int]] = []
+        self._finishing: dict[int, list[tuple[str, int, int]]] = defaultdict(list)
+        self._left_at: float | None = None
+        self.gaps: list[float] = []
+        self.in_flight: list[int] = []
+
+    def add_request(self, request_id: str, engine_input: dict, params) -> None:
+        self._entering.append((request_id, params.max_tokens, len(engine_input["prompt_token_ids"])))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self._entering)
+
+    def step(self) -> list:
+        entered = time.perf_counter()
+        if self._left_at is not None:
+            self.gaps.append(entered - self._left_at)
+        self._step += 1
+        outputs = []
+        for request in self._entering:
+            self.running += 1
+            self._finishing[self._step + request[1] - 1].append(request)
+            if request[1] > 1:
+                outputs.append(_request_output(request[0], 1, False, request[2]))
+        self._entering = []
+        for request_id, max_tokens, prompt_tokens in self._finishing.pop(self._step, ()):
+            self.running -= 1
+            outputs.append(_request_output(request_id, max(max_tokens - 1, 1), True, prompt_tokens))
+        self.in_flight.append(self.running)
+        self._left_at = time.perf_counter()
+        self.engine_s += self._left_at - entered
+        return outputs
+
+
+def _request_output(request_id: str, new_tokens: int, finished: bool, prompt_tokens: int):
+    """What ``VLLMEngine.step`` reads of a vLLM ``RequestOutput`` (DELTA: the new tokens only)."""
+    from types import SimpleNamespace
+
+    completion = SimpleNamespace(token_ids=[7] * new_tokens, text="x" * new_tokens,
+                                 finish_reason="length" if finished else None, stop_reason=None)
+    return SimpleNamespace(request_id=request_id, outputs=[completion], finished=finished,
+                           prompt_token_ids=range(prompt_tokens), num_cached_tokens=0)
+
+
 def _finished(submission: Submission):
     from .requests import Finished
 
@@ -87,11 +142,12 @@ def _batch(rows: int, mean_output: int, seed: int) -> tuple[TokenizedBatch, np.n
     return TokenizedBatch.from_rows(tokens), max_tokens, groups
 
 
-def measure(in_flight: int, finishing_per_step: int = 16, seed: int = 0) -> dict:
+def measure(in_flight: int, finishing_per_step: int = 16, seed: int = 0, with_handle: bool = False) -> dict:
     """Our per-step cost with about ``in_flight`` rows in the engine, about ``finishing_per_step``
     of them finishing (and as many entering) each step: outputs average in_flight / that many
     tokens, as a long-output job at GPU scale. The same rows changing per step at every size shows
-    whether the cost follows the rows in flight or the rows that change."""
+    whether the cost follows the rows in flight or the rows that change. ``with_handle``: the
+    engine is ``VLLMEngine`` over ``LLMEngineStandIn``, so the handle's cost per output is ours too."""
     mean_output = max(8, in_flight // finishing_per_step)
     rows = in_flight * 2  # the engine fills, stays full while rows finish and enter, then drains
     batch, max_tokens, groups = _batch(rows, mean_output, seed)
@@ -99,7 +155,15 @@ def measure(in_flight: int, finishing_per_step: int = 16, seed: int = 0) -> dict
     # A row holds its own tokens and its output so far, plus the lookahead (about half its output
     # at mid-life); its group's prefix is shared by 256 rows.
     capacity = in_flight * (-(-(OWN_TOKENS + mean_output // 2 + 16) // BLOCK) + 1) * 2 // 3
-    engine = SteadyDecodeEngine(capacity)
+    if with_handle:
+        from .vllm_engine import VLLMEngine, sampling_params
+
+        sampling_params(SamplingSettings(), 1)  # vLLM's import, once, before anything is timed
+
+        engine = LLMEngineStandIn()  # its time and gaps; the handle's work falls in the gaps
+        driven = VLLMEngine.over(engine, BLOCK, capacity)
+    else:
+        engine = driven = SteadyDecodeEngine(capacity)
     scheduler = GroupScheduler(batch, max_tokens, groups, settings, BLOCK, capacity)
     recount_s = []
 
@@ -111,7 +175,7 @@ def measure(in_flight: int, finishing_per_step: int = 16, seed: int = 0) -> dict
             engine._left_at += time.perf_counter() - started  # not part of today's step
 
     started = time.perf_counter()
-    finished = sum(1 for _ in drive(scheduler, engine, SamplingSettings(), StepTotals(), on_step=recount))
+    finished = sum(1 for _ in drive(scheduler, driven, SamplingSettings(), StepTotals(), on_step=recount))
     wall = time.perf_counter() - started
     steady = slice(len(engine.gaps) // 4, len(engine.gaps) * 3 // 4)  # full: without the fill and the drain
     gaps = np.array(engine.gaps[steady]) * 1e6
@@ -123,12 +187,19 @@ def measure(in_flight: int, finishing_per_step: int = 16, seed: int = 0) -> dict
 
 
 def run_scheduler_only(sizes: list[int]) -> dict:
+    """Per size: the scheduler and drive alone, and with the vLLM handle over an engine stand-in that
+    emits what vLLM emits (the host work a GPU waits for between two steps)."""
     results = [measure(n) for n in sizes]
+    with_handle = [measure(n, with_handle=True) for n in sizes]
     worst = max(results, key=lambda r: r["rows_in_flight"])
-    return {"scheduler_overhead": results, "target_us_per_step_at_16384": 200,
+    at_1024 = [r for r in with_handle if r["asked_rows_in_flight"] == 1024]
+    return {"scheduler_overhead": results, "with_vllm_handle": with_handle, "target_us_per_step_at_16384": 200,
+            "target_us_per_step_mean_with_handle_at_1024": 200,
             "verdict": f"{worst['us_per_step_median']:.0f} us per step (median; p90 {worst['us_per_step_p90']:.0f}) at "
                        f"{worst['rows_in_flight']:,} rows in flight, {worst['rows_finishing_per_step']} finishing per "
-                       f"step; recounting every row in flight, as each step did before: {worst['us_recount_all_rows']:.0f} us"}
+                       f"step; recounting every row in flight, as each step did before: {worst['us_recount_all_rows']:.0f} us"
+                       + (f"; with the vLLM handle at 1,024: {at_1024[0]['us_per_step_mean_all']:.0f} us per step, mean over "
+                          "all steps" if at_1024 else "")}
 
 
 # An H200 running an 8B model in bf16 (128 KiB of KV per token): about 106 GB of its 141 GB left for

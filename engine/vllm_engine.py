@@ -151,11 +151,7 @@ class VLLMEngine:
         except RuntimeError as exc:
             raise EngineStartError(str(exc)) from None
         self.settings = settings.for_platform(platform)
-        self.block_size = settings.block_size
-        self._gauges = _Gauges()
-        self._submitted: dict[str, Submission] = {}  # unfinished requests by vLLM request id
-        self._generated: dict[RequestKey, int] = {}  # output tokens so far of each unfinished request
-        self._outputs: dict[str, tuple[list[int], list[str]]] = {}  # token ids and text pieces so far
+        self._track(settings.block_size)
         args = EngineArgs(**engine_args(settings, platform, enable_prefix_caching=enable_prefix_caching,
                                         max_num_seqs=max_num_seqs))
         try:
@@ -185,6 +181,24 @@ class VLLMEngine:
                 log.info("max_model_len %d: the CPU's bound when the job sets none (the model allows %d; set "
                          "llm.max_model_len for longer rows)", self.settings.max_model_len, own)
 
+    def _track(self, block_size: int) -> None:
+        """The handle's own bookkeeping of the requests it submitted."""
+        self.block_size = block_size
+        self._gauges = _Gauges()
+        self._submitted: dict[str, Submission] = {}  # unfinished requests by vLLM request id
+        self._generated: dict[RequestKey, int] = {}  # output tokens so far of each unfinished request
+        self._outputs: dict[str, tuple[list[int], list[str]]] = {}  # token ids and text pieces so far
+        self._params: dict[tuple[int, int], tuple] = {}  # (id of sampling, max_tokens) -> (sampling, params)
+
+    @classmethod
+    def over(cls, llm_engine, block_size: int, kv_capacity_blocks: int) -> "VLLMEngine":
+        """A handle over an engine with ``LLMEngine``'s interface that is not started here (the
+        bench's stand-in, which emits what vLLM emits: the handle's own cost per output measured)."""
+        handle = cls.__new__(cls)
+        handle._track(block_size)
+        handle._engine, handle.kv_capacity_blocks = llm_engine, kv_capacity_blocks
+        return handle
+
     @property
     def vllm_config(self):
         """vLLM's configuration as it resolved it at start-up (dtype, block size, batch limits)."""
@@ -194,7 +208,13 @@ class VLLMEngine:
         request_id = submission.request_id
         engine_input = self._engine.renderer.render_cmpl([{"prompt_token_ids": submission.token_ids.tolist()}])[0]
         # Only what is new each step: CUMULATIVE rebuilds every running row's whole output per step.
-        params = sampling_params(sampling, submission.max_tokens, deltas=True)
+        # One SamplingParams per (sampling, max_tokens): vLLM clones each request's params on
+        # arrival (input_processor), and building one costs ~17 us, at 1,024 rows a GPU's wait.
+        key = (id(sampling), submission.max_tokens)
+        cached = self._params.get(key)
+        if cached is None:  # the value keeps ``sampling`` alive, so its id names it while cached
+            cached = self._params[key] = (sampling, sampling_params(sampling, submission.max_tokens, deltas=True))
+        params = cached[1]
         self._engine.add_request(request_id, engine_input, params)
         self._submitted[request_id] = submission
         self._outputs[request_id] = ([], [])

@@ -1,6 +1,8 @@
 """The scheduler-overhead benchmark runs, and its stand-in engine drives the real scheduler to the end;
 on short answers the engine keeps a GPU's batch as full as vLLM alone on sorted rows."""
 
+import pytest
+
 from engine.bench_scheduler import measure, measure_fill
 
 
@@ -20,3 +22,28 @@ def test_on_short_answers_the_batch_runs_as_full_as_vllm_alone_on_sorted_rows():
     assert ours["rows_in_flight_median"] >= 0.9 * theirs["rows_in_flight_median"]
     assert ours["batched_tokens_per_step_mean"] >= 0.9 * theirs["batched_tokens_per_step_mean"]
     assert ours["steps"] <= 1.05 * theirs["steps"] and ours["preemptions"] == 0
+
+
+@pytest.mark.slow  # imports vLLM (SamplingParams)
+def test_the_vllm_handle_is_measured_over_a_stand_in_and_builds_one_sampling_params_per_kind():
+    """``--scheduler-only`` also times ``VLLMEngine`` itself over an engine that emits what vLLM
+    emits (first output, last output): every row comes back through the handle; and the handle
+    builds one ``SamplingParams`` per (sampling, max_tokens), which vLLM clones per request."""
+    import numpy as np
+
+    from engine.bench_scheduler import LLMEngineStandIn
+    from engine.requests import RequestKind, Submission
+    from engine.settings import SamplingSettings
+    from engine.vllm_engine import VLLMEngine
+
+    result = measure(256, with_handle=True)
+    assert result["rows"] == 512 and result["us_per_step_mean_all"] > 0
+    stand_in = LLMEngineStandIn()
+    sent = []
+    stand_in.add_request = lambda request_id, engine_input, params: sent.append(params)
+    handle = VLLMEngine.over(stand_in, 16, 100)
+    plain, labels = SamplingSettings(), SamplingSettings(response_format={"choice": ["a", "b"]})
+    for i, (sampling, max_tokens) in enumerate([(plain, 8), (plain, 8), (plain, 9), (labels, 8), (labels, 8)]):
+        handle.submit(Submission(RequestKind.ROW, i, np.arange(5), max_tokens), sampling)
+    assert sent[0] is sent[1] and sent[3] is sent[4] and len({id(p) for p in sent}) == 3
+    assert [p.max_tokens for p in sent] == [8, 8, 9, 8, 8] and sent[3].structured_outputs is not None
