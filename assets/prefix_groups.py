@@ -16,11 +16,12 @@ from engine.prepared import plan_tokenized
 from engine.response_format import check_room_for_answers
 from engine.settings import fingerprint
 from engine.shards import assign_shards
-from engine.token_cache import CONTENT_KEY, TokenCache
+from engine.prompt_snapshot import CONTENT_KEY, columns_without_text, read_snapshot
+from engine.token_cache import TokenCache
 from engine.tokenizing import LazyTokenizer, tokenizer_fingerprint
 
 from .checkpoints import prune_checkpoints
-from .snapshots import plan_stamp_of, read_parquet, snapshot_columns
+from .snapshots import plan_stamp_of
 
 
 def groups_table(prepared, shards, keys: list[str], config: BatchJobConfig) -> pa.Table:
@@ -103,7 +104,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         # written: a prompts materialization landing meanwhile (from the UI, say) would otherwise
         # give a plan of old rows under the new snapshot's stamp.
         stamp = plan_stamp_of(config, settings)
-        meta = read_parquet(snapshot, "prompt snapshot", columns=snapshot_columns(snapshot, columns))
+        meta = read_snapshot(snapshot, columns=columns_without_text(snapshot, columns.prompt, columns.messages))
         rows = cache.rows_for(snapshot, tokenizer, columns.prompt, columns.messages, settings.block_size,
                               progress=context.log.info, still_needed=lambda: plan_content_keys(config.plan_path))
         prepared = plan_tokenized(meta, rows, settings, config.sampling, columns, config.scheduler)

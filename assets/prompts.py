@@ -1,10 +1,8 @@
 """``prompts``: the prompt rows, read from DuckDB (read-only) or Parquet and snapshotted."""
 
-import hashlib
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 import dagster as dg
 
@@ -14,9 +12,7 @@ from engine.atomic import Staged
 from engine.dataset import check_unique_ids, read_sql, single_query, source_sql, stream_sql, validate
 from engine.field_order_state import KeptOrders, kept_field_orders
 from engine.fields import FieldOrder, PrefillCounter, PromptFields, with_prompt_column
-from engine.token_cache import CONTENT_KEY, KEY_TYPE, content_keys
-
-from .snapshots import SNAPSHOT_DIGEST, snapshot_digest
+from engine.prompt_snapshot import SnapshotWriter, snapshot_digest
 
 
 
@@ -36,30 +32,19 @@ def snapshot_dataset(config: BatchJobConfig, path: Path) -> tuple[int, pa.Table,
     cache looks rows up by). Returns the row count, the first rows (a preview) and, for a prompt
     from fields with an optimized order, the orders (kept from an earlier night, or chosen)."""
     columns, fields = config.dataset.columns, config.dataset.prompt
-    writer, rows, preview, choice = None, 0, None, None
-    digest = hashlib.blake2b(digest_size=12)  # of everything but the text: ids, content keys, row settings
+    preview, choice = None, None
     with Staged(path) as staged, stream_sql(*dataset_sql(config)) as (schema, batches):
         if fields is not None:
             batches, schema, choice = rendered_batches(batches, schema, fields, columns.prompt, _prefill_counter(config),
                                                         columns.messages, columns.id, config.field_order_path)
+        writer = SnapshotWriter(staged.path, columns.prompt, columns.messages)
         for batch in batches:
-            table = validate(pa.Table.from_batches([batch], schema), columns)  # types, NULLs, duplicates within
-            table = table.append_column(CONTENT_KEY, content_keys(
-                _optional(table, columns.prompt), _optional(table, columns.messages), table.num_rows))
-            writer = writer or pq.ParquetWriter(staged.path, table.schema)
-            writer.write_table(table)
-            digest.update(_ipc_bytes(table.drop_columns([c for c in (columns.prompt, columns.messages)
-                                                          if c in table.column_names])))
-            rows += table.num_rows
-            preview = preview if preview is not None else table.slice(0, 10)
-        if writer is None:  # no rows: still a snapshot with the dataset's columns
-            table = validate(schema.empty_table(), columns)
-            table = table.append_column(CONTENT_KEY, pa.array([], KEY_TYPE))
-            writer, preview = pq.ParquetWriter(staged.path, table.schema), table
-        writer.add_key_value_metadata({SNAPSHOT_DIGEST: digest.hexdigest()})
-        writer.close()
+            written = writer.write(validate(pa.Table.from_batches([batch], schema), columns))  # types, NULLs, duplicates within
+            preview = preview if preview is not None else written.slice(0, 10)
+        empty = validate(schema.empty_table(), columns)  # no rows: still a snapshot with the dataset's columns
+        writer.close(empty.schema)
         check_unique_ids(staged.path, columns.id)  # duplicates across batches
-    return rows, preview, choice
+    return writer.rows, preview if preview is not None else empty, choice
 
 
 def _prefill_counter(config: BatchJobConfig) -> PrefillCounter | None:
@@ -94,17 +79,6 @@ def rendered_batches(batches, schema: pa.Schema, fields: PromptFields, prompt_co
         kept = kept_field_orders(table, fields, id_column, field_order_path, prefill_tokens)
         return render(table, kept.choice.orders), out_schema, kept
     return each_batch(), out_schema, None
-
-
-def _ipc_bytes(table: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as stream:
-        stream.write_table(table)
-    return sink.getvalue().to_pybytes()
-
-
-def _optional(table: pa.Table, name: str):
-    return table.column(name).combine_chunks() if name in table.column_names else None
 
 
 def source_version(config: BatchJobConfig) -> str:

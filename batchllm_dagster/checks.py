@@ -15,6 +15,7 @@ from __future__ import annotations
 import dagster as dg
 from dagster_duckdb import DuckDBResource
 
+from engine.prompt_snapshot import ids_sql
 from engine.response_format import ResponseFormat
 from engine.results import RunStats
 from engine.sql import quote_identifier
@@ -151,7 +152,7 @@ def build_table_checks(config: BatchJobConfig) -> list[dg.AssetChecksDefinition]
                 return
             missing, duplicated, orphaned = con.execute(
                 f"""
-                WITH prompts AS (SELECT {quote_identifier(config.dataset.id_column)}::VARCHAR AS id FROM read_parquet(?)),
+                WITH prompts AS ({ids_sql(config.dataset.id_column)}),
                      answers AS (SELECT id::VARCHAR AS id, count(*) AS n FROM {table} GROUP BY 1)
                 SELECT (SELECT count(*) FROM prompts LEFT JOIN answers USING (id) WHERE answers.n IS NULL),
                        (SELECT count(*) FROM answers WHERE n > 1),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -158,6 +157,3 @@ class Checkpoint:
         write_parquet(table, self.folder / f"part-{time.time_ns():020d}.parquet")
         self.written += len(self._pending)
         self._pending.clear()
-
-    def remove(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)

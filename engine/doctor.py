@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .settings import EngineSettings, Platform
+from .vllm_env import SOCKET_PATH_LIMIT, socket_paths_fit
 
-_SOCKET_PATH_LIMIT = 107  # bytes of a Unix socket path (sun_path is 108 with the NUL)
 
 
 @dataclass
@@ -34,9 +34,10 @@ def environment_problems(platform: Platform, env: dict[str, str]) -> list[str]:
     if "VLLMCACHE_ROOT" in env:
         problems.append("VLLMCACHE_ROOT is set but vLLM reads VLLM_CACHE_ROOT: rename the variable")
     rpc = env.get("VLLM_RPC_BASE_PATH")
-    if rpc and len(f"ipc://{rpc}/") + 36 > _SOCKET_PATH_LIMIT:
+    if rpc and not socket_paths_fit(rpc):
         problems.append(f"VLLM_RPC_BASE_PATH ({len(rpc)} bytes) makes vLLM's socket paths longer than the Unix "
-                        "limit of 107 bytes: unset it (batchllm picks a short path) or point it at a short folder")
+                        f"limit of {SOCKET_PATH_LIMIT} bytes: unset it (batchllm picks a short path) or point it at a "
+                        "short folder")
     if platform is Platform.CUDA:
         if env.get("VLLM_WORKER_MULTIPROC_METHOD", "spawn") != "spawn":
             problems.append("VLLM_WORKER_MULTIPROC_METHOD is not spawn on a GPU: forked workers cannot use CUDA "

@@ -87,10 +87,6 @@ class PrefixPlan:
         """Offsets into ``order`` where each group begins (plus the end)."""
         return np.concatenate([[0], np.cumsum(self.group_sizes)])
 
-    def group_rows(self, group: int) -> np.ndarray:
-        starts = self.group_starts()
-        return self.order[starts[group] : starts[group + 1]]
-
 
 def _build_levels(blocks: RowBlocks) -> list[_Level]:
     """Tree levels from the root down, stopping once no node is shared (deeper ones cannot be)."""

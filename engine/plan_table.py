@@ -29,7 +29,8 @@ from .duplicates import NO_SET
 from .prepared import PreparedBatch
 from .response_format import ResponseFormat
 from .settings import fingerprint
-from .token_cache import CONTENT_KEY, TokenCache
+from .prompt_snapshot import CONTENT_KEY
+from .token_cache import TokenCache
 from .tokenizing import TokenizedBatch, model_fingerprint
 
 BLOCK_SIZE = "batchllm.block_size"

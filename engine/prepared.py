@@ -27,7 +27,8 @@ from .plan import PrefixPlan, plan_blocks
 from .response_format import ResponseFormat
 from .row_checks import output_budgets, row_response_formats
 from .settings import EngineSettings, SamplingSettings, SchedulerSettings
-from .token_cache import CONTENT_KEY, CachedRows
+from .prompt_snapshot import CONTENT_KEY
+from .token_cache import CachedRows
 from .tokenizing import TokenizedBatch, tokenize_rows
 
 log = logging.getLogger(__name__)

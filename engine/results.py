@@ -115,10 +115,6 @@ class RunStats:
         )
         return out
 
-    @classmethod
-    def from_dict(cls, values: dict) -> "RunStats":
-        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
-
 
 def merge_stats(parts: list[RunStats]) -> RunStats:
     """One RunStats of runs that ran side by side: counts add up, times are the longest, the

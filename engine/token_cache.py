@@ -1,7 +1,6 @@
 """Token ids and block hashes cached by row content, so a nightly rerun tokenizes only the rows that changed.
 
-A row's key is a 128-bit hash of what decides its tokens: its chat messages (JSON) when it has
-them, else its prompt text. The cache lives in one folder per tokenizer fingerprint (the tokenizer
+A row's key is its content key (``prompt_snapshot.content_keys``). The cache lives in one folder per tokenizer fingerprint (the tokenizer
 and chat-template files), as append-only parts of ``(key, token_ids, block_hashes, error)``: a
 rerun maps the parts into memory, tokenizes the rows whose key is missing and appends a small
 part; when half the entries no longer belong to the table the parts are compacted into one. Each
@@ -14,7 +13,6 @@ just its rows' ids from them.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -24,18 +22,15 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from .atomic import Staged
 from .block_hashes import HASH_VERSION, RowBlocks
 from .locks import locked
-from .sql import quote_identifier
+from .prompt_snapshot import CONTENT_KEY, KEY_TYPE, snapshot_keys, texts_of
 from .tokenizing import tokenize_rows
 
 log = logging.getLogger(__name__)
 
-CONTENT_KEY = "_content_key"  # the snapshot column holding each row's key
-KEY_TYPE = pa.binary(16)
 _HASHED_AS = b"batchllm.block_hashes"  # a part's metadata: how its hashes were made (_hashed_as)
 _SCHEMA = pa.schema([("key", KEY_TYPE), ("token_ids", pa.large_list(pa.int32())),
                      ("block_hashes", pa.large_list(pa.uint64())), ("error", pa.string())])
@@ -48,17 +43,6 @@ _REPORT_S = 10.0  # seconds between progress lines while tokenizing
 def _hashed_as(block_size: int) -> bytes:
     """The hash function's version and the block size: parts made otherwise are hashed again."""
     return f"v{HASH_VERSION} blocks of {block_size}".encode()
-
-
-def content_keys(prompts: pa.Array | None, messages: pa.Array | None, n: int) -> pa.Array:
-    """One key per row: chat rows (messages not NULL) hash their messages, the others their prompt."""
-    prompts = prompts.to_pylist() if prompts is not None else [None] * n
-    messages = messages.to_pylist() if messages is not None else [None] * n
-    keys = []
-    for prompt, chat in zip(prompts, messages):
-        text = b"m\0" + chat.encode() if chat is not None else (b"p\0" + prompt.encode() if prompt is not None else b"n")
-        keys.append(hashlib.blake2b(text, digest_size=16).digest())
-    return pa.array(keys, KEY_TYPE)
 
 
 def _lengths(lists: pa.ChunkedArray) -> np.ndarray:
@@ -202,10 +186,7 @@ class TokenCache:
     def _rows_for(self, snapshot, tokenizer, prompt_column, messages_column, block_size, progress,
                   still_needed) -> CachedRows:
         started = time.perf_counter()
-        if CONTENT_KEY not in pq.ParquetFile(snapshot).schema_arrow.names:
-            raise ValueError(f"the prompt snapshot {snapshot} has no {CONTENT_KEY} column (written by an older "
-                             "version): materialize prompts again")
-        keys = pq.read_table(snapshot, columns=[CONTENT_KEY]).column(CONTENT_KEY).combine_chunks()
+        keys = snapshot_keys(snapshot)
         loaded = self._parts()
         cache = self.load(block_size)
         found = pc.index_in(keys, value_set=cache.column("key"))
@@ -237,39 +218,29 @@ class TokenCache:
     def _tokenize(self, snapshot: Path, missing: pa.Array, tokenizer, prompt_column: str, messages_column: str,
                   block_size: int, progress: Callable[[str], None]):
         """Cache entries of the missing keys' rows, tokenized a batch at a time (never the whole
-        text at once); a content found twice is tokenized once. DuckDB reads the rows (a semi-join
-        on the key, both cores: a quarter of the time of scanning the snapshot's text in Python)."""
-        import duckdb
-
-        names = set(pq.ParquetFile(snapshot).schema_arrow.names)
-        columns = [CONTENT_KEY] + [c for c in (prompt_column, messages_column) if c in names]
+        text at once); a content found twice is tokenized once."""
         seen = set()
         started = last_report = time.perf_counter()
         tokens = 0
-        with duckdb.connect() as con:
-            con.register("missing_keys", pa.table({"key": missing}))
-            selected = ", ".join(quote_identifier(c) for c in columns)
-            reader = con.sql(f'SELECT {selected} FROM read_parquet($path) '
-                             f'WHERE {quote_identifier(CONTENT_KEY)} IN (SELECT key FROM missing_keys)',
-                             params={"path": str(snapshot)}).to_arrow_reader(_TEXT_BATCH)
-            for batch in reader:
-                key_list = batch.column(CONTENT_KEY).to_pylist()
-                todo = batch.take([i for i, k in enumerate(key_list) if not (k in seen or seen.add(k))])
-                if not todo.num_rows:
-                    continue
-                prompts = todo.column(prompt_column).to_pylist() if prompt_column in names else [None] * todo.num_rows
-                messages = todo.column(messages_column).to_pylist() if messages_column in names else None
-                tokenized = tokenize_rows(tokenizer, prompts, messages)
-                errors = pa.array([tokenized.errors.get(i) for i in range(todo.num_rows)], pa.string())
-                yield _entries(todo.column(CONTENT_KEY).cast(KEY_TYPE), tokenized.tokens, tokenized.offsets, errors,
-                               block_size)
-                tokens += tokenized.tokens.size
-                now = time.perf_counter()
-                if now - last_report >= _REPORT_S or len(seen) == len(missing):
-                    last_report, elapsed = now, now - started
-                    eta = (len(missing) - len(seen)) * elapsed / len(seen)
-                    progress(f"tokenized {len(seen):,} of {len(missing):,} new contents ({tokens:,} tokens, "
-                             f"{tokens / max(elapsed, 1e-9):,.0f} tokens/s, eta {eta:.0f}s)")
+        for batch in texts_of(snapshot, missing, prompt_column, messages_column, _TEXT_BATCH):
+            key_list = batch.column(CONTENT_KEY).to_pylist()
+            todo = batch.take([i for i, k in enumerate(key_list) if not (k in seen or seen.add(k))])
+            if not todo.num_rows:
+                continue
+            names = todo.schema.names
+            prompts = todo.column(prompt_column).to_pylist() if prompt_column in names else [None] * todo.num_rows
+            messages = todo.column(messages_column).to_pylist() if messages_column in names else None
+            tokenized = tokenize_rows(tokenizer, prompts, messages)
+            errors = pa.array([tokenized.errors.get(i) for i in range(todo.num_rows)], pa.string())
+            yield _entries(todo.column(CONTENT_KEY).cast(KEY_TYPE), tokenized.tokens, tokenized.offsets, errors,
+                           block_size)
+            tokens += tokenized.tokens.size
+            now = time.perf_counter()
+            if now - last_report >= _REPORT_S or len(seen) == len(missing):
+                last_report, elapsed = now, now - started
+                eta = (len(missing) - len(seen)) * elapsed / len(seen)
+                progress(f"tokenized {len(seen):,} of {len(missing):,} new contents ({tokens:,} tokens, "
+                         f"{tokens / max(elapsed, 1e-9):,.0f} tokens/s, eta {eta:.0f}s)")
 
     def _compact(self, cache: pa.Table, loaded: list[Path], keys: pa.Array, block_size: int,
                  still_needed: Callable[[], pa.Array | None]) -> None:

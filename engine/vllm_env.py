@@ -52,14 +52,22 @@ def platform_detection() -> str:
     return "CPU: NVML sees no GPU (no NVIDIA driver)"
 
 
+SOCKET_PATH_LIMIT = 107  # bytes of a Unix socket path (sun_path is 108 with the NUL)
+
+
+def socket_paths_fit(base: str | Path) -> bool:
+    """Whether vLLM's IPC sockets under ``base`` (``ipc://<base>/<uuid4>``) fit the Unix limit."""
+    return len(f"ipc://{base}/") + 36 <= SOCKET_PATH_LIMIT
+
+
 def rpc_base_path(cache_root: Path) -> Path:
-    """Where vLLM puts its IPC sockets (``ipc://<base>/<uuid4>``, 37 more bytes): under the cache
-    when that fits the Unix socket path limit (108 bytes with the NUL), else a short folder of the
-    user's in the temporary directory (a deep pod mount would make every socket path too long)."""
+    """Where vLLM puts its IPC sockets: under the cache when they fit the Unix socket path limit,
+    else a short folder of the user's in the temporary directory (a deep pod mount would make
+    every socket path too long)."""
     import tempfile
 
     under_cache = cache_root / "rpc"
-    if len(str(under_cache)) <= 60:
+    if socket_paths_fit(under_cache):
         return under_cache
     return Path(tempfile.gettempdir()) / f"batchllm-rpc-{os.getuid()}"
 

@@ -46,3 +46,9 @@ def prompt_parquet(tmp_path) -> Path:
     path = tmp_path / "prompts.parquet"
     pq.write_table(make_prompt_table(), path)
     return path
+
+
+def group_rows(plan, group: int):
+    """The rows of one group of a ``PrefixPlan``, in run order."""
+    starts = plan.group_starts()
+    return plan.order[starts[group] : starts[group + 1]]

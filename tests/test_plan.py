@@ -5,6 +5,8 @@ import pytest
 
 from engine.plan import build_plan
 
+from .conftest import group_rows
+
 
 def flat(rows):
     offsets = np.cumsum([0] + [len(r) for r in rows])
@@ -31,7 +33,7 @@ def brute_force_unique_tokens(rows, block):
 
 
 def groups(plan):
-    return [sorted(plan.group_rows(g).tolist()) for g in range(plan.num_groups)]
+    return [sorted(group_rows(plan, g).tolist()) for g in range(plan.num_groups)]
 
 
 SYSTEM = list(range(100, 108))  # two blocks shared by every row
@@ -86,7 +88,7 @@ def test_order_keeps_groups_and_every_shared_prefix_within_a_group_contiguous(se
     group_sequence = [plan.group_of_row[r] for r in order]
     assert group_sequence == sorted(group_sequence), "groups are numbered in run order and contiguous"
     for g in range(plan.num_groups):
-        members = plan.group_rows(g).tolist()
+        members = group_rows(plan, g).tolist()
         for depth in range(1, 6):
             prefixes = [tuple(rows[r][: depth * block]) for r in members if len(rows[r]) >= depth * block]
             seen, last = set(), None

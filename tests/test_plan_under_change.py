@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine.plan_table import answer_identity, superseded
-from engine.token_cache import CONTENT_KEY, KEY_TYPE
+from engine.prompt_snapshot import CONTENT_KEY, KEY_TYPE
 
 STAMP = {b"batchllm.model": b"m1", b"batchllm.snapshot": b"s1", b"batchllm.settings": b"x1"}
 

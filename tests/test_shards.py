@@ -6,6 +6,8 @@ import pytest
 from engine.plan import build_plan
 from engine.shards import assign_shards
 
+from .conftest import group_rows
+
 
 def grouped_batch(groups=12, rows_per_group=5, prefix=16, seed=0):
     rng = np.random.default_rng(seed)
@@ -22,7 +24,7 @@ def test_groups_are_never_split_and_shards_are_balanced(shards):
     plan = grouped_batch()
     result = assign_shards(plan, shards)
     for g in range(plan.num_groups):
-        assert np.unique(result.shard_of_row[plan.group_rows(g)]).size == 1
+        assert np.unique(result.shard_of_row[group_rows(plan, g)]).size == 1
     assert result.split_groups == 0
     assert set(np.unique(result.shard_of_row)) == set(range(shards))
     costs = result.estimated_cost

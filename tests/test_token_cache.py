@@ -7,7 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.token_cache import CONTENT_KEY, TokenCache, content_keys
+from engine.prompt_snapshot import CONTENT_KEY, content_keys
+from engine.token_cache import TokenCache
 from engine.tokenizing import load_tokenizer, tokenize_rows
 
 BLOCK = 4  # small blocks: the short test rows have several
