@@ -25,20 +25,49 @@ BLOCK = 16  # vLLM's default KV block on GPUs
 PREFIX_TOKENS, OWN_TOKENS, ROWS_PER_GROUP = 512, 48, 256
 
 
-class SteadyDecodeEngine:
-    """Every running row gets one token per step (its first in the step it enters) and finishes
-    at ``max_tokens``; the engine's own time is kept in ``engine_s`` and per step in ``gaps``."""
+class _SteadyDecode:
+    """Every running request gets one token per step (its first in the step it enters) and
+    finishes at its ``max_tokens``; the stand-in's own time is kept in ``engine_s``, and the time
+    outside it between two steps (ours) in ``gaps``. Subclasses say what a step reports."""
+
+    def __init__(self):
+        self._step, self.running, self.engine_s = 0, 0, 0.0
+        self._entering: list = []
+        self._finishing: dict[int, list] = defaultdict(list)
+        self._left_at: float | None = None
+        self.gaps: list[float] = []
+        self.in_flight: list[int] = []
+
+    def _max_tokens(self, request) -> int:
+        raise NotImplementedError
+
+    def _report(self, entered: list, finished: list):
+        raise NotImplementedError
+
+    def _advance(self):
+        started = time.perf_counter()
+        if self._left_at is not None:
+            self.gaps.append(started - self._left_at)
+        self._step += 1
+        entered, self._entering = self._entering, []
+        for request in entered:
+            self.running += 1
+            self._finishing[self._step + self._max_tokens(request) - 1].append(request)
+        finished = self._finishing.pop(self._step, [])
+        self.running -= len(finished)
+        self.in_flight.append(self.running)
+        report = self._report(entered, finished)
+        self._left_at = time.perf_counter()
+        self.engine_s += self._left_at - started
+        return report
+
+
+class SteadyDecodeEngine(_SteadyDecode):
+    """The stand-in as an ``Engine`` the drive loop calls directly: the scheduler's cost alone."""
 
     def __init__(self, kv_capacity_blocks: int):
+        super().__init__()
         self.block_size, self.kv_capacity_blocks = BLOCK, kv_capacity_blocks
-        self._step = 0
-        self._finishing: dict[int, list[Submission]] = defaultdict(list)
-        self._entering: list[Submission] = []
-        self.running = 0
-        self.engine_s = 0.0
-        self._left_at: float | None = None
-        self.gaps: list[float] = []  # time outside the engine between two steps: ours
-        self.in_flight: list[int] = []
 
     def submit(self, submission: Submission, sampling) -> None:
         self._entering.append(submission)
@@ -47,44 +76,36 @@ class SteadyDecodeEngine:
         return bool(self.running or self._entering)
 
     def step(self) -> StepReport:
-        entered = time.perf_counter()
-        if self._left_at is not None:
-            self.gaps.append(entered - self._left_at)
-        self._step += 1
-        report = StepReport()
-        for submission in self._entering:
-            self.running += 1
-            self._finishing[self._step + submission.max_tokens - 1].append(submission)
-            if submission.max_tokens > 1:
-                report.started.append(submission.key)
-        self._entering = []
-        for submission in self._finishing.pop(self._step, ()):
-            self.running -= 1
-            report.finished.append(_finished(submission))
-        self.in_flight.append(self.running)
-        report.running = self.running
-        self._left_at = time.perf_counter()
-        self.engine_s += self._left_at - entered
+        return self._advance()
+
+    def _max_tokens(self, submission: Submission) -> int:
+        return submission.max_tokens
+
+    def _report(self, entered: list, finished: list) -> StepReport:
+        report = StepReport(running=self.running)
+        report.started = [s.key for s in entered if s.max_tokens > 1]
+        report.finished = [_finished(s) for s in finished]
         return report
 
 
-class LLMEngineStandIn:
-    """vLLM's ``LLMEngine`` as ``VLLMEngine`` drives it, with no model: a request's first token comes
-    in the step it enters and one more each step. With DELTA outputs and ``STREAM_INTERVAL`` vLLM
-    emits a ``RequestOutput`` at a request's first token and at its finish only, and so does this;
-    its own time is kept apart (``engine_s``, ``gaps``), so what is measured is ours: the handle
-    turning outputs into reports and building each request's ``SamplingParams``, the scheduler, drive."""
+def _finished(submission: Submission):
+    from .requests import Finished
+
+    return Finished(submission=submission, text="", token_ids=[0] * submission.max_tokens,
+                    prompt_tokens=len(submission.token_ids), cached_tokens=0, finish_reason="length")
+
+
+class LLMEngineStandIn(_SteadyDecode):
+    """vLLM's ``LLMEngine`` as ``VLLMEngine`` drives it, with no model. With DELTA outputs and
+    ``STREAM_INTERVAL`` vLLM emits a ``RequestOutput`` at a request's first token and at its finish
+    only, and so does this; what is measured is ours: the handle turning outputs into reports and
+    building each request's ``SamplingParams``, the scheduler, drive."""
 
     def __init__(self):
         from types import SimpleNamespace
 
+        super().__init__()
         self.renderer = SimpleNamespace(render_cmpl=lambda prompts: prompts)
-        self._step, self.running, self.engine_s = 0, 0, 0.0
-        self._entering: list[tuple[str, int, int]] = []
-        self._finishing: dict[int, list[tuple[str, int, int]]] = defaultdict(list)
-        self._left_at: float | None = None
-        self.gaps: list[float] = []
-        self.in_flight: list[int] = []
 
     def add_request(self, request_id: str, engine_input: dict, params) -> None:
         self._entering.append((request_id, params.max_tokens, len(engine_input["prompt_token_ids"])))
@@ -93,24 +114,14 @@ class LLMEngineStandIn:
         return bool(self.running or self._entering)
 
     def step(self) -> list:
-        entered = time.perf_counter()
-        if self._left_at is not None:
-            self.gaps.append(entered - self._left_at)
-        self._step += 1
-        outputs = []
-        for request in self._entering:
-            self.running += 1
-            self._finishing[self._step + request[1] - 1].append(request)
-            if request[1] > 1:
-                outputs.append(_request_output(request[0], 1, False, request[2]))
-        self._entering = []
-        for request_id, max_tokens, prompt_tokens in self._finishing.pop(self._step, ()):
-            self.running -= 1
-            outputs.append(_request_output(request_id, max(max_tokens - 1, 1), True, prompt_tokens))
-        self.in_flight.append(self.running)
-        self._left_at = time.perf_counter()
-        self.engine_s += self._left_at - entered
-        return outputs
+        return self._advance()
+
+    def _max_tokens(self, request) -> int:
+        return request[1]
+
+    def _report(self, entered: list, finished: list) -> list:
+        return ([_request_output(request_id, 1, False, prompt) for request_id, max_tokens, prompt in entered if max_tokens > 1]
+                + [_request_output(request_id, max(max_tokens - 1, 1), True, prompt) for request_id, max_tokens, prompt in finished])
 
 
 def _request_output(request_id: str, new_tokens: int, finished: bool, prompt_tokens: int):
@@ -121,13 +132,6 @@ def _request_output(request_id: str, new_tokens: int, finished: bool, prompt_tok
                                  finish_reason="length" if finished else None, stop_reason=None)
     return SimpleNamespace(request_id=request_id, outputs=[completion], finished=finished,
                            prompt_token_ids=range(prompt_tokens), num_cached_tokens=0)
-
-
-def _finished(submission: Submission):
-    from .requests import Finished
-
-    return Finished(submission=submission, text="", token_ids=[0] * submission.max_tokens,
-                    prompt_tokens=len(submission.token_ids), cached_tokens=0, finish_reason="length")
 
 
 def _batch(rows: int, mean_output: int, seed: int) -> tuple[TokenizedBatch, np.ndarray, list[PlannedGroup]]:
