@@ -12,6 +12,7 @@ from engine.atomic import Staged
 from engine.dataset import check_unique_ids, read_sql, single_query, source_sql, stream_sql, validate
 from engine.field_order_state import KeptOrders, kept_field_orders
 from engine.fields import FieldOrder, PrefillCounter, PromptFields, with_prompt_column
+from engine.locks import locked
 from engine.prompt_snapshot import SnapshotWriter, snapshot_digest
 
 
@@ -101,7 +102,10 @@ def build_prompts(config: BatchJobConfig) -> dg.AssetsDefinition:
     )
     def prompts(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         path, spec = config.prompts_path, config.dataset
-        rows, preview, choice = snapshot_dataset(config, path)
+        # The job's plan lock: a snapshot never lands while a plan is being made from the last one
+        # (that plan finishes first; this run then waits), in any instance, whatever launched it.
+        with locked(config.lock_path("plan")):
+            rows, preview, choice = snapshot_dataset(config, path)
         context.log.info(f"{rows} prompt rows from {spec.describe()} -> {path}")
         order = {}
         if choice is not None:

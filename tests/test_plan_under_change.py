@@ -55,23 +55,44 @@ def parquet_job(tmp_path, tiny_model, name: str, rows: list[dict]):
     return config, source, [prompts, groups], completions
 
 
-def test_a_plan_whose_snapshot_changed_while_it_was_made_is_not_written(tmp_path, tiny_model, monkeypatch):
+def test_prompts_wait_for_a_plan_being_made_and_a_plan_is_made_from_one_snapshot(tmp_path, tiny_model, monkeypatch):
+    """A ``prompts`` run that starts while a plan is being made waits for it (the job's plan lock,
+    in an instance without limits); and a snapshot replaced under a plan by anything else (no
+    lock) is caught: the plan is not written."""
+    import threading
+    import time
+
     import dagster as dg
 
     import assets.prefix_groups as prefix_groups_module
+    from engine.locks import locked
 
     rows = [{"id": i, "prompt": f"a shared start, then {w}"} for i, w in ((1, "one"), (2, "two"), (3, "three"))]
     config, source, (prompts, groups), _ = parquet_job(tmp_path, tiny_model, "race", rows)
-    plan_tokenized = prefix_groups_module.plan_tokenized
-
-    def prompts_land_meanwhile(*args, **kwargs):  # the rows are read; then prompts is materialized again
-        pq.write_table(pa.table({"id": [1, 2, 3], "prompt": ["edited", "a shared start, then two", "x"]}), source)
-        assert dg.materialize([prompts], instance=instance).success
-        return plan_tokenized(*args, **kwargs)
-
     with dg.instance_for_test() as instance:
         assert dg.materialize([prompts], instance=instance).success
-        monkeypatch.setattr(prefix_groups_module, "plan_tokenized", prompts_land_meanwhile)
+        before = config.prompts_path.stat().st_mtime_ns
+        pq.write_table(pa.table({"id": [1, 2, 3], "prompt": ["edited", "a shared start, then two", "x"]}), source)
+        landed = []
+        with locked(config.lock_path("plan")):  # a plan is being made
+            again = threading.Thread(target=lambda: landed.append(dg.materialize([prompts], instance=instance).success))
+            again.start()
+            time.sleep(2)
+            assert again.is_alive() and config.prompts_path.stat().st_mtime_ns == before  # waiting, nothing written
+        again.join(60)
+        assert landed == [True] and config.prompts_path.stat().st_mtime_ns != before
+
+        plan_tokenized = prefix_groups_module.plan_tokenized
+        old_snapshot = tmp_path / "old.parquet"
+        old_snapshot.write_bytes(config.prompts_path.read_bytes())
+        pq.write_table(pa.table({"id": [1, 2, 3], "prompt": ["again", "b", "c"]}), source)
+        assert dg.materialize([prompts], instance=instance).success
+
+        def replaced_meanwhile(*args, **kwargs):  # by something that takes no lock (a hand-made copy)
+            config.prompts_path.write_bytes(old_snapshot.read_bytes())
+            return plan_tokenized(*args, **kwargs)
+
+        monkeypatch.setattr(prefix_groups_module, "plan_tokenized", replaced_meanwhile)
         result = dg.materialize([groups], instance=instance, raise_on_error=False)
         assert not result.success
         failure = result.get_step_failure_events()[0].step_failure_data.error.message
