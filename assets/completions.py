@@ -141,6 +141,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         info.update(settings=settings.model_dump(mode="json"), sampling=sampling.model_dump(mode="json"), scheduler=config.scheduler.model_dump(mode="json"),
                     backend=str(config.backend))
 
+        writing = time.perf_counter()  # from here: writing and checks, the partition's time after its rows
         for result in outcome.results:
             result.shard = shard
         table = results_to_table(outcome.results, prepared.id_type)
@@ -176,16 +177,17 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         prune_checkpoints(config, warehouse, set(planned.column("partition_key").to_pylist()),
                           planned.column("id").combine_chunks())
         context.log.info(f"wrote {table.num_rows} rows of partition {key} to {config.output_table} ({written} in it now)")
+        checks = partition_check_results(config, warehouse, key, table.column("id").to_pylist(), outcome.stats,
+                                         constrained_answers(prepared, outcome.results, sampling), stale.to_pylist())
         return dg.MaterializeResult(
             metadata={
                 **run_metadata(outcome.stats, llm.hardware(), hardware_partition, info),
                 "not_reused_rows": dg.MetadataValue.json(outcome.not_reused),  # why rows ran again
                 "superseded_rows": len(stale),  # answers a newer plan wanted from elsewhere: not written
+                "write_s": float(round(time.perf_counter() - writing, 3)),  # writing and checks (shard sizing reads it)
                 "dagster/row_count": written,
             },
-            check_results=partition_check_results(config, warehouse, key, table.column("id").to_pylist(), outcome.stats,
-                                                  constrained_answers(prepared, outcome.results, sampling),
-                                                  stale.to_pylist()),
+            check_results=checks,
         )
 
     return completions

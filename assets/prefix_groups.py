@@ -8,15 +8,16 @@ from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.instance_limits import warn_if_unlimited
 from batchllm_dagster.metadata import plan_metadata
 from batchllm_dagster.partitions import shard_key, sync_partitions
+from batchllm_dagster.shard_sizing import ShardSize, last_partitions_metadata, measured_by_hardware, shard_size
 from batchllm_dagster.warehouse import remove_answers_not_in, replace_table
 from engine.duplicates import count_duplicates
 from engine.locks import locked
 from engine.plan_table import plan_content_keys, plan_table, previous_shards, stale_reasons, write_plan
 from engine.prepared import plan_tokenized
+from engine.prompt_snapshot import CONTENT_KEY, columns_without_text, read_snapshot
 from engine.response_format import check_room_for_answers
 from engine.settings import fingerprint
 from engine.shards import assign_shards
-from engine.prompt_snapshot import CONTENT_KEY, columns_without_text, read_snapshot
 from engine.token_cache import TokenCache
 from engine.tokenizing import LazyTokenizer, tokenizer_fingerprint
 
@@ -70,6 +71,13 @@ def remove_deleted_answers(config: BatchJobConfig, warehouse, ids: pa.ChunkedArr
     return removed
 
 
+def measured_shard_size(instance: dg.DagsterInstance, config: BatchJobConfig) -> ShardSize | None:
+    """The shard size the last nights' partitions measured (``shard_sizing``), unless the job sets one."""
+    if config.shards is not None or config.rows_per_shard is not None:
+        return None
+    return shard_size(measured_by_hardware(last_partitions_metadata(instance, dg.AssetKey([config.name, "completions"]))))
+
+
 def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitionsDefinition) -> dg.AssetsDefinition:
     @dg.asset(
         key=[config.name, "prefix_groups"],
@@ -109,7 +117,10 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
                               progress=context.log.info, still_needed=lambda: plan_content_keys(config.plan_path))
         prepared = plan_tokenized(meta, rows, settings, config.sampling, columns, config.scheduler)
         plan = prepared.plan
-        shard_count = config.shard_count(plan.num_rows)
+        size = measured_shard_size(context.instance, config)
+        if size is not None:
+            context.log.info(f"shard size: {size.why}")
+        shard_count = config.shard_count(plan.num_rows, *([size.rows_per_shard] if size else []))
         shards = assign_shards(plan, shard_count, previous=previous_shards(config.plan_path, meta.column(columns.id)))
         ids_by_shard = _ids_by_shard(prepared, shards.shard_of_row, shard_count)
         keys = [shard_key(config.hardware_of_shard(s).name, s, ids) for s, ids in enumerate(ids_by_shard)]
@@ -145,6 +156,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
             "plan_bytes": plan_bytes,
             "plan_bytes_per_prompt_token": float(round(plan_bytes / max(plan.prompt_tokens, 1), 3)),
             "shards": len(used),
+            **({"rows_per_shard": size.rows_per_shard, "rows_per_shard_why": size.why} if size else {}),
             "split_groups": shards.split_groups,
             "partition_keys": dg.MetadataValue.json(shard_rows),
             "estimated_prefill_tokens_per_shard": dg.MetadataValue.json(

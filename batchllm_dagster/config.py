@@ -16,6 +16,8 @@ from engine.dataset import Columns
 from engine.fields import PromptFields
 from engine.settings import EngineSettings, Policy, SamplingSettings, SchedulerSettings, fingerprint
 
+from .shard_sizing import FIRST_NIGHT_ROWS_PER_SHARD
+
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_PARTITIONS = 100_000  # Dagster's guidance: at most this many partitions per asset
 PLAN_TAG = "batchllm/plan"  # runs that plan a job carry its name; dagster.yaml runs one per value at a time
@@ -122,8 +124,10 @@ class JobSpec(BaseModel):
     shards: Annotated[int | None, *described(
         "partitions of completions (>= 1); unset: one per rows_per_shard rows, at least one per hardware "
         f"partition, at most {MAX_PARTITIONS:,} (Dagster's guidance for one asset)")] = None
-    rows_per_shard: Annotated[int, *described(
-        "rows a shard gets when shards is unset: a partition is one run, one vLLM start-up (>= 1)")] = 10_000
+    rows_per_shard: Annotated[int | None, *described(
+        "rows a shard gets when shards is unset: a partition is one run, one vLLM start-up (>= 1); unset: sized "
+        "from the last nights' partitions so start-up and orchestration stay at most 5% of one (first night: "
+        "10,000)")] = None
     # A name alone (`hardware: [cpu]`) is short for {name: cpu}; after validation every entry is a
     # HardwarePartition (the union is for the YAML schema, which must accept both).
     hardware: Annotated[list[str | HardwarePartition], *described(
@@ -164,17 +168,19 @@ class JobSpec(BaseModel):
         if len(set(names)) != len(names):
             raise ValueError(f"hardware partition names must differ: {names}")
         if (self.shards is not None and not 1 <= self.shards <= MAX_PARTITIONS) or self.ray_replicas < 1 \
-                or self.rows_per_shard < 1:
+                or (self.rows_per_shard is not None and self.rows_per_shard < 1):
             raise ValueError(f"shards must be in 1..{MAX_PARTITIONS:,}, ray_replicas and rows_per_shard at least 1 "
                              f"(got {self.shards}, {self.ray_replicas}, {self.rows_per_shard})")
         return self
 
-    def shard_count(self, rows: int) -> int:
-        """``shards`` when set, else derived from the batch: ~rows_per_shard rows each, every hardware
-        partition used, never more partitions than Dagster's guidance for one asset."""
+    def shard_count(self, rows: int, measured_rows_per_shard: int = FIRST_NIGHT_ROWS_PER_SHARD) -> int:
+        """``shards`` when set, else derived from the batch: ~rows_per_shard rows each (the job's, else
+        ``measured_rows_per_shard``: see ``shard_sizing``), every hardware partition used, never more
+        partitions than Dagster's guidance for one asset."""
         if self.shards is not None:
             return self.shards
-        return max(len(self.hardware), min(-(-rows // self.rows_per_shard), MAX_PARTITIONS))
+        per_shard = self.rows_per_shard or measured_rows_per_shard
+        return max(len(self.hardware), min(-(-rows // per_shard), MAX_PARTITIONS))
 
 
 class BatchJobConfig(JobSpec):

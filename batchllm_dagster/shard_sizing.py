@@ -1,0 +1,69 @@
+"""How many rows a shard gets when the job sets neither ``shards`` nor ``rows_per_shard``: sized from
+what the job's last partitions measured on each hardware partition, so that a partition's start-up
+and orchestration (the step's start, reading the plan, vLLM's start and stop, writing, checks) stay
+at most ``OVERHEAD_SHARE`` of its time there. A partition of R rows at r rows/s with o seconds of
+overhead takes o + R / r; o <= share x (o + R / r) needs R >= o x r x (1 / share - 1). A faster GPU
+needs bigger shards, so the fastest hardware partition's need decides. The size is rounded up to a
+power of two, so a night's noise does not move every shard's rows. A first night, with nothing
+measured, takes ``FIRST_NIGHT_ROWS_PER_SHARD``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import dagster as dg
+
+FIRST_NIGHT_ROWS_PER_SHARD = 10_000
+OVERHEAD_SHARE = 0.05
+PARTITIONS_READ = 50  # the latest materializations of completions the size is taken from
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One hardware partition's medians over its last partitions that computed rows."""
+
+    rows_per_s: float  # rows per second of engine time
+    overhead_s: float  # a partition's seconds outside the rows' engine time
+    partitions: int
+
+
+@dataclass(frozen=True)
+class ShardSize:
+    rows_per_shard: int
+    why: str
+
+
+def measured_by_hardware(metadata: list[dict]) -> dict[str, Measured]:
+    """The medians per hardware partition of completions metadata (``run_metadata`` and ``write_s``)."""
+    samples: dict[str, list[tuple[float, float]]] = {}
+    for m in metadata:
+        if not m.get("rows") or "wall_s" not in m:  # every row reused: nothing ran, nothing measured
+            continue
+        engine_s = m["wall_s"] - m["startup_s"] - m["engine_stop_s"]
+        if engine_s <= 0:
+            continue
+        overhead_s = m["startup_s"] + m["engine_stop_s"] + m.get("write_s", 0.0)
+        samples.setdefault(m["hardware_partition"], []).append((m["rows"] / engine_s, overhead_s))
+    return {hardware: Measured(statistics.median(r for r, _ in pairs), statistics.median(o for _, o in pairs), len(pairs))
+            for hardware, pairs in samples.items()}
+
+
+def shard_size(measured: dict[str, Measured], share: float = OVERHEAD_SHARE) -> ShardSize:
+    if not measured:
+        return ShardSize(FIRST_NIGHT_ROWS_PER_SHARD, f"first night: nothing measured yet, {FIRST_NIGHT_ROWS_PER_SHARD:,} rows")
+    needs = {hardware: m.overhead_s * m.rows_per_s * (1 / share - 1) for hardware, m in measured.items()}
+    hardware = max(needs, key=needs.get)
+    rows = 1 << max(0, int(needs[hardware]) - 1).bit_length()  # rounded up to a power of two
+    m = measured[hardware]
+    return ShardSize(rows, f"{rows:,} rows: on {hardware}, {m.rows_per_s:,.1f} rows/s and {m.overhead_s:.1f} s of "
+                           f"start-up and orchestration per partition (medians of {m.partitions}) keep that at "
+                           f"most {share:.0%} of a partition")
+
+
+def last_partitions_metadata(instance: dg.DagsterInstance, completions: dg.AssetKey) -> list[dict]:
+    """The metadata of the latest materializations of ``completions``, values unwrapped."""
+    records = instance.fetch_materializations(completions, limit=PARTITIONS_READ).records
+    return [{name: value.value for name, value in r.asset_materialization.metadata.items()}
+            for r in records if r.asset_materialization is not None]
