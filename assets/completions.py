@@ -92,8 +92,8 @@ def run_shard_on_ray(config, key, prepared, settings, sampling, checkpoint) -> t
 
 def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDefinition) -> dg.AssetsDefinition:
     @dg.asset(
-        key=[config.name, "completions"],
-        deps=[dg.AssetKey([config.name, "prefix_groups"])],
+        key=config.asset_key("completions"),
+        deps=[config.asset_key("prefix_groups")],
         partitions_def=partitions,
         group_name=config.name,
         pool=config.inference_pool,

@@ -75,13 +75,13 @@ def measured_shard_size(instance: dg.DagsterInstance, config: BatchJobConfig) ->
     """The shard size the last nights' partitions measured (``shard_sizing``), unless the job sets one."""
     if config.shards is not None or config.rows_per_shard is not None:
         return None
-    return shard_size(measured_by_hardware(last_partitions_metadata(instance, dg.AssetKey([config.name, "completions"]))))
+    return shard_size(measured_by_hardware(last_partitions_metadata(instance, config.asset_key("completions"))))
 
 
 def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitionsDefinition) -> dg.AssetsDefinition:
     @dg.asset(
-        key=[config.name, "prefix_groups"],
-        deps=[dg.AssetKey([config.name, "prompts"])],
+        key=config.asset_key("prefix_groups"),
+        deps=[config.asset_key("prompts")],
         group_name=config.name,
         description="Prefix groups found over the whole batch, and the shard (partition) each belongs to.",
         kinds={"duckdb"},

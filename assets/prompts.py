@@ -94,7 +94,7 @@ def source_version(config: BatchJobConfig) -> str:
 
 def build_prompts(config: BatchJobConfig) -> dg.AssetsDefinition:
     @dg.asset(
-        key=[config.name, "prompts"],
+        key=config.asset_key("prompts"),
         group_name=config.name,
         description=f"Prompt rows of batch job {config.name!r} ({config.dataset.describe()}), snapshotted to Parquet.",
         kinds={"duckdb", "parquet"},

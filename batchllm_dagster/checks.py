@@ -26,7 +26,7 @@ from .warehouse import table_exists
 
 
 def partition_check_specs(config: BatchJobConfig) -> list[dg.AssetCheckSpec]:
-    key = dg.AssetKey([config.name, "completions"])
+    key = config.asset_key("completions")
     return [
         dg.AssetCheckSpec("one_completion_per_row", asset=key, description="Each row of the shard has exactly one completion."),
         dg.AssetCheckSpec("no_silent_empties", asset=key, description="Ok rows have text; error rows say why."),
@@ -71,16 +71,16 @@ def partition_check_results(config: BatchJobConfig, warehouse: DuckDBResource, p
     saving = stats.saving_vs_ideal
     return [
         dg.AssetCheckResult(
-            check_name="one_completion_per_row", asset_key=dg.AssetKey([config.name, "completions"]),
+            check_name="one_completion_per_row", asset_key=config.asset_key("completions"),
             passed=missing == 0 and duplicated == 0 and extra == 0,
             metadata={"missing": int(missing), "duplicated": int(duplicated), "unexpected": int(extra or 0)},
         ),
         dg.AssetCheckResult(
-            check_name="no_silent_empties", asset_key=dg.AssetKey([config.name, "completions"]),
+            check_name="no_silent_empties", asset_key=config.asset_key("completions"),
             passed=silent == 0, metadata={"silent_empty_rows": int(silent), "error_rows": int(errors)},
         ),
         dg.AssetCheckResult(
-            check_name="prefix_saving", asset_key=dg.AssetKey([config.name, "completions"]),
+            check_name="prefix_saving", asset_key=config.asset_key("completions"),
             passed=saving >= config.min_saving_vs_ideal, severity=dg.AssetCheckSeverity.WARN,
             metadata={"saving_vs_ideal": float(round(saving, 4)), "floor": config.min_saving_vs_ideal},
         ),
@@ -91,7 +91,7 @@ def partition_check_results(config: BatchJobConfig, warehouse: DuckDBResource, p
 def _format_check(config: BatchJobConfig, constrained: list[tuple[object, str, ResponseFormat]]) -> dg.AssetCheckResult:
     violations = [(row_id, why) for row_id, text, fmt in constrained if (why := fmt.violation(text or ""))]
     return dg.AssetCheckResult(
-        check_name="answers_follow_response_format", asset_key=dg.AssetKey([config.name, "completions"]),
+        check_name="answers_follow_response_format", asset_key=config.asset_key("completions"),
         passed=not violations,
         metadata={"rows_checked": len(constrained), "violations": len(violations),
                   "examples": dg.MetadataValue.json([{"id": str(i), "why": w} for i, w in violations[:5]])},
@@ -107,14 +107,14 @@ def _ids_table(ids: list):
 def shards_outstanding(instance: dg.DagsterInstance, config: BatchJobConfig) -> list[str]:
     """Partitions of the current plan not materialized since the plan was made (the shard sensor
     runs every one of them after each plan)."""
-    plan = instance.fetch_materializations(dg.AssetKey([config.name, "prefix_groups"]), limit=1).records
+    plan = instance.fetch_materializations(config.asset_key("prefix_groups"), limit=1).records
     current = instance.get_dynamic_partitions(config.partitions_name)
     if not plan:
         return list(current)
     landed, cursor = set(), None
     while True:
         page = instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=dg.AssetKey([config.name, "completions"]),
+            dg.AssetRecordsFilter(asset_key=config.asset_key("completions"),
                                   after_storage_id=plan[0].storage_id), limit=1000, cursor=cursor)
         landed.update(r.partition_key for r in page.records)
         if not page.has_more:
@@ -128,7 +128,7 @@ def build_table_checks(config: BatchJobConfig) -> list[dg.AssetChecksDefinition]
     backfill's, one launched from the UI or ``dg launch``) and evaluates only in the run of the
     shard that lands last, once the whole plan is answered: it is skipped, not failed, while shards
     are outstanding, so a healthy night has no red check. Selected alone, it always evaluates."""
-    key = dg.AssetKey([config.name, "completions"])
+    key = config.asset_key("completions")
     table = quote_identifier(config.output_table)
 
     @dg.multi_asset_check(

@@ -193,6 +193,12 @@ class BatchJobConfig(JobSpec):
     def job_dir(self) -> Path:
         return Path(self.storage_dir) / self.name
 
+    def asset_key(self, asset: str):
+        """The key of one of the job's assets: ``prompts``, ``prefix_groups`` or ``completions``."""
+        import dagster as dg
+
+        return dg.AssetKey([self.name, asset])
+
     @property
     def inference_pool(self) -> str | None:
         """The op-level pool: one step at a time, for runs and UI backfills alike. With several
