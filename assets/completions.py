@@ -72,7 +72,7 @@ def run_shard_locally(config, key, prepared, settings, sampling, checkpoint, llm
     bar = ProgressBar.on_terminal(f"{config.name} {key}")
     try:
         return run_resumable(prepared, settings, sampling, checkpoint, config.scheduler, reuse_from=reuse,
-                             progress_sink=log, open_engine=llm.engine, started_at=started_at, display=bar)
+                             progress_sink=log, engine_opener=llm.engine, started_at=started_at, display=bar)
     finally:
         if bar:
             bar.close()

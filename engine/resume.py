@@ -46,13 +46,13 @@ def run_resumable(
     progress_sink: Callable[[str], None] | None = None,
     checkpoint_every_rows: int = 256,
     checkpoint_every_s: float = 10.0,
-    open_engine: Callable[[EngineSettings], ContextManager[VLLMEngine]] = open_engine,
+    engine_opener: Callable[[EngineSettings], ContextManager[VLLMEngine]] = open_engine,
     started_at: float | None = None,
     display: Display | None = None,
 ) -> RunOutcome:
     """Run the rows, writing results to a checkpoint as they finish; rows a previous (killed)
     run already wrote with the same fingerprint are reused, not recomputed. vLLM starts only
-    if some row still needs it: ``open_engine(settings)`` gives a context manager (a
+    if some row still needs it: ``engine_opener(settings)`` gives a context manager (a
     ``VLLMEngine``, or a resource's ``engine()``) whose owner closes the engine when the run
     leaves it."""
     started_at = time.perf_counter() if started_at is None else started_at
@@ -71,7 +71,7 @@ def run_resumable(
     needs_engine = any(r not in prepared.errors for r in todo)
     with contextlib.ExitStack() as opened:
         starting = time.perf_counter()
-        engine = opened.enter_context(open_engine(engine_settings)) if needs_engine else None
+        engine = opened.enter_context(engine_opener(engine_settings)) if needs_engine else None
         engine_start_s = time.perf_counter() - starting
         info = engine.info if engine is not None else None
         checkpoint.restart_timer()  # a kill early in the run keeps what finished after start-up

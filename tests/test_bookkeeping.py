@@ -130,7 +130,7 @@ def test_a_resumable_run_on_a_fake_engine_checkpoints_from_the_first_row_not_fro
 
     lines = []
     outcome = run_resumable(prepared, EngineSettings(model_path="unused", block_size=8), SamplingSettings(max_tokens=4),
-                            tmp_path / "ckpt", checkpoint_every_s=0.5, open_engine=slow_starting_engine,
+                            tmp_path / "ckpt", checkpoint_every_s=0.5, engine_opener=slow_starting_engine,
                             progress_sink=lines.append)
     assert sorted(r.id for r in outcome.results) == sorted(prepared.ids)
     assert outcome.stats.ok_rows == 12 and outcome.stats.startup_s >= 0.6
@@ -138,7 +138,7 @@ def test_a_resumable_run_on_a_fake_engine_checkpoints_from_the_first_row_not_fro
     parts = sorted((tmp_path / "ckpt").glob("part-*.parquet"))
     assert len(parts) == 1  # all rows finished within the first interval after start-up
     again = run_resumable(prepared, EngineSettings(model_path="unused", block_size=8), SamplingSettings(max_tokens=4),
-                          tmp_path / "ckpt", open_engine=slow_starting_engine, progress_sink=lines.append)
+                          tmp_path / "ckpt", engine_opener=slow_starting_engine, progress_sink=lines.append)
     assert again.stats.reused_rows == 12 and again.engine is None and len(opened) == 1  # nothing to run: no engine
     assert "reusing 12 of 12 rows (12 from the checkpoint" in lines[-1]
 
@@ -195,7 +195,7 @@ def test_a_model_rewritten_in_place_reruns_every_row_and_says_why(tmp_path):
     def run(prepared):
         lines = []
         outcome = run_resumable(prepared, settings, sampling, tmp_path / "ckpt",
-                                open_engine=lambda *a: FakeEngine(num_blocks=64, block_size=2), progress_sink=lines.append)
+                                engine_opener=lambda *a: FakeEngine(num_blocks=64, block_size=2), progress_sink=lines.append)
         return outcome, lines[0]
 
     prepared = prepared_of(rows, order=list(range(12)), groups=[0] * 12, prefix=[6] * 12)
@@ -247,7 +247,7 @@ def test_rows_finished_before_an_engine_error_are_in_the_checkpoint(tmp_path):
     with pytest.raises(RuntimeError, match="engine core died"):
         run_resumable(prepared, EngineSettings(model_path="unused", block_size=8), SamplingSettings(max_tokens=12),
                       tmp_path / "ckpt", checkpoint_every_rows=1000, checkpoint_every_s=3600,
-                      open_engine=lambda *a: contextlib.nullcontext(FailingEngine(num_blocks=64, block_size=2)),
+                      engine_opener=lambda *a: contextlib.nullcontext(FailingEngine(num_blocks=64, block_size=2)),
                       progress_sink=lambda line: None)
     import pyarrow.parquet as pq
 
@@ -280,6 +280,6 @@ def test_a_finished_row_is_written_on_time_while_no_other_row_finishes(tmp_path,
     prepared.max_tokens[0] = 1  # done in the first step; the others run 40 steps (40 minutes)
     run_resumable(prepared, EngineSettings(model_path="unused", block_size=8), SamplingSettings(max_tokens=40),
                   folder, checkpoint_every_rows=1000, checkpoint_every_s=300,
-                  open_engine=lambda *a: contextlib.nullcontext(SlowSteps(num_blocks=256, block_size=2)),
+                  engine_opener=lambda *a: contextlib.nullcontext(SlowSteps(num_blocks=256, block_size=2)),
                   progress_sink=lambda line: None)
     assert parts_seen[:2] == [0, 0] and parts_seen[10] == 1  # row 0 written within 5 minutes, long before the rest
