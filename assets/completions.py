@@ -85,8 +85,8 @@ def run_shard_on_ray(config, key, prepared, settings, sampling, checkpoint) -> t
     outcome = run_on_ray(prepared, settings, sampling, checkpoint, replicas=config.ray_replicas,
                          address=config.ray_address, scheduler_settings=config.scheduler, actor_prefix=f"batchllm-{key}",
                          run_timeout_s=config.ray_shard_timeout_s, gpu_wait_s=config.ray_gpu_wait_s)
-    info = {"vllm": "on Ray replicas", "replica_of_sub_shard": {str(s): r for s, r in outcome.replica_of_shard.items()},
-            "reassigned_sub_shards": outcome.reassigned_shards}
+    info = {"vllm": "on Ray replicas", "replica_of_sub_shard": {str(s): r for s, r in outcome.replica_of_sub_shard.items()},
+            "reassigned_sub_shards": outcome.reassigned_sub_shards}
     return outcome.merged(), info
 
 

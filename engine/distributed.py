@@ -51,40 +51,38 @@ class ReplicaWorker:
     def ping(self) -> int:
         return os.getpid()
 
-    def run_shard(self, shard: int, prepared: PreparedBatch, engine_settings: EngineSettings, sampling: SamplingSettings,
+    def run_sub_shard(self, sub_shard: int, prepared: PreparedBatch, engine_settings: EngineSettings, sampling: SamplingSettings,
                   scheduler_settings: SchedulerSettings, checkpoint_dir: str) -> dict:
         from .resume import run_resumable
 
         outcome = run_resumable(prepared, engine_settings, sampling, checkpoint_dir, scheduler_settings,
                                 checkpoint_every_rows=32)
-        for result in outcome.results:
-            result.shard = shard
-        return {"shard": shard, "replica": self.replica, "pid": os.getpid(), "hardware": self.hardware,
+        return {"sub_shard": sub_shard, "replica": self.replica, "pid": os.getpid(), "hardware": self.hardware,
                 "outcome": outcome}
 
 
 @dataclass
 class RayRunResult:
     outcomes: dict[int, RunOutcome]  # shard -> what its replica returned
-    shard_of_row: np.ndarray  # input row -> shard
-    replica_of_shard: dict[int, int]  # shard -> replica that finished it
-    reassigned_shards: list[int] = field(default_factory=list)
+    sub_shard_of_row: np.ndarray  # input row -> shard
+    replica_of_sub_shard: dict[int, int]  # shard -> replica that finished it
+    reassigned_sub_shards: list[int] = field(default_factory=list)
 
     @property
     def results(self) -> list[RowResult]:
         return [r for outcome in self.outcomes.values() for r in outcome.results]
 
     @property
-    def stats_of_shard(self) -> dict[int, RunStats]:
+    def stats_of_sub_shard(self) -> dict[int, RunStats]:
         return {s: outcome.stats for s, outcome in self.outcomes.items()}
 
     @property
     def prefill_tokens(self) -> int:
-        return sum(stats.prefill_tokens for stats in self.stats_of_shard.values())
+        return sum(stats.prefill_tokens for stats in self.stats_of_sub_shard.values())
 
     def merged(self) -> RunOutcome:
         """One outcome for the whole batch (the replicas ran side by side)."""
-        return RunOutcome(self.results, merge_stats(list(self.stats_of_shard.values())), None)
+        return RunOutcome(self.results, merge_stats(list(self.stats_of_sub_shard.values())), None)
 
 
 def replica_resources(node_gpus: list[float], replicas: int, tensor_parallel_size: int) -> dict:
@@ -128,7 +126,7 @@ def wait_for_gpu_nodes(nodes, wants_gpus: bool, timeout_s: float, sleep=None) ->
         sleep(5.0)
 
 
-def _shards(prepared: PreparedBatch, replicas: int, placement: Placement, weights: list[float] | None) -> np.ndarray:
+def _sub_shards(prepared: PreparedBatch, replicas: int, placement: Placement, weights: list[float] | None) -> np.ndarray:
     if placement is Placement.GROUPS:
         return split_prepared(prepared, replicas, weights)
     return np.arange(prepared.num_rows) % replicas
@@ -169,7 +167,7 @@ def run_on_ray(
 
     if not ray.is_initialized():
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
-    shard_of_row = _shards(prepared, replicas, Placement.parse(placement), replica_weights)
+    sub_shard_of_row = _sub_shards(prepared, replicas, Placement.parse(placement), replica_weights)
     if resources_per_replica is None:
         node_gpus = wait_for_gpu_nodes(ray.nodes, current_platform() is Platform.CUDA, gpu_wait_s)
         resources_per_replica = replica_resources(node_gpus, replicas, engine_settings.tensor_parallel_size)
@@ -179,7 +177,7 @@ def run_on_ray(
         for i in range(replicas)
     }
     try:
-        return _run_shards(ray, prepared, engine_settings, sampling, scheduler_settings, checkpoint_root, shard_of_row,
+        return _run_sub_shards(ray, prepared, engine_settings, sampling, scheduler_settings, checkpoint_root, sub_shard_of_row,
                            actors, resources_per_replica, max_attempts, start_timeout_s, run_timeout_s)
     finally:
         for actor in actors.values():
@@ -189,7 +187,7 @@ def run_on_ray(
                 pass
 
 
-def _run_shards(ray, prepared, engine_settings, sampling, scheduler_settings, checkpoint_root, shard_of_row, actors,
+def _run_sub_shards(ray, prepared, engine_settings, sampling, scheduler_settings, checkpoint_root, sub_shard_of_row, actors,
                 resources_per_replica, max_attempts, start_timeout_s, run_timeout_s) -> RayRunResult:
     import time
 
@@ -204,10 +202,10 @@ def _run_shards(ray, prepared, engine_settings, sampling, scheduler_settings, ch
     deadline = None if run_timeout_s is None else time.monotonic() + run_timeout_s
 
     def submit(shard: int, replica: int):
-        part = prepared.subset(np.flatnonzero(shard_of_row == shard))
+        part = prepared.subset(np.flatnonzero(sub_shard_of_row == shard))
         folder = str(Path(checkpoint_root) / f"shard-{shard:03d}")
-        return actors[replica].run_shard.remote(shard, part, engine_settings, sampling, scheduler_settings, checkpoint_dir=folder)
-    pending = {submit(s, s): (s, s) for s in range(replicas) if (shard_of_row == s).any()}
+        return actors[replica].run_sub_shard.remote(shard, part, engine_settings, sampling, scheduler_settings, checkpoint_dir=folder)
+    pending = {submit(s, s): (s, s) for s in range(replicas) if (sub_shard_of_row == s).any()}
     attempts = {s: 1 for s, _ in pending.values()}
     done: dict[int, dict] = {}
     reassigned: list[int] = []
@@ -235,7 +233,7 @@ def _run_shards(ray, prepared, engine_settings, sampling, scheduler_settings, ch
             pending[submit(shard, spare)] = (shard, spare)
     return RayRunResult(
         outcomes={s: out["outcome"] for s, out in done.items()},
-        shard_of_row=shard_of_row,
-        replica_of_shard={s: out["replica"] for s, out in done.items()},
-        reassigned_shards=reassigned,
+        sub_shard_of_row=sub_shard_of_row,
+        replica_of_sub_shard={s: out["replica"] for s, out in done.items()},
+        reassigned_sub_shards=reassigned,
     )

@@ -46,10 +46,16 @@ def groups_by_id(prepared) -> dict:
     return {prepared.ids[i]: int(g) for i, g in enumerate(prepared.group_of_row)}
 
 
-def assert_groups_on_one_replica(result, group_of: dict) -> None:
+def sub_shard_of(result, prepared) -> dict:
+    """Each row id's sub-shard (the slice of the batch one replica ran)."""
+    return {row_id: int(result.sub_shard_of_row[i]) for i, row_id in enumerate(prepared.ids)}
+
+
+def assert_groups_on_one_replica(result, prepared) -> None:
+    group_of, sub_shard = groups_by_id(prepared), sub_shard_of(result, prepared)
     replica_of_group: dict[int, set] = {}
     for r in result.results:
-        replica_of_group.setdefault(group_of[r.id], set()).add(result.replica_of_shard[r.shard])
+        replica_of_group.setdefault(group_of[r.id], set()).add(result.replica_of_sub_shard[sub_shard[r.id]])
     assert all(len(replicas) == 1 for replicas in replica_of_group.values()), replica_of_group
     assert len({next(iter(v)) for v in replica_of_group.values()}) == 2, "both replicas did work"
 
@@ -61,7 +67,7 @@ def test_two_replicas_run_each_group_once_and_answer_like_a_local_run(cluster, t
     result = run_on_ray(prepared, settings, SAMPLING, tmp_path / "ckpt", replicas=2, bind_cpu_cores=True)
     ids = [r.id for r in result.results]
     assert sorted(ids) == sorted(table.column("id").to_pylist())  # every row exactly once
-    assert_groups_on_one_replica(result, groups_by_id(prepared))
+    assert_groups_on_one_replica(result, prepared)
     assert {r.id: r.text for r in result.results} == local_answers(tiny_model, table)
 
     # Whole groups per replica compute each prefix once; rows dealt round-robin recompute it.
@@ -88,15 +94,15 @@ def test_a_replica_killed_midway_has_its_shard_rerun_elsewhere(cluster, tiny_mod
     result = run_on_ray(prepared, settings, SamplingSettings(max_tokens=40), checkpoints, replicas=2,
                         bind_cpu_cores=True, actor_prefix="victim")
     killer.join()
-    assert result.reassigned_shards == [0]
-    assert result.replica_of_shard[0] == 1
+    assert result.reassigned_sub_shards == [0]
+    assert result.replica_of_sub_shard[0] == 1
     ids = [r.id for r in result.results]
     assert len(ids) == len(set(ids)) == table.num_rows
-    assert result.stats_of_shard[0].reused_rows > 0  # resumed from the dead replica's checkpoint
-    group_of = groups_by_id(prepared)
+    assert result.stats_of_sub_shard[0].reused_rows > 0  # resumed from the dead replica's checkpoint
+    group_of, sub_shard = groups_by_id(prepared), sub_shard_of(result, prepared)
     shards_of_group: dict[int, set] = {}
     for r in result.results:
-        shards_of_group.setdefault(group_of[r.id], set()).add(r.shard)
+        shards_of_group.setdefault(group_of[r.id], set()).add(sub_shard[r.id])
     assert all(len(s) == 1 for s in shards_of_group.values())
     assert {r.id: r.text for r in result.results} == local_answers(tiny_model, table, SamplingSettings(max_tokens=40))
 
