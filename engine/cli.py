@@ -194,7 +194,7 @@ def cmd_run(args) -> int:
         sink = file_logger("batchllm.progress").info if bar else log.info
         try:
             outcome = run_resumable(
-                prepared, engine_settings, sampling, checkpoint_dir, SchedulerSettings(),
+                prepared, engine_settings, sampling, checkpoint_dir, SchedulerSettings(log_every_s=args.progress_every_s),
                 reuse_from=[output] if output.exists() else [], progress_sink=sink,
                 checkpoint_every_rows=args.checkpoint_every_rows, display=bar,
             )
@@ -250,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--json", action="store_true", help="print the run's statistics as JSON")
     run.add_argument("--checkpoint-dir", help="where finished rows are kept while running (default OUT.checkpoint)")
     run.add_argument("--checkpoint-every-rows", type=at_least_one, default=256, help="write a checkpoint part this often")
+    run.add_argument("--progress-every-s", type=float, default=SchedulerSettings.model_fields["log_every_s"].default,
+                     help="seconds between progress lines")
     run.add_argument("--overwrite", action="store_true", help="replace an existing --output that is not a result of these prompts")
     run.set_defaults(func=cmd_run)
 

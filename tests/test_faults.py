@@ -55,7 +55,9 @@ def test_cli_run_terminated_writes_what_finished_and_shuts_down(big_prompts, tmp
     checkpoint = Path(f"{output}.checkpoint")
     args = ("run", str(big_prompts), "--model", tiny_model, "--output", str(output), "--max-tokens", MAX_TOKENS,
             "--kv-cache-blocks", "256", "--checkpoint-every-rows", "1000", "--json")
-    run = subprocess.Popen(cli(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    # Progress every 0.2 s: the run (a few seconds on a fast machine) is signalled early in it.
+    run = subprocess.Popen(cli(*args, "--progress-every-s", "0.2"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, cwd=ROOT)
     lines = []
     for line in run.stdout:  # until a progress line says rows have finished
         lines.append(line)
