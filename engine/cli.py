@@ -180,13 +180,13 @@ def terminate_as_exit():
 
 
 def cmd_run(args) -> int:
-    from .output import OutputLock, check_output, write_result
+    from .output import check_output, output_lock, write_result
     from .results import results_to_table
     from .resume import run_resumable
 
     output = Path(args.output)
     check_output(output, args.prompts, args.overwrite)  # before any work
-    with OutputLock(output), terminate_as_exit():
+    with output_lock(output), terminate_as_exit():
         engine_settings, sampling, _, prepared, _ = _prepare(args, field_order_state=Path(f"{output}.field_order.parquet"))
         checkpoint_dir = Path(args.checkpoint_dir or f"{output}.checkpoint")
         bar = ProgressBar.on_terminal() if not args.json else None

@@ -2,14 +2,14 @@
 
 An output is refused when it is one of the inputs, a directory, or not writable, and when it is
 an existing file that is not a previous result of the same job (same prompts source) unless the
-user asks to overwrite it. One run at a time holds a lock file next to it that names the holder;
-a lock left by a process that no longer runs is taken over.
+user asks to overwrite it. One run at a time holds a lock next to it (``OUT.lock``) that names the
+holder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
-import json
 import os
 import socket
 from pathlib import Path
@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .atomic import write_parquet
+from .locks import Busy, held_alone
 
 RESULT_MARK = b"batchllm.result_of"  # Parquet metadata key: the prompts source the file answers
 
@@ -60,48 +61,17 @@ def write_result(table: pa.Table, output: Path, source: str) -> None:
     write_parquet(table, output)
 
 
-class OutputLock:
-    """``OUT.lock``: one run per output at a time; names its holder; taken over when stale."""
-
-    def __init__(self, output: Path):
-        self.path = output.with_name(output.name + ".lock")
-        self.held = False
-
-    def __enter__(self) -> "OutputLock":
-        me = {"pid": os.getpid(), "host": socket.gethostname()}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                holder = self._holder()
-                if holder and (holder.get("host") != me["host"] or _alive(holder.get("pid"))):
-                    raise OutputError(f"another run (pid {holder.get('pid')} on {holder.get('host')}) is writing "
-                                      f"{self.path.name[:-5]}; wait for it or remove {self.path} if it is gone") from None
-                self.path.unlink(missing_ok=True)  # left by a process that died
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self.held = True
-            return self
-        raise OutputError(f"could not take the lock {self.path}")
-
-    def _holder(self) -> dict | None:
-        try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None
-
-    def __exit__(self, *exc) -> None:
-        if self.held:
-            self.path.unlink(missing_ok=True)
-
-
-def _alive(pid) -> bool:
+@contextlib.contextmanager
+def output_lock(output: Path):
+    """``OUT.lock``: one run per output at a time, the kernel's ``flock`` (``engine.locks``: released
+    when the holder dies, so a killed run leaves nothing to take over); a second run is refused,
+    naming the holder."""
+    held = contextlib.ExitStack()
     try:
-        os.kill(int(pid), 0)
-    except (TypeError, ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
+        held.enter_context(held_alone(output.with_name(output.name + ".lock"),
+                                      f"pid {os.getpid()} on {socket.gethostname()}", f"a run writing {output.name}"))
+    except Busy as busy:
+        raise OutputError(f"{busy}: wait for it to finish") from None
+    with held:
+        yield
     return True

@@ -89,13 +89,16 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(prompt_parq
 
 
 def test_a_second_run_into_the_same_output_is_refused_and_named(prompt_parquet, tmp_path):
-    import json as _json
     import os
 
+    from engine.locks import held_alone
+
     output = tmp_path / "answers.parquet"
-    (tmp_path / "answers.parquet.lock").write_text(_json.dumps({"pid": os.getpid(), "host": os.uname().nodename}))
-    refused(batchllm("run", str(prompt_parquet), "--model", "tiny", "--output", str(output), check=False),
-            2, f"pid {os.getpid()}")
+    with held_alone(tmp_path / "answers.parquet.lock", f"pid {os.getpid()} on this host", "a run"):  # a run writing it
+        refused(batchllm("run", str(prompt_parquet), "--model", "tiny", "--output", str(output), check=False),
+                2, f"pid {os.getpid()} on this host")
+    (tmp_path / "answers.parquet.lock").write_text("pid 1 on a host, a process killed with SIGKILL")  # no flock held
+    assert batchllm("run", str(prompt_parquet), "--model", "tiny", "--output", str(output), check=False).returncode == 0
 
 
 @pytest.mark.parametrize("flag, value", [("--max-tokens", "0"), ("--shards", "0"), ("--block-size", "0"),
