@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .settings import EngineSettings, Platform
-from .vllm_env import SOCKET_PATH_LIMIT, socket_paths_fit
+from .vllm_env import REQUIRED_ON_CUDA, SOCKET_PATH_LIMIT, socket_paths_fit
 
 
 
@@ -39,12 +39,9 @@ def environment_problems(platform: Platform, env: dict[str, str]) -> list[str]:
                         f"limit of {SOCKET_PATH_LIMIT} bytes: unset it (batchllm picks a short path) or point it at a "
                         "short folder")
     if platform is Platform.CUDA:
-        if env.get("VLLM_WORKER_MULTIPROC_METHOD", "spawn") != "spawn":
-            problems.append("VLLM_WORKER_MULTIPROC_METHOD is not spawn on a GPU: forked workers cannot use CUDA "
-                            "once the parent touched it; unset it (batchllm sets spawn)")
-        if env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
-            problems.append("VLLM_ENABLE_V1_MULTIPROCESSING=0 on a GPU runs vLLM's engine core in this process, "
-                            "beside the scheduler: unset it (batchllm runs it in its own process on GPUs)")
+        for name, (value, why) in REQUIRED_ON_CUDA.items():
+            if env.get(name, value) != value:
+                problems.append(f"{name}={env[name]} on a GPU {why}: unset it (batchllm sets {value})")
     return problems
 
 

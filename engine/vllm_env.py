@@ -72,6 +72,17 @@ def rpc_base_path(cache_root: Path) -> Path:
     return Path(tempfile.gettempdir()) / f"batchllm-rpc-{os.getuid()}"
 
 
+# What a GPU run needs of vLLM's environment, and why (``process_env`` sets it; ``doctor`` names a
+# user's value that overrides it). The engine core in its own process: its scheduling, input
+# preparation and detokenizing overlap the GPU's work and ours. Started by spawn, never fork: a
+# forked child of a process that touched CUDA cannot use it.
+REQUIRED_ON_CUDA = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": ("1", "runs vLLM's engine core in this process, beside the scheduler, "
+                                            "instead of its own"),
+    "VLLM_WORKER_MULTIPROC_METHOD": ("spawn", "forks workers, which cannot use CUDA once the parent touched it"),
+}
+
+
 def process_env(settings: EngineSettings, platform: Platform, cores: int | None = None) -> dict[str, str]:
     env = {
         "HF_HUB_OFFLINE": "1",
@@ -87,11 +98,7 @@ def process_env(settings: EngineSettings, platform: Platform, cores: int | None 
         "VLLM_LOGGING_STREAM": "ext://sys.stderr",
     }
     if platform is Platform.CUDA:
-        # The engine core in its own process: its scheduling, input preparation and detokenizing
-        # overlap the GPU's work and ours. Started by spawn, never fork: a forked child of a process
-        # that touched CUDA cannot use it.
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-        env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        env.update({name: value for name, (value, _) in REQUIRED_ON_CUDA.items()})
     if platform is Platform.CPU:
         # One process: the engine starts in seconds, and measured faster here (README, On GPUs).
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
