@@ -10,7 +10,7 @@ from pydantic import Field
 
 from engine.settings import EngineSettings
 from engine.vllm_engine import VLLMEngine, open_engine
-from engine.vllm_env import hardware_name
+from engine.machine import hardware_name
 
 
 class VLLMResource(dg.ConfigurableResource):

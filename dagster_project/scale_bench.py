@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phase", choices=["plan", "partition"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     from engine.models import resolve_model
-    from engine.vllm_env import CACHE_ROOT
+    from engine.machine import CACHE_ROOT
 
     args.work = (args.work or CACHE_ROOT / "scale" / str(args.rows)).resolve()
     if args.phase:  # a child process

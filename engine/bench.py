@@ -83,7 +83,7 @@ from .results import RunStats
 from .step_profile import StepProfile
 from .settings import EngineSettings, ReserveOutput, SamplingSettings, SchedulerSettings
 from .tokenizing import TokenizedBatch
-from .vllm_env import current_platform
+from .machine import current_platform
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ def settings_fingerprint(engine: EngineSettings, sampling: SamplingSettings) -> 
     (``engine`` as resolved for the platform by ``for_platform``: a CPU and a GPU run differ) and
     the sampling, response format included."""
     from .tokenizing import model_fingerprint
-    from .vllm_env import vllm_version
+    from .machine import vllm_version
 
     relevant = engine.model_dump(include=_ANSWER_SETTINGS)
     return fingerprint(relevant, model_fingerprint(engine.model_path), vllm_version(), sampling)

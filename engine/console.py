@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 
 from .progress import Snapshot, format_eta
-from .vllm_env import CACHE_ROOT
+from .machine import CACHE_ROOT
 
 # Libraries whose log records and warnings are about their own internals (a missing Triton, a
 # deprecated torch API, NUMA binding): kept in the log file, only their errors reach the console.

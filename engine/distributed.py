@@ -44,7 +44,7 @@ class ReplicaWorker:
         self.replica = replica
         if cpu_core is not None:  # replicas on one CPU machine must not bind the same cores
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core)
-        from .vllm_env import hardware_name
+        from .machine import hardware_name
 
         self.hardware = hardware_name()
 
@@ -163,7 +163,7 @@ def run_on_ray(
     import ray
 
     from .settings import Platform
-    from .vllm_env import current_platform
+    from .machine import current_platform
 
     if not ray.is_initialized():
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)

@@ -47,15 +47,8 @@ def environment_problems(platform: Platform, env: dict[str, str]) -> list[str]:
 
 def check(settings: EngineSettings, rows: int = 16) -> Report:
     from .gpus import gpus, visible_gpus
-    from .vllm_env import (
-        VLLM_SERIES,
-        check_vllm_version,
-        current_platform,
-        engine_args,
-        platform_detection,
-        process_env,
-        vllm_version,
-    )
+    from .machine import current_platform, platform_detection, vllm_version
+    from .vllm_env import VLLM_SERIES, check_vllm_version, engine_args, process_env
 
     report = Report()
     platform = current_platform()
@@ -103,7 +96,7 @@ def _start_and_answer(settings: EngineSettings, rows: int, report: Report) -> No
         report.problem(f"vLLM did not start: {exc}")
         return
     try:
-        from .vllm_env import current_platform
+        from .machine import current_platform
 
         resolved = engine.vllm_config
         report.facts["engine"] = {

@@ -20,7 +20,7 @@ from .progress import Display
 from .results import EngineInfo, RowResult, RunStats
 from .settings import EngineSettings, SamplingSettings, SchedulerSettings
 from .vllm_engine import VLLMEngine, open_engine
-from .vllm_env import current_platform
+from .machine import current_platform
 
 log = logging.getLogger(__name__)
 

@@ -2,31 +2,15 @@
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import json
 from dataclasses import asdict
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .machine import Platform, current_platform
+from .policy import Policy
 from .response_format import ResponseFormat
-
-
-class Policy(str, enum.Enum):
-    """A named choice. ``parse`` is the one place a text becomes a policy; a typo lists the choices."""
-
-    @classmethod
-    def parse(cls, value: "str | Policy") -> "Policy":
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            choices = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"{cls.__name__} must be one of {choices}, not {value!r}") from None
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class ReserveOutput(Policy):
@@ -39,13 +23,6 @@ class ReserveOutput(Policy):
 # Default KV block size (tokens) everywhere a block size is not given; vLLM accepts these.
 DEFAULT_BLOCK_SIZE = 32
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
-
-
-class Platform(Policy):
-    """What vLLM runs on; it decides the defaults a setting left unset gets."""
-
-    CPU = "cpu"
-    CUDA = "cuda"
 
 
 # What an unset (None) setting means on each platform. CPU: fp32 (bf16 garbled answers of the small
@@ -118,8 +95,6 @@ class EngineSettings(BaseModel):
         the job sets none), or a capped KV cache's (vLLM keeps one block in reserve)."""
         max_model_len = self.max_model_len
         if max_model_len is None:
-            from .vllm_env import current_platform
-
             max_model_len = self.for_platform(current_platform()).max_model_len
         if self.kv_cache_blocks is None:
             return max_model_len

@@ -78,7 +78,7 @@ def _class_memo(model_path: str) -> Path | None:
     root = Path(model_path)
     if not root.is_dir():
         return None
-    from .vllm_env import CACHE_ROOT
+    from .machine import CACHE_ROOT
 
     digest = hashlib.blake2b(importlib.metadata.version("transformers").encode(), digest_size=12)
     _hash_files(root, _TOKENIZER_FILES + _CONFIG_FILES, digest)

@@ -16,7 +16,8 @@ from .requests import Finished, RequestKey, StepReport, Submission
 from .results import EngineInfo
 from .models import model_context_len
 from .settings import EngineSettings, Platform, SamplingSettings
-from .vllm_env import check_vllm_version, configure, current_platform, engine_args, offline_usage_context, vllm_version
+from .machine import current_platform, vllm_version
+from .vllm_env import check_vllm_version, configure, engine_args, offline_usage_context
 
 log = logging.getLogger(__name__)
 

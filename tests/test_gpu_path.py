@@ -96,7 +96,8 @@ def test_detecting_a_gpu_and_building_its_engine_arguments_never_touch_torch_cud
         import engine.gpus
         engine.gpus._load_nvml = FakeNVML
         from engine.settings import EngineSettings
-        from engine.vllm_env import current_platform, engine_args, hardware_name, platform_detection, process_env
+        from engine.machine import current_platform, hardware_name, platform_detection
+        from engine.vllm_env import engine_args, process_env
 
         platform = current_platform()
         settings = EngineSettings(model_path="/models/m", tensor_parallel_size=8)
