@@ -25,12 +25,12 @@ from batchllm_dagster.metadata import run_metadata
 from batchllm_dagster.resources import VLLMResource
 from batchllm_dagster.warehouse import existing_rows, replace_partition
 from engine.atomic import Staged
-from engine.console import ProgressBar
+from engine.run.console import ProgressBar
 from engine.locks import Busy, held_alone
-from engine.plan_table import NotInPlan, StalePlan, load_shard, planned_keys, superseded
-from engine.prepared import PreparedBatch
-from engine.results import results_to_table
-from engine.resume import RunOutcome, run_resumable
+from engine.plan.plan_table import NotInPlan, StalePlan, load_shard, planned_keys, superseded
+from engine.plan.prepared import PreparedBatch
+from engine.run.results import results_to_table
+from engine.jobs.resume import RunOutcome, run_resumable
 from engine.settings import EngineSettings, SamplingSettings
 
 from .checkpoints import other_checkpoints, prune_checkpoints
@@ -80,7 +80,7 @@ def run_shard_locally(config, key, prepared, settings, sampling, checkpoint, llm
 
 def run_shard_on_ray(config, key, prepared, settings, sampling, checkpoint) -> tuple[RunOutcome, dict]:
     """The shard spread over ``ray_replicas`` vLLM replicas on the Ray cluster, whole groups each."""
-    from engine.distributed import run_on_ray
+    from engine.jobs.distributed import run_on_ray
 
     outcome = run_on_ray(prepared, settings, sampling, checkpoint, replicas=config.ray_replicas,
                          address=config.ray_address, scheduler_settings=config.scheduler, actor_prefix=f"batchllm-{key}",

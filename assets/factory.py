@@ -9,7 +9,7 @@ from batchllm_dagster.partitions import hardware_of_key, shard_partitions
 from batchllm_dagster.resources import DEFAULT_LLM
 from engine.models import prepared_model_dir
 from engine.response_format import check_room_for_answers
-from engine.tokenizing import load_tokenizer
+from engine.plan.tokenizing import load_tokenizer
 
 from .completions import build_completions
 from .snapshots import PLAN_RUN_TAG

@@ -10,16 +10,16 @@ from batchllm_dagster.metadata import plan_metadata
 from batchllm_dagster.partitions import shard_key, sync_partitions
 from batchllm_dagster.shard_sizing import ShardSize, last_partitions_metadata, measured_by_hardware, shard_size
 from batchllm_dagster.warehouse import remove_answers_not_in, replace_table
-from engine.duplicates import count_duplicates
+from engine.plan.duplicates import count_duplicates
 from engine.locks import locked
-from engine.plan_table import plan_content_keys, plan_table, previous_shards, stale_reasons, write_plan
-from engine.prepared import plan_tokenized
-from engine.prompt_snapshot import CONTENT_KEY, columns_without_text, read_snapshot
+from engine.plan.plan_table import plan_content_keys, plan_table, previous_shards, stale_reasons, write_plan
+from engine.plan.prepared import plan_tokenized
+from engine.table.prompt_snapshot import CONTENT_KEY, columns_without_text, read_snapshot
 from engine.response_format import check_room_for_answers
 from engine.settings import fingerprint
-from engine.shards import assign_shards
-from engine.token_cache import TokenCache
-from engine.tokenizing import LazyTokenizer, tokenizer_fingerprint
+from engine.plan.shards import assign_shards
+from engine.plan.token_cache import TokenCache
+from engine.plan.tokenizing import LazyTokenizer, tokenizer_fingerprint
 
 from .checkpoints import prune_checkpoints
 from .snapshots import plan_stamp_of

@@ -9,11 +9,11 @@ import dagster as dg
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import table_preview
 from engine.atomic import Staged
-from engine.dataset import check_unique_ids, read_sql, single_query, source_sql, stream_sql, validate
-from engine.field_order_state import KeptOrders, kept_field_orders
-from engine.fields import FieldOrder, PrefillCounter, PromptFields, with_prompt_column
+from engine.table.dataset import check_unique_ids, read_sql, single_query, source_sql, stream_sql, validate
+from engine.table.field_order_state import KeptOrders, kept_field_orders
+from engine.table.fields import FieldOrder, PrefillCounter, PromptFields, with_prompt_column
 from engine.locks import locked
-from engine.prompt_snapshot import SnapshotWriter, snapshot_digest
+from engine.table.prompt_snapshot import SnapshotWriter, snapshot_digest
 
 
 
@@ -52,8 +52,8 @@ def _prefill_counter(config: BatchJobConfig) -> PrefillCounter | None:
     """What an optimized field order is chosen by: the job's tokenizer and KV block size."""
     if config.dataset.prompt is None or config.dataset.prompt.field_order is FieldOrder.as_declared:
         return None
-    from engine.prepared import sorted_prefill_counter
-    from engine.tokenizing import load_tokenizer
+    from engine.plan.prepared import sorted_prefill_counter
+    from engine.plan.tokenizing import load_tokenizer
 
     settings = config.engine_settings()
     return sorted_prefill_counter(load_tokenizer(settings.model_path), settings.block_size)
@@ -64,7 +64,7 @@ def rendered_batches(batches, schema: pa.Schema, fields: PromptFields, prompt_co
                      id_column: str = "id", field_order_path: Path | None = None):
     """The batches with their prompt rendered from ``fields``, their schema, and the field orders
     (None in the declared order). An optimized field order is kept from the job's earlier nights
-    or chosen over the whole table (``engine.field_order_state``, by ``prefill_tokens``), so its
+    or chosen over the whole table (``engine.table.field_order_state``, by ``prefill_tokens``), so its
     rows are read at once; in the declared order, batch by batch."""
     def render(table: pa.Table, orders=None) -> list[pa.RecordBatch]:
         return with_prompt_column(table, fields, prompt_column, orders, messages_column).to_batches(65_536)

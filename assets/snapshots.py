@@ -1,11 +1,11 @@
-"""The job's plan stamp as it is now, made from its prompt snapshot (``engine.prompt_snapshot``) and
-its settings (the plan table itself is ``engine.plan_table``'s)."""
+"""The job's plan stamp as it is now, made from its prompt snapshot (``engine.table.prompt_snapshot``) and
+its settings (the plan table itself is ``engine.plan.plan_table``'s)."""
 
 from __future__ import annotations
 
 from batchllm_dagster.config import BatchJobConfig
-from engine.plan_table import plan_stamp
-from engine.prompt_snapshot import snapshot_digest
+from engine.plan.plan_table import plan_stamp
+from engine.table.prompt_snapshot import snapshot_digest
 from engine.settings import EngineSettings
 
 PLAN_RUN_TAG = "batchllm/plan_run"  # tag of a shard's run: the plan run whose shards it was queued for

@@ -15,9 +15,9 @@ from __future__ import annotations
 import dagster as dg
 from dagster_duckdb import DuckDBResource
 
-from engine.prompt_snapshot import ids_sql
+from engine.table.prompt_snapshot import ids_sql
 from engine.response_format import ResponseFormat
-from engine.results import RunStats
+from engine.run.results import RunStats
 from engine.sql import quote_identifier
 
 from .config import BatchJobConfig

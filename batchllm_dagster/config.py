@@ -12,8 +12,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from engine.dataset import Columns
-from engine.fields import PromptFields
+from engine.table.dataset import Columns
+from engine.table.fields import PromptFields
 from engine.settings import EngineSettings, Policy, SamplingSettings, SchedulerSettings, fingerprint
 
 from .shard_sizing import FIRST_NIGHT_ROWS_PER_SHARD
@@ -254,7 +254,7 @@ class BatchJobConfig(JobSpec):
 
     @property
     def field_order_path(self) -> Path:
-        """The job's field order, kept from night to night (``engine.field_order_state``)."""
+        """The job's field order, kept from night to night (``engine.table.field_order_state``)."""
         return self.job_dir / "field_order.parquet"
 
     @property

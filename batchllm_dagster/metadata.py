@@ -5,8 +5,8 @@ from __future__ import annotations
 import dagster as dg
 import pyarrow as pa
 
-from engine.plan import PrefixPlan
-from engine.results import RunStats
+from engine.plan.prefix_tree import PrefixPlan
+from engine.run.results import RunStats
 
 
 def table_preview(table: pa.Table, columns: list[str], rows: int = 5, width: int = 80) -> dg.MetadataValue:

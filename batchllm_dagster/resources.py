@@ -9,7 +9,7 @@ import dagster as dg
 from pydantic import Field
 
 from engine.settings import EngineSettings
-from engine.vllm_engine import VLLMEngine, open_engine
+from engine.vllm.vllm_engine import VLLMEngine, open_engine
 from engine.machine import hardware_name
 
 

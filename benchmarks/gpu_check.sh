@@ -28,30 +28,30 @@ step() {  # step NAME SECONDS COMMAND...: stdout to NAME.json, stderr to NAME.er
   echo $? >"$WORK/$name.rc"
 }
 
-"$PY" -m engine.cli prepare-model "$MODEL" >/dev/null 2>&1 || true  # a built-in is prepared once (no-op for a path)
+"$PY" -m engine.cli.main prepare-model "$MODEL" >/dev/null 2>&1 || true  # a built-in is prepared once (no-op for a path)
 # The GPUs this process may use (CUDA_VISIBLE_DEVICES), not the node's.
 gpus=$("$PY" -c 'from engine.gpus import visible_gpus; print(len(visible_gpus()))' 2>/dev/null || echo 0)
 # vLLM's batch-invariant mode is Triton kernels, GPUs only; on a CPU (a dry run of this script) fp32
 # answers do not depend on the batch anyway.
 invariant=$([ "${gpus:-0}" -ge 1 ] && echo --batch-invariant)
 COLD_S=${COLD_S:-900}
-step doctor_cold "$COLD_S" "$PY" -m engine.cli doctor --model "$MODEL" --json
-step doctor "$COLD_S" "$PY" -m engine.cli doctor --model "$MODEL" --json
+step doctor_cold "$COLD_S" "$PY" -m engine.cli.main doctor --model "$MODEL" --json
+step doctor "$COLD_S" "$PY" -m engine.cli.main doctor --model "$MODEL" --json
 fact() {  # fact KEY DEFAULT: a number from the warm doctor's engine facts
   "$PY" -c 'import json, sys; print(int(json.load(open(sys.argv[1]))["engine"][sys.argv[2]]))' "$WORK/doctor.json" "$1" \
     2>/dev/null || echo "$2"
 }
 warm=$(fact start_s 120)  # a fresh process's vLLM start from the compile cache, in seconds
-runs=$("$PY" -c 'from engine.bench import FIELD_RUNS, RUNS; print(len([r for r in RUNS if r not in FIELD_RUNS]))')
+runs=$("$PY" -c 'from engine.bench.compare import FIELD_RUNS, RUNS; print(len([r for r in RUNS if r not in FIELD_RUNS]))')
 # Each bench run is a fresh process: a warm start plus its work (a minute is ample at this size), twice over.
 bench_s=$(( 2 * runs * (warm + 60) ))
 tp_s=$COLD_S  # a two-GPU engine is another compiled shape: a cold start again
-step bench_nested "$bench_s" "$PY" -m engine.cli bench --shape nested --model "$MODEL" --dtype float32 $invariant --json
+step bench_nested "$bench_s" "$PY" -m engine.cli.main bench --shape nested --model "$MODEL" --dtype float32 $invariant --json
 if [ "${gpus:-0}" -ge 2 ]; then
-  step tensor_parallel "$tp_s" "$PY" -m engine.cli doctor --model "$MODEL" --tensor-parallel-size 2 --json
+  step tensor_parallel "$tp_s" "$PY" -m engine.cli.main doctor --model "$MODEL" --tensor-parallel-size 2 --json
 fi
 batch=$(fact max_num_seqs 1024)
-step scheduler 60 "$PY" -m engine.cli bench --scheduler-only --rows-in-flight "1024,$batch" --json
+step scheduler 60 "$PY" -m engine.cli.main bench --scheduler-only --rows-in-flight "1024,$batch" --json
 
 LIMITS="{\"doctor_cold\": [$COLD_S, \"COLD_S: a first start compiles\"], \"doctor\": [$COLD_S, \"as cold, in case the cache missed\"], \"bench_nested\": [$bench_s, \"2 x $runs runs x (warm start ${warm}s + 60s)\"], \"tensor_parallel\": [$tp_s, \"another compiled shape: COLD_S\"], \"scheduler\": [60, \"no vLLM\"]}"
 "$PY" - "$WORK" "$OUT" "$started" "$gpus" "$batch" "$LIMITS" <<'EOF'

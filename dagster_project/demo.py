@@ -99,7 +99,7 @@ def materialize_all() -> None:
 
     from .definitions import DATABASE, defs
 
-    from engine.console import summary_table
+    from engine.run.console import summary_table
 
     instance = dg.DagsterInstance.get()
     code_location = defs()
@@ -136,7 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prepare-only", action="store_true", help="build the data and model, materialize nothing")
     args = parser.parse_args()
-    from engine.console import LOG_DIR, is_terminal, route_library_output
+    from engine.run.console import LOG_DIR, is_terminal, route_library_output
 
     log_file = route_library_output(LOG_DIR / "demo.log")  # before vLLM is imported
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

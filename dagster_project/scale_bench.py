@@ -44,7 +44,7 @@ def generate(work: Path, rows: int, tokens_per_row: int, model: str, seed: int =
     import duckdb
 
     from engine.models import resolve_model
-    from engine.tokenizing import load_tokenizer
+    from engine.plan.tokenizing import load_tokenizer
 
     rng = random.Random(seed)
     words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(3000)]

@@ -126,7 +126,7 @@ class SamplingSettings(BaseModel):
 
 
 class SchedulerSettings(BaseModel):
-    """BatchLLM scheduling knobs (see engine/scheduler.py); the same model is a job's YAML ``scheduler:``."""
+    """BatchLLM scheduling knobs (see engine/run/scheduler.py); the same model is a job's YAML ``scheduler:``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

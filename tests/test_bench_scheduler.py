@@ -3,7 +3,7 @@ on short answers the engine keeps a GPU's batch as full as vLLM alone on sorted 
 
 import pytest
 
-from engine.bench_scheduler import measure, measure_fill
+from engine.bench.bench_scheduler import measure, measure_fill
 
 
 def test_the_scheduler_overhead_benchmark_runs_every_row_and_counts_only_our_time(monkeypatch):
@@ -11,7 +11,7 @@ def test_the_scheduler_overhead_benchmark_runs_every_row_and_counts_only_our_tim
     a GPU's step) is taken out of the per-step cost, which is then ours alone."""
     import time
 
-    from engine.bench_scheduler import SteadyDecodeEngine
+    from engine.bench.bench_scheduler import SteadyDecodeEngine
 
     report = SteadyDecodeEngine._report
 
@@ -45,10 +45,10 @@ def test_the_vllm_handle_is_measured_over_a_stand_in_and_builds_one_sampling_par
     builds one ``SamplingParams`` per (sampling, max_tokens), which vLLM clones per request."""
     import numpy as np
 
-    from engine.bench_scheduler import LLMEngineStandIn
-    from engine.requests import RequestKind, Submission
+    from engine.bench.bench_scheduler import LLMEngineStandIn
+    from engine.run.requests import RequestKind, Submission
     from engine.settings import SamplingSettings
-    from engine.vllm_engine import VLLMEngine
+    from engine.vllm.vllm_engine import VLLMEngine
 
     result = measure(256, with_handle=True)
     assert result["rows"] == 512 and result["us_per_step_mean_all"] > 0

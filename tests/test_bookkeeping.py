@@ -7,13 +7,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from engine.checkpoint import Checkpoint
-from engine.plan import reusable_tokens
-from engine.plan_table import prepared_batch, rows_table
-from engine.prepared import PreparedBatch
-from engine.progress import Progress, format_eta
-from engine.results import RowResult, RunStats, merge_stats
-from engine.tokenizing import TokenizedBatch
+from engine.run.checkpoint import Checkpoint
+from engine.plan.prefix_tree import reusable_tokens
+from engine.plan.plan_table import prepared_batch, rows_table
+from engine.plan.prepared import PreparedBatch
+from engine.run.progress import Progress, format_eta
+from engine.run.results import RowResult, RunStats, merge_stats
+from engine.plan.tokenizing import TokenizedBatch
 
 
 def result(i, fingerprint="fp", status="ok"):
@@ -104,11 +104,11 @@ def test_a_resumable_run_on_a_fake_engine_checkpoints_from_the_first_row_not_fro
     The checkpoint's clock is a fake one that only start-up moves: a slow machine cannot split the parts."""
     import time
 
-    import engine.checkpoint as checkpoint_module
-    from engine.resume import run_resumable
+    import engine.run.checkpoint as checkpoint_module
+    from engine.jobs.resume import run_resumable
     from engine.settings import EngineSettings, SamplingSettings
 
-    from engine.sim_engine import FakeEngine
+    from engine.bench.sim_engine import FakeEngine
 
     rows = [[1, 2, 3, 4, 5, 6, 7, i] for i in range(12)]
     prepared = prepared_of(rows, order=list(range(12)), groups=[0] * 12, prefix=[6] * 12)
@@ -151,7 +151,7 @@ def test_a_changed_chat_template_or_snapshot_makes_the_plan_stale(tmp_path, tiny
 
     from assets.snapshots import plan_stamp_of
     from batchllm_dagster.config import BatchJobConfig, DatasetSpec
-    from engine.plan_table import stale_reasons
+    from engine.plan.plan_table import stale_reasons
     from engine.settings import EngineSettings
 
     model = tmp_path / "model"
@@ -178,11 +178,11 @@ def test_a_changed_chat_template_or_snapshot_makes_the_plan_stale(tmp_path, tiny
 def test_a_model_rewritten_in_place_reruns_every_row_and_says_why(tmp_path):
     """The answer fingerprint holds the model's content, not its path: weights re-exported to the
     same folder (a nightly fine-tune) make every row run again, and the run says why."""
-    from engine.checkpoint import NEW_ROW, ROW_CHANGED, SETTINGS_CHANGED
-    from engine.resume import run_resumable
+    from engine.run.checkpoint import NEW_ROW, ROW_CHANGED, SETTINGS_CHANGED
+    from engine.jobs.resume import run_resumable
     from engine.settings import EngineSettings, SamplingSettings
 
-    from engine.sim_engine import FakeEngine
+    from engine.bench.sim_engine import FakeEngine
 
     model = tmp_path / "model"
     model.mkdir()
@@ -228,9 +228,9 @@ def _twelve_rows():
 def test_rows_finished_before_an_engine_error_are_in_the_checkpoint(tmp_path):
     """Nothing finished is lost: the last part is written whatever ends the run (a vLLM error, a stall,
     a terminate), not only when it ends well."""
-    from engine.resume import run_resumable
+    from engine.jobs.resume import run_resumable
     from engine.settings import EngineSettings, SamplingSettings
-    from engine.sim_engine import FakeEngine
+    from engine.bench.sim_engine import FakeEngine
 
     class FailingEngine(FakeEngine):  # vLLM dies after some rows finished
         finished = 0
@@ -259,10 +259,10 @@ def test_a_finished_row_is_written_on_time_while_no_other_row_finishes(tmp_path,
     """The checkpoint's timed write runs after every engine step, not only when a row finishes: one
     row done and the next minutes later is on disk meanwhile (an engine step here takes a minute of
     a fake clock)."""
-    import engine.checkpoint as checkpoint_module
-    from engine.resume import run_resumable
+    import engine.run.checkpoint as checkpoint_module
+    from engine.jobs.resume import run_resumable
     from engine.settings import EngineSettings, SamplingSettings
-    from engine.sim_engine import FakeEngine
+    from engine.bench.sim_engine import FakeEngine
 
     clock = [0.0]
     monkeypatch.setattr(checkpoint_module.time, "monotonic", lambda: clock[0])

@@ -11,7 +11,7 @@ from .conftest import make_prompt_table
 
 
 def batchllm(*args, check=True):
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True, check=check)
+    return subprocess.run([sys.executable, "-m", "engine.cli.main", *args], capture_output=True, text=True, check=check)
 
 
 def test_plan_prints_groups_and_the_shared_fraction(prompt_parquet, tiny_model):
@@ -191,7 +191,7 @@ def test_plan_with_fields_shows_both_orders_and_where_each_field_went(tmp_path, 
 @pytest.mark.slow
 def test_bench_on_a_table_with_fields_reports_both_orders_and_their_agreement(tmp_path, tiny_model):
     path = reviews_parquet(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "engine.cli", "bench", str(path), "--model", tiny_model,
+    done = subprocess.run([sys.executable, "-m", "engine.cli.main", "bench", str(path), "--model", tiny_model,
                            "--fields", "review,description,category", "--instruction", "Rate.", "--field-order",
                            "optimize", "--runs", "vllm_apc_sorted,vllm_hand_order,batchllm,batchllm_field_order",
                            "--repeat", "2", "--max-tokens", "3", "--json"], capture_output=True, text=True, check=True)

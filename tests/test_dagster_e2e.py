@@ -148,20 +148,20 @@ def test_a_partition_runs_the_materialized_plan_without_tokenizer_or_planner(job
         def forbidden(*args, **kwargs):
             raise AssertionError("a completions partition must not tokenize or plan")
 
-        import engine.plan
-        import engine.tokenizing
+        import engine.plan.prefix_tree
+        import engine.plan.tokenizing
 
         # The functions' code is replaced, not a module's name for them: every name bound by
         # `from ... import` anywhere calls the forbidden body too. (vLLM imports transformers itself,
         # so "transformers never imported" cannot be the test.)
-        for function in (engine.tokenizing.load_tokenizer, engine.tokenizing.tokenize_rows,
-                         engine.tokenizing._render_chat, engine.plan.build_plan, engine.plan.plan_blocks,
-                         engine.plan._build_levels):
+        for function in (engine.plan.tokenizing.load_tokenizer, engine.plan.tokenizing.tokenize_rows,
+                         engine.plan.tokenizing._render_chat, engine.plan.prefix_tree.build_plan, engine.plan.prefix_tree.plan_blocks,
+                         engine.plan.prefix_tree._build_levels):
             monkeypatch.setattr(function, "__code__", forbidden.__code__)
-        import engine.token_cache
+        import engine.plan.token_cache
 
         with pytest.raises(AssertionError, match="must not tokenize"):  # names bound before the patch call it too
-            engine.token_cache.tokenize_rows(None, ["x"])
+            engine.plan.token_cache.tokenize_rows(None, ["x"])
         partition = instance.get_dynamic_partitions(job.partitions_name)[0]
         assert dg.materialize([assets["completions"]], partition_key=partition, instance=instance).success
         monkeypatch.undo()

@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.dataset import DatasetError, load_prompts, read_sql
+from engine.table.dataset import DatasetError, load_prompts, read_sql
 
 
 @pytest.fixture
@@ -116,7 +116,7 @@ def test_reading_waits_while_another_process_writes(database):
 
 
 def test_single_query_drops_a_trailing_semicolon_and_comments_but_not_inside_strings():
-    from engine.dataset import single_query
+    from engine.table.dataset import single_query
 
     assert single_query("SELECT id, '--x;' AS p FROM t; -- the whole batch") == "SELECT id, '--x;' AS p FROM t"
     assert single_query("WITH a AS (SELECT 1) SELECT * FROM a /* note */ ;\n") == "WITH a AS (SELECT 1) SELECT * FROM a"

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from engine.doctor import environment_problems, settings_of_job
+from engine.cli.doctor import environment_problems, settings_of_job
 from engine.settings import Platform
 
 
@@ -30,7 +30,7 @@ def test_a_jobs_yaml_gives_the_settings_it_runs_with():
 @pytest.mark.slow  # starts vLLM
 def test_doctor_on_this_node_starts_vllm_answers_16_rows_and_names_each_problem(tiny_model):
     def doctor(**env):
-        done = subprocess.run([sys.executable, "-m", "engine.cli", "doctor", "--model", tiny_model,
+        done = subprocess.run([sys.executable, "-m", "engine.cli.main", "doctor", "--model", tiny_model,
                                "--kv-cache-blocks", "64", "--json"], capture_output=True, text=True,
                               env={**os.environ, **env})
         return done.returncode, json.loads(done.stdout)

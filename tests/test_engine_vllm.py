@@ -5,11 +5,11 @@ import random
 import pyarrow as pa
 import pytest
 
-from engine.batch_run import BatchRun
-from engine.prepared import prepare_batch
+from engine.run.batch_run import BatchRun
+from engine.plan.prepared import prepare_batch
 from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
-from engine.tokenizing import load_tokenizer
-from engine.vllm_engine import open_engine
+from engine.plan.tokenizing import load_tokenizer
+from engine.vllm.vllm_engine import open_engine
 
 from .conftest import make_prompt_table
 
@@ -79,7 +79,7 @@ def test_bad_rows_become_error_results_and_the_batch_goes_on(tiny_model):
 
 
 def test_missing_model_path_is_a_clear_error(tmp_path):
-    from engine.vllm_engine import EngineStartError, VLLMEngine
+    from engine.vllm.vllm_engine import EngineStartError, VLLMEngine
 
     with pytest.raises(EngineStartError, match="does not exist"):
         VLLMEngine(EngineSettings(model_path=str(tmp_path / "no-model")))
@@ -113,7 +113,7 @@ def test_constrained_answers_follow_their_format_on_real_vllm(tiny_model):
 
 
 def test_what_vllm_decided_is_read_back_and_another_block_size_is_refused(tiny_model):
-    from engine.vllm_engine import EngineStartError, check_kv_cache_layout, kv_cache_groups
+    from engine.vllm.vllm_engine import EngineStartError, check_kv_cache_layout, kv_cache_groups
 
     with open_engine(settings(tiny_model)) as engine:
         groups = kv_cache_groups(engine._engine)  # in-process: vLLM's own KV cache config
@@ -143,7 +143,7 @@ def test_answers_equal_vllms_own_generate(tiny_model):
     from vllm.inputs import TokensPrompt
 
     from engine.machine import current_platform
-    from engine.vllm_env import configure, engine_args
+    from engine.vllm.vllm_env import configure, engine_args
 
     table = make_prompt_table(documents=2, questions=3, singles=2)
     ours, _ = run(tiny_model, table)
@@ -174,7 +174,7 @@ def test_the_engine_core_in_its_own_process_started_by_spawn_gives_the_same_answ
 
     def batchllm_run(output, **env):
         started = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "engine.cli", "--log-file", str(output.with_suffix(".log")), "run",
+        done = subprocess.run([sys.executable, "-m", "engine.cli.main", "--log-file", str(output.with_suffix(".log")), "run",
                                str(prompt_parquet), "--model", tiny_model, "--output", str(output), "--max-tokens", "6",
                                "--kv-cache-blocks", "64", "--json"],
                               check=True, capture_output=True, text=True, env={**os.environ, **env})

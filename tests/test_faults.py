@@ -45,7 +45,7 @@ def kill_when_checkpointed(process: subprocess.Popen, folder: Path, parts: int =
 
 
 def cli(*args) -> list[str]:
-    return [sys.executable, "-m", "engine.cli", *args]
+    return [sys.executable, "-m", "engine.cli.main", *args]
 
 
 def test_cli_run_terminated_writes_what_finished_and_shuts_down(big_prompts, tmp_path, tiny_model):

@@ -4,8 +4,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.field_order_state import kept_field_orders
-from engine.fields import PromptFields, distinct_value_order, render_prompts
+from engine.table.field_order_state import kept_field_orders
+from engine.table.fields import PromptFields, distinct_value_order, render_prompts
 
 from .test_fields import categories_of_products, reviews, unique_prefix_chars
 

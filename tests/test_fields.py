@@ -6,8 +6,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.dataset import DatasetError
-from engine.fields import (FieldOrder, PromptFields, choose_field_orders, distinct_value_order, field_positions,
+from engine.table.dataset import DatasetError
+from engine.table.fields import (FieldOrder, PromptFields, choose_field_orders, distinct_value_order, field_positions,
                            greedy_field_orders, render_prompts, with_prompt_column)
 
 
@@ -100,8 +100,8 @@ def test_where_greedy_grouping_loses_the_global_order_by_distinct_values_is_chos
 
 
 def test_optimize_never_computes_more_prompt_tokens_than_a_global_order_at_the_block_size(tiny_model):
-    from engine.prepared import sorted_prefill_counter
-    from engine.tokenizing import load_tokenizer
+    from engine.plan.prepared import sorted_prefill_counter
+    from engine.plan.tokenizing import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model)
     spec = PromptFields(instruction="Rate.", fields=["review", "product", "category"], field_order="optimize")

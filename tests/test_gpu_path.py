@@ -14,7 +14,7 @@ import pytest
 
 from engine.gpus import GPU, read_gpus
 from engine.settings import EngineSettings, Platform
-from engine.vllm_env import engine_args, process_env, rpc_base_path
+from engine.vllm.vllm_env import engine_args, process_env, rpc_base_path
 
 H200_BYTES = 143_771_140_096  # what NVML reports for an H200's memory
 
@@ -97,7 +97,7 @@ def test_detecting_a_gpu_and_building_its_engine_arguments_never_touch_torch_cud
         engine.gpus._load_nvml = FakeNVML
         from engine.settings import EngineSettings
         from engine.machine import current_platform, hardware_name, platform_detection
-        from engine.vllm_env import engine_args, process_env
+        from engine.vllm.vllm_env import engine_args, process_env
 
         platform = current_platform()
         settings = EngineSettings(model_path="/models/m", tensor_parallel_size=8)
@@ -144,7 +144,7 @@ def test_a_gpu_gets_vllms_offline_batch_defaults(monkeypatch, tiny_model, device
     from vllm import EngineArgs
     from vllm.usage.usage_lib import UsageContext
 
-    from engine.vllm_env import offline_usage_context
+    from engine.vllm.vllm_env import offline_usage_context
 
     monkeypatch.setattr(arg_utils, "current_platform", simulated_platform(device, memory))
     parallel = types.SimpleNamespace(use_batched_dp_moe=False)
@@ -166,7 +166,7 @@ def test_the_engine_starts_vllm_in_its_offline_usage_context(monkeypatch, tiny_m
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from engine.vllm_engine import EngineStartError, VLLMEngine
+    from engine.vllm.vllm_engine import EngineStartError, VLLMEngine
 
     seen = {}
 
@@ -186,9 +186,9 @@ def test_requests_ask_vllm_for_deltas_only():
 
     import numpy as np
 
-    from engine.requests import RequestKind, Submission
+    from engine.run.requests import RequestKind, Submission
     from engine.settings import SamplingSettings
-    from engine.vllm_engine import VLLMEngine
+    from engine.vllm.vllm_engine import VLLMEngine
 
     class LLMEngineDouble:  # what submit hands to vLLM's engine, recorded
         class renderer:
@@ -207,7 +207,7 @@ def test_requests_ask_vllm_for_deltas_only():
 def test_batch_invariant_mode_is_refused_off_cuda_with_the_reason():
     """vLLM's batch-invariant kernels are Triton kernels for GPUs: on CPU they fail mid-run with a
     TypeError, so the bench refuses the option before starting anything."""
-    result = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "--shape", "nested", "--batch-invariant"],
+    result = subprocess.run([sys.executable, "-m", "engine.cli.main", "bench", "--shape", "nested", "--batch-invariant"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "--batch-invariant needs a CUDA GPU" in result.stderr and "this platform is cpu" in result.stderr
@@ -244,11 +244,11 @@ def test_shards_of_different_sizes_build_engines_with_one_compile_hash(monkeypat
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from engine.prepared import prepare_batch
-    from engine.resume import run_resumable
+    from engine.plan.prepared import prepare_batch
+    from engine.jobs.resume import run_resumable
     from engine.settings import SamplingSettings
-    from engine.tokenizing import load_tokenizer
-    from engine.vllm_engine import EngineStartError
+    from engine.plan.tokenizing import load_tokenizer
+    from engine.vllm.vllm_engine import EngineStartError
 
     from .conftest import make_prompt_table
 

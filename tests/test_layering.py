@@ -41,5 +41,49 @@ def test_packages_import_only_the_layers_below_them():
 def test_the_checker_sees_late_imports(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import assets\n"
-                      "def f():\n    from dagster_project import x\n    import engine.plan\n")
+                      "def f():\n    from dagster_project import x\n    import engine.plan.prefix_tree\n")
     assert _imports(module) == {"typing", "dagster_project", "engine"}
+
+
+# engine/ as the stages a row walks; each may import only the ones before it (the root modules,
+# settings and what the machine has, are the base of all).
+ENGINE_STAGES = ["table", "plan", "run", "vllm", "jobs", "bench", "cli"]
+
+
+def _stage(path: Path) -> int:
+    parts = path.relative_to(ROOT / "engine").parts
+    return ENGINE_STAGES.index(parts[0]) + 1 if len(parts) > 1 else 0
+
+
+def _engine_imports(path: Path) -> set[int]:
+    """The stages (0: the root modules) a module of engine/ imports, relative imports resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = list(path.relative_to(ROOT).parts[:-1])
+    found = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = package[: len(package) - node.level + 1]
+            parts = base + (node.module.split(".") if node.module else [])
+        elif node.module and node.module.split(".")[0] == "engine":
+            parts = node.module.split(".")
+        else:
+            continue
+        found.add(ENGINE_STAGES.index(parts[1]) + 1 if len(parts) > 2 and parts[1] in ENGINE_STAGES else 0)
+    return found
+
+
+def test_engine_stages_import_only_the_stages_before_them():
+    wrong = []
+    for path in sorted((ROOT / "engine").rglob("*.py")):
+        stage = _stage(path)
+        for imported in sorted(_engine_imports(path)):
+            if imported > stage:
+                wrong.append(f"{path.relative_to(ROOT)} imports engine/{ENGINE_STAGES[imported - 1]}")
+    assert wrong == []
+
+
+def test_the_stage_checker_resolves_relative_imports(tmp_path):
+    assert _engine_imports(ROOT / "engine" / "run" / "batch_run.py") >= {0, 2}  # settings, the plan stage
+    assert 4 not in _engine_imports(ROOT / "engine" / "run" / "batch_run.py")  # the run stage knows no vLLM

@@ -17,7 +17,7 @@ import pytest
 from assets import build_batch_defs
 from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings, SamplingSettings
 from dagster_project.demo import QUIET, run_planned_shards
-from engine.checkpoint import NEW_ROW, ROW_CHANGED, SETTINGS_CHANGED, Checkpoint
+from engine.run.checkpoint import NEW_ROW, ROW_CHANGED, SETTINGS_CHANGED, Checkpoint
 from engine.models import build_tiny_model
 
 from .conftest import make_prompt_table
@@ -48,10 +48,10 @@ def nightly(tmp_path, tiny_model):
 
 def from_scratch(config: BatchJobConfig) -> dict:
     """Every live row answered by a fresh engine: what each answer in the table must equal."""
-    from engine.batch_run import BatchRun
-    from engine.prepared import prepare_batch
-    from engine.tokenizing import load_tokenizer
-    from engine.vllm_engine import open_engine
+    from engine.run.batch_run import BatchRun
+    from engine.plan.prepared import prepare_batch
+    from engine.plan.tokenizing import load_tokenizer
+    from engine.vllm.vllm_engine import open_engine
 
     with duckdb.connect(config.dataset.database, read_only=True) as con:
         table = con.sql("SELECT id, prompt, messages FROM prompt_rows").to_arrow_table()

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from engine.plan import build_plan
+from engine.plan.prefix_tree import build_plan
 
 from .conftest import group_rows
 
@@ -146,7 +146,7 @@ def brute_force_paid(rows, block, order, part):
 
 @pytest.mark.parametrize("shards", [1, 3, 40])  # 40 shards: more (node, shard) pairs than rows
 def test_each_shard_pays_for_the_prefixes_it_reaches_first(shards):
-    from engine.plan import unique_tokens_per_row
+    from engine.plan.prefix_tree import unique_tokens_per_row
 
     rng = np.random.default_rng(shards)
     stems = [rng.integers(0, 50, 12).tolist() for _ in range(4)]

@@ -4,8 +4,8 @@ plan is made from one snapshot."""
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.plan_table import answer_identity, superseded
-from engine.prompt_snapshot import CONTENT_KEY, KEY_TYPE
+from engine.plan.plan_table import answer_identity, superseded
+from engine.table.prompt_snapshot import CONTENT_KEY, KEY_TYPE
 
 STAMP = {b"batchllm.model": b"m1", b"batchllm.snapshot": b"s1", b"batchllm.settings": b"x1"}
 
@@ -151,7 +151,7 @@ def test_a_killed_shard_whose_key_changed_gives_its_finished_answers_to_the_new_
     import dagster as dg
 
     import batchllm_dagster.resources as resources_module
-    from engine.sim_engine import FakeEngine
+    from engine.bench.sim_engine import FakeEngine
 
     class DiesAfter(FakeEngine):
         finished = 0

@@ -9,12 +9,12 @@ import pytest
 # In CI a broken ``ray`` extra must fail the run, not skip it.
 ray = __import__("ray") if os.environ.get("CI") == "true" else pytest.importorskip("ray")
 
-from engine.batch_run import BatchRun  # noqa: E402
-from engine.distributed import run_on_ray  # noqa: E402
-from engine.prepared import prepare_batch  # noqa: E402
+from engine.run.batch_run import BatchRun  # noqa: E402
+from engine.jobs.distributed import run_on_ray  # noqa: E402
+from engine.plan.prepared import prepare_batch  # noqa: E402
 from engine.settings import EngineSettings, SamplingSettings  # noqa: E402
-from engine.tokenizing import load_tokenizer  # noqa: E402
-from engine.vllm_engine import open_engine  # noqa: E402
+from engine.plan.tokenizing import load_tokenizer  # noqa: E402
+from engine.vllm.vllm_engine import open_engine  # noqa: E402
 
 from .conftest import make_prompt_table  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.distributed import replica_resources
+from engine.jobs.distributed import replica_resources
 
 
 def test_a_gpu_cluster_gives_each_replica_its_tensor_parallel_gpus():
@@ -22,7 +22,7 @@ def test_a_replicas_gpus_must_be_on_one_node():
 
 
 def test_a_gpu_job_waits_for_a_gpu_node_then_refuses_with_the_numbers_never_cpu_actors():
-    from engine.distributed import wait_for_gpu_nodes
+    from engine.jobs.distributed import wait_for_gpu_nodes
 
     cpu_node, gpu_node = {"Alive": True, "Resources": {"CPU": 8.0}}, {"Alive": True, "Resources": {"GPU": 8.0}}
     naps = []

@@ -5,13 +5,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.drive import Rejected, StepTotals, drive
-from engine.requests import RequestKind
-from engine.scheduler import GroupScheduler, InOrderScheduler, PlannedGroup, groups_in_run_order
+from engine.run.drive import Rejected, StepTotals, drive
+from engine.run.requests import RequestKind
+from engine.run.scheduler import GroupScheduler, InOrderScheduler, PlannedGroup, groups_in_run_order
 from engine.settings import ReserveOutput, SamplingSettings, SchedulerSettings
-from engine.tokenizing import TokenizedBatch
+from engine.plan.tokenizing import TokenizedBatch
 
-from engine.sim_engine import FakeEngine
+from engine.bench.sim_engine import FakeEngine
 
 BLOCK = 4
 SAMPLING = SamplingSettings()

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli_options import add_engine_options, engine_settings_from
+from engine.jobs.job_options import add_engine_options, engine_settings_from
 from engine.settings import EngineSettings, Platform
-from engine.vllm_env import VLLM_SERIES, check_vllm_version, engine_args, process_env
+from engine.vllm.vllm_env import VLLM_SERIES, check_vllm_version, engine_args, process_env
 
 
 def test_a_gpu_gets_cuda_graphs_the_checkpoint_dtype_and_its_memory_share():

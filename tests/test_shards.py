@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from engine.plan import build_plan
-from engine.shards import assign_shards
+from engine.plan.prefix_tree import build_plan
+from engine.plan.shards import assign_shards
 
 from .conftest import group_rows
 

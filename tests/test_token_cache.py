@@ -7,9 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.prompt_snapshot import CONTENT_KEY, content_keys
-from engine.token_cache import TokenCache
-from engine.tokenizing import load_tokenizer, tokenize_rows
+from engine.table.prompt_snapshot import CONTENT_KEY, content_keys
+from engine.plan.token_cache import TokenCache
+from engine.plan.tokenizing import load_tokenizer, tokenize_rows
 
 BLOCK = 4  # small blocks: the short test rows have several
 
@@ -102,9 +102,9 @@ def test_another_block_size_or_an_older_part_is_hashed_again_without_tokenizing(
     assert same_rows(cache.rows_for(path, NoTokenizer(), "prompt", "messages", BLOCK), fresh)
 
     # Hashes made by another version of the hash function are made again.
-    import engine.token_cache
+    import engine.plan.token_cache
 
-    monkeypatch.setattr(engine.token_cache, "HASH_VERSION", 99)
+    monkeypatch.setattr(engine.plan.token_cache, "HASH_VERSION", 99)
     assert same_rows(cache.rows_for(path, NoTokenizer(), "prompt", "messages", BLOCK), fresh)
     (part,) = cache._parts()
     assert pa.ipc.open_file(str(part)).schema.metadata[b"batchllm.block_hashes"] == b"v99 blocks of 4"
@@ -122,7 +122,7 @@ def test_the_shard_count_derives_from_the_rows(rows_, hardware, expected):
 
 
 def test_gathering_rows_in_any_order_across_parts_copies_the_right_ids():
-    from engine.token_cache import _gather
+    from engine.plan.token_cache import _gather
 
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, 100, rng.integers(0, 7)).tolist() for _ in range(50)]
@@ -134,7 +134,7 @@ def test_gathering_rows_in_any_order_across_parts_copies_the_right_ids():
 
 LOAD = """
 import json, sys
-from engine.tokenizing import load_tokenizer
+from engine.plan.tokenizing import load_tokenizer
 tokenizer = load_tokenizer(sys.argv[1])
 print(json.dumps({"auto": "transformers.models.auto.tokenization_auto" in sys.modules, "torch": "torch" in sys.modules,
                   "ids": tokenizer(["Shared instruction. Row 1.", "x"])["input_ids"],
@@ -177,10 +177,10 @@ class FailingTokenizer(CountingTokenizer):
 
 
 def test_a_crash_while_tokenizing_keeps_the_parts_written_and_progress_is_reported(tmp_path, tiny_model, monkeypatch):
-    import engine.token_cache
+    import engine.plan.token_cache
 
-    monkeypatch.setattr(engine.token_cache, "_TEXT_BATCH", 4)
-    monkeypatch.setattr(engine.token_cache, "_PART_ROWS", 8)
+    monkeypatch.setattr(engine.plan.token_cache, "_TEXT_BATCH", 4)
+    monkeypatch.setattr(engine.plan.token_cache, "_PART_ROWS", 8)
     prompts = [f"Row {i} asks its own question." for i in range(40)]
     path = tmp_path / "prompts.parquet"
     snapshot(path, prompts, [None] * 40)

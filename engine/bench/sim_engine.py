@@ -1,0 +1,244 @@
+"""A stand-in for vLLM with its KV block accounting in miniature: for the scheduler's unit tests and
+``batchllm bench --scheduler-only`` (how full a GPU's batch runs). Never an end-to-end engine.
+
+What it models, as vLLM's ``KVCacheManager`` does: a pool of ``num_blocks`` blocks (one kept as
+the null block); full prompt blocks cached by the chained hash of their tokens and shared by
+reference count; a new request reuses the cached blocks of its longest cached prefix and
+allocates the rest; blocks are cached when they are allocated (``allocate_slots`` caches the
+tokens it schedules), so a request admitted later in the same step shares them too;
+output blocks allocated lazily, one when a decode crosses a block boundary; freed blocks stay
+cached (evictable, least recently freed first); when a running request cannot get a block, the
+most recently admitted one is preempted (its blocks freed, recomputed later). The KV usage it
+reports is vLLM's: 1 - free / total, cached-but-unreferenced blocks counting as free.
+
+With ``max_num_batched_tokens`` a step computes at most that many tokens, as vLLM V1 schedules
+them: running requests first (a prefill continues in chunks, a decode takes one token), then
+waiting ones while tokens are left, the last of them possibly a partial (chunked) prefill; a
+request gets its next token in a step that completes its prompt or decodes it. Without it, every
+admitted prompt is computed in the step it enters.
+
+It does no arithmetic on tokens: a request's answer is a function of its prompt alone, as greedy
+decoding is.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.plan.block_hashes import RowBlocks
+from engine.run.requests import Finished, StepReport, Submission
+
+
+@dataclass(eq=False)
+class _Block:
+    hash: int | None = None
+    refs: int = 0
+
+
+@dataclass(eq=False)
+class _Request:
+    submission: Submission
+    arrived: int
+    generated: int = 0
+    blocks: list[_Block] = field(default_factory=list)
+    cached_tokens: int | None = None
+    computed: int = 0  # prompt tokens in the KV cache (hits and computed chunks)
+    prefilled: bool = False
+    prompt_hashes: list[int] | None = None  # its whole prompt blocks' chained hashes, computed once
+
+    @property
+    def tokens(self) -> int:
+        return len(self.submission.token_ids) + self.generated
+
+
+class FakeEngine:
+    def __init__(self, num_blocks: int, block_size: int = 4, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None):
+        self.block_size, self.kv_capacity_blocks, self.max_num_seqs = block_size, num_blocks, max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self._budget = 0  # tokens left in the step being scheduled
+        self._fresh = num_blocks - 1  # never-used free blocks (one is vLLM's null block)
+        self._evictable: OrderedDict[int, _Block] = OrderedDict()  # cached, unreferenced, by id
+        self._cache: dict[int, _Block] = {}  # block hash -> cached block
+        self._waiting: list[_Request] = []
+        self._running: list[_Request] = []
+        self._arrivals = 0
+        self.step_count = 0
+        self.submitted: list[tuple[int, Submission]] = []  # (step, submission) in submission order
+        self.sampling_of: dict = {}  # the sampling each request was submitted with
+        self.finished_at: dict[tuple, int] = {}  # request key -> step it finished
+        self.peak_referenced = 0
+        self.preemptions = 0
+        self.prefill_tokens = 0
+
+    # -- the engine protocol --------------------------------------------------------------------
+    def submit(self, submission: Submission, sampling) -> None:
+        self.submitted.append((self.step_count, submission))
+        self.sampling_of[submission.key] = sampling
+        self._waiting.append(_Request(submission, self._arrivals))
+        self._arrivals += 1
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    # A context manager like VLLMEngine: whoever opens it closes it.
+    closed_by_owner = False
+    info = None  # a real engine describes itself here (EngineInfo)
+
+    def __enter__(self) -> "FakeEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.closed_by_owner = True
+
+    def close(self) -> None:
+        raise AssertionError("only the engine's owner closes it, by leaving its context")
+
+    def step(self) -> StepReport:
+        self.step_count += 1
+        self._budget = self.max_num_batched_tokens or float("inf")
+        preempted = self._grow_running()
+        report = StepReport()
+        scheduled = [request for request in self._running if self._schedule(request, report)]
+        self._admit_waiting(scheduled, report)
+        for request in scheduled:
+            if request.computed < len(request.submission.token_ids):
+                continue  # a chunk of its prompt: no token yet
+            request.generated += 1
+            if request.generated >= request.submission.max_tokens:
+                self._running.remove(request)
+                self._free(request)
+                self.finished_at[request.submission.key] = self.step_count
+                report.finished.append(Finished(
+                    submission=request.submission, text=f"answer-{hash(request.submission.token_ids.tobytes())}",
+                    token_ids=[0] * request.generated, prompt_tokens=len(request.submission.token_ids),
+                    cached_tokens=request.cached_tokens or 0, finish_reason="length"))
+            else:
+                report.generated[request.submission.key] = request.generated
+                if request.generated == 1:
+                    report.started.append(request.submission.key)
+        for request in self._waiting:
+            if request.generated:
+                report.generated[request.submission.key] = request.generated
+        self.peak_referenced = max(self.peak_referenced, self.referenced_blocks)
+        report.kv_usage = 1 - self.free_blocks / self.kv_capacity_blocks
+        report.running = len(self._running) + len(report.finished)
+        report.preempted = preempted
+        self.preemptions += preempted
+        return report
+
+    # -- block accounting ---------------------------------------------------------------------
+    @property
+    def free_blocks(self) -> int:
+        return self._fresh + len(self._evictable)
+
+    @property
+    def referenced_blocks(self) -> int:
+        return self.kv_capacity_blocks - 1 - self.free_blocks
+
+    def _take(self) -> _Block:
+        if self._fresh:
+            self._fresh -= 1
+            return _Block(refs=1)
+        _, block = self._evictable.popitem(last=False)  # least recently freed
+        if block.hash is not None and self._cache.get(block.hash) is block:
+            del self._cache[block.hash]
+        block.hash, block.refs = None, 1
+        return block
+
+    def _free(self, request: _Request) -> None:
+        for block in reversed(request.blocks):  # vLLM frees tail blocks first
+            block.refs -= 1
+            if block.refs == 0:
+                if block.hash is None:
+                    self._fresh += 1
+                else:
+                    self._evictable[id(block)] = block
+        request.blocks = []
+
+    def _blocks_needed(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def _grow_running(self) -> int:
+        """Each running request needs room for its next token; preempt the newest when full."""
+        preempted = 0
+        for request in list(self._running):
+            if request not in self._running:
+                continue
+            while len(request.blocks) < self._blocks_needed(request.tokens):
+                if self.free_blocks == 0:
+                    victim = max(self._running, key=lambda r: r.arrived)
+                    self._running.remove(victim)
+                    self._free(victim)
+                    victim.prefilled = False
+                    self._waiting.insert(0, victim)
+                    preempted += 1
+                    if victim is request:
+                        break
+                    continue
+                request.blocks.append(self._take())
+        return preempted
+
+    def _prompt_hashes(self, request: _Request) -> list[int]:
+        if request.prompt_hashes is None:  # hashed as the planner and the scheduler hash a row
+            tokens = request.submission.token_ids
+            request.prompt_hashes = RowBlocks.of_tokens(tokens, np.array([0, len(tokens)]), self.block_size).chain(0)
+        return request.prompt_hashes
+
+    def _schedule(self, request: _Request, report: StepReport) -> bool:
+        """A running request's tokens this step, from what is left of the step's budget."""
+        prompt = len(request.submission.token_ids)
+        if request.computed < prompt:  # its prefill goes on, in a chunk as large as the budget allows
+            chunk = min(prompt - request.computed, self._budget)
+            request.computed += chunk
+            report.prefill_tokens += chunk
+        elif self._budget >= 1:
+            chunk = 1
+            report.decode_tokens += 1
+        else:
+            return False
+        self._budget -= chunk
+        return chunk > 0
+
+    def _admit_waiting(self, scheduled: list[_Request], report: StepReport) -> None:
+        while self._waiting and len(self._running) < self.max_num_seqs and self._budget >= 1:
+            request = self._waiting[0]
+            hits = []
+            for h in self._prompt_hashes(request):
+                block = self._cache.get(h)
+                if block is None:
+                    break
+                hits.append(block)
+            if len(hits) * self.block_size >= len(request.submission.token_ids):
+                hits = hits[:-1]  # vLLM recomputes the last token of a fully cached prompt
+            need = self._blocks_needed(request.tokens) - len(hits)
+            evictable_hits = sum(1 for b in hits if b.refs == 0)
+            if need > self.free_blocks - evictable_hits:
+                if not self._running:
+                    raise RuntimeError(f"{request.submission.request_id} can never fit the KV cache")
+                break
+            self._waiting.pop(0)
+            for block in hits:
+                if block.refs == 0:
+                    del self._evictable[id(block)]
+                block.refs += 1
+            request.blocks = hits + [self._take() for _ in range(need)]
+            if request.cached_tokens is None:
+                request.cached_tokens = len(hits) * self.block_size
+            self.prefill_tokens += request.tokens - len(hits) * self.block_size
+            request.prefilled = True
+            request.computed = len(hits) * self.block_size
+            self._running.append(request)
+            self._cache_prompt_blocks(request)
+            # a preempted request recomputes its prompt and what it generated before the next token
+            self._schedule(request, report)
+            scheduled.append(request)
+
+    def _cache_prompt_blocks(self, request: _Request) -> None:
+        for block, h in zip(request.blocks, self._prompt_hashes(request)):
+            if block.hash is None and h not in self._cache:
+                block.hash = h
+                self._cache[h] = block

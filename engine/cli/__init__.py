@@ -1,0 +1,1 @@
+"""`batchllm`: the command line (`plan`, `run`, `bench`, `doctor`, `prepare-model`)."""

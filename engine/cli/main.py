@@ -1,0 +1,296 @@
+"""``batchllm``: plan and run a prompt table without Dagster.
+
+    batchllm plan PROMPTS [--database DB]              groups and the ideal prefix saving
+    batchllm run PROMPTS --output OUT.parquet           answers keyed by id
+    batchllm prepare-model [smollm2|tiny]               build an offline model once
+    batchllm bench [--json]                             compare with plain vLLM (see engine/bench/compare.py)
+    batchllm doctor [--model M | --job YAML]            check a node before a job runs there
+
+PROMPTS is a Parquet file (or glob), a ``.sql`` file run by DuckDB, or a table of ``--database``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+from ..jobs.job_options import (
+    DEFAULT_MODEL,
+    add_engine_options,
+    add_prompt_fields_options,
+    add_response_format_options,
+    at_least_one,
+    engine_settings_from,
+    prompt_fields_from,
+    response_format_from,
+)
+from ..plan.duplicates import count_duplicates
+from ..run.console import LOG_DIR, ProgressBar, file_logger, route_library_output, run_summary, summary_table
+from ..settings import EngineSettings, SamplingSettings, SchedulerSettings
+from ..table.dataset import Columns, DatasetError, load_prompts, read_source, validate
+from ..table.fields import FieldOrder, PromptFields, choose_field_orders, field_positions, with_prompt_column
+
+log = logging.getLogger("batchllm")
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    add_prompt_fields_options(parser)
+    parser.add_argument("prompts", help="Parquet file or glob, .sql file, or a table of --database")
+    parser.add_argument("--database", help="DuckDB database the SQL or table refers to (opened read-only)")
+    parser.add_argument("--id-column", default="id")
+    parser.add_argument("--prompt-column", default="prompt")
+    parser.add_argument("--messages-column", default="messages")
+    parser.add_argument("--max-tokens", type=at_least_one, default=64, help="default output tokens per row")
+    parser.add_argument("--shards", type=at_least_one, default=1, help="cut the plan into this many shards")
+    add_engine_options(parser)
+
+
+def _settings(args) -> tuple[EngineSettings, SamplingSettings, Columns]:
+    from ..models import resolve_model
+
+    engine = engine_settings_from(args, resolve_model(args.model or DEFAULT_MODEL))
+    sampling = SamplingSettings(max_tokens=args.max_tokens, temperature=getattr(args, "temperature", 0.0),
+                                response_format=response_format_from(args))
+    columns = Columns(id=args.id_column, prompt=args.prompt_column, messages=args.messages_column)
+    return engine, sampling, columns
+
+
+def _prepare(args, fields: PromptFields | None = None, field_order_state: Path | None = None):
+    """Load, (render,) tokenize and plan the table; ``fields`` overrides the command line's. With
+    ``field_order_state`` an optimized field order is kept there from run to run
+    (``engine.table.field_order_state``); without, it is chosen afresh."""
+    from ..plan.prepared import prepare_batch, sorted_prefill_counter
+    from ..plan.tokenizing import load_tokenizer
+    from ..response_format import check_room_for_answers
+    from ..table.field_order_state import kept_field_orders
+
+    engine, sampling, columns = _settings(args)
+    tokenizer = load_tokenizer(engine.model_path)
+    check_room_for_answers(sampling.response_format, sampling.max_tokens, tokenizer)  # before any work
+    fields = fields or prompt_fields_from(args)
+    orders = None
+    if fields is None:
+        table = load_prompts(args.prompts, args.database, columns)
+    else:  # the prompt rendered from the table's fields, before validate keeps only the engine's columns
+        table = read_source(args.prompts, args.database)
+        counter = sorted_prefill_counter(tokenizer, engine.block_size)
+        if field_order_state is None:
+            orders = choose_field_orders(table, fields, counter)
+        else:
+            kept = kept_field_orders(table, fields, columns.id, field_order_state, counter)
+            if fields.field_order is FieldOrder.optimize:
+                log.info(kept.describe())
+            orders = kept.choice
+        table = validate(with_prompt_column(table, fields, columns.prompt, orders.orders, columns.messages), columns)
+    prepared = prepare_batch(table, tokenizer, engine, sampling, columns)
+    return engine, sampling, table, prepared, orders
+
+
+def _field_orders_summary(args, prepared, orders) -> dict | None:
+    """With --fields: the prompt tokens to compute (the minimum prefill, what sorting reaches) in
+    the declared order and in the optimized one, and where each field went."""
+    fields = prompt_fields_from(args)
+    if fields is None:
+        return None
+    declared = prepared if fields.field_order is FieldOrder.as_declared else _prepare(args, fields.declared())[3]
+    out = {"field_order": fields.field_order.value,
+           "declared": {"prompt_tokens": declared.plan.prompt_tokens, "unique_tokens": declared.plan.unique_tokens},
+           "chosen": {"prompt_tokens": prepared.plan.prompt_tokens, "unique_tokens": prepared.plan.unique_tokens},
+           "positions": field_positions(orders.orders, fields),
+           # each candidate order's prompt tokens to compute (sorted, at the job's block size), and the one chosen
+           "candidates": orders.candidates, "chosen_order": orders.chosen}
+    out["unique_tokens_ratio"] = round(prepared.plan.unique_tokens / max(declared.plan.unique_tokens, 1), 4)
+    return out
+
+
+def cmd_plan(args) -> int:
+    from ..plan.shards import assign_shards
+
+    _, _, _, prepared, orders = _prepare(args)
+    plan = prepared.plan
+    shards = assign_shards(plan, args.shards)
+    summary = {
+        "rows": plan.num_rows,
+        "error_rows": len(prepared.errors),
+        "groups": plan.num_groups,
+        "shared_groups": int((plan.group_prefix_tokens > 0).sum()),
+        "prompt_tokens": plan.prompt_tokens,
+        "unique_tokens": plan.unique_tokens,
+        "shared_prompt_tokens": plan.shared_prompt_tokens,
+        "shared_fraction": round(plan.shared_fraction, 4),
+        "tokenize_s": round(prepared.tokenize_s, 3),
+        "plan_s": round(prepared.plan_s, 3),
+        "duplicate_rows": count_duplicates(prepared.duplicate_set),
+        "fields": _field_orders_summary(args, prepared, orders),
+        "shards": [
+            {"shard": s, "rows": int((shards.shard_of_row == s).sum()), "prefill_tokens": int(shards.prefill_tokens[s]),
+             "decode_tokens": int(shards.decode_tokens[s])}
+            for s in range(shards.num_shards)
+        ],
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"{summary['rows']} rows, {summary['groups']} groups ({summary['shared_groups']} share a prefix), "
+          f"{summary['error_rows']} rows with errors")
+    print(f"prompt tokens {plan.prompt_tokens}, unique {plan.unique_tokens}: shared "
+          f"{plan.shared_prompt_tokens} tokens ({100 * plan.shared_fraction:.1f}%)")
+    if summary["duplicate_rows"]:
+        print(f"{summary['duplicate_rows']} rows are identical to another row: computed once, the answer shared")
+    if summary["fields"]:
+        f = summary["fields"]
+        print(f"prompt tokens to compute (sorted): {f['declared']['unique_tokens']} in the declared field order, "
+              f"{f['chosen']['unique_tokens']} in the {f['field_order']} order ({f['unique_tokens_ratio']:.2f}x)")
+        if f["candidates"]:
+            print("  candidate orders, prompt tokens to compute: " + ", ".join(
+                f"{name} {tokens}" + (" (chosen)" if name == f["chosen_order"] else "")
+                for name, tokens in f["candidates"].items()))
+        for name, counts in f["positions"].items():
+            print(f"  field {name}: rows per position {counts}")
+    print(f"{'group':>6} {'rows':>6} {'prefix':>7}  first id")
+    starts = plan.group_starts()
+    for g in range(min(plan.num_groups, args.top)):
+        print(f"{g:>6} {plan.group_sizes[g]:>6} {plan.group_prefix_tokens[g]:>7}  {prepared.ids[plan.order[starts[g]]]}")
+    if plan.num_groups > args.top:
+        print(f"   ... {plan.num_groups - args.top} more groups")
+    for s in summary["shards"]:
+        print(f"shard {s['shard']}: {s['rows']} rows, ~{s['prefill_tokens']} prefill + {s['decode_tokens']} decode tokens")
+    return 0
+
+
+@contextlib.contextmanager
+def terminate_as_exit():
+    """A terminate (SIGTERM: ``kill``, a batch scheduler, a container stop) ends the run as Ctrl-C
+    does, by an exception: the run's ``finally`` writes every finished row to the checkpoint, and
+    the engine is shut down, instead of the process dying where it stands."""
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def cmd_run(args) -> int:
+    from ..jobs.resume import run_resumable
+    from ..run.results import results_to_table
+    from ..table.output import check_output, output_lock, write_result
+
+    output = Path(args.output)
+    check_output(output, args.prompts, args.overwrite)  # before any work
+    with output_lock(output), terminate_as_exit():
+        engine_settings, sampling, _, prepared, _ = _prepare(args, field_order_state=Path(f"{output}.field_order.parquet"))
+        checkpoint_dir = Path(args.checkpoint_dir or f"{output}.checkpoint")
+        bar = ProgressBar.on_terminal() if not args.json else None
+        # With a bar on screen the progress lines go to the log file only.
+        sink = file_logger("batchllm.progress").info if bar else log.info
+        try:
+            outcome = run_resumable(
+                prepared, engine_settings, sampling, checkpoint_dir, SchedulerSettings(log_every_s=args.progress_every_s),
+                reuse_from=[output] if output.exists() else [], progress_sink=sink,
+                checkpoint_every_rows=args.checkpoint_every_rows, display=bar,
+            )
+        finally:
+            if bar:
+                bar.close()
+        results, stats = outcome.results, outcome.stats
+        position = {row_id: i for i, row_id in enumerate(prepared.ids)}
+        results.sort(key=lambda r: position[r.id])  # one row per id, in input order
+        write_result(results_to_table(results, prepared.id_type), output, args.prompts)
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)  # the output now holds every row
+    summary = stats.to_dict()
+    summary.update(
+        rows=len(results),
+        ok_rows=sum(r.status == "ok" for r in results),
+        error_rows=sum(r.status == "error" for r in results),
+        computed_rows=stats.rows,
+        output=str(output),
+    )
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"{summary['ok_rows']} ok, {summary['error_rows']} errors -> {output}")
+        print(summary_table(run_summary(summary) + [("log", str(args.log_file))]))
+    return 0
+
+
+def cmd_prepare_model(args) -> int:
+    from ..models import resolve_model
+
+    print(resolve_model(args.name))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="batchllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--log-file", type=Path, default=LOG_DIR / "batchllm.log",
+                        help="where vLLM's, torch's and other libraries' warnings go (default: %(default)s)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="show prefix groups and the ideal saving")
+    _add_common(plan)
+    plan.add_argument("--top", type=int, default=10, help="groups to list")
+    plan.add_argument("--json", action="store_true")
+    plan.set_defaults(func=cmd_plan)
+
+    run = sub.add_parser("run", help="answer every row with vLLM; write OUT.parquet keyed by id")
+    _add_common(run)
+    run.add_argument("--output", required=True)
+    run.add_argument("--temperature", type=float, default=0.0)
+    add_response_format_options(run)
+    run.add_argument("--json", action="store_true", help="print the run's statistics as JSON")
+    run.add_argument("--checkpoint-dir", help="where finished rows are kept while running (default OUT.checkpoint)")
+    run.add_argument("--checkpoint-every-rows", type=at_least_one, default=256, help="write a checkpoint part this often")
+    run.add_argument("--progress-every-s", type=float, default=SchedulerSettings.model_fields["log_every_s"].default,
+                     help="seconds between progress lines")
+    run.add_argument("--overwrite", action="store_true", help="replace an existing --output that is not a result of these prompts")
+    run.set_defaults(func=cmd_run)
+
+    prep = sub.add_parser("prepare-model", help="build a built-in offline model")
+    prep.add_argument("name", nargs="?", default="smollm2", choices=["smollm2", "tiny"])
+    prep.set_defaults(func=cmd_prepare_model)
+
+    from ..bench.compare import add_bench_parser
+    from .doctor import add_doctor_parser
+
+    add_bench_parser(sub)
+    add_doctor_parser(sub)
+
+    args = parser.parse_args(argv)
+    if args.command in ("run", "bench", "doctor"):  # they start vLLM: its and torch's warnings go to the log file
+        args.log_file = route_library_output(args.log_file)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from ..models import ModelNotFound
+    from ..table.output import OutputError
+    from ..vllm.vllm_engine import EngineStartError
+
+    try:
+        return args.func(args)
+    except Exception as exc:
+        if args.verbose:
+            raise
+        # A mistake the user can fix is one line and an exit code; --verbose shows the traceback.
+        if isinstance(exc, DatasetError):
+            print(f"batchllm: bad prompt table: {exc}", file=sys.stderr)
+            return 2
+        if isinstance(exc, (OutputError, ValueError)):
+            print(f"batchllm: {exc}", file=sys.stderr)
+            return 2
+        if isinstance(exc, (EngineStartError, ModelNotFound)):
+            print(f"batchllm: {exc}", file=sys.stderr)
+            return 3
+        print(f"batchllm: failed: {type(exc).__name__}: {exc} (run with --verbose for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

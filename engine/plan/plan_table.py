@@ -1,0 +1,237 @@
+"""The plan table: the one file planning hands to running, and the one module that knows its shape.
+
+One row per prompt row, in input order:
+
+    id, position (run order), group, prefix_tokens (the group's shared prefix, whole blocks),
+    max_tokens, error, response_format, duplicate_set (rows identical to each other: one runs,
+    all get its answer; -1 for most), content_key (names the row's token ids in the token
+    cache), shard, partition_key
+
+and in the schema's metadata: the block size, the token cache folder the content keys point
+into, the stamp (what the plan was made from: the model's content, the prompt snapshot, the
+settings that shape a plan) and the run that made it. Token ids are not in the file (2 GB per
+million rows every night would cost more than planning); ``load_shard`` maps them back from the
+token cache. A shard runs exactly its rows as written, and refuses a plan whose stamp no longer
+holds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from ..atomic import write_parquet
+from ..response_format import ResponseFormat
+from ..settings import fingerprint
+from ..table.prompt_snapshot import CONTENT_KEY
+from .duplicates import NO_SET
+from .prepared import PreparedBatch
+from .token_cache import TokenCache
+from .tokenizing import TokenizedBatch, model_fingerprint
+
+BLOCK_SIZE = "batchllm.block_size"
+TOKEN_CACHE = "batchllm.token_cache"  # the token cache folder the content keys point into
+PLAN_RUN = "batchllm.plan_run"  # the run (a Dagster run id) that made the plan
+
+_STAMP_WHAT = {"batchllm.model": "the model, tokenizer or chat template", "batchllm.snapshot": "the prompt snapshot",
+               "batchllm.settings": "the job's block size, context, max_tokens or columns"}
+
+
+class PlanError(RuntimeError):
+    """The plan on disk cannot run this shard; the message says why."""
+
+
+class NotInPlan(PlanError):
+    def __init__(self, key: str, planned_by: str | None):
+        self.key, self.planned_by = key, planned_by
+        super().__init__(f"partition {key!r} is not in the current plan (made by run {planned_by})")
+
+
+class StalePlan(PlanError):
+    def __init__(self, reasons: list[str]):
+        self.reasons = reasons
+        super().__init__(f"the plan is stale: {', '.join(reasons)} changed since it was made")
+
+
+# -- the stamp ---------------------------------------------------------------------------------
+def plan_stamp(model_path: str, snapshot_digest: str, *shaping) -> dict[str, str]:
+    """What a plan is made from, as it is now: the model's content (weights, config, tokenizer,
+    chat template), the prompt snapshot's digest, and the settings that shape a plan."""
+    return {"batchllm.model": model_fingerprint(model_path), "batchllm.snapshot": snapshot_digest,
+            "batchllm.settings": fingerprint(*shaping)}
+
+
+def stale_reasons(plan_metadata: dict[bytes, bytes] | None, stamp: dict[str, str]) -> list[str]:
+    """What changed since the plan was made (empty: the plan still holds)."""
+    recorded = {k.decode(): v.decode() for k, v in (plan_metadata or {}).items()}
+    return [_STAMP_WHAT[k] for k, v in stamp.items() if recorded.get(k) != v]
+
+
+# -- writing -----------------------------------------------------------------------------------
+def _sparse_strings(values: dict[int, str], n: int) -> pa.Array:
+    """A string column of ``n`` rows, NULL except at ``values``' rows (usually none of a million)."""
+    if not values:
+        return pa.nulls(n, pa.string())
+    return pa.array([values.get(i) for i in range(n)], pa.string())
+
+
+def rows_table(prepared: PreparedBatch) -> pa.Table:
+    """The run-side columns of a plan table (no token ids, no shards): what ``prepared_batch`` reads back."""
+    n = prepared.num_rows
+    position = np.empty(n, dtype=np.int64)
+    position[prepared.order] = np.arange(prepared.order.size)
+    return pa.table({
+        "id": pa.array(prepared.ids, prepared.id_type),
+        "position": position,
+        "group": prepared.group_of_row.astype(np.int64),
+        "prefix_tokens": prepared.prefix_tokens_of_row.astype(np.int64),
+        "max_tokens": prepared.max_tokens.astype(np.int64),
+        "error": _sparse_strings(prepared.errors, n),
+        "response_format": _sparse_strings({i: f.to_text() for i, f in prepared.response_formats.items()}, n),
+        "duplicate_set": (np.full(n, NO_SET, dtype=np.int64) if prepared.duplicate_set is None
+                          else prepared.duplicate_set.astype(np.int64)),
+    }, metadata={BLOCK_SIZE: str(prepared.block_size)})
+
+
+def plan_table(prepared: PreparedBatch, content_keys: pa.ChunkedArray | pa.Array, token_cache: TokenCache,
+               shard_of_row: np.ndarray, partition_keys: list[str], stamp: dict[str, str], plan_run: str) -> pa.Table:
+    """The whole plan table of a planned batch: its rows, their content keys in ``token_cache``,
+    their shards and partition keys (``partition_keys[shard]``), stamped."""
+    table = (rows_table(prepared)
+             .append_column(CONTENT_KEY, content_keys)
+             .append_column("shard", pa.array(shard_of_row, pa.int64()))
+             .append_column("partition_key", pa.array([partition_keys[s] for s in shard_of_row], pa.string())))
+    return table.replace_schema_metadata({**table.schema.metadata, TOKEN_CACHE: str(token_cache.folder),
+                                          **stamp, PLAN_RUN: plan_run})
+
+
+def write_plan(table: pa.Table, path: Path) -> int:
+    """Publish the plan whole (readers see the old plan or the new one); returns its bytes."""
+    write_parquet(table, path)
+    return path.stat().st_size
+
+
+# -- reading -----------------------------------------------------------------------------------
+def _read(path: Path, filters=None, columns: list[str] | None = None) -> pa.Table:
+    if not path.exists():
+        raise FileNotFoundError(f"plan not found at {path}: materialize prefix_groups first")
+    return pq.read_table(path, filters=filters, columns=columns)
+
+
+def plan_run_of(path: Path) -> str | None:
+    """The run that made the plan on disk (None: no plan, or one made before runs were recorded)."""
+    if not path.exists():
+        return None
+    value = (pq.ParquetFile(path).schema_arrow.metadata or {}).get(PLAN_RUN.encode())
+    return value.decode() if value else None
+
+
+def plan_content_keys(path: Path) -> pa.Array | None:
+    """The content keys the plan on disk names in the token cache (its partitions may be running)."""
+    if not path.exists() or CONTENT_KEY not in pq.ParquetFile(path).schema_arrow.names:
+        return None
+    return _read(path, columns=[CONTENT_KEY]).column(CONTENT_KEY).combine_chunks()
+
+
+def planned_keys(path: Path) -> pa.Table:
+    """Every row id of the plan on disk with its partition key."""
+    return _read(path, columns=["id", "partition_key"])
+
+
+def previous_shards(path: Path, ids: pa.ChunkedArray) -> np.ndarray | None:
+    """Each of ``ids``' shard in the plan on disk (-1 for a row it does not have), so unchanged
+    shards keep their rows and partition keys; None without a plan."""
+    if not path.exists():
+        return None
+    last = _read(path, columns=["id", "shard"])
+    if last.schema.field("id").type != ids.type:
+        return None
+    position = pc.index_in(ids, value_set=last.column("id"))
+    return pc.fill_null(pc.take(last.column("shard"), position), -1).to_numpy()
+
+
+def prepared_batch(rows: pa.Table, batch: TokenizedBatch) -> PreparedBatch:
+    """A batch from (a filtered part of) a plan table and its rows' token ids."""
+    errors = {i: e for i, e in enumerate(rows.column("error").to_pylist()) if e is not None}
+    formats = {i: ResponseFormat.from_text(text) for i, text in enumerate(rows.column("response_format").to_pylist())
+               if text is not None}
+    block_size = int((rows.schema.metadata or {}).get(BLOCK_SIZE.encode(), b"0"))
+    if block_size < 1:
+        raise ValueError(f"not a plan table: it has no {BLOCK_SIZE}")
+    return PreparedBatch(
+        ids=rows.column("id").to_pylist(), id_type=rows.schema.field("id").type, batch=batch,
+        max_tokens=rows.column("max_tokens").to_numpy(), errors=errors,
+        order=np.argsort(rows.column("position").to_numpy(), kind="stable"),
+        group_of_row=rows.column("group").to_numpy(), prefix_tokens_of_row=rows.column("prefix_tokens").to_numpy(),
+        block_size=block_size, response_formats=formats,
+        duplicate_set=rows.column("duplicate_set").to_numpy() if "duplicate_set" in rows.column_names else None,
+    )
+
+
+def _token_ids(rows: pa.Table) -> TokenizedBatch:
+    """The rows' token ids from the cache their plan names (error rows have none)."""
+    folder = (rows.schema.metadata or {}).get(TOKEN_CACHE.encode())
+    if folder is None:
+        raise ValueError("not a plan written by prefix_groups: it names no token cache")
+    tokens, offsets, _ = TokenCache.at(folder.decode()).lookup(rows.column(CONTENT_KEY).combine_chunks())
+    lengths = np.diff(offsets)
+    lengths[~pc.is_null(rows.column("error")).to_numpy(zero_copy_only=False)] = 0  # error rows run nothing
+    keep = np.repeat(lengths > 0, np.diff(offsets))
+    return TokenizedBatch(np.asarray(tokens, dtype=np.int32)[keep], np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+
+
+def load_shard(path: Path, key: str, stamp: dict[str, str],
+               token_cache_root: Path) -> tuple[PreparedBatch, int, pa.Table]:
+    """Shard ``key`` of the plan at ``path`` with its token ids, its shard number, and what decides
+    its rows' answers in this plan (``answer_identity``, for ``superseded`` at write time). Raises
+    ``NotInPlan`` when the plan has no such partition and ``StalePlan`` when its stamp no longer
+    equals ``stamp``. The plan is read and its entries mapped under the token cache's reader
+    lock, so a plan made meanwhile never compacts them away under this run."""
+    with TokenCache.reading(token_cache_root):
+        rows = _read(path, filters=[("partition_key", "=", key)])
+        if rows.num_rows == 0:
+            raise NotInPlan(key, plan_run_of(path))
+        stale = stale_reasons(rows.schema.metadata, stamp)
+        if stale:
+            raise StalePlan(stale)
+        return prepared_batch(rows, _token_ids(rows)), int(rows["shard"][0].as_py()), answer_identity(rows)
+
+
+# What decides a row's answer in a plan: the model and the settings of the stamp, the row's token
+# ids (content key), its max_tokens and its response format. The same in the plan on disk when a
+# shard writes as in the plan it ran, or the row's answer is superseded. Not the snapshot digest:
+# it changes with any row of the table, and an edit of another row must not discard this one.
+_ANSWER_COLUMNS = ["id", CONTENT_KEY, "max_tokens", "response_format"]
+_STAMP_KEYS = [b"batchllm.model", b"batchllm.settings"]
+
+
+def answer_identity(rows: pa.Table) -> pa.Table:
+    """The rows' answer-deciding columns, with the plan's stamp (see ``superseded``)."""
+    stamp = {k: v for k, v in (rows.schema.metadata or {}).items() if k in _STAMP_KEYS}
+    return rows.select(_ANSWER_COLUMNS).replace_schema_metadata(stamp)
+
+
+def superseded(path: Path, key: str, ran: pa.Table) -> pa.ChunkedArray:
+    """The ids of ``ran`` (a shard's ``answer_identity`` when it loaded) whose answers the plan on
+    disk no longer wants from this shard: it moved them to another shard, deleted them, changed
+    their prompt, max_tokens or format, or was made from another model or other settings. A newer
+    plan has queued its own shards for them; writing the old answers would overwrite fresh ones."""
+    if not path.exists():
+        return ran.column("id")
+    now = answer_identity(_read(path, columns=_ANSWER_COLUMNS + ["partition_key"],
+                                filters=[("partition_key", "=", key)]).drop_columns(["partition_key"])
+                          .replace_schema_metadata(pq.ParquetFile(path).schema_arrow.metadata))
+    if (now.schema.metadata or {}) != (ran.schema.metadata or {}):
+        return ran.column("id")
+    at = pc.index_in(ran.column("id"), value_set=now.column("id"))
+    kept = pc.is_valid(at)
+    for name in _ANSWER_COLUMNS[1:]:  # NULL (no response format) equals NULL here
+        theirs = pc.take(now.column(name), at)
+        equal = pc.equal(ran.column(name), theirs)
+        both_null = pc.and_(pc.is_null(ran.column(name)), pc.is_null(theirs))
+        kept = pc.and_(kept, pc.fill_null(pc.or_kleene(equal, both_null), False))
+    return pc.filter(ran.column("id"), pc.invert(kept))

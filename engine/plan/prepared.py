@@ -1,0 +1,163 @@
+"""A batch ready to run: token ids, output budgets, errors and the plan, computed once.
+
+    prepared = prepare_batch(table, tokenizer, engine_settings, sampling)   # tokenize, check, plan
+
+A ``PreparedBatch`` is everything a run needs and nothing it must recompute: token ids, output
+budgets, errors, and the plan (run order, group and group prefix of each row). It is built once,
+by ``prepare_batch`` (tokenizer + planner) or ``plan_tokenized`` (rows from the token cache), and
+restored without either from a plan table (``engine.plan.plan_table``).
+
+Rows that cannot run (empty prompt, bad chat messages, too long for the model, bad max_tokens)
+keep a reason in ``errors`` and run nothing; the rest of the batch goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from ..response_format import ResponseFormat
+from ..settings import EngineSettings, SamplingSettings, SchedulerSettings
+from ..table.dataset import Columns
+from ..table.prompt_snapshot import CONTENT_KEY
+from .block_hashes import RowBlocks
+from .duplicates import count_duplicates, duplicate_sets, token_keys
+from .prefix_tree import PrefixPlan, plan_blocks
+from .row_checks import output_budgets, row_response_formats
+from .token_cache import CachedRows
+from .tokenizing import TokenizedBatch, tokenize_rows
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedBatch:
+    ids: list  # row ids in input order
+    id_type: pa.DataType
+    batch: TokenizedBatch | None  # rows with an error have no tokens; None where the ids stay in the token cache
+    max_tokens: np.ndarray
+    errors: dict[int, str]
+    order: np.ndarray  # row indices in run order; each group's rows are contiguous
+    group_of_row: np.ndarray  # group id per row
+    prefix_tokens_of_row: np.ndarray  # tokens of the row's group prefix (whole blocks; 0 = none)
+    block_size: int
+    response_formats: dict[int, ResponseFormat] = field(default_factory=dict)  # rows with their own constraint
+    plan: PrefixPlan | None = None  # the whole plan, where this batch was planned (not restored)
+    duplicate_set: np.ndarray | None = None  # identical rows share a set number (engine.plan.duplicates)
+    tokenize_s: float = 0.0
+    plan_s: float = 0.0
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.ids)
+
+    @classmethod
+    def from_plan(cls, ids, id_type, batch, max_tokens, errors, plan: PrefixPlan, **kw) -> "PreparedBatch":
+        return cls(ids=ids, id_type=id_type, batch=batch, max_tokens=max_tokens, errors=errors, order=plan.order,
+                   group_of_row=plan.group_of_row, prefix_tokens_of_row=plan.group_prefix_tokens[plan.group_of_row],
+                   block_size=plan.block_size, plan=plan, **kw)
+
+    def subset(self, rows) -> "PreparedBatch":
+        """The same batch restricted to ``rows`` (kept in input order, plan order preserved)."""
+        rows = np.sort(np.asarray(rows, dtype=np.int64))
+        new_index = np.full(self.num_rows, -1, dtype=np.int64)
+        new_index[rows] = np.arange(rows.size)
+        in_subset = new_index[self.order] >= 0
+        batch = TokenizedBatch.from_rows([self.batch.tokens_of(int(r)) for r in rows])
+        return PreparedBatch(
+            ids=[self.ids[r] for r in rows], id_type=self.id_type, batch=batch, max_tokens=self.max_tokens[rows],
+            errors={int(new_index[r]): e for r, e in self.errors.items() if new_index[r] >= 0},
+            order=new_index[self.order[in_subset]], group_of_row=self.group_of_row[rows],
+            prefix_tokens_of_row=self.prefix_tokens_of_row[rows], block_size=self.block_size,
+            response_formats={int(new_index[r]): f for r, f in self.response_formats.items() if new_index[r] >= 0},
+            duplicate_set=None if self.duplicate_set is None else self.duplicate_set[rows],
+        )
+
+
+def _column(table: pa.Table, name: str) -> list | None:
+    return table.column(name).to_pylist() if name in table.column_names else None
+
+
+def _without_rows(batch: TokenizedBatch, drop: set[int]) -> TokenizedBatch:
+    """The same batch with the tokens of ``drop`` rows removed (their length becomes 0)."""
+    if not drop:
+        return batch
+    keep = np.ones(batch.tokens.size, dtype=bool)
+    lengths = batch.lengths.copy()
+    for row in drop:
+        keep[batch.offsets[row] : batch.offsets[row + 1]] = False
+        lengths[row] = 0
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    return TokenizedBatch(batch.tokens[keep], offsets, batch.errors, batch.seconds)
+
+
+def prepare_batch(
+    table: pa.Table,
+    tokenizer,
+    engine_settings: EngineSettings,
+    sampling: SamplingSettings,
+    columns: Columns = Columns(),
+    scheduler: SchedulerSettings = SchedulerSettings(),
+) -> PreparedBatch:
+    n = table.num_rows
+    batch = tokenize_rows(tokenizer, _column(table, columns.prompt) or [None] * n, _column(table, columns.messages))
+    return plan_tokenized(table, batch, engine_settings, sampling, columns, scheduler)
+
+
+def plan_tokenized(
+    table: pa.Table,
+    rows: TokenizedBatch | CachedRows,
+    engine_settings: EngineSettings,
+    sampling: SamplingSettings,
+    columns: Columns = Columns(),
+    scheduler: SchedulerSettings = SchedulerSettings(),
+) -> PreparedBatch:
+    """Plan rows already tokenized, in ``table``'s order: their token ids (``TokenizedBatch``), or
+    just their lengths and block hashes from the token cache (``CachedRows``: the batch then keeps
+    no ids). ``table`` needs only the id, ``max_tokens`` and ``response_format`` columns."""
+    ids = table.column(columns.id).to_pylist()
+    n = len(ids)
+    errors = dict(rows.errors)
+
+    started = time.perf_counter()
+    blocks = rows.row_blocks(engine_settings.block_size)
+    hash_s = time.perf_counter() - started
+    max_tokens = output_budgets(_column(table, columns.max_tokens), sampling.max_tokens, blocks.lengths,
+                                engine_settings, errors)
+    formats = row_response_formats(_column(table, columns.response_format), errors)
+    dropped = set(errors) - set(rows.errors)  # rows that tokenized but cannot run: planned as empty
+    batch = _without_rows(rows, dropped) if isinstance(rows, TokenizedBatch) else None
+    blocks = blocks.without(dropped)
+    decode = np.where(blocks.lengths > 0, max_tokens, 0)
+    started = time.perf_counter()
+    keys = (table.column(CONTENT_KEY).combine_chunks() if CONTENT_KEY in table.column_names
+            else token_keys(rows.tokens, rows.offsets))
+    runnable = np.ones(n, dtype=bool)
+    runnable[list(errors)] = False
+    same = duplicate_sets(keys, max_tokens, _column(table, columns.response_format) or [None] * n, runnable)
+    plan = plan_blocks(blocks, decode, scheduler.min_group_rows, same)
+    plan_s = hash_s + time.perf_counter() - started
+    log.info(
+        "planned %d rows: %d groups, %d prompt tokens, shared %.1f%%, %d identical to another row "
+        "(tokenize %.2fs, plan %.2fs)",
+        n, plan.num_groups, plan.prompt_tokens, 100 * plan.shared_fraction, count_duplicates(same), rows.seconds,
+        plan_s,
+    )
+    return PreparedBatch.from_plan(ids, table.schema.field(columns.id).type, batch, max_tokens, errors, plan,
+                                   response_formats=formats, tokenize_s=rows.seconds, plan_s=plan_s,
+                                   duplicate_set=same)
+
+
+def sorted_prefill_counter(tokenizer, block_size: int):
+    """A ``fields.PrefillCounter``: the prompt tokens sorted rows compute for these prompts, the
+    planner's minimum prefill at this KV block size (whole blocks shared, as vLLM's cache shares them)."""
+    def count(prompts: list[str]) -> int:
+        batch = tokenize_rows(tokenizer, prompts)
+        blocks = RowBlocks.of_tokens(batch.tokens, batch.offsets, block_size)
+        return int(plan_blocks(blocks, np.zeros(len(prompts), dtype=np.int64)).unique_tokens)
+
+    return count

@@ -1,0 +1,51 @@
+"""Which rows can run: each row's output budget and its own answer format, checked against the
+model's context. A row that cannot run gets a reason (it becomes an error row); the batch goes on."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..response_format import ResponseFormat
+from ..settings import EngineSettings
+
+
+def output_budgets(row_max_tokens: list | None, default: int, lengths: np.ndarray, settings: EngineSettings,
+                   errors: dict[int, str]) -> np.ndarray:
+    """Each row's ``max_tokens`` (its own, else ``default``); rows whose budget is invalid or does
+    not fit the context beside their prompt get a reason in ``errors``."""
+    limit = settings.context_len
+    max_tokens = np.full(lengths.size, default, dtype=np.int64)
+    for i, value in enumerate(row_max_tokens or []):
+        if value is None:
+            continue
+        if not 1 <= value <= limit:  # checked as Python ints: no int64 overflow
+            errors.setdefault(i, f"invalid max_tokens {value}: must be between 1 and the context of {limit} tokens")
+        else:
+            max_tokens[i] = value
+    for i in np.flatnonzero(max_tokens > limit - lengths):
+        errors.setdefault(
+            int(i),
+            f"prompt of {lengths[i]} tokens + max_tokens {max_tokens[i]} exceeds the model's context of {limit} "
+            f"tokens (max_model_len={settings.max_model_len or 'the default'}, KV cache {settings.kv_cache_blocks} blocks)",
+        )
+    return max_tokens
+
+
+def row_response_formats(texts: list[str | None] | None, errors: dict[int, str]) -> dict[int, ResponseFormat]:
+    """Each row's own constraint; an invalid one makes the row an error row (the batch goes on).
+    Rows usually share a few formats: each distinct text is parsed once."""
+    parsed: dict[str, ResponseFormat | str] = {}
+    formats = {}
+    for i, text in enumerate(texts or []):
+        if text is None:
+            continue
+        if text not in parsed:
+            try:
+                parsed[text] = ResponseFormat.from_text(text)
+            except ValueError as exc:
+                parsed[text] = f"invalid response_format: {exc}"
+        if isinstance(parsed[text], str):
+            errors.setdefault(i, parsed[text])
+        else:
+            formats[i] = parsed[text]
+    return formats

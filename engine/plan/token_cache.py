@@ -1,0 +1,256 @@
+"""Token ids and block hashes cached by row content, so a nightly rerun tokenizes only the rows that changed.
+
+A row's key is its content key (``prompt_snapshot.content_keys``). The cache lives in one folder per tokenizer fingerprint (the tokenizer
+and chat-template files), as append-only parts of ``(key, token_ids, block_hashes, error)``: a
+rerun maps the parts into memory, tokenizes the rows whose key is missing and appends a small
+part; when half the entries no longer belong to the table the parts are compacted into one. Each
+entry keeps its row's chained block hashes (``RowBlocks``; a part records their block size and
+hash version), so the plan of a million rows reads 8 bytes per block instead of 4 per token, and
+hashes only what changed. Parts are Arrow IPC files, uncompressed, so they map into memory without
+being decoded (Parquet took 10 s per 2 GB of token ids to read back): a shard's partition reads
+just its rows' ids from them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..atomic import Staged
+from ..locks import locked
+from ..table.prompt_snapshot import CONTENT_KEY, KEY_TYPE, snapshot_keys, texts_of
+from .block_hashes import HASH_VERSION, RowBlocks
+from .tokenizing import tokenize_rows
+
+log = logging.getLogger(__name__)
+
+_HASHED_AS = b"batchllm.block_hashes"  # a part's metadata: how its hashes were made (_hashed_as)
+_SCHEMA = pa.schema([("key", KEY_TYPE), ("token_ids", pa.large_list(pa.int32())),
+                     ("block_hashes", pa.large_list(pa.uint64())), ("error", pa.string())])
+_TEXT_BATCH = 16_384  # rows read and tokenized at a time
+_ID_COLUMNS = ["key", "token_ids", "error"]  # what a partition's lookup reads (any part version has them)
+_PART_ROWS = 262_144  # new entries per published part: what a crash can lose
+_REPORT_S = 10.0  # seconds between progress lines while tokenizing
+
+
+def _hashed_as(block_size: int) -> bytes:
+    """The hash function's version and the block size: parts made otherwise are hashed again."""
+    return f"v{HASH_VERSION} blocks of {block_size}".encode()
+
+
+def _lengths(lists: pa.ChunkedArray) -> np.ndarray:
+    """Entries per list, over every chunk (from the offsets alone: no values are read)."""
+    return np.concatenate([np.diff(c.offsets.to_numpy()) for c in lists.chunks] or [np.zeros(0, np.int64)])
+
+
+def _gather(lists: pa.ChunkedArray, position: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The lists at ``position`` (global entry numbers) as one flat array and its offsets.
+    Copied as runs of consecutive entries: a rerun's rows mostly come in the cache's order, so a
+    million rows are a few thousand slice copies out of the memory-mapped parts (Arrow's take on
+    the chunked lists took 13 s at 1M rows x 500 ids)."""
+    chunks = lists.chunks
+    starts = np.cumsum([0] + [len(c) for c in chunks])
+    part = np.searchsorted(starts, position, side="right") - 1
+    local = position - starts[part]
+    chunk_offsets = [c.offsets.to_numpy() for c in chunks]
+    values = [c.values.to_numpy(zero_copy_only=False) for c in chunks]
+    offsets = np.concatenate([[0], np.cumsum(_lengths(lists)[position])]).astype(np.int64)
+    flat = np.empty(int(offsets[-1]), dtype=lists.type.value_type.to_pandas_dtype())
+    if position.size:
+        breaks = np.flatnonzero((part[1:] != part[:-1]) | (local[1:] != local[:-1] + 1)) + 1
+        for first, end in zip(np.concatenate([[0], breaks]), np.concatenate([breaks, [position.size]])):
+            source = chunk_offsets[part[first]]
+            flat[offsets[first]:offsets[end]] = values[part[first]][source[local[first]]:source[local[end - 1] + 1]]
+    return flat, offsets
+
+
+def _entries(keys: pa.Array, tokens: np.ndarray, offsets: np.ndarray, errors: pa.Array, block_size: int) -> pa.RecordBatch:
+    """Cache entries of rows ``tokens[offsets[i]:offsets[i + 1]]``, with their block hashes
+    (computed here, once per content)."""
+    blocks = RowBlocks.of_tokens(tokens, offsets, block_size)
+    token_ids = pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), pa.array(tokens, pa.int32()))
+    hashes = pa.LargeListArray.from_arrays(pa.array(blocks.offsets), pa.array(blocks.hashes, pa.uint64()))
+    return pa.record_batch([keys, token_ids, hashes, errors], schema=_SCHEMA)
+
+
+@dataclass
+class CachedRows:
+    """A snapshot's rows as the planner needs them, from the cache: lengths and block hashes, no ids."""
+
+    blocks: RowBlocks
+    errors: dict[int, str]  # row index -> why it has no tokens
+    seconds: float  # looking up and tokenizing
+    cached_rows: int  # rows whose content was in the cache
+    tokenized_rows: int  # distinct contents tokenized now
+
+    def row_blocks(self, block_size: int) -> RowBlocks:
+        if block_size != self.blocks.block_size:
+            raise ValueError(f"rows hashed in blocks of {self.blocks.block_size}, planned in blocks of {block_size}")
+        return self.blocks
+
+
+class TokenCache:
+    """Safe for concurrent readers and writers: one writer at a time (``rows_for`` holds the
+    root's writer lock), and parts are deleted (compaction) only under the root's exclusive
+    reader lock, which ``reading()`` holds shared: a partition that has read its plan and maps its
+    entries under ``reading()`` never sees them disappear, and entries the plan on disk names are
+    kept by compaction."""
+
+    def __init__(self, folder: str | Path, tokenizer_fingerprint: str):
+        self.root = Path(folder)
+        self.folder = self.root / tokenizer_fingerprint
+
+    @staticmethod
+    def reading(root: str | Path):
+        """Hold while reading a plan and mapping the entries it names in the cache under ``root``
+        (any tokenizer's): no part is deleted meanwhile."""
+        return locked(Path(root) / ".readers.lock", shared=True)
+
+    @classmethod
+    def at(cls, folder: str | Path) -> "TokenCache":
+        """The cache in ``folder`` (a ``TokenCache.folder``: root and fingerprint)."""
+        folder = Path(folder)
+        return cls(folder.parent, folder.name)
+
+    def _parts(self) -> list[Path]:
+        return sorted(self.folder.glob("part-*.arrow"))
+
+    def load(self, block_size: int | None = None) -> pa.Table:
+        """Every entry, memory-mapped (nothing is read until used). With ``block_size``, a part
+        hashed in other blocks (or by an older version, without hashes) is hashed again first."""
+        tables = []
+        for path in self._parts():
+            table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+            if block_size is not None and (table.schema.metadata or {}).get(_HASHED_AS) != _hashed_as(block_size):
+                log.info("hashing the token cache part %s in blocks of %d", path.name, block_size)
+                tokens, offsets = _gather(table.column("token_ids"), np.arange(table.num_rows))
+                entries = _entries(table.column("key").combine_chunks(), tokens, offsets,
+                                   table.column("error").combine_chunks(), block_size)
+                self._write([entries], path.name, block_size)
+                table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+            tables.append(table if block_size is not None else table.select(_ID_COLUMNS))
+        if not tables:
+            empty = _SCHEMA.empty_table()
+            return empty if block_size is not None else empty.select(_ID_COLUMNS)
+        return pa.concat_tables(tables)
+
+    def lookup(self, keys: pa.Array) -> tuple[np.ndarray, np.ndarray, pa.Array]:
+        """Token ids (flat int32), offsets and errors of ``keys``, in their order; every key must
+        be in the cache."""
+        cache = self.load()
+        position = self._positions(keys, cache)
+        tokens, offsets = _gather(cache.column("token_ids"), position)
+        return tokens, offsets, cache.column("error").take(position)
+
+    def _positions(self, keys: pa.Array, cache: pa.Table) -> np.ndarray:
+        position = pc.index_in(keys, value_set=cache.column("key"))
+        if position.null_count:
+            raise KeyError(f"{position.null_count} rows are not in the token cache {self.folder}: plan again")
+        return position.to_numpy()
+
+    def _write(self, batches, name: str, block_size: int, max_rows: int | None = None) -> int:
+        """Write record batches from an iterator as one part, up to about ``max_rows`` rows (the rest
+        stay in the iterator); returns the rows written (0: no part was written)."""
+        schema = _SCHEMA.with_metadata({_HASHED_AS: _hashed_as(block_size)})
+        rows = 0
+        with Staged(self.folder / name) as staged:
+            with pa.OSFile(str(staged.path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+                for batch in batches:
+                    writer.write_batch(batch.replace_schema_metadata(schema.metadata))
+                    rows += batch.num_rows
+                    if max_rows is not None and rows >= max_rows:
+                        break
+            if not rows:
+                staged.discard()
+        return rows
+
+    def rows_for(self, snapshot: Path, tokenizer, prompt_column: str, messages_column: str, block_size: int,
+                 progress: Callable[[str], None] = log.info,
+                 still_needed: Callable[[], pa.Array | None] = lambda: None) -> CachedRows:
+        """Lengths and block hashes of every row of a prompt snapshot (written with a
+        ``CONTENT_KEY`` column), in its order: cached rows are looked up, the others tokenized
+        (and cached; ``progress`` hears how far that got). No token ids are read back: the plan
+        does not need them. ``still_needed``: keys that compaction must keep besides the
+        snapshot's (those of the plan partitions may still be running), read under its lock."""
+        with locked(self.root / ".writer.lock", shared=False):  # one writer at a time
+            return self._rows_for(snapshot, tokenizer, prompt_column, messages_column, block_size, progress,
+                                  still_needed)
+
+    def _rows_for(self, snapshot, tokenizer, prompt_column, messages_column, block_size, progress,
+                  still_needed) -> CachedRows:
+        started = time.perf_counter()
+        keys = snapshot_keys(snapshot)
+        loaded = self._parts()
+        cache = self.load(block_size)
+        found = pc.index_in(keys, value_set=cache.column("key"))
+        cached_rows = len(keys) - found.null_count
+        missing = pc.unique(pc.filter(keys, pc.is_null(found)))
+        tokenized = 0
+        if len(missing):
+            # Streamed into new parts batch by batch, then mapped with the rest: the first night
+            # never holds the table's token ids in memory, and a part is published every
+            # _PART_ROWS rows, so a crash loses at most one part's tokenizing.
+            batches = self._tokenize(snapshot, missing, tokenizer, prompt_column, messages_column, block_size,
+                                     progress)
+            while written := self._write(batches, f"part-{time.time_ns():020d}.arrow", block_size, _PART_ROWS):
+                tokenized += written
+            loaded = self._parts()
+            cache = self.load(block_size)
+        position = self._positions(keys, cache) if tokenized else found.to_numpy()  # nothing new: already found
+        hashes, _ = _gather(cache.column("block_hashes"), position)
+        lengths = _lengths(cache.column("token_ids"))[position]
+        error_column = cache.column("error").take(position)
+        errors = {} if error_column.null_count == len(error_column) else {
+            i: e for i, e in enumerate(error_column.to_pylist()) if e is not None}
+        stale = cache.num_rows - len(pc.unique(keys))
+        if len(loaded) > 1 and 2 * stale >= cache.num_rows:  # half of it rows the table no longer has
+            self._compact(cache, loaded, keys, block_size, still_needed)
+        return CachedRows(RowBlocks(block_size, lengths, hashes), errors, time.perf_counter() - started,
+                          cached_rows, tokenized)
+
+    def _tokenize(self, snapshot: Path, missing: pa.Array, tokenizer, prompt_column: str, messages_column: str,
+                  block_size: int, progress: Callable[[str], None]):
+        """Cache entries of the missing keys' rows, tokenized a batch at a time (never the whole
+        text at once); a content found twice is tokenized once."""
+        seen = set()
+        started = last_report = time.perf_counter()
+        tokens = 0
+        for batch in texts_of(snapshot, missing, prompt_column, messages_column, _TEXT_BATCH):
+            key_list = batch.column(CONTENT_KEY).to_pylist()
+            todo = batch.take([i for i, k in enumerate(key_list) if not (k in seen or seen.add(k))])
+            if not todo.num_rows:
+                continue
+            names = todo.schema.names
+            prompts = todo.column(prompt_column).to_pylist() if prompt_column in names else [None] * todo.num_rows
+            messages = todo.column(messages_column).to_pylist() if messages_column in names else None
+            tokenized = tokenize_rows(tokenizer, prompts, messages)
+            errors = pa.array([tokenized.errors.get(i) for i in range(todo.num_rows)], pa.string())
+            yield _entries(todo.column(CONTENT_KEY).cast(KEY_TYPE), tokenized.tokens, tokenized.offsets, errors,
+                           block_size)
+            tokens += tokenized.tokens.size
+            now = time.perf_counter()
+            if now - last_report >= _REPORT_S or len(seen) == len(missing):
+                last_report, elapsed = now, now - started
+                eta = (len(missing) - len(seen)) * elapsed / len(seen)
+                progress(f"tokenized {len(seen):,} of {len(missing):,} new contents ({tokens:,} tokens, "
+                         f"{tokens / max(elapsed, 1e-9):,.0f} tokens/s, eta {eta:.0f}s)")
+
+    def _compact(self, cache: pa.Table, loaded: list[Path], keys: pa.Array, block_size: int,
+                 still_needed: Callable[[], pa.Array | None]) -> None:
+        """Rewrite the ``loaded`` parts (those ``cache`` was read from, never a part another writer
+        added since) as one, keeping the snapshot's entries and the ones still needed."""
+        with locked(self.root / ".readers.lock", shared=False):
+            needed = still_needed()
+            if needed is not None and len(needed):
+                keys = pa.concat_arrays([keys, needed.cast(KEY_TYPE)])
+            kept = cache.filter(pc.is_in(cache.column("key"), value_set=keys))
+            self._write(kept.to_batches(), f"part-{time.time_ns():020d}.arrow", block_size)
+            for path in loaded:
+                path.unlink(missing_ok=True)

@@ -1,0 +1,157 @@
+"""Running a prepared batch on an engine: the rows go in as the scheduler admits them, results
+come out keyed by row id as rows finish.
+
+    run = BatchRun(prepared, engine, sampling)          # all rows, BatchLLM scheduling
+    for result in run: ...                               # RowResult, keyed by id, as rows finish
+    run.stats                                            # RunStats
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from ..plan.duplicates import answer_sources, answers_are_shared
+from ..plan.prefix_tree import reusable_tokens
+from ..plan.prepared import PreparedBatch
+from ..response_format import cut_off_reason
+from ..settings import SamplingSettings, SchedulerSettings
+from .drive import Rejected, StepTotals, drive
+from .progress import Display, Progress
+from .requests import Engine
+from .results import RowResult, RunStats
+from .scheduler import GroupScheduler, InOrderScheduler, groups_in_run_order
+from .step_profile import StepProfile
+
+
+class BatchRun:
+    """Iterate to run the rows on the engine; results come out as rows finish."""
+
+    def __init__(
+        self,
+        prepared: PreparedBatch,
+        engine: Engine,
+        sampling: SamplingSettings,
+        scheduler_settings: SchedulerSettings = SchedulerSettings(),
+        rows: list[int] | None = None,
+        baseline_order: list[int] | None = None,
+        progress_sink: Callable[[str], None] | None = None,
+        row_fingerprints: list[str] | None = None,
+        started_at: float | None = None,
+        display: Display | None = None,
+        settings_fingerprint: str | None = None,
+        step_profile: StepProfile | None = None,
+        after_step: Callable[[], None] | None = None,
+    ):
+        self.prepared, self.engine, self.sampling = prepared, engine, sampling
+        self.scheduler_settings = scheduler_settings
+        self.rows = [int(r) for r in prepared.order] if rows is None else list(rows)
+        # A baseline (the bench's): these rows one after another, admitted by vLLM alone.
+        self.baseline_order = baseline_order
+        self.progress_sink = progress_sink
+        self.fingerprints = row_fingerprints or [None] * prepared.num_rows
+        self.settings_fingerprint = settings_fingerprint
+        self.started_at = started_at
+        self.display = display  # a live view (a progress bar) besides the progress lines
+        self.step_profile = step_profile  # each engine step recorded (the bench's per-step timing)
+        self.after_step = after_step  # called after every engine step (a checkpoint's timed write)
+        self.stats = RunStats()
+
+    def _result(self, row: int, **fields) -> RowResult:
+        return RowResult(id=self.prepared.ids[row], group=int(self.prepared.group_of_row[row]),
+                         row_fingerprint=self.fingerprints[row], settings_fingerprint=self.settings_fingerprint,
+                         **fields)
+
+    def _answer(self, row: int, item, cut: str | None, cached_tokens: int) -> RowResult:
+        """Row ``row`` answered by the finished request ``item`` (its own, or an identical row's)."""
+        stats = self.stats
+        stats.rows += 1
+        stats.prompt_tokens += item.prompt_tokens
+        stats.cached_tokens += cached_tokens
+        stats.output_tokens += len(item.token_ids)
+        if cut:
+            stats.error_rows += 1
+        else:
+            stats.ok_rows += 1
+        return self._result(row, status="error" if cut else "ok", text=item.text, error=cut,
+                            prompt_tokens=item.prompt_tokens, cached_tokens=cached_tokens,
+                            output_tokens=len(item.token_ids), finish_reason=item.finish_reason)
+
+    def _error(self, row: int, reason: str) -> RowResult:
+        self.stats.rows += 1
+        self.stats.error_rows += 1
+        return self._result(row, status="error", error=reason)
+
+    def _scheduler(self, in_plan_order: list[int]):
+        prepared = self.prepared
+        if self.baseline_order is not None:
+            return InOrderScheduler(prepared.batch, prepared.max_tokens,
+                                    [r for r in self.baseline_order if r not in prepared.errors])
+        groups = groups_in_run_order(in_plan_order, prepared.group_of_row, prepared.prefix_tokens_of_row)
+        return GroupScheduler(prepared.batch, prepared.max_tokens, groups, self.scheduler_settings,
+                              self.engine.block_size, self.engine.kv_capacity_blocks)
+
+    def __iter__(self) -> Iterator[RowResult]:
+        prepared, stats = self.prepared, self.stats
+        started = time.perf_counter()
+        for row in self.rows:
+            if row in prepared.errors:
+                yield self._error(row, prepared.errors[row])
+        ok_rows = [r for r in self.rows if r not in prepared.errors]
+        if not ok_rows:
+            return
+        position = np.empty(prepared.num_rows, dtype=np.int64)
+        position[prepared.order] = np.arange(prepared.order.size)
+        in_plan_order = sorted(ok_rows, key=position.__getitem__)  # whatever order the caller gave
+        # Identical rows run once; the others take its answer (a baseline runs every row, as vLLM would).
+        copies = (answer_sources(prepared.duplicate_set, in_plan_order)
+                  if self.baseline_order is None and answers_are_shared(self.sampling) else {})
+        copied = {row for rows in copies.values() for row in rows}
+        scheduler = self._scheduler([r for r in in_plan_order if r not in copied])
+        # The minimum, whatever order the rows run in: the plan's order shares every prefix it can.
+        stats.reusable_tokens = reusable_tokens(prepared.batch, in_plan_order, prepared.block_size)
+        totals = StepTotals()
+        progress = Progress(len(self.rows), self.scheduler_settings.log_every_s, self.progress_sink, self.display,
+                            reusable=stats.reusable_tokens)
+
+
+        counted = hasattr(scheduler, "blocks_in_flight")  # the scheduler's own count (a baseline has none)
+
+        def saved() -> int:  # prompt tokens not computed: the rows' cache hits less what prefix requests computed
+            return stats.cached_tokens - (scheduler.stats.prefix_prompt_tokens - scheduler.stats.prefix_cached_tokens)
+
+        def on_step(report) -> None:
+            if self.step_profile is not None:
+                self.step_profile.record(report)
+            if self.after_step is not None:
+                self.after_step()
+            progress.update(stats.rows, stats.prompt_tokens + stats.output_tokens, saved(),
+                            report.running, report.kv_usage, totals.preemptions,
+                            planned_blocks=(lambda: scheduler.blocks_in_flight) if counted else None)
+
+        for item in drive(scheduler, self.engine, self.sampling, totals, on_step, prepared.response_formats):
+            if isinstance(item, Rejected):
+                for row in [item.row, *copies.get(item.row, [])]:
+                    yield self._error(row, item.reason)
+                continue
+            row = item.submission.row
+            stats.wall_s = time.perf_counter() - started
+            # A constrained answer that ended at max_tokens or a stop string, not proved complete,
+            # is not an answer: stored as an error row (its text kept to look at), never as ok.
+            cut = cut_off_reason(prepared.response_formats.get(row, self.sampling.response_format), item.text,
+                                 item.finish_reason, int(prepared.max_tokens[row]), item.stop_reason)
+            yield self._answer(row, item, cut, item.cached_tokens)
+            for copy in copies.get(row, []):  # its identical rows: the same answer, their own ids, nothing computed
+                stats.duplicate_rows += 1
+                yield self._answer(copy, item, cut, item.prompt_tokens)
+        stats.wall_s = time.perf_counter() - started
+        stats.startup_s = (totals.first_submit_at or started) - (self.started_at or started)
+        stats.preemptions, stats.engine_steps = totals.preemptions, totals.steps
+        stats.mean_kv_usage, stats.rows_per_step = totals.mean_kv_usage, totals.rows_per_step
+        scheduled = scheduler.stats
+        stats.prefix_requests = scheduled.prefix_requests
+        stats.prefix_prompt_tokens, stats.prefix_cached_tokens = scheduled.prefix_prompt_tokens, scheduled.prefix_cached_tokens
+        progress.update(stats.rows, stats.prompt_tokens + stats.output_tokens, stats.saved_tokens, 0,
+                        stats.mean_kv_usage, stats.preemptions, force=True)

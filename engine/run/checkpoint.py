@@ -1,0 +1,159 @@
+"""Row-level checkpoints: results are written while the engine runs, and a rerun reuses them.
+
+A checkpoint is a folder of Parquet part files. Each part is written to a temporary name and
+renamed, so a process killed at any point (SIGKILL included) leaves only whole parts behind. A row
+is reused only when its fingerprint matches: the same id, the same prompt tokens, the same
+max_tokens and response format, and the same answer settings (``settings_fingerprint``: the
+model's content, vLLM's version, dtype as resolved, sampling); anything else is recomputed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..atomic import write_parquet
+from ..settings import EngineSettings, SamplingSettings, fingerprint
+from .results import RESULT_SCHEMA_FIELDS, RowResult, results_to_table
+
+log = logging.getLogger(__name__)
+
+# Engine settings that can change an answer besides the model itself. Cache sizes and batching
+# knobs are left out: on CPU (fp32) greedy answers were equal whatever the order and batch shape
+# (the bench's answer_agreement, 1.0). That does not hold on a GPU: bf16 kernels depend on which
+# rows share a step unless vLLM runs batch-invariant (VLLM_BATCH_INVARIANT=1); a row reused from an
+# earlier night is then an answer the same model gave in another batch, not a stale one.
+_ANSWER_SETTINGS = {"dtype", "enforce_eager", "seed", "max_model_len", "tensor_parallel_size"}
+
+
+def settings_fingerprint(engine: EngineSettings, sampling: SamplingSettings) -> str:
+    """What decides every row's answer besides the row itself: the model's content (weights,
+    config, tokenizer, chat template: the plan stamp's ``model_fingerprint``, not its path, so a
+    checkpoint re-exported in place reruns every row), vLLM's version, the engine settings above
+    (``engine`` as resolved for the platform by ``for_platform``: a CPU and a GPU run differ) and
+    the sampling, response format included."""
+    from ..machine import vllm_version
+    from ..plan.tokenizing import model_fingerprint
+
+    relevant = engine.model_dump(include=_ANSWER_SETTINGS)
+    return fingerprint(relevant, model_fingerprint(engine.model_path), vllm_version(), sampling)
+
+
+def row_fingerprints(prepared, settings_fp: str) -> list[str]:
+    """One fingerprint per row: settings + the row's prompt tokens + its max_tokens."""
+    out = []
+    tokens, offsets = prepared.batch.tokens, prepared.batch.offsets
+    for i in range(prepared.num_rows):
+        digest = hashlib.blake2b(settings_fp.encode(), digest_size=12)
+        digest.update(tokens[offsets[i] : offsets[i + 1]].tobytes())
+        digest.update(int(prepared.max_tokens[i]).to_bytes(8, "little"))
+        digest.update(str(prepared.errors.get(i, "")).encode())
+        if i in prepared.response_formats:  # the row's own constraint changes its answer
+            digest.update(prepared.response_formats[i].to_text().encode())
+        out.append(digest.hexdigest())
+    return out
+
+
+# Why a row was not reused, from what an earlier result of the same id recorded.
+NEW_ROW = "new row"
+SETTINGS_CHANGED = "model or answer settings changed"
+ROW_CHANGED = "prompt, max_tokens or response format changed"
+FAILED_BEFORE = "an error before"
+
+
+def _why_not_reused(previous: dict | None, settings_fp: str | None) -> str:
+    if previous is None:
+        return NEW_ROW
+    if previous.get("settings_fingerprint") != settings_fp:
+        return SETTINGS_CHANGED
+    return FAILED_BEFORE if previous["status"] != "ok" else ROW_CHANGED
+
+
+class Checkpoint:
+    """Collects results and writes them as Parquet parts every ``every_rows`` rows or ``every_s`` s."""
+
+    def __init__(self, folder: str | Path, id_type: pa.DataType, every_rows: int = 256, every_s: float = 10.0):
+        self.folder = Path(folder)
+        self.id_type = id_type
+        self.every_rows, self.every_s = every_rows, every_s
+        self._pending: list[RowResult] = []
+        self._last_flush = time.monotonic()
+        self.written = 0
+        self.reused_from: dict = {}  # row id -> where load() found it
+        self.not_reused: Counter[str] = Counter()  # why load() found no reusable result, rows per reason
+
+    def load(self, expected: dict, also: list[Path | pa.Table] = (), settings_fp: str | None = None) -> dict:
+        """Reusable ok results by id: those whose fingerprint equals ``expected[id]``.
+
+        ``also`` names more results to reuse from (a previous run's output, another checkpoint's
+        parts: files or tables);
+        ``settings_fp`` (the current ``settings_fingerprint``) lets ``not_reused`` say why the
+        other rows were not reused."""
+        parts = sorted(self.folder.glob("part-*.parquet")) if self.folder.exists() else []
+        reusable: dict = {}
+        latest: dict = {}  # row id -> its last earlier result (why it was not reused)
+        self.reused_from = {}
+        for part in [*also, *parts]:
+            if isinstance(part, pa.Table):
+                table, part = part, "the output table"
+            else:
+                try:
+                    table = pq.read_table(part)
+                except Exception as exc:  # a damaged file is recomputed, not trusted
+                    log.warning("ignoring unreadable checkpoint file %s: %s", part, exc)
+                    continue
+            if "row_fingerprint" not in table.column_names:
+                continue
+            names = ["id"] + [n for n, _ in RESULT_SCHEMA_FIELDS if n in table.column_names]
+            for record in table.select(names).to_pylist():
+                row_id = record.pop("id")
+                if row_id not in expected:
+                    continue
+                latest[row_id] = record
+                if record["row_fingerprint"] == expected[row_id] and record["status"] == "ok":
+                    reusable[row_id] = RowResult(id=row_id, **record)
+                    self.reused_from[row_id] = ("checkpoint" if part in parts else f"the checkpoint {part.parent}"
+                                                if str(part).endswith(".parquet") and part.name.startswith("part-")
+                                                else str(part))
+        self.not_reused = Counter(_why_not_reused(latest.get(i), settings_fp) for i in expected if i not in reusable)
+        return reusable
+
+    def describe_reuse(self) -> str:
+        """Where the reused rows came from, e.g. ``12 from the checkpoint, 3 from out.parquet``."""
+        counts: dict[str, int] = {}
+        for source in self.reused_from.values():
+            counts[source] = counts.get(source, 0) + 1
+        return ", ".join(f"{n} from {'the checkpoint ' + str(self.folder) if s == 'checkpoint' else s}"
+                         for s, n in counts.items()) or "none"
+
+    def restart_timer(self) -> None:
+        """Count the time between parts from now (when rows start running, not from start-up)."""
+        self._last_flush = time.monotonic()
+
+    def add(self, result: RowResult) -> None:
+        self._pending.append(result)
+        if len(self._pending) >= self.every_rows:
+            self.flush()
+        else:
+            self.flush_if_due()
+
+    def flush_if_due(self) -> None:
+        """Write what is pending once ``every_s`` has passed since the last part: called after every
+        engine step too, so a row that finished minutes before the next one is on disk meanwhile."""
+        if self._pending and time.monotonic() - self._last_flush >= self.every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        self._last_flush = time.monotonic()
+        if not self._pending:
+            return
+        table = results_to_table(self._pending, self.id_type)
+        write_parquet(table, self.folder / f"part-{time.time_ns():020d}.parquet")
+        self.written += len(self._pending)
+        self._pending.clear()

