@@ -197,8 +197,7 @@ def test_requests_ask_vllm_for_deltas_only():
         def add_request(self, request_id, engine_input, params):
             self.params = params
 
-    engine = object.__new__(VLLMEngine)  # the handle without starting vLLM
-    engine._engine, engine._submitted, engine._outputs = LLMEngineDouble(), {}, {}
+    engine = VLLMEngine.over(LLMEngineDouble(), block_size=16, kv_capacity_blocks=100)  # no vLLM started
     engine.submit(Submission(RequestKind.ROW, 0, np.array([1, 2, 3]), 4), SamplingSettings(max_tokens=4))
     assert engine._engine.params.output_kind is RequestOutputKind.DELTA and engine._engine.params.max_tokens == 4
     assert engine._engine.params.stream_interval >= 1 << 20  # a first output and a last: O(changes) per step
