@@ -7,6 +7,7 @@ from batchllm_dagster.checks import build_table_checks
 from batchllm_dagster.config import PLAN_TAG, BatchJobConfig
 from batchllm_dagster.partitions import hardware_of_key, shard_partitions
 from batchllm_dagster.resources import DEFAULT_LLM
+from engine.digests import text_fingerprint
 from engine.models import prepared_model_dir
 from engine.response_format import check_room_for_answers
 from engine.plan.tokenizing import load_tokenizer
@@ -80,9 +81,7 @@ def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
         description="Plan the batch again when the rows of the prompt dataset change.",
     )
     def source_changed(context: dg.SensorEvaluationContext):
-        import hashlib
-
-        version = hashlib.sha256(source_version(config).encode()).hexdigest()[:16]
+        version = text_fingerprint(source_version(config))
         if version == context.cursor:
             return dg.SkipReason("the prompt dataset has not changed")
         context.update_cursor(version)

@@ -6,10 +6,11 @@ shard's row ids: the same groups give the same keys, and a changed shard gets a 
 
 from __future__ import annotations
 
-import hashlib
 import re
 
 import dagster as dg
+
+from engine.digests import short_digest
 
 from .config import BatchJobConfig, HardwarePartition
 
@@ -23,7 +24,7 @@ def _slug(text: str) -> str:
 
 
 def shard_key(hardware: str, shard: int, ids: list) -> str:
-    digest = hashlib.sha1("\x1f".join(sorted(map(str, ids))).encode()).hexdigest()[:8]
+    digest = short_digest("\x1f".join(sorted(map(str, ids))))
     return f"{_slug(hardware)}-{shard:02d}-{digest}"
 
 

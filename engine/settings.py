@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .digests import text_fingerprint
 from .machine import Platform, current_platform
 from .policy import Policy
 from .response_format import ResponseFormat
@@ -160,4 +160,4 @@ def fingerprint(*parts: object) -> str:
         return p.model_dump(mode="json") if isinstance(p, BaseModel) else p
 
     payload = json.dumps([plain(p) for p in parts], sort_keys=True, default=str)
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+    return text_fingerprint(payload)

@@ -84,3 +84,14 @@ def test_the_context_is_the_models_own_on_gpu_and_bounded_on_cpu_unless_the_job_
     (model / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512}))
     assert unset.for_platform(Platform.CUDA).max_model_len == 512  # the tokenizer's bound too
     assert EngineSettings(model_path=str(tmp_path / "none")).for_platform(Platform.CUDA).max_model_len == 2048
+
+
+def test_each_hash_keeps_the_values_that_name_existing_answers_and_partitions():
+    """A changed hash would rerun every answer (row keys, fingerprints) or rename every partition:
+    the values are pinned."""
+    from engine.digests import digest, row_key, short_digest, text_fingerprint
+
+    assert row_key(b"p\0hello").hex() == "95168fd958e02121edeb3cf19357d638"
+    assert digest(b"hello").hexdigest() == "8ed7252f4b03f9e8376db5b2"
+    assert text_fingerprint("[1]") == "080a9ed428559ef6"
+    assert short_digest("a\x1fb") == "687d6199"

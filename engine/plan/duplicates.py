@@ -13,12 +13,11 @@ draws the same samples for the same prompt). ``answers_are_shared`` is that test
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ..digests import row_key
 from ..settings import SamplingSettings
 
 NO_SET = -1
@@ -31,7 +30,7 @@ def answers_are_shared(sampling: SamplingSettings) -> bool:
 
 def token_keys(tokens: np.ndarray, offsets: np.ndarray) -> pa.Array:
     """A 128-bit digest of each row's token ids: the identity of rows tokenized here."""
-    return pa.array([hashlib.blake2b(tokens[offsets[i] : offsets[i + 1]].tobytes(), digest_size=16).digest()
+    return pa.array([row_key(tokens[offsets[i] : offsets[i + 1]].tobytes())
                      for i in range(offsets.size - 1)], pa.binary(16))
 
 

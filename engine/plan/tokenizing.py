@@ -6,7 +6,6 @@ an error reason instead of tokens, and the batch goes on.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.metadata
 import json
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..atomic import write_text
+from ..digests import digest as new_digest
 from .block_hashes import RowBlocks
 
 _BATCH = 4096
@@ -80,7 +80,7 @@ def _class_memo(model_path: str) -> Path | None:
         return None
     from ..machine import CACHE_ROOT
 
-    digest = hashlib.blake2b(importlib.metadata.version("transformers").encode(), digest_size=12)
+    digest = new_digest(importlib.metadata.version("transformers").encode())
     _hash_files(root, _TOKENIZER_FILES + _CONFIG_FILES, digest)
     return CACHE_ROOT / "tokenizer_classes" / digest.hexdigest()
 
@@ -165,7 +165,7 @@ def _hash_files(root, names, digest) -> None:
 
 def tokenizer_fingerprint(model_path: str) -> str:
     """A short hash of what decides a row's token ids: the tokenizer and chat-template files."""
-    digest = hashlib.blake2b(digest_size=12)
+    digest = new_digest()
     _hash_files(Path(model_path), _TOKENIZER_FILES, digest)
     return digest.hexdigest()
 
@@ -175,7 +175,7 @@ def model_fingerprint(model_path: str) -> str:
     and config files, and the name, size and modification time of every weight file (hashing a
     70B model's weights would take minutes)."""
     root = Path(model_path)
-    digest = hashlib.blake2b(digest_size=12)
+    digest = new_digest()
     _hash_files(root, _TOKENIZER_FILES + _CONFIG_FILES, digest)
     for path in sorted(root.glob("*.safetensors")) + sorted(root.glob("*.bin")) + sorted(root.glob("*.gguf")):
         stat = path.stat()

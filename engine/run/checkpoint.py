@@ -9,7 +9,6 @@ model's content, vLLM's version, dtype as resolved, sampling); anything else is 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections import Counter
@@ -19,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..atomic import write_parquet
+from ..digests import digest as new_digest
 from ..settings import EngineSettings, SamplingSettings, fingerprint
 from .results import RESULT_SCHEMA_FIELDS, RowResult, results_to_table
 
@@ -50,7 +50,7 @@ def row_fingerprints(prepared, settings_fp: str) -> list[str]:
     out = []
     tokens, offsets = prepared.batch.tokens, prepared.batch.offsets
     for i in range(prepared.num_rows):
-        digest = hashlib.blake2b(settings_fp.encode(), digest_size=12)
+        digest = new_digest(settings_fp.encode())
         digest.update(tokens[offsets[i] : offsets[i + 1]].tobytes())
         digest.update(int(prepared.max_tokens[i]).to_bytes(8, "little"))
         digest.update(str(prepared.errors.get(i, "")).encode())

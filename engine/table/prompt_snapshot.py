@@ -9,13 +9,14 @@ the text (ids, content keys, row settings), so it names the rows without reading
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..digests import digest as new_digest
+from ..digests import row_key
 from ..sql import quote_identifier
 
 CONTENT_KEY = "_content_key"  # the snapshot column holding each row's content key
@@ -30,7 +31,7 @@ def content_keys(prompts: pa.Array | None, messages: pa.Array | None, n: int) ->
     keys = []
     for prompt, chat in zip(prompts, messages):
         text = b"m\0" + chat.encode() if chat is not None else (b"p\0" + prompt.encode() if prompt is not None else b"n")
-        keys.append(hashlib.blake2b(text, digest_size=16).digest())
+        keys.append(row_key(text))
     return pa.array(keys, KEY_TYPE)
 
 
@@ -41,7 +42,7 @@ class SnapshotWriter:
     def __init__(self, path: Path, prompt_column: str, messages_column: str):
         self.path, self.prompt_column, self.messages_column = path, prompt_column, messages_column
         self._writer: pq.ParquetWriter | None = None
-        self._digest = hashlib.blake2b(digest_size=12)
+        self._digest = new_digest()
         self.rows = 0
 
     def write(self, table: pa.Table) -> pa.Table:
@@ -83,7 +84,7 @@ def snapshot_digest(path: Path) -> str:
 
 
 def file_digest(path: Path) -> str:
-    digest = hashlib.blake2b(digest_size=12)
+    digest = new_digest()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
