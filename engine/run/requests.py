@@ -69,21 +69,27 @@ class Finished:
 
 
 @dataclass
-class StepReport:
+class EngineGauges:
+    """What the engine itself reported of a step: its KV usage in 0..1, requests running,
+    preemptions, the prompt tokens it computed for requests whose prefill ended in the step and
+    the output tokens it generated."""
+
+    kv_usage: float = 0.0
+    running: int = 0
+    preempted: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+
+@dataclass
+class StepReport(EngineGauges):
     """What one engine step did: finished requests, output tokens so far of the unfinished ones,
-    and the engine's own gauges (its KV usage in 0..1, requests running, preemptions this step)."""
+    the engine's gauges, and the step's wall time (set by drive, for a per-step profile)."""
 
     finished: list[Finished] = field(default_factory=list)
     generated: dict[RequestKey, int] = field(default_factory=dict)
     started: list[RequestKey] = field(default_factory=list)  # unfinished requests that got their first token now
-    kv_usage: float = 0.0
-    running: int = 0
-    preempted: int = 0
-    # For a per-step profile: the step's wall time (set by drive), the prompt tokens vLLM computed
-    # for the requests whose prefill ended in it and the output tokens it generated.
     seconds: float = 0.0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
 
 
 class Engine(Protocol):

