@@ -598,7 +598,7 @@ def run_bench(args) -> dict:
         # batch-invariant (--batch-invariant: VLLM_BATCH_INVARIANT=1), so an order can change an answer.
         "answer_agreement": round(agreement, 4),
         "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT") == "1",
-        "verdict": verdict(ratios, agreement, prepared.num_rows, described, field_order_agreement),
+        "verdict": verdict(with_planning, agreement, prepared.num_rows, described, field_order_agreement),  # charged
     }
 
 
