@@ -107,6 +107,11 @@ def test_bad_numbers_are_refused_where_they_enter(prompt_parquet, flag, value):
     refused(batchllm("plan", str(prompt_parquet), "--model", "tiny", flag, value, check=False), 2, flag)
 
 
+def test_a_progress_interval_of_zero_is_refused_where_it_enters(prompt_parquet, tmp_path):
+    refused(batchllm("run", str(prompt_parquet), "--model", "tiny", "--output", str(tmp_path / "o.parquet"),
+                     "--progress-every-s", "0", check=False), 2, "--progress-every-s")
+
+
 def test_bad_rows_become_error_rows_in_the_plan_not_negative_numbers(tmp_path):
     import pyarrow as pa
 

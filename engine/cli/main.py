@@ -27,6 +27,7 @@ from ..jobs.job_options import (
     add_response_format_options,
     at_least_one,
     engine_settings_from,
+    positive_seconds,
     prompt_fields_from,
     response_format_from,
 )
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--json", action="store_true", help="print the run's statistics as JSON")
     run.add_argument("--checkpoint-dir", help="where finished rows are kept while running (default OUT.checkpoint)")
     run.add_argument("--checkpoint-every-rows", type=at_least_one, default=256, help="write a checkpoint part this often")
-    run.add_argument("--progress-every-s", type=float, default=SchedulerSettings.model_fields["log_every_s"].default,
+    run.add_argument("--progress-every-s", type=positive_seconds, default=SchedulerSettings.model_fields["log_every_s"].default,
                      help="seconds between progress lines")
     run.add_argument("--overwrite", action="store_true", help="replace an existing --output that is not a result of these prompts")
     run.set_defaults(func=cmd_run)

@@ -24,6 +24,13 @@ def at_least_one(text: str) -> int:
     return value
 
 
+def positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, not {text}")
+    return value
+
+
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """vLLM's settings; an option left out takes the platform's default (see ``EngineSettings``)."""
     fields = EngineSettings.model_fields
