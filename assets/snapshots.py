@@ -14,6 +14,4 @@ PLAN_RUN_TAG = "batchllm/plan_run"  # tag of a shard's run: the plan run whose s
 def plan_stamp_of(config: BatchJobConfig, settings: EngineSettings) -> dict[str, str]:
     """The job's plan stamp as it is now (``settings``: the job's, model resolved): the model's
     content, the prompt snapshot, and the settings that shape a plan."""
-    return plan_stamp(settings.model_path, snapshot_digest(config.prompts_path), settings.block_size,
-                      settings.context_len, config.sampling.max_tokens, config.scheduler.min_group_rows,
-                      config.dataset.columns)
+    return plan_stamp(settings.model_path, snapshot_digest(config.prompts_path), config.plan_shaping(settings))

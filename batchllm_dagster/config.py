@@ -12,6 +12,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from engine.plan.plan_table import PlanShaping
 from engine.table.dataset import Columns
 from engine.table.fields import PromptFields
 from engine.settings import EngineSettings, Policy, SamplingSettings, SchedulerSettings, fingerprint
@@ -221,8 +222,16 @@ class BatchJobConfig(JobSpec):
         sql_text = sql_file.read_text() if sql_file is not None and sql_file.is_file() else None
         return fingerprint(self.dataset, sql_text)
 
+    def plan_shaping(self, settings: EngineSettings | None = None) -> PlanShaping:
+        """The settings that shape this job's plan: with ``settings`` (the job's, model resolved) as
+        its stamp records them, else as declared (the model's context length not yet known)."""
+        return PlanShaping.of(settings or self.llm, self.sampling, self.scheduler, self.dataset.columns,
+                              resolved=settings is not None)
+
     def plan_code_version(self) -> str:
-        return fingerprint(self.llm, self.sampling.max_tokens, self.sampling.response_format, self.scheduler.min_group_rows,
+        # The model settings whole (their context length is resolved only with the model), what
+        # shapes the plan, the format the plan refuses answers without room for, and the shards.
+        return fingerprint(self.llm, self.plan_shaping().fingerprint(), self.sampling.response_format,
                            self.shards, self.rows_per_shard, self.hardware)
 
     def completions_code_version(self) -> str:

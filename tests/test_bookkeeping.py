@@ -12,6 +12,7 @@ from engine.plan.prefix_tree import reusable_tokens
 from engine.plan.plan_table import prepared_batch, rows_table
 from engine.plan.prepared import PreparedBatch
 from engine.run.progress import Progress, format_eta
+from engine.settings import fingerprint
 from engine.run.results import RowResult, RunStats, merge_stats
 from engine.plan.tokenizing import TokenizedBatch
 
@@ -283,3 +284,41 @@ def test_a_finished_row_is_written_on_time_while_no_other_row_finishes(tmp_path,
                   engine_opener=lambda *a: contextlib.nullcontext(SlowSteps(num_blocks=256, block_size=2)),
                   progress_sink=lambda line: None)
     assert parts_seen[:2] == [0, 0] and parts_seen[10] == 1  # row 0 written within 5 minutes, long before the rest
+
+
+def test_every_setting_that_shapes_a_plan_makes_it_stale_and_changes_the_plan_asset_code_version():
+    """One list of the settings that shape a plan (``PlanShaping``): each of them, changed, changes
+    the stamp a plan records and the plan asset's code version; a sampling setting that does not
+    shape the plan changes neither. The stamp's value is pinned: a changed formula would make every
+    plan on disk stale at once."""
+    from batchllm_dagster.config import BatchJobConfig, DatasetSpec
+    from engine.plan.plan_table import PlanShaping
+    from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
+    from engine.table.dataset import Columns
+
+    llm = EngineSettings(model_path="/m", max_model_len=512)
+    base = PlanShaping.of(llm, SamplingSettings(max_tokens=8), SchedulerSettings(), Columns())
+    assert base.fingerprint() == fingerprint(32, 512, 8, 2, Columns())  # the formula plans on disk were stamped with
+    changed = {
+        "block_size": PlanShaping.of(llm.model_copy(update={"block_size": 16}), SamplingSettings(max_tokens=8),
+                                     SchedulerSettings(), Columns()),
+        "context_len": PlanShaping.of(llm.model_copy(update={"max_model_len": 256}), SamplingSettings(max_tokens=8),
+                                      SchedulerSettings(), Columns()),
+        "max_tokens": PlanShaping.of(llm, SamplingSettings(max_tokens=9), SchedulerSettings(), Columns()),
+        "min_group_rows": PlanShaping.of(llm, SamplingSettings(max_tokens=8), SchedulerSettings(min_group_rows=3),
+                                         Columns()),
+        "columns": PlanShaping.of(llm, SamplingSettings(max_tokens=8), SchedulerSettings(), Columns(prompt="text")),
+    }
+    assert set(changed) == {f for f in PlanShaping.__dataclass_fields__}
+    assert all(s.fingerprint() != base.fingerprint() for s in changed.values())
+
+    def job(**update):
+        fields = {"name": "j", "dataset": DatasetSpec(parquet="p.parquet"), "llm": llm, "output_database": "o.duckdb",
+                  "storage_dir": "jobs", "sampling": SamplingSettings(max_tokens=8), **update}
+        return BatchJobConfig(**fields)
+
+    version = job().plan_code_version()
+    assert job(scheduler=SchedulerSettings(min_group_rows=3)).plan_code_version() != version
+    assert job(sampling=SamplingSettings(max_tokens=9)).plan_code_version() != version
+    assert job(dataset=DatasetSpec(parquet="p.parquet", prompt_column="text")).plan_code_version() != version
+    assert job(sampling=SamplingSettings(max_tokens=8, temperature=0.7)).plan_code_version() == version

@@ -17,6 +17,7 @@ holds.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,8 @@ import pyarrow.parquet as pq
 
 from ..atomic import write_parquet
 from ..response_format import ResponseFormat
-from ..settings import fingerprint
+from ..settings import EngineSettings, SamplingSettings, SchedulerSettings, fingerprint
+from ..table.dataset import Columns
 from ..table.prompt_snapshot import CONTENT_KEY
 from .duplicates import NO_SET
 from .prepared import PreparedBatch
@@ -37,8 +39,37 @@ BLOCK_SIZE = "batchllm.block_size"
 TOKEN_CACHE = "batchllm.token_cache"  # the token cache folder the content keys point into
 PLAN_RUN = "batchllm.plan_run"  # the run (a Dagster run id) that made the plan
 
+
+
+@dataclass(frozen=True)
+class PlanShaping:
+    """The settings that shape a plan, the one list of them: a change to any makes the plan on
+    disk stale (its stamp records their fingerprint), and Dagster's code version of the plan asset
+    is made from them. ``context_len`` is resolved (the model's and the platform's limit), so
+    None where the model is not known yet (a code version, at definitions load)."""
+
+    block_size: int  # where shared prefixes end (whole blocks) and the blocks each row needs
+    context_len: int | None  # rows longer than this are error rows in the plan
+    max_tokens: int  # each row's answer budget (its decode length in the plan)
+    min_group_rows: int  # rows a prefix needs to become a group
+    columns: Columns  # which columns the plan reads
+
+    @classmethod
+    def of(cls, llm: EngineSettings, sampling: SamplingSettings, scheduler: SchedulerSettings, columns: Columns,
+           resolved: bool = True) -> "PlanShaping":
+        return cls(llm.block_size, llm.context_len if resolved else None, sampling.max_tokens,
+                   scheduler.min_group_rows, columns)
+
+    def fingerprint(self) -> str:
+        return fingerprint(*(getattr(self, f.name) for f in fields(self)))  # in field order: values pinned
+
+    @classmethod
+    def described(cls) -> str:
+        return "the job's " + ", ".join(f.name for f in fields(cls))
+
+
 _STAMP_WHAT = {"batchllm.model": "the model, tokenizer or chat template", "batchllm.snapshot": "the prompt snapshot",
-               "batchllm.settings": "the job's block size, context, max_tokens or columns"}
+               "batchllm.settings": PlanShaping.described()}
 
 
 class PlanError(RuntimeError):
@@ -58,11 +89,12 @@ class StalePlan(PlanError):
 
 
 # -- the stamp ---------------------------------------------------------------------------------
-def plan_stamp(model_path: str, snapshot_digest: str, *shaping) -> dict[str, str]:
+def plan_stamp(model_path: str, snapshot_digest: str, shaping: PlanShaping) -> dict[str, str]:
     """What a plan is made from, as it is now: the model's content (weights, config, tokenizer,
     chat template), the prompt snapshot's digest, and the settings that shape a plan."""
+    assert shaping.context_len is not None, "a stamp needs the resolved context length"
     return {"batchllm.model": model_fingerprint(model_path), "batchllm.snapshot": snapshot_digest,
-            "batchllm.settings": fingerprint(*shaping)}
+            "batchllm.settings": shaping.fingerprint()}
 
 
 def stale_reasons(plan_metadata: dict[bytes, bytes] | None, stamp: dict[str, str]) -> list[str]:
