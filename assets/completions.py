@@ -181,7 +181,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
                                          constrained_answers(prepared, outcome.results, sampling), stale.to_pylist())
         return dg.MaterializeResult(
             metadata={
-                **run_metadata(outcome.stats, llm.hardware(), hardware_partition, info),
+                **run_metadata(outcome.stats, llm.device(), hardware_partition, info),
                 "not_reused_rows": dg.MetadataValue.json(outcome.not_reused),  # why rows ran again
                 "superseded_rows": len(stale),  # answers a newer plan wanted from elsewhere: not written
                 "write_s": float(round(time.perf_counter() - writing, 3)),  # writing and checks (shard sizing reads it)

@@ -33,7 +33,7 @@ def plan_metadata(plan: PrefixPlan, error_rows: int, duplicate_rows: int, tokeni
     }
 
 
-def run_metadata(stats: RunStats, hardware: str, hardware_partition: str, engine_info: dict) -> dict:
+def run_metadata(stats: RunStats, device: str, hardware_partition: str, engine_info: dict) -> dict:
     metadata = {
         "rows": stats.rows,  # computed in this run; reused rows are counted apart
         "reused_rows": stats.reused_rows,
@@ -47,8 +47,8 @@ def run_metadata(stats: RunStats, hardware: str, hardware_partition: str, engine
         "output_tokens": stats.output_tokens,
         "preemptions": stats.preemptions,
         "engine_steps": stats.engine_steps,
-        "hardware": hardware,
-        "hardware_partition": hardware_partition,
+        "device": device,  # the GPU or CPU model it ran on
+        "hardware_partition": hardware_partition,  # the job's hardware partition (the output's ``hardware`` column)
         "engine": dg.MetadataValue.json(engine_info),
     }
     if stats.prompt_tokens:  # a rerun that reused every row has no throughput to plot

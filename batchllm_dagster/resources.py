@@ -10,16 +10,18 @@ from pydantic import Field
 
 from engine.settings import EngineSettings
 from engine.vllm.vllm_engine import VLLMEngine, open_engine
-from engine.machine import hardware_name
+from engine.machine import device_name
 
 
 class VLLMResource(dg.ConfigurableResource):
-    """Per-deployment: what the hardware is called (how vLLM runs is the job's ``llm:``)."""
+    """Per-deployment: what the device is called (how vLLM runs is the job's ``llm:``). The device
+    is the GPU or CPU model a partition ran on (metadata ``device``); a hardware partition is the
+    job's name for a pool of such machines (the ``hardware`` column and ``hardware_partition``)."""
 
-    hardware_label: str | None = Field(None, description="name recorded as the hardware (default: GPU or CPU model)")
+    device_label: str | None = Field(None, description="name recorded as the device (default: the GPU or CPU model)")
 
-    def hardware(self) -> str:
-        return self.hardware_label or hardware_name()
+    def device(self) -> str:
+        return self.device_label or device_name()
 
     @contextmanager
     def engine(self, settings: EngineSettings) -> Iterator[VLLMEngine]:

@@ -64,7 +64,7 @@ def vllm_version() -> str:
 
 
 @functools.cache
-def hardware_name() -> str:
+def device_name() -> str:
     """The GPU's name (from NVML: no CUDA context), or the CPU model when there is no GPU."""
     if gpus():
         return gpus()[0].name

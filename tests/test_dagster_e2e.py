@@ -69,7 +69,7 @@ def test_materializes_prompts_groups_and_one_completion_per_row(job):
             assert meta["startup_s"].value + meta["wall_s"].value <= step.end_time - step.start_time
             assert 0 < meta["mean_kv_usage"].value <= 1 and meta["rows_per_step"].value >= 1
             assert meta["rows"].value > 0 and meta["tokens_per_s"].value > 0
-            assert meta["hardware"].value and meta["hardware_partition"].value == "cpu"
+            assert meta["device"].value and meta["hardware_partition"].value == "cpu"
             assert "vllm" in meta["engine"].value["vllm"]
             checks = result.get_asset_check_evaluations()
             assert {c.check_name for c in checks if c.passed} >= {"one_completion_per_row", "no_silent_empties"}

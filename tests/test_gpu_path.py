@@ -96,19 +96,19 @@ def test_detecting_a_gpu_and_building_its_engine_arguments_never_touch_torch_cud
         import engine.gpus
         engine.gpus._load_nvml = FakeNVML
         from engine.settings import EngineSettings
-        from engine.machine import current_platform, hardware_name, platform_detection
+        from engine.machine import current_platform, device_name, platform_detection
         from engine.vllm.vllm_env import engine_args, process_env
 
         platform = current_platform()
         settings = EngineSettings(model_path="/models/m", tensor_parallel_size=8)
         print(json.dumps({{"platform": platform.value, "how": platform_detection(), "env": process_env(settings, platform),
-                          "args": engine_args(settings, platform), "hardware": hardware_name()}}))
+                          "args": engine_args(settings, platform), "device": device_name()}}))
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["platform"] == "cuda" and "NVML sees 1 GPU" in out["how"]
-    assert out["hardware"] == "NVIDIA H200"
+    assert out["device"] == "NVIDIA H200"
     assert out["env"]["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
     assert out["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"  # the engine core in its own process
     assert (out["args"]["dtype"], out["args"]["tensor_parallel_size"]) == ("auto", 8)

@@ -44,9 +44,9 @@ class ReplicaWorker:
         self.replica = replica
         if cpu_core is not None:  # replicas on one CPU machine must not bind the same cores
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core)
-        from ..machine import hardware_name
+        from ..machine import device_name
 
-        self.hardware = hardware_name()
+        self.device = device_name()
 
     def ping(self) -> int:
         return os.getpid()
@@ -57,7 +57,7 @@ class ReplicaWorker:
 
         outcome = run_resumable(prepared, engine_settings, sampling, checkpoint_dir, scheduler_settings,
                                 checkpoint_every_rows=32)
-        return {"sub_shard": sub_shard, "replica": self.replica, "pid": os.getpid(), "hardware": self.hardware,
+        return {"sub_shard": sub_shard, "replica": self.replica, "pid": os.getpid(), "device": self.device,
                 "outcome": outcome}
 
 

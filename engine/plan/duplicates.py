@@ -55,7 +55,7 @@ def duplicate_sets(keys: pa.Array, max_tokens: np.ndarray, response_formats: lis
     return out
 
 
-def first_of_set(duplicate_set: np.ndarray | None, n: int) -> np.ndarray:
+def lowest_row_of_set(duplicate_set: np.ndarray | None, n: int) -> np.ndarray:
     """Each row's source in the plan: the lowest row of its duplicate set (itself when it has none).
     The planner puts the set's other rows right after it, so it is also the first in run order."""
     source = np.arange(n)
@@ -75,12 +75,12 @@ def answer_sources(duplicate_set: np.ndarray | None, rows_in_run_order: list[int
     copies: dict[int, list[int]] = {}
     if duplicate_set is None:
         return copies
-    first_of_set: dict[int, int] = {}
+    source_of_set: dict[int, int] = {}
     for row in rows_in_run_order:
         s = int(duplicate_set[row])
         if s == NO_SET:
             continue
-        source = first_of_set.setdefault(s, row)
+        source = source_of_set.setdefault(s, row)
         if source != row:
             copies.setdefault(source, []).append(row)
     return copies

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .block_hashes import RowBlocks, rows_by_depth
-from .duplicates import first_of_set
+from .duplicates import lowest_row_of_set
 
 if TYPE_CHECKING:
     from .tokenizing import TokenizedBatch
@@ -238,7 +238,7 @@ def plan_blocks(blocks: RowBlocks, decode_tokens: np.ndarray, min_group_rows: in
         empty = np.zeros(0, dtype=np.int64)
         return PrefixPlan(block_size, lengths, decode_tokens, empty, empty, empty, empty, empty, 0)
 
-    source = first_of_set(duplicate_set, n)
+    source = lowest_row_of_set(duplicate_set, n)
     copies = source != np.arange(n)
     if copies.any():  # the tree of the distinct rows; a copy decodes nothing
         blocks = blocks.without(np.flatnonzero(copies))
