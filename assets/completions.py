@@ -6,7 +6,6 @@ snapshot and the settings that shaped the plan have not changed since.
 """
 
 import contextlib
-import datetime as dt
 import os
 import shutil
 import time
@@ -22,6 +21,7 @@ from batchllm_dagster.checks import partition_check_results, partition_check_spe
 from batchllm_dagster.config import Backend, BatchJobConfig
 from batchllm_dagster.instance_limits import warn_if_unlimited
 from batchllm_dagster.metadata import run_metadata
+from batchllm_dagster.output_table import answers_table
 from batchllm_dagster.resources import VLLMResource
 from batchllm_dagster.warehouse import existing_rows, replace_partition
 from engine.atomic import Staged
@@ -29,7 +29,6 @@ from engine.run.console import ProgressBar
 from engine.locks import Busy, held_alone
 from engine.plan.plan_table import NotInPlan, StalePlan, load_shard, planned_keys, superseded
 from engine.plan.prepared import PreparedBatch
-from engine.run.results import results_to_table
 from engine.jobs.resume import RunOutcome, run_resumable
 from engine.settings import EngineSettings, SamplingSettings
 
@@ -144,14 +143,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         writing = time.perf_counter()  # from here: writing and checks, the partition's time after its rows
         for result in outcome.results:
             result.shard = shard
-        table = results_to_table(outcome.results, prepared.id_type)
-        n = table.num_rows
-        table = (
-            table.append_column("partition_key", pa.array([key] * n, pa.string()))
-            .append_column("hardware", pa.array([hardware_partition] * n, pa.string()))
-            .append_column("model", pa.array([config.llm.model_path] * n, pa.string()))
-            .append_column("completed_at", pa.array([dt.datetime.now(dt.timezone.utc)] * n, pa.timestamp("us", tz="UTC")))
-        )
+        table = answers_table(outcome.results, prepared.id_type, key, hardware_partition, config.llm.model_path)
         # A plan made while this shard ran may want some of its answers from elsewhere (rows moved,
         # edited or deleted, another model): those are not written, the newer plan's shards answer
         # them. Then only the rest is written, by id, and no Parquet file: the newer plan's run of

@@ -44,6 +44,7 @@ def replace_partition(warehouse: DuckDBResource, table: str, partition_key: str,
         try:
             con.execute("BEGIN TRANSACTION")
             con.execute(f"CREATE TABLE IF NOT EXISTS {target} AS SELECT * FROM incoming WITH NO DATA")
+            _add_new_columns(con, target)
             # An id that moved to another shard since its last run must not stay twice.
             con.execute(
                 f"DELETE FROM {target} WHERE (? AND partition_key = ?) OR id IN (SELECT id FROM incoming)",
@@ -56,6 +57,15 @@ def replace_partition(warehouse: DuckDBResource, table: str, partition_key: str,
         finally:
             con.unregister("incoming")
         return con.execute(f"SELECT count(*) FROM {target} WHERE partition_key = ?", [partition_key]).fetchall()[0][0]
+
+
+def _add_new_columns(con, target: str) -> None:
+    """A table made by an older version lacks the columns a newer one writes: they are added (its
+    old rows NULL there) instead of failing the insert. A column only the table has stays NULL."""
+    have = {row[0] for row in con.execute(f"DESCRIBE {target}").fetchall()}
+    for name, type_, *_ in con.execute("DESCRIBE incoming").fetchall():
+        if name not in have:
+            con.execute(f"ALTER TABLE {target} ADD COLUMN {quote_identifier(name)} {type_}")
 
 
 def existing_rows(warehouse: DuckDBResource, table: str, ids: pa.Array):

@@ -53,3 +53,24 @@ def test_a_table_name_with_quotes_is_a_name_not_sql(tmp_path):
     with db.get_connection() as con:
         assert con.execute("SELECT table_name FROM information_schema.tables").fetchall() == [(name,)]
         assert con.execute(f"SELECT id, text FROM {quote_identifier(name)}").fetchall() == [("1", "u")]
+
+
+def test_a_table_an_older_version_made_gains_the_columns_a_newer_one_writes(tmp_path):
+    """The output table made by an older version (without ``completed_at`` and ``model``, say) is
+    written by a newer one: the new columns are added, the old rows keep their values and get NULL
+    there, instead of the insert failing."""
+    import datetime as dt
+
+    from batchllm_dagster.output_table import PARTITION_COLUMNS, answers_table
+    from engine.run.results import RowResult
+
+    db = DuckDBResource(database=str(tmp_path / "w.duckdb"))
+    old = answers_table([RowResult(id="1", status="ok", text="old")], pa.string(), "a", "cpu", "m")
+    replace_partition(db, "answers", "a", old.drop_columns(["model", "completed_at"]))
+    new = answers_table([RowResult(id="2", status="ok", text="new")], pa.string(), "b", "cpu", "m")
+    assert new.column_names[-len(PARTITION_COLUMNS):] == [name for name, _ in PARTITION_COLUMNS]
+    replace_partition(db, "answers", "b", new)
+    with db.get_connection() as con:
+        got = dict((r[0], r[1:]) for r in con.execute("SELECT id, text, model, completed_at FROM answers").fetchall())
+    assert got["1"] == ("old", None, None)
+    assert got["2"][:2] == ("new", "m") and isinstance(got["2"][2], dt.datetime)
