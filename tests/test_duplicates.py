@@ -5,6 +5,7 @@ import numpy as np
 import pyarrow as pa
 
 from engine.run.batch_run import BatchRun
+from engine.run.scheduler import InOrder
 from engine.plan.duplicates import NO_SET, answer_sources, count_duplicates, duplicate_sets, token_keys
 from engine.plan.plan_table import prepared_batch, rows_table
 from engine.plan.prepared import plan_tokenized
@@ -84,7 +85,7 @@ def test_a_baseline_runs_every_row_as_vllm_would():
     prepared = planned([[1, 2], [1, 2], [1, 2]])
     engine = FakeEngine(num_blocks=64, block_size=BLOCK)
     run = BatchRun(prepared, engine, SamplingSettings(max_tokens=4), SchedulerSettings(log_every_s=60),
-                   baseline_order=[0, 1, 2])
+                   scheduling=InOrder([0, 1, 2]))
     assert len(list(run)) == 3
     assert sorted(row_submissions(engine)) == [0, 1, 2] and run.stats.duplicate_rows == 0
 

@@ -6,6 +6,7 @@ import pyarrow as pa
 import pytest
 
 from engine.run.batch_run import BatchRun
+from engine.run.scheduler import InOrder, Planned
 from engine.plan.prepared import prepare_batch
 from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
 from engine.plan.tokenizing import load_tokenizer
@@ -29,7 +30,7 @@ def run(model, table, plain=False, engine_settings=None, sampling=SAMPLING, inpu
     rows = list(range(table.num_rows)) if input_order else None
     with open_engine(engine_settings) as engine:
         batch_run = BatchRun(prepared, engine, sampling, SchedulerSettings(log_every_s=1), rows=rows,
-                             baseline_order=list(range(table.num_rows)) if plain else None)
+                             scheduling=InOrder(list(range(table.num_rows))) if plain else Planned())
         results = list(batch_run)
     return {r.id: r for r in results}, batch_run.stats
 

@@ -369,6 +369,7 @@ def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: Sam
              scheduler: SchedulerSettings) -> tuple[dict, dict]:
     """One run in this process: its report and each row's answer by id."""
     from ..run.batch_run import BatchRun
+    from ..run.scheduler import InOrder, Planned
     from ..vllm.vllm_engine import open_engine
 
     spec = RUNS[name]
@@ -376,8 +377,9 @@ def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: Sam
         return _generate_sorted(prepared, engine_settings, sampling)
     with open_engine(engine_settings, enable_prefix_caching=spec.caching) as engine:
         profile = StepProfile.of(prepared.group_of_row)
-        run = BatchRun(prepared, engine, sampling, scheduler, rows=input_order(prepared),
-                       baseline_order=spec.order(prepared) if spec.order else None, step_profile=profile)
+        scheduling = InOrder(spec.order(prepared)) if spec.order else Planned()
+        run = BatchRun(prepared, engine, sampling, scheduler, rows=input_order(prepared), scheduling=scheduling,
+                       step_profile=profile)
         outputs = {r.id: r.text for r in run}
         info = engine.info
     report = _report(run.stats, info.max_num_seqs, info.kv_capacity_blocks)

@@ -1,7 +1,7 @@
 """Running a prepared batch on an engine: the rows go in as the scheduler admits them, results
 come out keyed by row id as rows finish.
 
-    run = BatchRun(prepared, engine, sampling)          # all rows, BatchLLM scheduling
+    run = BatchRun(prepared, engine, sampling)          # all rows, BatchLLM scheduling (Planned)
     for result in run: ...                               # RowResult, keyed by id, as rows finish
     run.stats                                            # RunStats
 """
@@ -22,7 +22,7 @@ from .drive import Rejected, StepTotals, drive
 from .progress import Display, Progress
 from .requests import Engine
 from .results import RowResult, RunStats
-from .scheduler import GroupScheduler, InOrderScheduler, groups_in_run_order
+from .scheduler import InOrder, Planned
 from .step_profile import StepProfile
 
 
@@ -36,7 +36,7 @@ class BatchRun:
         sampling: SamplingSettings,
         scheduler_settings: SchedulerSettings = SchedulerSettings(),
         rows: list[int] | None = None,
-        baseline_order: list[int] | None = None,
+        scheduling: Planned | InOrder = Planned(),
         progress_sink: Callable[[str], None] | None = None,
         row_fingerprints: list[str] | None = None,
         started_at: float | None = None,
@@ -48,8 +48,7 @@ class BatchRun:
         self.prepared, self.engine, self.sampling = prepared, engine, sampling
         self.scheduler_settings = scheduler_settings
         self.rows = [int(r) for r in prepared.order] if rows is None else list(rows)
-        # A baseline (the bench's): these rows one after another, admitted by vLLM alone.
-        self.baseline_order = baseline_order
+        self.scheduling = scheduling  # BatchLLM's, or a baseline's (the bench's): vLLM alone in an order
         self.progress_sink = progress_sink
         self.fingerprints = row_fingerprints or [None] * prepared.num_rows
         self.settings_fingerprint = settings_fingerprint
@@ -84,15 +83,6 @@ class BatchRun:
         self.stats.error_rows += 1
         return self._result(row, status="error", error=reason)
 
-    def _scheduler(self, in_plan_order: list[int]):
-        prepared = self.prepared
-        if self.baseline_order is not None:
-            return InOrderScheduler(prepared.batch, prepared.max_tokens,
-                                    [r for r in self.baseline_order if r not in prepared.errors])
-        groups = groups_in_run_order(in_plan_order, prepared.group_of_row, prepared.prefix_tokens_of_row)
-        return GroupScheduler(prepared.batch, prepared.max_tokens, groups, self.scheduler_settings,
-                              self.engine.block_size, self.engine.kv_capacity_blocks)
-
     def __iter__(self) -> Iterator[RowResult]:
         prepared, stats = self.prepared, self.stats
         started = time.perf_counter()
@@ -107,17 +97,17 @@ class BatchRun:
         in_plan_order = sorted(ok_rows, key=position.__getitem__)  # whatever order the caller gave
         # Identical rows run once; the others take its answer (a baseline runs every row, as vLLM would).
         copies = (answer_sources(prepared.duplicate_set, in_plan_order)
-                  if self.baseline_order is None and answers_are_shared(self.sampling) else {})
+                  if self.scheduling.shares_answers and answers_are_shared(self.sampling) else {})
         copied = {row for rows in copies.values() for row in rows}
-        scheduler = self._scheduler([r for r in in_plan_order if r not in copied])
+        scheduler = self.scheduling.scheduler(prepared, [r for r in in_plan_order if r not in copied],
+                                              self.scheduler_settings, self.engine.block_size,
+                                              self.engine.kv_capacity_blocks)
         # The minimum, whatever order the rows run in: the plan's order shares every prefix it can.
         stats.reusable_tokens = reusable_tokens(prepared.batch, in_plan_order, prepared.block_size)
         totals = StepTotals()
         progress = Progress(len(self.rows), self.scheduler_settings.log_every_s, self.progress_sink, self.display,
                             reusable=stats.reusable_tokens)
 
-
-        counted = hasattr(scheduler, "blocks_in_flight")  # the scheduler's own count (a baseline has none)
 
         def saved() -> int:  # prompt tokens not computed: the rows' cache hits less what prefix requests computed
             return stats.cached_tokens - (scheduler.stats.prefix_prompt_tokens - scheduler.stats.prefix_cached_tokens)
@@ -129,7 +119,7 @@ class BatchRun:
                 self.after_step()
             progress.update(stats.rows, stats.prompt_tokens + stats.output_tokens, saved(),
                             report.running, report.kv_usage, totals.preemptions,
-                            planned_blocks=(lambda: scheduler.blocks_in_flight) if counted else None)
+                            planned_blocks=(lambda: scheduler.blocks_in_flight) if scheduler.counts_blocks else None)
 
         for item in drive(scheduler, self.engine, self.sampling, totals, on_step, prepared.response_formats):
             if isinstance(item, Rejected):

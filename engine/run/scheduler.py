@@ -52,6 +52,7 @@ import numpy as np
 
 from ..plan.block_hashes import RowBlocks
 from ..plan.prefix_tree import common_whole_blocks
+from ..plan.prepared import PreparedBatch
 from ..plan.tokenizing import TokenizedBatch
 from ..settings import ReserveOutput, SchedulerSettings
 from .requests import Finished, RequestKey, RequestKind, Submission
@@ -142,6 +143,8 @@ class _RowAccount:
 
 class GroupScheduler:
     """BatchLLM admission: groups in plan order, prefix first, rows under a KV budget (see module doc)."""
+
+    counts_blocks = True  # ``blocks_in_flight`` is its own count (the progress line shows it)
 
     def __init__(
         self,
@@ -428,6 +431,8 @@ class GroupScheduler:
 class InOrderScheduler:
     """The plain baseline: every row at once, in the given order; vLLM schedules the rest."""
 
+    counts_blocks = False
+
     def __init__(self, batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[int]):
         self._pending = [Submission(RequestKind.ROW, r, batch.tokens_of(r), int(max_tokens[r])) for r in rows]
         self._unfinished = len(self._pending)
@@ -446,3 +451,30 @@ class InOrderScheduler:
 
     def finish(self, finished: Finished) -> None:
         self._unfinished -= 1
+
+
+# -- how a run schedules its rows: injected into ``BatchRun`` -----------------------------------
+@dataclass(frozen=True)
+class Planned:
+    """BatchLLM: the plan's groups in run order, admitted under the KV budget; rows identical to
+    another run once and share its answer (where sampling makes answers shareable)."""
+
+    shares_answers = True
+
+    def scheduler(self, prepared: PreparedBatch, rows_in_plan_order: list[int], settings: SchedulerSettings,
+                  block_size: int, capacity_blocks: int) -> GroupScheduler:
+        groups = groups_in_run_order(rows_in_plan_order, prepared.group_of_row, prepared.prefix_tokens_of_row)
+        return GroupScheduler(prepared.batch, prepared.max_tokens, groups, settings, block_size, capacity_blocks)
+
+
+@dataclass(frozen=True)
+class InOrder:
+    """A baseline (the bench's): every row, identical ones too, submitted at once in ``order``,
+    admitted by vLLM alone, as ``LLM.generate`` would."""
+
+    order: list[int]
+    shares_answers = False
+
+    def scheduler(self, prepared: PreparedBatch, rows_in_plan_order: list[int], settings: SchedulerSettings,
+                  block_size: int, capacity_blocks: int) -> InOrderScheduler:
+        return InOrderScheduler(prepared.batch, prepared.max_tokens, [r for r in self.order if r not in prepared.errors])
