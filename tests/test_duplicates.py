@@ -31,6 +31,10 @@ def planned(suffixes, max_tokens=None, formats=None, sampling=SamplingSettings(m
     return plan_tokenized(table, batch_of(suffixes), SETTINGS, sampling)
 
 
+def runnable(suffixes, **kw):
+    return planned(suffixes, **kw).runnable(batch_of(suffixes))
+
+
 def row_submissions(engine: FakeEngine) -> list[int]:
     return [s.row for _, s in engine.submitted if s.kind is RequestKind.ROW]
 
@@ -62,7 +66,7 @@ def test_a_set_runs_its_first_row_present_so_a_shard_without_the_first_still_run
 
 def test_the_engine_computes_each_content_once_and_every_id_gets_the_answer():
     suffixes = [[1, 2], [7], [1, 2], [1, 2], [9, 9, 9], [7]]
-    prepared = planned(suffixes)
+    prepared = runnable(suffixes)
     engine = FakeEngine(num_blocks=64, block_size=BLOCK)
     run = BatchRun(prepared, engine, SamplingSettings(max_tokens=4), SchedulerSettings(log_every_s=60))
     results = {r.id: r for r in run}
@@ -82,7 +86,7 @@ def test_the_engine_computes_each_content_once_and_every_id_gets_the_answer():
 
 
 def test_a_baseline_runs_every_row_as_vllm_would():
-    prepared = planned([[1, 2], [1, 2], [1, 2]])
+    prepared = runnable([[1, 2], [1, 2], [1, 2]])
     engine = FakeEngine(num_blocks=64, block_size=BLOCK)
     run = BatchRun(prepared, engine, SamplingSettings(max_tokens=4), SchedulerSettings(log_every_s=60),
                    scheduling=InOrder([0, 1, 2]))
@@ -91,7 +95,7 @@ def test_a_baseline_runs_every_row_as_vllm_would():
 
 
 def test_the_plan_table_keeps_the_sets_and_a_shard_reads_them_back():
-    prepared = planned([[1, 2], [3], [1, 2]])
+    prepared = runnable([[1, 2], [3], [1, 2]])
     restored = prepared_batch(rows_table(prepared), prepared.batch)
     assert restored.duplicate_set.tolist() == prepared.duplicate_set.tolist()
     assert restored.duplicate_set[0] == restored.duplicate_set[2] != NO_SET

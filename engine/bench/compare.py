@@ -46,7 +46,6 @@ an H200's settings on the block-accounting stand-in (``engine/bench/bench_schedu
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import logging
@@ -75,7 +74,7 @@ from ..jobs.job_options import (
     response_format_from,
 )
 from ..machine import current_platform
-from ..plan.duplicates import count_duplicates, duplicate_sets, token_keys
+from ..plan.duplicates import count_duplicates
 from ..plan.prefix_tree import build_plan, reusable_tokens
 from ..plan.tokenizing import TokenizedBatch
 from ..response_format import ResponseFormat
@@ -314,18 +313,19 @@ def _field_batches(table: pa.Table, fields: PromptFields, tokenizer, block_size:
     return {name: tokenize_rows(tokenizer, t.column("prompt").to_pylist()) for name, t in tables.items()}, order_s
 
 
-def _prepared(batch, max_tokens, block_size: int, ids: list | None = None, response_formats: dict | None = None):
-    from ..plan.prepared import PreparedBatch
+def _planned(batch, max_tokens, block_size: int, ids: list | None = None, response_formats: dict | None = None):
+    """A synthetic prompt set planned as a table's rows are (``plan_tokenized``): the plan, and the
+    batch every run gets. Each row runs: the context is set to hold the longest row."""
+    from ..plan.prepared import plan_tokenized
 
-    started = time.perf_counter()
     response_formats = response_formats or {}
-    formats = [response_formats[r].to_text() if r in response_formats else None for r in range(max_tokens.size)]
-    same = duplicate_sets(token_keys(batch.tokens, batch.offsets), max_tokens, formats,
-                          np.ones(max_tokens.size, dtype=bool))
-    plan = build_plan(batch.tokens, batch.offsets, max_tokens, block_size, duplicate_set=same)
-    ids = ids or [f"row-{i:06d}" for i in range(max_tokens.size)]
-    return PreparedBatch.from_plan(ids, None, batch, max_tokens, {}, plan, response_formats=response_formats,
-                                   plan_s=time.perf_counter() - started, duplicate_set=same)
+    n = max_tokens.size
+    table = pa.table({"id": ids or [f"row-{i:06d}" for i in range(n)], "max_tokens": max_tokens,
+                      "response_format": [response_formats[r].to_text() if r in response_formats else None
+                                          for r in range(n)]})
+    room = EngineSettings(block_size=block_size, max_model_len=int((batch.lengths + max_tokens).max(initial=1)))
+    planned = plan_tokenized(table, batch, room, SamplingSettings(max_tokens=int(max_tokens.max(initial=1))))
+    return planned, planned.runnable(batch)
 
 
 def table_sample(args, tokenizer, model_path: str, fields: PromptFields | None = None):
@@ -511,10 +511,11 @@ def run_bench(args) -> dict:
         )
         batches["declared"], max_tokens = synthetic_tokens(workload, vocab)
         described = {"shape": "groups", **asdict(workload)}
-    prepared = _prepared(batches["declared"], max_tokens, args.block_size, ids, response_formats)
-    prompt_sets = {"declared": prepared, **{name: _prepared(b, max_tokens, args.block_size, prepared.ids, response_formats)
-                                            for name, b in batches.items() if name != "declared"}}
-    reordered = prompt_sets.get("chosen")
+    ids = ids or [f"row-{i:06d}" for i in range(max_tokens.size)]
+    both = {name: _planned(b, max_tokens, args.block_size, ids, response_formats) for name, b in batches.items()}
+    planned_sets = {name: planned for name, (planned, _) in both.items()}  # each prompt set's plan
+    prompt_sets = {name: prepared for name, (_, prepared) in both.items()}  # ... and the batch its runs get
+    prepared, reordered = planned_sets["declared"], planned_sets.get("chosen")
     plan = prepared.plan
     working_set = int(plan.unique_tokens // args.block_size)
     kv_blocks = args.kv_cache_blocks or max(64, working_set // 3)
@@ -542,8 +543,7 @@ def run_bench(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="batchllm-bench-") as folder:
         job = Path(folder) / "job.pickle"
         with open(job, "wb") as f:  # the batch as planned, without the plan's tree: what every run gets
-            pickle.dump(({name: dataclasses.replace(p, plan=None) for name, p in prompt_sets.items()},
-                         engine_settings, sampling, scheduler), f)
+            pickle.dump((prompt_sets, engine_settings, sampling, scheduler), f)
         for repetition in range(args.repeat):
             runs = {}
             for name in rotated(names, repetition):
@@ -590,7 +590,7 @@ def run_bench(args) -> dict:
         "prefill_ratios": _prefill_ratios(repetitions),
         # prompt tokens each prompt set computes at least (sorted, at this block size; see Run)
         "prompt_set_prefill": {name: int(p.plan.prompt_tokens - p.plan.shared_prompt_tokens)
-                               for name, p in prompt_sets.items()},
+                               for name, p in planned_sets.items()},
         "outputs_equal": not mismatched,
         # With reordered fields: the share of rows whose answer is the same in both orders.
         "field_order_agreement": field_order_agreement,

@@ -66,7 +66,7 @@ def _prepare(args, fields: PromptFields | None = None, field_order_state: Path |
     """Load, (render,) tokenize and plan the table; ``fields`` overrides the command line's. With
     ``field_order_state`` an optimized field order is kept there from run to run
     (``engine.table.field_order_state``); without, it is chosen afresh."""
-    from ..plan.prepared import prepare_batch, sorted_prefill_counter
+    from ..plan.prepared import plan_prompts, sorted_prefill_counter
     from ..plan.tokenizing import load_tokenizer
     from ..response_format import check_room_for_answers
     from ..table.field_order_state import kept_field_orders
@@ -89,46 +89,46 @@ def _prepare(args, fields: PromptFields | None = None, field_order_state: Path |
                 log.info(kept.describe())
             orders = kept.choice
         table = validate(with_prompt_column(table, fields, columns.prompt, orders.orders, columns.messages), columns)
-    prepared = prepare_batch(table, tokenizer, engine, sampling, columns)
-    return engine, sampling, table, prepared, orders
+    planned, prepared = plan_prompts(table, tokenizer, engine, sampling, columns)
+    return engine, sampling, table, planned, prepared, orders
 
 
-def _field_orders_summary(args, prepared, orders) -> dict | None:
+def _field_orders_summary(args, planned, orders) -> dict | None:
     """With --fields: the prompt tokens to compute (the minimum prefill, what sorting reaches) in
     the declared order and in the optimized one, and where each field went."""
     fields = prompt_fields_from(args)
     if fields is None:
         return None
-    declared = prepared if fields.field_order is FieldOrder.as_declared else _prepare(args, fields.declared())[3]
+    declared = planned if fields.field_order is FieldOrder.as_declared else _prepare(args, fields.declared())[3]
     out = {"field_order": fields.field_order.value,
            "declared": {"prompt_tokens": declared.plan.prompt_tokens, "unique_tokens": declared.plan.unique_tokens},
-           "chosen": {"prompt_tokens": prepared.plan.prompt_tokens, "unique_tokens": prepared.plan.unique_tokens},
+           "chosen": {"prompt_tokens": planned.plan.prompt_tokens, "unique_tokens": planned.plan.unique_tokens},
            "positions": field_positions(orders.orders, fields),
            # each candidate order's prompt tokens to compute (sorted, at the job's block size), and the one chosen
            "candidates": orders.candidates, "chosen_order": orders.chosen}
-    out["unique_tokens_ratio"] = round(prepared.plan.unique_tokens / max(declared.plan.unique_tokens, 1), 4)
+    out["unique_tokens_ratio"] = round(planned.plan.unique_tokens / max(declared.plan.unique_tokens, 1), 4)
     return out
 
 
 def cmd_plan(args) -> int:
     from ..plan.shards import assign_shards
 
-    _, _, _, prepared, orders = _prepare(args)
-    plan = prepared.plan
+    _, _, _, planned, _, orders = _prepare(args)
+    plan = planned.plan
     shards = assign_shards(plan, args.shards)
     summary = {
         "rows": plan.num_rows,
-        "error_rows": len(prepared.errors),
+        "error_rows": len(planned.errors),
         "groups": plan.num_groups,
         "shared_groups": int((plan.group_prefix_tokens > 0).sum()),
         "prompt_tokens": plan.prompt_tokens,
         "unique_tokens": plan.unique_tokens,
         "shared_prompt_tokens": plan.shared_prompt_tokens,
         "shared_fraction": round(plan.shared_fraction, 4),
-        "tokenize_s": round(prepared.tokenize_s, 3),
-        "plan_s": round(prepared.plan_s, 3),
-        "duplicate_rows": count_duplicates(prepared.duplicate_set),
-        "fields": _field_orders_summary(args, prepared, orders),
+        "tokenize_s": round(planned.tokenize_s, 3),
+        "plan_s": round(planned.plan_s, 3),
+        "duplicate_rows": count_duplicates(planned.duplicate_set),
+        "fields": _field_orders_summary(args, planned, orders),
         "shards": [
             {"shard": s, "rows": int((shards.shard_of_row == s).sum()), "prefill_tokens": int(shards.prefill_tokens[s]),
              "decode_tokens": int(shards.decode_tokens[s])}
@@ -157,7 +157,7 @@ def cmd_plan(args) -> int:
     print(f"{'group':>6} {'rows':>6} {'prefix':>7}  first id")
     starts = plan.group_starts()
     for g in range(min(plan.num_groups, args.top)):
-        print(f"{g:>6} {plan.group_sizes[g]:>6} {plan.group_prefix_tokens[g]:>7}  {prepared.ids[plan.order[starts[g]]]}")
+        print(f"{g:>6} {plan.group_sizes[g]:>6} {plan.group_prefix_tokens[g]:>7}  {planned.ids[plan.order[starts[g]]]}")
     if plan.num_groups > args.top:
         print(f"   ... {plan.num_groups - args.top} more groups")
     for s in summary["shards"]:
@@ -188,7 +188,7 @@ def cmd_run(args) -> int:
     output = Path(args.output)
     check_output(output, args.prompts, args.overwrite)  # before any work
     with output_lock(output), terminate_as_exit():
-        engine_settings, sampling, _, prepared, _ = _prepare(args, field_order_state=Path(f"{output}.field_order.parquet"))
+        engine_settings, sampling, _, _, prepared, _ = _prepare(args, field_order_state=Path(f"{output}.field_order.parquet"))
         checkpoint_dir = Path(args.checkpoint_dir or f"{output}.checkpoint")
         bar = ProgressBar.on_terminal() if not args.json else None
         # With a bar on screen the progress lines go to the log file only.

@@ -31,7 +31,7 @@ from ..settings import EngineSettings, SamplingSettings, SchedulerSettings, fing
 from ..table.dataset import Columns
 from ..table.prompt_snapshot import CONTENT_KEY
 from .duplicates import NO_SET
-from .prepared import PreparedBatch
+from .prepared import PlannedBatch, PreparedBatch
 from .token_cache import TokenCache
 from .tokenizing import TokenizedBatch, model_fingerprint
 
@@ -111,7 +111,7 @@ def _sparse_strings(values: dict[int, str], n: int) -> pa.Array:
     return pa.array([values.get(i) for i in range(n)], pa.string())
 
 
-def rows_table(prepared: PreparedBatch) -> pa.Table:
+def rows_table(prepared: PlannedBatch | PreparedBatch) -> pa.Table:
     """The run-side columns of a plan table (no token ids, no shards): what ``prepared_batch`` reads back."""
     n = prepared.num_rows
     position = np.empty(n, dtype=np.int64)
@@ -129,7 +129,7 @@ def rows_table(prepared: PreparedBatch) -> pa.Table:
     }, metadata={BLOCK_SIZE: str(prepared.block_size)})
 
 
-def plan_table(prepared: PreparedBatch, content_keys: pa.ChunkedArray | pa.Array, token_cache: TokenCache,
+def plan_table(prepared: PlannedBatch, content_keys: pa.ChunkedArray | pa.Array, token_cache: TokenCache,
                shard_of_row: np.ndarray, partition_keys: list[str], stamp: dict[str, str], plan_run: str) -> pa.Table:
     """The whole plan table of a planned batch: its rows, their content keys in ``token_cache``,
     their shards and partition keys (``partition_keys[shard]``), stamped."""

@@ -1,11 +1,16 @@
-"""A batch ready to run: token ids, output budgets, errors and the plan, computed once.
+"""Planning's output and a batch ready to run: two types, each with every field it needs.
 
-    prepared = prepare_batch(table, tokenizer, engine_settings, sampling)   # tokenize, check, plan
+    planned, prepared = plan_prompts(table, tokenizer, engine_settings, sampling)  # tokenize, check, plan
+    prepared = prepare_batch(table, tokenizer, engine_settings, sampling)           # the runnable one alone
+
+A ``PlannedBatch`` is what planning made of a table: the plan (groups, run order, the tokens it
+shares), each row's output budget, error, response format and duplicate set, and how long it took.
+It holds no token ids: planning from the token cache (``plan_tokenized`` with ``CachedRows``, what
+``prefix_groups`` does) needs only lengths and block hashes.
 
 A ``PreparedBatch`` is everything a run needs and nothing it must recompute: token ids, output
-budgets, errors, and the plan (run order, group and group prefix of each row). It is built once,
-by ``prepare_batch`` (tokenizer + planner) or ``plan_tokenized`` (rows from the token cache), and
-restored without either from a plan table (``engine.plan.plan_table``).
+budgets, errors, run order, group and group prefix of each row. It is a ``PlannedBatch`` joined with
+its token ids (``runnable``), or restored from a plan table (``engine.plan.plan_table``).
 
 Rows that cannot run (empty prompt, bad chat messages, too long for the model, bad max_tokens)
 keep a reason in ``errors`` and run nothing; the rest of the batch goes on.
@@ -36,9 +41,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PreparedBatch:
+    """A batch ready to run (see the module doc)."""
+
     ids: list  # row ids in input order
-    id_type: pa.DataType
-    batch: TokenizedBatch | None  # rows with an error have no tokens; None where the ids stay in the token cache
+    id_type: pa.DataType | None
+    batch: TokenizedBatch  # rows with an error have no tokens
     max_tokens: np.ndarray
     errors: dict[int, str]
     order: np.ndarray  # row indices in run order; each group's rows are contiguous
@@ -46,20 +53,11 @@ class PreparedBatch:
     prefix_tokens_of_row: np.ndarray  # tokens of the row's group prefix (whole blocks; 0 = none)
     block_size: int
     response_formats: dict[int, ResponseFormat] = field(default_factory=dict)  # rows with their own constraint
-    plan: PrefixPlan | None = None  # the whole plan, where this batch was planned (not restored)
     duplicate_set: np.ndarray | None = None  # identical rows share a set number (engine.plan.duplicates)
-    tokenize_s: float = 0.0
-    plan_s: float = 0.0
 
     @property
     def num_rows(self) -> int:
         return len(self.ids)
-
-    @classmethod
-    def from_plan(cls, ids, id_type, batch, max_tokens, errors, plan: PrefixPlan, **kw) -> "PreparedBatch":
-        return cls(ids=ids, id_type=id_type, batch=batch, max_tokens=max_tokens, errors=errors, order=plan.order,
-                   group_of_row=plan.group_of_row, prefix_tokens_of_row=plan.group_prefix_tokens[plan.group_of_row],
-                   block_size=plan.block_size, plan=plan, **kw)
 
     def subset(self, rows) -> "PreparedBatch":
         """The same batch restricted to ``rows`` (kept in input order, plan order preserved)."""
@@ -76,6 +74,50 @@ class PreparedBatch:
             response_formats={int(new_index[r]): f for r, f in self.response_formats.items() if new_index[r] >= 0},
             duplicate_set=None if self.duplicate_set is None else self.duplicate_set[rows],
         )
+
+
+@dataclass
+class PlannedBatch:
+    """What planning made of a table (see the module doc): no token ids."""
+
+    ids: list  # row ids in input order
+    id_type: pa.DataType | None
+    max_tokens: np.ndarray
+    errors: dict[int, str]
+    plan: PrefixPlan
+    response_formats: dict[int, ResponseFormat] = field(default_factory=dict)
+    duplicate_set: np.ndarray | None = None
+    tokenize_s: float = 0.0
+    plan_s: float = 0.0
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.ids)
+
+    @property
+    def order(self) -> np.ndarray:
+        return self.plan.order
+
+    @property
+    def group_of_row(self) -> np.ndarray:
+        return self.plan.group_of_row
+
+    @property
+    def prefix_tokens_of_row(self) -> np.ndarray:
+        return self.plan.group_prefix_tokens[self.plan.group_of_row]
+
+    @property
+    def block_size(self) -> int:
+        return self.plan.block_size
+
+    def runnable(self, batch: TokenizedBatch) -> PreparedBatch:
+        """This plan with its rows' token ids (``batch``, in input order): the batch a run takes.
+        A row planned as an error has no tokens in it, whatever ``batch`` holds."""
+        return PreparedBatch(ids=self.ids, id_type=self.id_type, batch=_without_rows(batch, set(self.errors)),
+                             max_tokens=self.max_tokens, errors=self.errors, order=self.order,
+                             group_of_row=self.group_of_row, prefix_tokens_of_row=self.prefix_tokens_of_row,
+                             block_size=self.block_size, response_formats=self.response_formats,
+                             duplicate_set=self.duplicate_set)
 
 
 def _column(table: pa.Table, name: str) -> list | None:
@@ -95,6 +137,21 @@ def _without_rows(batch: TokenizedBatch, drop: set[int]) -> TokenizedBatch:
     return TokenizedBatch(batch.tokens[keep], offsets, batch.errors, batch.seconds)
 
 
+def plan_prompts(
+    table: pa.Table,
+    tokenizer,
+    engine_settings: EngineSettings,
+    sampling: SamplingSettings,
+    columns: Columns = Columns(),
+    scheduler: SchedulerSettings = SchedulerSettings(),
+) -> tuple[PlannedBatch, PreparedBatch]:
+    """Tokenize and plan a validated prompt table: the plan, and the batch that runs it."""
+    n = table.num_rows
+    batch = tokenize_rows(tokenizer, _column(table, columns.prompt) or [None] * n, _column(table, columns.messages))
+    planned = plan_tokenized(table, batch, engine_settings, sampling, columns, scheduler)
+    return planned, planned.runnable(batch)
+
+
 def prepare_batch(
     table: pa.Table,
     tokenizer,
@@ -103,9 +160,8 @@ def prepare_batch(
     columns: Columns = Columns(),
     scheduler: SchedulerSettings = SchedulerSettings(),
 ) -> PreparedBatch:
-    n = table.num_rows
-    batch = tokenize_rows(tokenizer, _column(table, columns.prompt) or [None] * n, _column(table, columns.messages))
-    return plan_tokenized(table, batch, engine_settings, sampling, columns, scheduler)
+    """The runnable batch of a validated prompt table (``plan_prompts`` without the plan)."""
+    return plan_prompts(table, tokenizer, engine_settings, sampling, columns, scheduler)[1]
 
 
 def plan_tokenized(
@@ -115,10 +171,10 @@ def plan_tokenized(
     sampling: SamplingSettings,
     columns: Columns = Columns(),
     scheduler: SchedulerSettings = SchedulerSettings(),
-) -> PreparedBatch:
+) -> PlannedBatch:
     """Plan rows already tokenized, in ``table``'s order: their token ids (``TokenizedBatch``), or
-    just their lengths and block hashes from the token cache (``CachedRows``: the batch then keeps
-    no ids). ``table`` needs only the id, ``max_tokens`` and ``response_format`` columns."""
+    just their lengths and block hashes from the token cache (``CachedRows``). ``table`` needs only
+    the id, ``max_tokens`` and ``response_format`` columns."""
     ids = table.column(columns.id).to_pylist()
     n = len(ids)
     errors = dict(rows.errors)
@@ -130,7 +186,6 @@ def plan_tokenized(
                                 engine_settings, errors)
     formats = row_response_formats(_column(table, columns.response_format), errors)
     dropped = set(errors) - set(rows.errors)  # rows that tokenized but cannot run: planned as empty
-    batch = _without_rows(rows, dropped) if isinstance(rows, TokenizedBatch) else None
     blocks = blocks.without(dropped)
     decode = np.where(blocks.lengths > 0, max_tokens, 0)
     started = time.perf_counter()
@@ -147,9 +202,8 @@ def plan_tokenized(
         n, plan.num_groups, plan.prompt_tokens, 100 * plan.shared_fraction, count_duplicates(same), rows.seconds,
         plan_s,
     )
-    return PreparedBatch.from_plan(ids, table.schema.field(columns.id).type, batch, max_tokens, errors, plan,
-                                   response_formats=formats, tokenize_s=rows.seconds, plan_s=plan_s,
-                                   duplicate_set=same)
+    return PlannedBatch(ids, table.schema.field(columns.id).type, max_tokens, errors, plan, response_formats=formats,
+                        duplicate_set=same, tokenize_s=rows.seconds, plan_s=plan_s)
 
 
 def sorted_prefill_counter(tokenizer, block_size: int):
