@@ -10,8 +10,9 @@ from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import table_preview
 from engine.atomic import Staged
 from engine.table.dataset import check_unique_ids, read_sql, single_query, source_sql, stream_sql, validate
-from engine.table.field_order_state import KeptOrders, kept_field_orders
-from engine.table.fields import FieldOrder, PrefillCounter, PromptFields, with_prompt_column
+from engine.table.field_order_state import KeptOrders
+from engine.table.fields import FieldOrder, PrefillCounter
+from engine.table.prompt_rendering import rendered_batches
 from engine.locks import locked
 from engine.table.prompt_snapshot import SnapshotWriter, snapshot_digest
 
@@ -36,8 +37,8 @@ def snapshot_dataset(config: BatchJobConfig, path: Path) -> tuple[int, pa.Table,
     preview, choice = None, None
     with Staged(path) as staged, stream_sql(*dataset_sql(config)) as (schema, batches):
         if fields is not None:
-            batches, schema, choice = rendered_batches(batches, schema, fields, columns.prompt, _prefill_counter(config),
-                                                        columns.messages, columns.id, config.field_order_path)
+            batches, schema, choice = rendered_batches(batches, schema, fields, columns, _prefill_counter(config),
+                                                       config.field_order_path)
         writer = SnapshotWriter(staged.path, columns.prompt, columns.messages)
         for batch in batches:
             written = writer.write(validate(pa.Table.from_batches([batch], schema), columns))  # types, NULLs, duplicates within
@@ -57,29 +58,6 @@ def _prefill_counter(config: BatchJobConfig) -> PrefillCounter | None:
 
     settings = config.engine_settings()
     return sorted_prefill_counter(load_tokenizer(settings.model_path), settings.block_size)
-
-
-def rendered_batches(batches, schema: pa.Schema, fields: PromptFields, prompt_column: str,
-                     prefill_tokens: PrefillCounter | None = None, messages_column: str = "messages",
-                     id_column: str = "id", field_order_path: Path | None = None):
-    """The batches with their prompt rendered from ``fields``, their schema, and the field orders
-    (None in the declared order). An optimized field order is kept from the job's earlier nights
-    or chosen over the whole table (``engine.table.field_order_state``, by ``prefill_tokens``), so its
-    rows are read at once; in the declared order, batch by batch."""
-    def render(table: pa.Table, orders=None) -> list[pa.RecordBatch]:
-        return with_prompt_column(table, fields, prompt_column, orders, messages_column).to_batches(65_536)
-
-    def each_batch():
-        for batch in batches:
-            yield from render(pa.Table.from_batches([batch], schema))
-
-    with_prompt_column(schema.empty_table(), fields.declared(), prompt_column)  # a missing field or a prompt
-    out_schema = schema.append(pa.field(prompt_column, pa.string()))         # column of its own: refused at once
-    if fields.field_order is FieldOrder.optimize:
-        table = pa.Table.from_batches(list(batches), schema)
-        kept = kept_field_orders(table, fields, id_column, field_order_path, prefill_tokens)
-        return render(table, kept.choice.orders), out_schema, kept
-    return each_batch(), out_schema, None
 
 
 def source_version(config: BatchJobConfig) -> str:

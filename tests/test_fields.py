@@ -192,3 +192,25 @@ def test_fields_with_chat_messages_in_the_table_are_refused():
     empty = table.set_column(2, "messages", pa.array([None, None], pa.string()))
     assert with_prompt_column(empty, spec, "prompt").column("prompt").to_pylist() == ["Rate.\n\nreview: a",
                                                                                       "Rate.\n\nreview: b"]
+
+
+def test_one_rendering_path_batch_by_batch_or_whole_and_an_optimized_order_kept_only_where_state_is(tmp_path):
+    """The asset streams batches, the CLI and the bench hold a table: both go through
+    ``rendered_batches`` and get the same prompts; an optimized order is saved only with a state path."""
+    from engine.table.dataset import Columns
+    from engine.table.fields import FieldOrder, with_prompt_column
+    from engine.table.prompt_rendering import rendered_batches, rendered_table
+
+    table = reviews()
+    whole = with_prompt_column(table, SPEC, "prompt").column("prompt")
+    batches, schema, kept = rendered_batches(table.to_batches(max_chunksize=3), table.schema, SPEC, Columns())
+    streamed = pa.Table.from_batches(list(batches), schema).column("prompt")
+    assert kept is None and streamed.to_pylist() == whole.to_pylist()
+
+    optimize = SPEC.model_copy(update={"field_order": FieldOrder.optimize})
+    afresh, kept = rendered_table(table, optimize, Columns(), unique_prefix_chars)
+    assert kept.reason == "no kept state" and not list(tmp_path.iterdir())
+    state = tmp_path / "field_order.parquet"
+    saved, kept = rendered_table(table, optimize, Columns(), unique_prefix_chars, state)
+    assert kept.reason == "first choice" and state.exists()
+    assert saved.column("prompt").to_pylist() == afresh.column("prompt").to_pylist()

@@ -82,7 +82,8 @@ from ..run.console import route_library_output
 from ..run.results import RunStats
 from ..run.step_profile import StepProfile
 from ..settings import EngineSettings, ReserveOutput, SamplingSettings, SchedulerSettings
-from ..table.fields import FieldOrder, PromptFields, choose_field_orders, distinct_value_order, with_prompt_column
+from ..table.dataset import Columns
+from ..table.fields import FieldOrder, PromptFields, distinct_value_order, with_prompt_column
 
 log = logging.getLogger(__name__)
 
@@ -291,17 +292,18 @@ def field_prompt_tables(table: pa.Table, fields: PromptFields, tokenizer, block_
     """The table with its prompt column rendered for each prompt set of ``Run`` (``chosen`` only
     where ``fields`` reorders), and the seconds choosing batchllm's order took (charged to it)."""
     from ..plan.prepared import sorted_prefill_counter
+    from ..table.prompt_rendering import rendered_table
 
-    tables = {"declared": with_prompt_column(table, fields.declared(), "prompt"),
-              "hand": with_prompt_column(table, fields, "prompt", distinct_value_order(table, fields))}
+    columns = Columns()
+    tables = {"declared": rendered_table(table, fields.declared(), columns)[0],
+              "hand": with_prompt_column(table, fields, columns.prompt, distinct_value_order(table, fields))}
     order_s = 0.0
     if fields.field_order is not FieldOrder.as_declared:
         started = time.perf_counter()
-        choice = choose_field_orders(table, fields, sorted_prefill_counter(tokenizer, block_size))
+        tables["chosen"], kept = rendered_table(table, fields, columns, sorted_prefill_counter(tokenizer, block_size))
         order_s = time.perf_counter() - started
-        log.info("bench: field order %s chosen; prompt tokens to compute per candidate: %s", choice.chosen,
-                 choice.candidates)
-        tables["chosen"] = with_prompt_column(table, fields, "prompt", choice.orders)
+        log.info("bench: field order %s chosen; prompt tokens to compute per candidate: %s", kept.choice.chosen,
+                 kept.choice.candidates)
     return tables, order_s
 
 

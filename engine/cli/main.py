@@ -35,7 +35,7 @@ from ..plan.duplicates import count_duplicates
 from ..run.console import LOG_DIR, ProgressBar, file_logger, route_library_output, run_summary, summary_table
 from ..settings import EngineSettings, SamplingSettings, SchedulerSettings
 from ..table.dataset import Columns, DatasetError, load_prompts, read_source, validate
-from ..table.fields import FieldOrder, PromptFields, choose_field_orders, field_positions, with_prompt_column
+from ..table.fields import FieldOrder, PromptFields, choose_field_orders, field_positions
 
 log = logging.getLogger("batchllm")
 
@@ -69,7 +69,7 @@ def _prepare(args, fields: PromptFields | None = None, field_order_state: Path |
     from ..plan.prepared import plan_prompts, sorted_prefill_counter
     from ..plan.tokenizing import load_tokenizer
     from ..response_format import check_room_for_answers
-    from ..table.field_order_state import kept_field_orders
+    from ..table.prompt_rendering import rendered_table
 
     engine, sampling, columns = _settings(args)
     tokenizer = load_tokenizer(engine.model_path)
@@ -79,16 +79,13 @@ def _prepare(args, fields: PromptFields | None = None, field_order_state: Path |
     if fields is None:
         table = load_prompts(args.prompts, args.database, columns)
     else:  # the prompt rendered from the table's fields, before validate keeps only the engine's columns
-        table = read_source(args.prompts, args.database)
         counter = sorted_prefill_counter(tokenizer, engine.block_size)
-        if field_order_state is None:
-            orders = choose_field_orders(table, fields, counter)
-        else:
-            kept = kept_field_orders(table, fields, columns.id, field_order_state, counter)
-            if fields.field_order is FieldOrder.optimize:
-                log.info(kept.describe())
-            orders = kept.choice
-        table = validate(with_prompt_column(table, fields, columns.prompt, orders.orders, columns.messages), columns)
+        table, kept = rendered_table(read_source(args.prompts, args.database), fields, columns, counter,
+                                     field_order_state)
+        if kept is not None:
+            log.info(kept.describe())
+        orders = kept.choice if kept is not None else choose_field_orders(table, fields, counter)
+        table = validate(table, columns)
     planned, prepared = plan_prompts(table, tokenizer, engine, sampling, columns)
     return engine, sampling, table, planned, prepared, orders
 
