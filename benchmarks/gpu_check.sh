@@ -42,7 +42,7 @@ fact() {  # fact KEY DEFAULT: a number from the warm doctor's engine facts
     2>/dev/null || echo "$2"
 }
 warm=$(fact start_s 120)  # a fresh process's vLLM start from the compile cache, in seconds
-runs=$("$PY" -c 'from engine.bench.compare import FIELD_RUNS, RUNS; print(len([r for r in RUNS if r not in FIELD_RUNS]))')
+runs=$("$PY" -c 'from engine.bench.runs import FIELD_RUNS, RUNS; print(len([r for r in RUNS if r not in FIELD_RUNS]))')
 # Each bench run is a fresh process: a warm start plus its work (a minute is ample at this size), twice over.
 bench_s=$(( 2 * runs * (warm + 60) ))
 tp_s=$COLD_S  # a two-GPU engine is another compiled shape: a cold start again

@@ -1,0 +1,109 @@
+"""One run of a bench in a fresh Python process and vLLM engine: the parent pickles the prompt sets
+and settings, ``python -m engine.bench.fresh_process JOB NAME OUT LOG`` runs NAME and writes its
+report and answers by id."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..machine import current_platform
+from ..plan.prefix_tree import reusable_tokens
+from ..run.console import route_library_output
+from ..run.results import RunStats
+from ..run.step_profile import StepProfile
+from ..settings import EngineSettings, SamplingSettings, SchedulerSettings
+from .runs import RUNS, input_order, sorted_order
+
+def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: SamplingSettings,
+             scheduler: SchedulerSettings) -> tuple[dict, dict]:
+    """One run in this process: its report and each row's answer by id."""
+    from ..run.batch_run import BatchRun
+    from ..run.scheduler import InOrder, Planned
+    from ..vllm.vllm_engine import open_engine
+
+    spec = RUNS[name]
+    if spec.generate:
+        return _generate_sorted(prepared, engine_settings, sampling)
+    with open_engine(engine_settings, enable_prefix_caching=spec.caching) as engine:
+        profile = StepProfile.of(prepared.group_of_row)
+        scheduling = InOrder(spec.order(prepared)) if spec.order else Planned()
+        run = BatchRun(prepared, engine, sampling, scheduler, rows=input_order(prepared), scheduling=scheduling,
+                       step_profile=profile)
+        outputs = {r.id: r.text for r in run}
+        info = engine.info
+    report = _report(run.stats, info.max_num_seqs, info.kv_capacity_blocks)
+    report["per_step"] = profile.summary()
+    if report["per_step"]:  # the run's time outside vLLM's steps: our scheduler, submissions, results
+        report["per_step"]["outside_steps_s"] = round(run.stats.wall_s - report["per_step"]["step_s"], 3)
+    return report, outputs
+
+
+def _generate_sorted(prepared, engine_settings: EngineSettings, sampling: SamplingSettings) -> tuple[dict, dict]:
+    """vLLM's ``LLM.generate`` on the rows sorted by prompt, vLLM's own batch sizes (no
+    ``max_num_seqs`` from our plan), the same KV blocks and sampling as every run."""
+    from ..run.drive import row_sampling
+    from ..vllm.vllm_engine import sampling_params
+    from ..vllm.vllm_env import configure, engine_args
+
+    platform = current_platform()
+    configure(engine_settings, platform)
+    from vllm import LLM
+
+    llm = LLM(**engine_args(engine_settings, platform, enable_prefix_caching=True))
+    order = sorted_order(prepared)
+    config = llm.llm_engine.vllm_config
+    started = time.perf_counter()
+    done = llm.generate([{"prompt_token_ids": prepared.batch.row(r)} for r in order],
+                        [sampling_params(row_sampling(sampling, prepared.response_formats.get(r)),
+                                         int(prepared.max_tokens[r])) for r in order], use_tqdm=False)
+    stats = RunStats(rows=len(order), ok_rows=len(order), wall_s=time.perf_counter() - started,
+                     reusable_tokens=reusable_tokens(prepared.batch, [int(r) for r in prepared.order],
+                                                     prepared.block_size))
+    outputs = {}
+    for row, out in zip(order, done):
+        stats.prompt_tokens += len(out.prompt_token_ids)
+        stats.cached_tokens += int(out.num_cached_tokens or 0)
+        stats.output_tokens += len(out.outputs[0].token_ids)
+        outputs[prepared.ids[row]] = out.outputs[0].text
+    report = _report(stats, config.scheduler_config.max_num_seqs, config.cache_config.num_gpu_blocks)
+    for unknown in ("preemptions", "engine_steps", "rows_per_step", "mean_kv_usage"):  # LLM.generate does not say
+        report[unknown] = None
+    return report, outputs
+
+
+def _report(stats: RunStats, max_num_seqs: int, kv_capacity_blocks: int) -> dict:
+    out = {**stats.to_dict(), "max_num_seqs": max_num_seqs, "kv_capacity_blocks": kv_capacity_blocks}
+    keep = ["tokens_per_s", "output_tokens_per_s", "wall_s", "prompt_tokens", "cached_tokens", "reusable_tokens",
+            "prefill_tokens", "saving_vs_ideal", "output_tokens", "preemptions", "prefix_requests", "max_num_seqs",
+            "kv_capacity_blocks", "engine_steps", "rows_per_step", "mean_kv_usage"]
+    return {k: out[k] for k in keep}
+
+
+def in_fresh_process(job: Path, name: str, log_file: Path) -> tuple[dict, dict]:
+    """One run in a new Python process (no warm caches, no allocator state, no threads left over
+    from an earlier run): its report, with the process id, and its answers."""
+    out = job.with_name(f"{name}-{time.time_ns()}.json")
+    subprocess.run([sys.executable, "-m", "engine.bench.fresh_process", str(job), name, str(out), str(log_file)], check=True)
+    result = json.loads(out.read_text())
+    out.unlink()
+    return result["report"], result["outputs"]
+
+
+def _child(job: str, name: str, out: str, log_file: str) -> None:
+    """``python -m engine.bench.fresh_process JOB NAME OUT LOG``: run NAME on the pickled batch and settings in JOB."""
+    route_library_output(Path(log_file))  # vLLM's log lines to the bench's log file, as in the parent
+    with open(job, "rb") as f:
+        prompt_sets, engine_settings, sampling, scheduler = pickle.load(f)
+    report, outputs = _one_run(name, prompt_sets[RUNS[name].prompts], engine_settings, sampling, scheduler)
+    report["pid"] = os.getpid()
+    Path(out).write_text(json.dumps({"report": report, "outputs": outputs}))
+
+
+if __name__ == "__main__":  # one run of a bench, in its own process (see in_fresh_process)
+    _child(*sys.argv[1:])
