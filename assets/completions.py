@@ -58,7 +58,9 @@ def load_planned_shard(config: BatchJobConfig, key: str, settings: EngineSetting
         raise dg.Failure(str(exc)) from None
 
 
-def run_shard_locally(config, key, prepared, settings, sampling, checkpoint, llm, warehouse, log, started_at) -> RunOutcome:
+def run_shard_locally(
+    config, key, prepared, settings, sampling, checkpoint, llm, warehouse, log, started_at
+) -> RunOutcome:
     """The shard on one vLLM engine in this process, resuming from its checkpoint; a progress bar
     when the step's stderr is a terminal (the demo), progress lines in the run's log always."""
     # Rows already in the table with the same fingerprint (a nightly rerun of unchanged rows)
@@ -81,11 +83,23 @@ def run_shard_on_ray(config, key, prepared, settings, sampling, checkpoint) -> t
     """The shard spread over ``ray_replicas`` vLLM replicas on the Ray cluster, whole groups each."""
     from engine.jobs.distributed import run_on_ray
 
-    outcome = run_on_ray(prepared, settings, sampling, checkpoint, replicas=config.ray_replicas,
-                         address=config.ray_address, scheduler_settings=config.scheduler, actor_prefix=f"batchllm-{key}",
-                         run_timeout_s=config.ray_shard_timeout_s, gpu_wait_s=config.ray_gpu_wait_s)
-    info = {"vllm": "on Ray replicas", "replica_of_sub_shard": {str(s): r for s, r in outcome.replica_of_sub_shard.items()},
-            "reassigned_sub_shards": outcome.reassigned_sub_shards}
+    outcome = run_on_ray(
+        prepared,
+        settings,
+        sampling,
+        checkpoint,
+        replicas=config.ray_replicas,
+        address=config.ray_address,
+        scheduler_settings=config.scheduler,
+        actor_prefix=f"batchllm-{key}",
+        run_timeout_s=config.ray_shard_timeout_s,
+        gpu_wait_s=config.ray_gpu_wait_s,
+    )
+    info = {
+        "vllm": "on Ray replicas",
+        "replica_of_sub_shard": {str(s): r for s, r in outcome.replica_of_sub_shard.items()},
+        "reassigned_sub_shards": outcome.reassigned_sub_shards,
+    }
     return outcome.merged(), info
 
 
@@ -114,8 +128,13 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         warn_if_unlimited(context)
         with contextlib.ExitStack() as held:
             try:
-                held.enter_context(held_alone(config.lock_path(f"partition-{key}"),
-                                              f"run {context.run.run_id}, pid {os.getpid()}", f"partition {key} of {config.name}"))
+                held.enter_context(
+                    held_alone(
+                        config.lock_path(f"partition-{key}"),
+                        f"run {context.run.run_id}, pid {os.getpid()}",
+                        f"partition {key} of {config.name}",
+                    )
+                )
             except Busy as busy:
                 raise dg.Failure(f"{busy}: this run stops without touching its checkpoint or output") from None
             return run_partition(context)
@@ -136,9 +155,15 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         else:
             outcome = run_shard_locally(config, key, prepared, settings, sampling, checkpoint, llm, warehouse,
                                         context.log.info, started_at)
-            info = asdict(outcome.engine) if outcome.engine else {"vllm": "not started: every row was reused or invalid"}
-        info.update(settings=settings.model_dump(mode="json"), sampling=sampling.model_dump(mode="json"), scheduler=config.scheduler.model_dump(mode="json"),
-                    backend=str(config.backend))
+            info = (
+                asdict(outcome.engine) if outcome.engine else {"vllm": "not started: every row was reused or invalid"}
+            )
+        info.update(
+            settings=settings.model_dump(mode="json"),
+            sampling=sampling.model_dump(mode="json"),
+            scheduler=config.scheduler.model_dump(mode="json"),
+            backend=str(config.backend),
+        )
 
         writing = time.perf_counter()  # from here: writing and checks, the partition's time after its rows
         for result in outcome.results:
@@ -168,7 +193,9 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         planned = planned_keys(config.plan_path)  # other shards' checkpoints this write made useless
         prune_checkpoints(config, warehouse, set(planned.column("partition_key").to_pylist()),
                           planned.column("id").combine_chunks())
-        context.log.info(f"wrote {table.num_rows} rows of partition {key} to {config.output_table} ({written} in it now)")
+        context.log.info(
+            f"wrote {table.num_rows} rows of partition {key} to {config.output_table} ({written} in it now)"
+        )
         checks = partition_check_results(config, warehouse, key, table.column("id").to_pylist(), outcome.stats,
                                          constrained_answers(prepared, outcome.results, sampling), stale.to_pylist())
         return dg.MaterializeResult(

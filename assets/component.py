@@ -55,7 +55,9 @@ class BatchJobComponent(JobSpec, dg.Component, dg.Resolvable, dg.Model):
     Its fields are ``JobSpec``'s (the same model the Python factory takes); paths are relative to
     the component's folder (SQL files) or to the data directory (databases, Parquet, storage)."""
 
-    output_database: str | None = Field(None, description="default: the dataset's database, else <data>/batchllm.duckdb")
+    output_database: str | None = Field(
+        None, description="default: the dataset's database, else <data>/batchllm.duckdb"
+    )
     storage_dir: str | None = Field(None, description="default: <data>/jobs")
 
     def to_config(self, component_dir: Path) -> BatchJobConfig:

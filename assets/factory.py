@@ -26,7 +26,9 @@ def refuse_answers_that_cannot_fit(config: BatchJobConfig) -> None:
     model = prepared_model_dir(config.llm.model_path)
     if model is not None:
         try:
-            check_room_for_answers(config.sampling.response_format, config.sampling.max_tokens, load_tokenizer(str(model)))
+            check_room_for_answers(
+                config.sampling.response_format, config.sampling.max_tokens, load_tokenizer(str(model))
+            )
         except ValueError as exc:
             raise ValueError(f"batch job {config.name!r}: {exc}") from None
 
@@ -63,7 +65,8 @@ def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
         jobs=list(shards_jobs.values()),
         name=f"{config.name}_run_shards",
         default_status=dg.DefaultSensorStatus.STOPPED,
-        description="After a new plan, run each of its shards once (one run per shard partition, on its hardware's job).",
+        description="After a new plan, run each of its shards once (one run per shard partition, on its "
+        "hardware's job).",
     )
     def run_shards(context: dg.SensorEvaluationContext, asset_event: dg.EventLogEntry):
         return [

@@ -143,8 +143,10 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
             config, warehouse, meta.column(columns.id), used)
         # A removed key's checkpoint stays while it holds answers the new plan's shards can reuse.
         prune_checkpoints(config, warehouse, set(used), meta.column(columns.id).combine_chunks())
-        context.log.info(f"{plan.num_groups} groups in {len(used)} shards; partitions added {added}, removed {removed}; "
-                         f"plan {plan_bytes} bytes ({plan_bytes / max(plan.prompt_tokens, 1):.2f} per prompt token)")
+        context.log.info(
+            f"{plan.num_groups} groups in {len(used)} shards; partitions added {added}, removed {removed}; "
+            f"plan {plan_bytes} bytes ({plan_bytes / max(plan.prompt_tokens, 1):.2f} per prompt token)"
+        )
         shard_rows = {keys[s]: len(ids) for s, ids in enumerate(ids_by_shard) if ids}
         # The plan's data version is what it was made from (model, snapshot, settings) and its shards.
         return dg.MaterializeResult(data_version=dg.DataVersion(fingerprint(stamp, sorted(used))), metadata={

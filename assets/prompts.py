@@ -41,7 +41,9 @@ def snapshot_dataset(config: BatchJobConfig, path: Path) -> tuple[int, pa.Table,
                                                        config.field_order_path)
         writer = SnapshotWriter(staged.path, columns.prompt, columns.messages)
         for batch in batches:
-            written = writer.write(validate(pa.Table.from_batches([batch], schema), columns))  # types, NULLs, duplicates within
+            written = writer.write(
+                validate(pa.Table.from_batches([batch], schema), columns)
+            )  # types, NULLs, duplicates within
             preview = preview if preview is not None else written.slice(0, 10)
         empty = validate(schema.empty_table(), columns)  # no rows: still a snapshot with the dataset's columns
         writer.close(empty.schema)

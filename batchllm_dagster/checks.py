@@ -28,12 +28,20 @@ from .warehouse import table_exists
 def partition_check_specs(config: BatchJobConfig) -> list[dg.AssetCheckSpec]:
     key = config.asset_key("completions")
     return [
-        dg.AssetCheckSpec("one_completion_per_row", asset=key, description="Each row of the shard has exactly one completion."),
+        dg.AssetCheckSpec(
+            "one_completion_per_row", asset=key, description="Each row of the shard has exactly one completion."
+        ),
         dg.AssetCheckSpec("no_silent_empties", asset=key, description="Ok rows have text; error rows say why."),
-        dg.AssetCheckSpec("prefix_saving", asset=key,
-                          description=f"Prompt tokens saved / ideal saving >= {config.min_saving_vs_ideal} (warning)."),
-        dg.AssetCheckSpec("answers_follow_response_format", asset=key,
-                          description="Answers of constrained rows parse and follow their JSON schema, choices or regex."),
+        dg.AssetCheckSpec(
+            "prefix_saving",
+            asset=key,
+            description=f"Prompt tokens saved / ideal saving >= {config.min_saving_vs_ideal} (warning).",
+        ),
+        dg.AssetCheckSpec(
+            "answers_follow_response_format",
+            asset=key,
+            description="Answers of constrained rows parse and follow their JSON schema, choices or regex.",
+        ),
     ]
 
 
@@ -57,7 +65,8 @@ def partition_check_results(config: BatchJobConfig, warehouse: DuckDBResource, p
             [partition_key],
         ).fetchall()[0]
         duplicated = con.execute(
-            f"SELECT count(*) FROM (SELECT id FROM {table} WHERE id IN (SELECT id FROM expected) GROUP BY id HAVING count(*) > 1)"
+            f"SELECT count(*) FROM (SELECT id FROM {table} WHERE id IN (SELECT id FROM expected) "
+            "GROUP BY id HAVING count(*) > 1)"
         ).fetchall()[0][0]
         silent, errors = con.execute(
             f"""SELECT count(*) FILTER (WHERE (status = 'ok' AND coalesce(text, '') = '')

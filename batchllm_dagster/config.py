@@ -74,7 +74,9 @@ class DatasetSpec(BaseModel):
     messages_column: str = "messages"
     max_tokens_column: str = "max_tokens"
     response_format_column: str = Field(
-        "response_format", description="optional JSON text per row, e.g. {\"choice\": [\"yes\", \"no\"]}; overrides the job's")
+        "response_format",
+        description='optional JSON text per row, e.g. {"choice": ["yes", "no"]}; overrides the job\'s',
+    )
     prompt: PromptFields | None = Field(
         None, description="build each row's prompt from an instruction, fields (columns) and a question instead of "
                           "reading a prompt column; field_order: optimize chooses the order that shares most")
@@ -139,7 +141,9 @@ class JobSpec(BaseModel):
         "'local' (vLLM in the step's process) or 'ray' (replicas on a Ray cluster)")] = Backend.LOCAL
     ray_address: Annotated[str | None, *described(
         "Ray cluster address for backend 'ray' (None: start or join a local one)")] = None
-    ray_replicas: Annotated[int, *described("vLLM replicas a shard is spread over, whole prefix groups each (>= 1)")] = 1
+    ray_replicas: Annotated[
+        int, *described("vLLM replicas a shard is spread over, whole prefix groups each (>= 1)")
+    ] = 1
     ray_shard_timeout_s: Annotated[float | None, *described(
         "backend 'ray': fail a shard's run not done within this many seconds (None: no limit)")] = None
     ray_gpu_wait_s: Annotated[float, *described(

@@ -46,13 +46,17 @@ def measured_by_hardware(metadata: list[dict]) -> dict[str, Measured]:
             continue
         overhead_s = m["startup_s"] + m["engine_stop_s"] + m.get("write_s", 0.0)
         samples.setdefault(m["hardware_partition"], []).append((m["rows"] / engine_s, overhead_s))
-    return {hardware: Measured(statistics.median(r for r, _ in pairs), statistics.median(o for _, o in pairs), len(pairs))
-            for hardware, pairs in samples.items()}
+    return {
+        hardware: Measured(statistics.median(r for r, _ in pairs), statistics.median(o for _, o in pairs), len(pairs))
+        for hardware, pairs in samples.items()
+    }
 
 
 def shard_size(measured: dict[str, Measured], share: float = OVERHEAD_SHARE) -> ShardSize:
     if not measured:
-        return ShardSize(FIRST_NIGHT_ROWS_PER_SHARD, f"first night: nothing measured yet, {FIRST_NIGHT_ROWS_PER_SHARD:,} rows")
+        return ShardSize(
+            FIRST_NIGHT_ROWS_PER_SHARD, f"first night: nothing measured yet, {FIRST_NIGHT_ROWS_PER_SHARD:,} rows"
+        )
     needs = {hardware: m.overhead_s * m.rows_per_s * (1 / share - 1) for hardware, m in measured.items()}
     hardware = max(needs, key=needs.get)
     rows = 1 << max(0, int(needs[hardware]) - 1).bit_length()  # rounded up to a power of two

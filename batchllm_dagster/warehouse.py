@@ -15,7 +15,9 @@ from engine.sql import quote_identifier
 
 
 def table_exists(con, table: str) -> bool:
-    return con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [table]).fetchall()[0][0] > 0
+    return (
+        con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [table]).fetchall()[0][0] > 0
+    )
 
 
 def _ensure_folder(warehouse: DuckDBResource) -> None:

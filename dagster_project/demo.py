@@ -115,7 +115,9 @@ def materialize_all() -> None:
             total, ok, errors = con.execute(
                 f'SELECT count(*), count(*) FILTER (WHERE status = \'ok\'), count(*) FILTER (WHERE status = \'error\') '
                 f'FROM {quote_identifier(table)}').fetchall()[0]
-            row_id, text = con.execute(f'SELECT id, text FROM {quote_identifier(table)} ORDER BY id LIMIT 1').fetchall()[0]
+            row_id, text = con.execute(
+                f"SELECT id, text FROM {quote_identifier(table)} ORDER BY id LIMIT 1"
+            ).fetchall()[0]
             done = outcomes[name]
             checks = (f"{done['checks']} checks passed" if not done["failed_checks"]
                       else f"FAILED checks: {', '.join(done['failed_checks'])}")
@@ -123,8 +125,13 @@ def materialize_all() -> None:
                    if done["computed_shards"] else "every row reused from the last run")
             order = (f"; field order {done['field_order']}: {done['field_order_saved_tokens']:,} prompt tokens fewer "
                      f"than as declared" if done["field_order"] else "")
-            rows.append((name, f"{total} rows ({ok} ok, {errors} errors) in {table}; {len(done['partitions'])} shard(s), "
-                               f"{ran}; {checks}{order}"))
+            rows.append(
+                (
+                    name,
+                    f"{total} rows ({ok} ok, {errors} errors) in {table}; {len(done['partitions'])} shard(s), "
+                    f"{ran}; {checks}{order}",
+                )
+            )
             examples.append((row_id, repr(text.strip()[:90])))
     print("\nSummary\n" + summary_table(rows) + "\n\nFirst answers\n" + summary_table(examples))
     print(f"\nAll in {DATABASE}. Query them:\n  .venv/bin/python -c \"import duckdb; "

@@ -126,11 +126,17 @@ def support_replies(rng: random.Random, rows: int = 80) -> pa.Table:
         name = rng.choice(["Ana", "Ben", "Chen", "Dara", "Eli", "Fay", "Gus", "Hana"])
         ticket = f"Hi, this is {name}. {rng.choice(_TICKETS)}"
         ids.append(f"ticket-{i:04d}")
-        messages.append(json.dumps([{"role": "system", "content": _SUPPORT_SYSTEM}, {"role": "user", "content": ticket}]))
+        messages.append(
+            json.dumps([{"role": "system", "content": _SUPPORT_SYSTEM}, {"role": "user", "content": ticket}])
+        )
     return pa.table({"id": ids, "messages": messages})
 
 
-_PLANS, _REGIONS, _PRIORITIES = ["basic", "plus", "pro"], ["north", "south", "east", "west"], ["low", "normal", "urgent"]
+_PLANS, _REGIONS, _PRIORITIES = (
+    ["basic", "plus", "pro"],
+    ["north", "south", "east", "west"],
+    ["low", "normal", "urgent"],
+)
 _BUSINESSES = ["bakery", "law firm", "design studio", "dental clinic", "bike shop", "school", "hotel", "garage"]
 
 

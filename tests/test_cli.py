@@ -169,8 +169,15 @@ def reviews_parquet(tmp_path):
     import pyarrow as pa
 
     description = ["A long description of product one, " * 12, "Product two is described at length here, " * 12]
-    rows = [{"id": i, "review": f"review number {i} says {'good' if i % 2 else 'bad'}", "description": description[i % 2],
-             "category": f"category {i % 2}"} for i in range(12)]
+    rows = [
+        {
+            "id": i,
+            "review": f"review number {i} says {'good' if i % 2 else 'bad'}",
+            "description": description[i % 2],
+            "category": f"category {i % 2}",
+        }
+        for i in range(12)
+    ]
     path = tmp_path / "reviews.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path

@@ -76,7 +76,9 @@ def test_inference_steps_share_one_pool_per_hardware_partition(tmp_path, monkeyp
     home = tmp_path / "home"
     home.mkdir()
     (home / "dagster.yaml").write_text((ROOT / "dagster_project" / "dagster.yaml").read_text())
-    with dg.instance_for_test(temp_dir=str(home), overrides=yaml.safe_load((home / "dagster.yaml").read_text())) as instance:
+    with dg.instance_for_test(
+        temp_dir=str(home), overrides=yaml.safe_load((home / "dagster.yaml").read_text())
+    ) as instance:
         concurrency = instance.get_concurrency_config()
     assert concurrency.pool_config.default_pool_limit == 1
     # Runs of a hardware partition's shards queue one at a time per batchllm/pool value, plan runs
@@ -117,7 +119,9 @@ def test_the_component_and_the_python_factory_take_one_job_model(tmp_path):
     from batchllm_dagster.config import BatchJobConfig, JobSpec
 
     component = BatchJobComponent.resolve_from_yaml(
-        "name: x\ndataset: {sql: select 1, database: d.duckdb}\nscheduler: {reserve_output: full, lookahead_tokens: 8}\n")
+        "name: x\ndataset: {sql: select 1, database: d.duckdb}\n"
+        "scheduler: {reserve_output: full, lookahead_tokens: 8}\n"
+    )
     config = component.to_config(tmp_path)
     assert set(JobSpec.model_fields) <= set(BatchJobComponent.model_fields) & set(BatchJobConfig.model_fields)
     assert config.scheduler.reserve_output.value == "full" and config.scheduler.lookahead_tokens == 8
@@ -127,8 +131,12 @@ def test_a_job_builds_definitions_with_its_warehouse_resource_bound(tmp_path):
     from assets import build_batch_defs
     from batchllm_dagster import BatchJobConfig, DatasetSpec
 
-    config = BatchJobConfig(name="nightly", dataset=DatasetSpec(parquet=str(tmp_path / "p.parquet")),
-                            output_database=str(tmp_path / "out" / "answers.duckdb"), storage_dir=str(tmp_path / "jobs"))
+    config = BatchJobConfig(
+        name="nightly",
+        dataset=DatasetSpec(parquet=str(tmp_path / "p.parquet")),
+        output_database=str(tmp_path / "out" / "answers.duckdb"),
+        storage_dir=str(tmp_path / "jobs"),
+    )
     graph = build_batch_defs(config).resolve_asset_graph()
     for assets_def in graph.assets_defs:
         if assets_def.keys and assets_def.key.path[-1] in ("prefix_groups", "completions") or not assets_def.keys:

@@ -100,8 +100,9 @@ def test_whole_table_check_finds_missing_rows(job):
     graph = defs.resolve_asset_graph()
     (check,) = [c for c in graph.assets_defs if c.check_keys and not c.keys]  # resources bound
     with dg.instance_for_test() as instance:
-        planned = dg.materialize([graph.assets_def_for_key(dg.AssetKey(["e2e", n])) for n in ("prompts", "prefix_groups")],
-                                 instance=instance)
+        planned = dg.materialize(
+            [graph.assets_def_for_key(dg.AssetKey(["e2e", n])) for n in ("prompts", "prefix_groups")], instance=instance
+        )
         assert planned.success
         partition = instance.get_dynamic_partitions(job.partitions_name)[0]
         completions = graph.assets_def_for_key(dg.AssetKey(["e2e", "completions"]))
@@ -136,7 +137,9 @@ def test_source_sensor_requests_a_plan_only_when_the_rows_change(job):
 def job_assets(job) -> dict:
     """The job's three assets by name, from the resolved graph (their resources bound)."""
     graph = build_batch_defs(job).resolve_asset_graph()
-    return {n: graph.assets_def_for_key(dg.AssetKey([job.name, n])) for n in ("prompts", "prefix_groups", "completions")}
+    return {
+        n: graph.assets_def_for_key(dg.AssetKey([job.name, n])) for n in ("prompts", "prefix_groups", "completions")
+    }
 
 
 def test_a_partition_runs_the_materialized_plan_without_tokenizer_or_planner(job, monkeypatch):
@@ -154,9 +157,14 @@ def test_a_partition_runs_the_materialized_plan_without_tokenizer_or_planner(job
         # The functions' code is replaced, not a module's name for them: every name bound by
         # `from ... import` anywhere calls the forbidden body too. (vLLM imports transformers itself,
         # so "transformers never imported" cannot be the test.)
-        for function in (engine.plan.tokenizing.load_tokenizer, engine.plan.tokenizing.tokenize_rows,
-                         engine.plan.tokenizing._render_chat, engine.plan.prefix_tree.build_plan, engine.plan.prefix_tree.plan_blocks,
-                         engine.plan.prefix_tree._build_levels):
+        for function in (
+            engine.plan.tokenizing.load_tokenizer,
+            engine.plan.tokenizing.tokenize_rows,
+            engine.plan.tokenizing._render_chat,
+            engine.plan.prefix_tree.build_plan,
+            engine.plan.prefix_tree.plan_blocks,
+            engine.plan.prefix_tree._build_levels,
+        ):
             monkeypatch.setattr(function, "__code__", forbidden.__code__)
         import engine.plan.token_cache
 

@@ -17,7 +17,9 @@ def test_each_environment_problem_of_a_gpu_node_comes_with_its_fix():
         "VLLMCACHE_ROOT": "/cache", "VLLM_RPC_BASE_PATH": "/mnt/" + "deep/" * 20,
         "VLLM_WORKER_MULTIPROC_METHOD": "fork", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     assert len(problems) == 4
-    assert any("rename the variable" in p for p in problems) and any("unset it (batchllm sets spawn)" in p for p in problems)
+    assert any("rename the variable" in p for p in problems) and any(
+        "unset it (batchllm sets spawn)" in p for p in problems
+    )
     assert any("Unix limit of 107 bytes" in p for p in problems)
     assert environment_problems(Platform.CPU, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}) == []  # right on a CPU
 
@@ -42,4 +44,6 @@ def test_doctor_on_this_node_starts_vllm_answers_16_rows_and_names_each_problem(
     assert healthy["engine"]["dtype"] == "torch.float32" and healthy["engine"]["multiprocessing"] is False
     assert healthy["answers"] == {**healthy["answers"], "rows": 16, "ok": 16}
     code, sick = doctor(VLLMCACHE_ROOT="/tmp/x")
-    assert code == 1 and sick["problems"] == ["VLLMCACHE_ROOT is set but vLLM reads VLLM_CACHE_ROOT: rename the variable"]
+    assert code == 1 and sick["problems"] == [
+        "VLLMCACHE_ROOT is set but vLLM reads VLLM_CACHE_ROOT: rename the variable"
+    ]

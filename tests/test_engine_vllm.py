@@ -163,7 +163,9 @@ def test_answers_equal_vllms_own_generate(tiny_model):
     assert {i: r.output_tokens for i, r in ours.items()} == {i: len(o.token_ids) for i, o in theirs.items()}
 
 
-def test_the_engine_core_in_its_own_process_started_by_spawn_gives_the_same_answers(tiny_model, prompt_parquet, tmp_path):
+def test_the_engine_core_in_its_own_process_started_by_spawn_gives_the_same_answers(
+    tiny_model, prompt_parquet, tmp_path
+):
     """What a GPU runs by default (the engine core in its own process, spawned), run here on the
     CPU build: the same answers as in one process."""
     import os
@@ -175,10 +177,30 @@ def test_the_engine_core_in_its_own_process_started_by_spawn_gives_the_same_answ
 
     def batchllm_run(output, **env):
         started = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "engine.cli.main", "--log-file", str(output.with_suffix(".log")), "run",
-                               str(prompt_parquet), "--model", tiny_model, "--output", str(output), "--max-tokens", "6",
-                               "--kv-cache-blocks", "64", "--json"],
-                              check=True, capture_output=True, text=True, env={**os.environ, **env})
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "engine.cli.main",
+                "--log-file",
+                str(output.with_suffix(".log")),
+                "run",
+                str(prompt_parquet),
+                "--model",
+                tiny_model,
+                "--output",
+                str(output),
+                "--max-tokens",
+                "6",
+                "--kv-cache-blocks",
+                "64",
+                "--json",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+            env={**os.environ, **env},
+        )
         answers = pq.read_table(output)
         assert "INFO" not in done.stderr  # vLLM's start-up report goes to the log file, not the console
         return dict(zip(answers["id"].to_pylist(), answers["text"].to_pylist())), time.perf_counter() - started
@@ -191,7 +213,9 @@ def test_the_engine_core_in_its_own_process_started_by_spawn_gives_the_same_answ
     core_lines = [line for line in (tmp_path / "mp.log").read_text().splitlines()
                   if " INFO [" in line and "[MainProcess]" not in line and " vllm." in line]
     assert core_lines, "no vLLM line from the engine core's process in the log file"
-    print(f"batchllm run, {len(one)} rows: engine core in its own process {separate_s:.1f}s, in one process {one_s:.1f}s")
+    print(
+        f"batchllm run, {len(one)} rows: engine core in its own process {separate_s:.1f}s, in one process {one_s:.1f}s"
+    )
 
 
 def test_identical_rows_run_once_and_every_id_gets_plain_vllms_answer(tiny_model):

@@ -72,7 +72,9 @@ def test_cli_run_terminated_writes_what_finished_and_shuts_down(big_prompts, tmp
     written = rows_in_parts(checkpoint)
     total = make_prompt_table(seed=3, **ROWS).num_rows
     assert 0 < written < total and not output.exists()
-    rerun = json.loads(subprocess.run(cli(*args), capture_output=True, text=True, check=True, cwd=ROOT).stdout.splitlines()[-1])
+    rerun = json.loads(
+        subprocess.run(cli(*args), capture_output=True, text=True, check=True, cwd=ROOT).stdout.splitlines()[-1]
+    )
     assert rerun["reused_rows"] == written and rerun["computed_rows"] == total - written
 
 
@@ -112,7 +114,9 @@ def test_cli_run_killed_midway_resumes_without_recomputing_or_duplicating(big_pr
     assert {a["id"]: a["text"] for a in answers} == expected
 
     # Rerunning into the same output reuses every row and still writes one row per id.
-    again = json.loads(subprocess.run(cli(*args), capture_output=True, text=True, check=True, cwd=ROOT).stdout.splitlines()[-1])
+    again = json.loads(
+        subprocess.run(cli(*args), capture_output=True, text=True, check=True, cwd=ROOT).stdout.splitlines()[-1]
+    )
     assert again["reused_rows"] == total and again["computed_rows"] == 0
     assert pq.read_table(output).num_rows == total
 
@@ -134,8 +138,14 @@ def test_dagster_run_terminated_keeps_every_finished_row(big_prompts, tmp_path, 
                             output_table="answers", storage_dir=str(tmp_path / "jobs"))
     config_file = tmp_path / "job.json"
     config_file.write_text(config.model_dump_json())
-    child = subprocess.Popen([sys.executable, "-m", "tests.fault_job", str(config_file)], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, cwd=ROOT, env={**os.environ, "DAGSTER_HOME": str(home)})
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.fault_job", str(config_file)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "DAGSTER_HOME": str(home)},
+    )
     lines, written_before = [], None
     for line in child.stdout:  # until rows have finished that no checkpoint part holds yet
         lines.append(line)
@@ -145,7 +155,9 @@ def test_dagster_run_terminated_keeps_every_finished_row(big_prompts, tmp_path, 
             written_before = rows_in_parts(folders[0]) if folders else 0
             if written_before < int(done.group(1)):
                 break
-    assert child.poll() is None and written_before is not None, "run ended before it could be terminated:\n" + "".join(lines)
+    assert child.poll() is None and written_before is not None, "run ended before it could be terminated:\n" + "".join(
+        lines
+    )
     child.send_signal(signal.SIGTERM)
     rest, _ = child.communicate(timeout=120)
     assert child.returncode != 0, rest
@@ -178,8 +190,14 @@ def test_dagster_partition_killed_midway_resumes(big_prompts, tmp_path, tiny_mod
     )
     config_file = tmp_path / "job.json"
     config_file.write_text(config.model_dump_json())
-    child = subprocess.Popen([sys.executable, "-m", "tests.fault_job", str(config_file)], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, cwd=ROOT, env={**os.environ, "DAGSTER_HOME": str(home)})
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.fault_job", str(config_file)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "DAGSTER_HOME": str(home)},
+    )
     checkpoints = config.job_dir / "checkpoints"
     deadline = time.monotonic() + 240
     while not (checkpoints.exists() and any(checkpoints.iterdir())) and time.monotonic() < deadline:

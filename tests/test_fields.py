@@ -14,8 +14,11 @@ from engine.table.fields import (FieldOrder, PromptFields, choose_field_orders, 
 def reviews(products=4, per_product=5, seed=0) -> pa.Table:
     rng = np.random.default_rng(seed)
     description = [" ".join(rng.choice(["ka", "lo", "mi", "ne"], 60)) for _ in range(products)]
-    rows = [(f"r{p}-{k}", f"review {p}-{k} {rng.integers(1000)}", description[p], f"cat {p % 2}", int(rng.integers(1, 6)))
-            for p in range(products) for k in range(per_product)]
+    rows = [
+        (f"r{p}-{k}", f"review {p}-{k} {rng.integers(1000)}", description[p], f"cat {p % 2}", int(rng.integers(1, 6)))
+        for p in range(products)
+        for k in range(per_product)
+    ]
     order = rng.permutation(len(rows))
     columns = list(zip(*[rows[i] for i in order]))
     return pa.table(dict(zip(["id", "review", "description", "category", "stars"], columns)))
@@ -74,7 +77,9 @@ def test_greedy_grouping_puts_the_long_shared_field_first_then_what_is_constant_
     assert all(row[-1] in ("review", "stars") and set(row) == set(spec.fields) for row in names)
     assert field_positions(orders, spec)["description"] == [table.num_rows, 0, 0, 0]
     prompts = render_prompts(table, spec, orders).to_pylist()
-    same_product = [p for p, d in zip(prompts, table.column("description").to_pylist()) if d == table["description"][0].as_py()]
+    same_product = [
+        p for p, d in zip(prompts, table.column("description").to_pylist()) if d == table["description"][0].as_py()
+    ]
     first_line = "Label it.\n\ndescription: " + table["description"][0].as_py() + "\ncategory: "
     assert len(same_product) == 5 and all(p.startswith(first_line) for p in same_product)
 

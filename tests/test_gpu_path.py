@@ -101,7 +101,8 @@ def test_detecting_a_gpu_and_building_its_engine_arguments_never_touch_torch_cud
 
         platform = current_platform()
         settings = EngineSettings(model_path="/models/m", tensor_parallel_size=8)
-        print(json.dumps({{"platform": platform.value, "how": platform_detection(), "env": process_env(settings, platform),
+        print(json.dumps({{"platform": platform.value, "how": platform_detection(),
+                          "env": process_env(settings, platform),
                           "args": engine_args(settings, platform), "device": device_name()}}))
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
@@ -206,8 +207,12 @@ def test_requests_ask_vllm_for_deltas_only():
 def test_batch_invariant_mode_is_refused_off_cuda_with_the_reason():
     """vLLM's batch-invariant kernels are Triton kernels for GPUs: on CPU they fail mid-run with a
     TypeError, so the bench refuses the option before starting anything."""
-    result = subprocess.run([sys.executable, "-m", "engine.cli.main", "bench", "--shape", "nested", "--batch-invariant"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.cli.main", "bench", "--shape", "nested", "--batch-invariant"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0
     assert "--batch-invariant needs a CUDA GPU" in result.stderr and "this platform is cpu" in result.stderr
 
@@ -224,7 +229,9 @@ def test_the_gpu_check_script_runs_every_step_and_writes_one_report(tiny_model, 
     report = json.loads(out.read_text())
     assert done.returncode == 0, {name: step["stderr_tail"][-800:] for name, step in report["steps"].items()}
     assert report["ok"] and set(report["steps"]) == {"doctor_cold", "doctor", "bench_nested", "scheduler"}
-    assert report["steps"]["doctor_cold"]["result"]["verdict"] == report["steps"]["doctor"]["result"]["verdict"] == "ready"
+    assert (
+        report["steps"]["doctor_cold"]["result"]["verdict"] == report["steps"]["doctor"]["result"]["verdict"] == "ready"
+    )
     warm = int(report["steps"]["doctor"]["result"]["engine"]["start_s"])
     assert report["steps"]["bench_nested"]["limit_s"] == 2 * 5 * (warm + 60)  # sized from the warm start
     assert all(step["limit_why"] and not step["timed_out"] for step in report["steps"].values())

@@ -131,15 +131,20 @@ def run_shard(defs, instance, request):
 def queue_run(defs, instance, request):
     """A shard run created as the daemon queues it: it starts later, from what it was queued with."""
     job = defs.resolve_job_def(request.job_name)
-    return instance.create_run_for_job(job, tags={**job.tags, **request.tags, "dagster/partition": request.partition_key},
-                                       run_config={**QUIET, "execution": {"config": {"in_process": {}}}})
+    return instance.create_run_for_job(
+        job,
+        tags={**job.tags, **request.tags, "dagster/partition": request.partition_key},
+        run_config={**QUIET, "execution": {"config": {"in_process": {}}}},
+    )
 
 
 def start_queued(defs, instance, request, queued):
     from dagster._core.definitions.job_base import InMemoryJob
     from dagster._core.execution.api import execute_run
 
-    return execute_run(InMemoryJob(defs.resolve_job_def(request.job_name)), instance.get_run_by_id(queued.run_id), instance)
+    return execute_run(
+        InMemoryJob(defs.resolve_job_def(request.job_name)), instance.get_run_by_id(queued.run_id), instance
+    )
 
 
 def shard_ids(config: BatchJobConfig, key: str) -> list:
@@ -182,7 +187,9 @@ def test_seven_nights_never_a_stale_answer_an_orphan_or_a_red_check(nightly, tmp
                 if n == 2:  # inserts, edits, deletes
                     con.execute("INSERT INTO prompt_rows SELECT 'new-' || id, prompt || ' Again?', messages "
                                 "FROM prompt_rows WHERE id LIKE 'doc1-%'")
-                    con.execute("UPDATE prompt_rows SET prompt = prompt || ' (edited)' WHERE id IN ('doc0-q0', 'doc2-q1')")
+                    con.execute(
+                        "UPDATE prompt_rows SET prompt = prompt || ' (edited)' WHERE id IN ('doc0-q0', 'doc2-q1')"
+                    )
                     con.execute("DELETE FROM prompt_rows WHERE id IN ('doc3-q0', 'doc3-q1', 'chat2')")
                 if n == 4:  # a whole document goes, one more edit
                     con.execute("DELETE FROM prompt_rows WHERE id LIKE 'doc4-%'")
@@ -258,12 +265,23 @@ def test_seven_nights_never_a_stale_answer_an_orphan_or_a_red_check(nightly, tmp
         plans, shards, cursor = night(defs, config, instance, cursor)
         assert first.partition_key not in instance.get_dynamic_partitions(config.partitions_name)
         reasons = check_the_night(config, plans, shards, from_scratch(config))
-        rerun_of_a = [completions_metadata(run) for run in shards if set(shard_ids(config, run.dagster_run.tags["dagster/partition"])) == set(a_rows) - {unfinished[0]}]
+        rerun_of_a = [
+            completions_metadata(run)
+            for run in shards
+            if set(shard_ids(config, run.dagster_run.tags["dagster/partition"])) == set(a_rows) - {unfinished[0]}
+        ]
         assert [m["reused_rows"] for m in rerun_of_a] == [len(finished)]
         assert reasons == {SETTINGS_CHANGED: len(unfinished) - 1}  # only what the dead run had not finished
         assert not config.checkpoint_path(first.partition_key).exists()  # its answers are in the table now
-        counts.append((7, len(a_rows) + len(shard_ids(config, second.partition_key)) - 1, 1 + len(plans), 2 + len(shards),
-                       reasons))
+        counts.append(
+            (
+                7,
+                len(a_rows) + len(shard_ids(config, second.partition_key)) - 1,
+                1 + len(plans),
+                2 + len(shards),
+                reasons,
+            )
+        )
     print("seven nights (night, live rows, plan runs, shard runs, rows run again by reason):", counts)
 
 

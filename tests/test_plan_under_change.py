@@ -13,8 +13,15 @@ STAMP = {b"batchllm.model": b"m1", b"batchllm.snapshot": b"s1", b"batchllm.setti
 def plan(path, rows, stamp=STAMP):
     """A plan file with the columns ``superseded`` reads: (id, content key, max_tokens, format, key)."""
     ids, keys, max_tokens, formats, partitions = zip(*rows)
-    table = pa.table({"id": list(ids), CONTENT_KEY: pa.array([k.to_bytes(16, "big") for k in keys], KEY_TYPE), "max_tokens": list(max_tokens),
-                      "response_format": pa.array(list(formats), pa.string()), "partition_key": list(partitions)})
+    table = pa.table(
+        {
+            "id": list(ids),
+            CONTENT_KEY: pa.array([k.to_bytes(16, "big") for k in keys], KEY_TYPE),
+            "max_tokens": list(max_tokens),
+            "response_format": pa.array(list(formats), pa.string()),
+            "partition_key": list(partitions),
+        }
+    )
     pq.write_table(table.replace_schema_metadata({**stamp, b"batchllm.plan_run": b"run-1"}), path)
     return pq.read_table(path, filters=[("partition_key", "=", "K")])
 
@@ -47,8 +54,13 @@ def parquet_job(tmp_path, tiny_model, name: str, rows: list[dict]):
 
     source = tmp_path / "prompts.parquet"
     pq.write_table(pa.Table.from_pylist(rows), source)
-    config = BatchJobConfig(name=name, dataset=DatasetSpec(parquet=str(source)), llm=EngineSettings(model_path=tiny_model),
-                            output_database=str(tmp_path / "o.duckdb"), storage_dir=str(tmp_path / "jobs"))
+    config = BatchJobConfig(
+        name=name,
+        dataset=DatasetSpec(parquet=str(source)),
+        llm=EngineSettings(model_path=tiny_model),
+        output_database=str(tmp_path / "o.duckdb"),
+        storage_dir=str(tmp_path / "jobs"),
+    )
     graph = build_batch_defs(config).resolve_asset_graph()
     prompts, groups, completions = (graph.assets_def_for_key(dg.AssetKey([name, n]))
                                     for n in ("prompts", "prefix_groups", "completions"))
@@ -179,7 +191,9 @@ def test_a_killed_shard_whose_key_changed_gives_its_finished_answers_to_the_new_
         [first_key] = instance.get_dynamic_partitions(config.partitions_name)
         died = dg.materialize([completions], partition_key=first_key, instance=instance, raise_on_error=False)
         assert not died.success and len(list(config.checkpoint_path(first_key).glob("part-*.parquet"))) >= 1
-        pq.write_table(pa.Table.from_pylist(rows + [{"id": 20, "prompt": f"{prompt}Question 20?", "max_tokens": 4}]), source)
+        pq.write_table(
+            pa.Table.from_pylist(rows + [{"id": 20, "prompt": f"{prompt}Question 20?", "max_tokens": 4}]), source
+        )
         assert dg.materialize(upstream, instance=instance).success
         [new_key] = instance.get_dynamic_partitions(config.partitions_name)
         assert new_key != first_key and config.checkpoint_path(first_key).exists()  # kept: it holds answers

@@ -118,10 +118,16 @@ def test_completions_partition_runs_on_ray_when_configured(cluster, tiny_model, 
     table = make_prompt_table(seed=7)
     pq.write_table(table, tmp_path / "prompts.parquet")
     config = BatchJobConfig(
-        name="on_ray", dataset=DatasetSpec(parquet=str(tmp_path / "prompts.parquet")),
-        llm=EngineSettings(model_path=tiny_model, kv_cache_blocks=256), sampling=SamplingSettings(max_tokens=24), shards=1,
-        output_database=str(tmp_path / "out.duckdb"), output_table="answers", storage_dir=str(tmp_path / "jobs"),
-        backend="ray", ray_replicas=2,
+        name="on_ray",
+        dataset=DatasetSpec(parquet=str(tmp_path / "prompts.parquet")),
+        llm=EngineSettings(model_path=tiny_model, kv_cache_blocks=256),
+        sampling=SamplingSettings(max_tokens=24),
+        shards=1,
+        output_database=str(tmp_path / "out.duckdb"),
+        output_table="answers",
+        storage_dir=str(tmp_path / "jobs"),
+        backend="ray",
+        ray_replicas=2,
     )
     defs = build_batch_defs(config)
     graph = defs.resolve_asset_graph()

@@ -66,7 +66,9 @@ def test_each_row_is_sent_with_its_format_and_prefix_requests_with_none(tiny_mod
     table = pa.table({"id": [f"r{i}" for i in range(6)], "prompt": [f"{shared}Review {i}:" for i in range(6)],
                       "response_format": [None, None, PERSON.to_text(), None, None, None]})
     job = SamplingSettings(max_tokens=3, response_format=LABELS)
-    prepared = prepare_batch(table, load_tokenizer(tiny_model), EngineSettings(model_path=tiny_model, block_size=8), job)
+    prepared = prepare_batch(
+        table, load_tokenizer(tiny_model), EngineSettings(model_path=tiny_model, block_size=8), job
+    )
     engine = FakeEngine(num_blocks=16, block_size=8)  # the group cannot enter at once: a prefix request
     results = list(BatchRun(prepared, engine, job, SchedulerSettings(log_every_s=60, prefix_requests=True)))
     assert len(results) == 6
@@ -85,7 +87,8 @@ def test_a_component_with_an_invalid_schema_fails_to_load_with_the_reason():
     with pytest.raises(Exception, match="invalid JSON schema"):
         BatchJobComponent.resolve_from_yaml(yaml_text)
     ok = BatchJobComponent.resolve_from_yaml(
-        "name: x\ndataset: {sql: select 1, database: d.duckdb}\nsampling: {response_format: {choice: [\"yes\", \"no\"]}}\n")
+        'name: x\ndataset: {sql: select 1, database: d.duckdb}\nsampling: {response_format: {choice: ["yes", "no"]}}\n'
+    )
     assert ok.sampling.response_format == ResponseFormat(choice=["yes", "no"])
 
 
@@ -101,7 +104,9 @@ def test_a_max_tokens_that_cannot_hold_the_longest_choice_is_refused_naming_what
     with pytest.raises(ValueError, match=f"needs {needed} tokens.*at least {needed}"):
         check_room_for_answers(CARS, needed - 1, tokenizer)
     check_room_for_answers(CARS, needed, tokenizer)
-    check_room_for_answers(PERSON, 1, tokenizer)  # a schema's shortest answer is not computed: cut-offs are caught after
+    check_room_for_answers(
+        PERSON, 1, tokenizer
+    )  # a schema's shortest answer is not computed: cut-offs are caught after
 
     # A job declared so is refused when its definitions load.
     from assets import build_batch_defs
@@ -122,7 +127,9 @@ def test_a_constrained_answer_cut_off_at_max_tokens_is_an_error_row_never_ok(tin
     table = pa.table({"id": ["a", "b", "c"], "prompt": ["Car 1:", "Car 2:", "Car 3:"],
                       "response_format": [CARS.to_text(), None, PERSON.to_text()]})
     sampling = SamplingSettings(max_tokens=3)
-    prepared = prepare_batch(table, load_tokenizer(tiny_model), EngineSettings(model_path=tiny_model, block_size=8), sampling)
+    prepared = prepare_batch(
+        table, load_tokenizer(tiny_model), EngineSettings(model_path=tiny_model, block_size=8), sampling
+    )
     run = BatchRun(prepared, FakeEngine(num_blocks=64, block_size=8), sampling, SchedulerSettings(log_every_s=60))
     results = {r.id: r for r in run}
     assert results["b"].status == "ok"
@@ -157,4 +164,6 @@ def test_a_constrained_answer_that_ended_early_is_ok_only_where_its_format_prove
     reason = cut_off_reason(fmt, text, finish, 8, stop)
     assert (reason is None) == complete, reason
     if not complete:
-        assert reason.startswith("cut off at max_tokens (8)" if finish == "length" else f"ended by the stop string {stop!r}")
+        assert reason.startswith(
+            "cut off at max_tokens (8)" if finish == "length" else f"ended by the stop string {stop!r}"
+        )

@@ -53,7 +53,9 @@ class Watched:
 
 def run(batch, groups, max_tokens, num_blocks, **scheduler_kw):
     engine = FakeEngine(num_blocks, BLOCK)
-    scheduler = GroupScheduler(batch, np.asarray(max_tokens), groups, SchedulerSettings(**scheduler_kw), BLOCK, num_blocks)
+    scheduler = GroupScheduler(
+        batch, np.asarray(max_tokens), groups, SchedulerSettings(**scheduler_kw), BLOCK, num_blocks
+    )
     watch = Watched(engine, scheduler)
     totals = StepTotals()
     out = list(drive(scheduler, engine, SAMPLING, totals, on_step=watch))
@@ -137,7 +139,9 @@ def test_lookahead_keeps_more_rows_in_flight_than_full_reservation():
     batch, groups = nested_batch(documents=8, rows_per_document=6, system_blocks=2, document_blocks=2)
     max_tokens = np.full(len(batch.lengths), 24)
     _, _, _, _, full = run(batch, groups, max_tokens, num_blocks=40, reserve_output="full")
-    _, _, _, _, lookahead = run(batch, groups, max_tokens, num_blocks=40, reserve_output="lookahead", lookahead_tokens=4)
+    _, _, _, _, lookahead = run(
+        batch, groups, max_tokens, num_blocks=40, reserve_output="lookahead", lookahead_tokens=4
+    )
     assert lookahead.rows_per_step > full.rows_per_step
 
 
@@ -228,7 +232,9 @@ def random_plans(draw):
             if rows and members[:-1] and draw(st.integers(0, 4)) == 0:  # a duplicate of the row before
                 rows.append(rows[-1].copy())
                 continue
-            if duplicates or (prefix.size and draw(st.integers(0, 3)) == 0):  # the group's prefix alone: block-aligned, wholly cached
+            if duplicates or (
+                prefix.size and draw(st.integers(0, 3)) == 0
+            ):  # the group's prefix alone: block-aligned, wholly cached
                 rows.append(prefix.copy())
                 continue
             if not draw(st.booleans()):  # else: shares a middle part (a document) with the row before

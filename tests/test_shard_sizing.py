@@ -39,14 +39,22 @@ def test_the_plan_takes_the_size_the_last_partitions_measured(tmp_path, tiny_mod
     source = tmp_path / "prompts.parquet"
     pq.write_table(pa.table({"id": list(range(50)), "prompt": [f"a question about topic {i}?" for i in range(50)]}),
                    source)
-    config = BatchJobConfig(name="sized", dataset=DatasetSpec(parquet=str(source)), llm=EngineSettings(model_path=tiny_model),
-                            rows_per_shard=own, output_database=str(tmp_path / "o.duckdb"), storage_dir=str(tmp_path / "j"))
+    config = BatchJobConfig(
+        name="sized",
+        dataset=DatasetSpec(parquet=str(source)),
+        llm=EngineSettings(model_path=tiny_model),
+        rows_per_shard=own,
+        output_database=str(tmp_path / "o.duckdb"),
+        storage_dir=str(tmp_path / "j"),
+    )
     graph = build_batch_defs(config).resolve_asset_graph()
     upstream = [graph.assets_def_for_key(dg.AssetKey(["sized", n])) for n in ("prompts", "prefix_groups")]
 
     def plan(instance) -> dict:
         result = dg.materialize(upstream, instance=instance)
-        return {k: v.value for k, v in result.asset_materializations_for_node("sized__prefix_groups")[0].metadata.items()}
+        return {
+            k: v.value for k, v in result.asset_materializations_for_node("sized__prefix_groups")[0].metadata.items()
+        }
 
     with dg.instance_for_test() as instance:
         first = plan(instance)

@@ -119,7 +119,9 @@ def test_backfill_from_the_ui_runs_every_shard_and_the_page_shows_its_metadata(p
         deadline = time.monotonic() + 600
         status = None
         while time.monotonic() < deadline:
-            status = graphql(port, BACKFILL_STATUS, {"id": launched["backfillId"]})["partitionBackfillOrError"]["status"]
+            status = graphql(port, BACKFILL_STATUS, {"id": launched["backfillId"]})["partitionBackfillOrError"][
+                "status"
+            ]
             if status not in ("REQUESTED", "CANCELING", "FAILING"):
                 break
             time.sleep(2)
@@ -154,7 +156,9 @@ def test_backfill_from_the_ui_runs_every_shard_and_the_page_shows_its_metadata(p
 def visible_text(html: str) -> str:
     import re
 
-    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", re.sub(r"<(script|style|svg)[^>]*>.*?</\1>", " ", html, flags=re.S)))
+    return re.sub(
+        r"\s+", " ", re.sub(r"<[^>]+>", " ", re.sub(r"<(script|style|svg)[^>]*>.*?</\1>", " ", html, flags=re.S))
+    )
 
 
 def render(url: str, tmp_path: Path) -> str:

@@ -41,7 +41,9 @@ def test_two_partitions_writing_at_once_lose_nothing(tmp_path):
         p.join(120)
         assert p.exitcode == 0
     with duckdb.connect(database, read_only=True) as con:
-        got = con.execute("SELECT partition_key, count(*), count(DISTINCT id), max(text) FROM answers GROUP BY 1 ORDER BY 1").fetchall()
+        got = con.execute(
+            "SELECT partition_key, count(*), count(DISTINCT id), max(text) FROM answers GROUP BY 1 ORDER BY 1"
+        ).fetchall()
     assert got == [(k, 50, 50, "round 14") for k in ("s0", "s1", "s2")]
 
 

@@ -120,8 +120,14 @@ class LLMEngineStandIn(_SteadyDecode):
         return request[1]
 
     def _report(self, entered: list, finished: list) -> list:
-        return ([_request_output(request_id, 1, False, prompt) for request_id, max_tokens, prompt in entered if max_tokens > 1]
-                + [_request_output(request_id, max(max_tokens - 1, 1), True, prompt) for request_id, max_tokens, prompt in finished])
+        return [
+            _request_output(request_id, 1, False, prompt)
+            for request_id, max_tokens, prompt in entered
+            if max_tokens > 1
+        ] + [
+            _request_output(request_id, max(max_tokens - 1, 1), True, prompt)
+            for request_id, max_tokens, prompt in finished
+        ]
 
 
 def _request_output(request_id: str, new_tokens: int, finished: bool, prompt_tokens: int):
@@ -183,11 +189,17 @@ def measure(in_flight: int, finishing_per_step: int = 16, seed: int = 0, with_ha
     wall = time.perf_counter() - started
     steady = slice(len(engine.gaps) // 4, len(engine.gaps) * 3 // 4)  # full: without the fill and the drain
     gaps = np.array(engine.gaps[steady]) * 1e6
-    return {"asked_rows_in_flight": in_flight, "rows_in_flight": int(np.median(engine.in_flight[steady])), "rows": finished, "steps": len(engine.gaps) + 1,
-            "rows_finishing_per_step": round(rows / max(len(engine.gaps), 1), 1),
-            "us_per_step_median": round(float(np.median(gaps)), 1), "us_per_step_p90": round(float(np.percentile(gaps, 90)), 1),
-            "us_per_step_mean_all": round((wall - engine.engine_s - sum(recount_s)) / max(len(engine.gaps), 1) * 1e6, 1),
-            "us_recount_all_rows": round(float(np.median(recount_s)) * 1e6, 1) if recount_s else None}
+    return {
+        "asked_rows_in_flight": in_flight,
+        "rows_in_flight": int(np.median(engine.in_flight[steady])),
+        "rows": finished,
+        "steps": len(engine.gaps) + 1,
+        "rows_finishing_per_step": round(rows / max(len(engine.gaps), 1), 1),
+        "us_per_step_median": round(float(np.median(gaps)), 1),
+        "us_per_step_p90": round(float(np.percentile(gaps, 90)), 1),
+        "us_per_step_mean_all": round((wall - engine.engine_s - sum(recount_s)) / max(len(engine.gaps), 1) * 1e6, 1),
+        "us_recount_all_rows": round(float(np.median(recount_s)) * 1e6, 1) if recount_s else None,
+    }
 
 
 def run_scheduler_only(sizes: list[int]) -> dict:
@@ -197,13 +209,21 @@ def run_scheduler_only(sizes: list[int]) -> dict:
     with_handle = [measure(n, with_handle=True) for n in sizes]
     worst = max(results, key=lambda r: r["rows_in_flight"])
     at_1024 = [r for r in with_handle if r["asked_rows_in_flight"] == 1024]
-    return {"scheduler_overhead": results, "with_vllm_handle": with_handle, "target_us_per_step_at_16384": 200,
-            "target_us_per_step_mean_with_handle_at_1024": 200,
-            "verdict": f"{worst['us_per_step_median']:.0f} us per step (median; p90 {worst['us_per_step_p90']:.0f}) at "
-                       f"{worst['rows_in_flight']:,} rows in flight, {worst['rows_finishing_per_step']} finishing per "
-                       f"step; recounting every row in flight, as each step did before: {worst['us_recount_all_rows']:.0f} us"
-                       + (f"; with the vLLM handle at 1,024: {at_1024[0]['us_per_step_mean_all']:.0f} us per step, mean over "
-                          "all steps" if at_1024 else "")}
+    return {
+        "scheduler_overhead": results,
+        "with_vllm_handle": with_handle,
+        "target_us_per_step_at_16384": 200,
+        "target_us_per_step_mean_with_handle_at_1024": 200,
+        "verdict": f"{worst['us_per_step_median']:.0f} us per step (median; p90 {worst['us_per_step_p90']:.0f}) at "
+        f"{worst['rows_in_flight']:,} rows in flight, {worst['rows_finishing_per_step']} finishing per "
+        f"step; recounting every row in flight, as each step did before: {worst['us_recount_all_rows']:.0f} us"
+        + (
+            f"; with the vLLM handle at 1,024: {at_1024[0]['us_per_step_mean_all']:.0f} us per step, mean over "
+            "all steps"
+            if at_1024
+            else ""
+        ),
+    }
 
 
 # An H200 running an 8B model in bf16 (128 KiB of KV per token): about 106 GB of its 141 GB left for
@@ -244,7 +264,9 @@ def measure_fill(rows: int = 20_000, platform: dict = H200, seed: int = 0) -> di
     for name in ("vllm_generate_sorted", "batchllm"):
         engine = FakeEngine(platform["kv_blocks"], BLOCK, platform["max_num_seqs"], platform["max_num_batched_tokens"])
         if name == "batchllm":
-            groups = groups_in_run_order(plan.order.tolist(), plan.group_of_row, plan.group_prefix_tokens[plan.group_of_row])
+            groups = groups_in_run_order(
+                plan.order.tolist(), plan.group_of_row, plan.group_prefix_tokens[plan.group_of_row]
+            )
             scheduler = GroupScheduler(batch, max_tokens, groups, SchedulerSettings(log_every_s=3600), BLOCK,
                                        platform["kv_blocks"])
         else:
@@ -263,11 +285,18 @@ def measure_fill(rows: int = 20_000, platform: dict = H200, seed: int = 0) -> di
                      "prefix_requests": scheduler.stats.prefix_requests, "preemptions": engine.preemptions}
     ours, theirs = out["batchllm"], out["vllm_generate_sorted"]
     share = ours["rows_in_flight_median"] / max(theirs["rows_in_flight_median"], 1)
-    return {"shape": "short", "rows": rows, "platform": platform, "block_size": BLOCK, "runs": out,
-            "rows_in_flight_share": round(share, 3), "steps_ratio": round(theirs["steps"] / max(ours["steps"], 1), 3),
-            "verdict": f"short shape at {platform['max_num_seqs']:,} sequences, {platform['max_num_batched_tokens']:,} "
-                       f"tokens per step and {platform['kv_blocks']:,} KV blocks: batchllm keeps "
-                       f"{ours['rows_in_flight_median']:.0f} rows in flight in steady state, {100 * share:.0f}% of the "
-                       f"{theirs['rows_in_flight_median']:.0f} of vLLM alone on sorted rows, "
-                       f"{ours['batched_tokens_per_step_mean']:,.0f} tokens per step against "
-                       f"{theirs['batched_tokens_per_step_mean']:,.0f}; {ours['steps']} steps against {theirs['steps']}"}
+    return {
+        "shape": "short",
+        "rows": rows,
+        "platform": platform,
+        "block_size": BLOCK,
+        "runs": out,
+        "rows_in_flight_share": round(share, 3),
+        "steps_ratio": round(theirs["steps"] / max(ours["steps"], 1), 3),
+        "verdict": f"short shape at {platform['max_num_seqs']:,} sequences, {platform['max_num_batched_tokens']:,} "
+        f"tokens per step and {platform['kv_blocks']:,} KV blocks: batchllm keeps "
+        f"{ours['rows_in_flight_median']:.0f} rows in flight in steady state, {100 * share:.0f}% of the "
+        f"{theirs['rows_in_flight_median']:.0f} of vLLM alone on sorted rows, "
+        f"{ours['batched_tokens_per_step_mean']:,.0f} tokens per step against "
+        f"{theirs['batched_tokens_per_step_mean']:,.0f}; {ours['steps']} steps against {theirs['steps']}",
+    }

@@ -146,16 +146,31 @@ def run_bench(args) -> dict:
                   "batchllm_field_order": (reordered.plan_s + field_order_s) if reordered else 0.0}
     ratios, with_planning = ratios_over_repetitions(repetitions, planning_s)
     return {
-        "workload": {**described, "rows": prepared.num_rows, "model": args.model or DEFAULT_MODEL, "dtype": engine_settings.for_platform(current_platform()).dtype,
-                     "block_size": args.block_size, "kv_cache_blocks": kv_blocks,
-                     "prefix_working_set_blocks": working_set, "prompt_tokens": plan.prompt_tokens,
-                     "unique_tokens": plan.unique_tokens, "shared_prompt_tokens": plan.shared_prompt_tokens,
-                     "duplicate_rows": count_duplicates(prepared.duplicate_set), "plan_s": round(prepared.plan_s, 4),
-                     # batchllm's own prompts where it reorders their fields (the baselines keep the declared order)
-                     **({"batchllm_prompt_tokens": reordered.plan.prompt_tokens,
-                         "batchllm_unique_tokens": reordered.plan.unique_tokens,
-                         "field_order_s": round(field_order_s, 4)} if reordered else {}),
-                     "planning_s_charged": {name: round(s, 4) for name, s in planning_s.items() if name in names}},
+        "workload": {
+            **described,
+            "rows": prepared.num_rows,
+            "model": args.model or DEFAULT_MODEL,
+            "dtype": engine_settings.for_platform(current_platform()).dtype,
+            "block_size": args.block_size,
+            "kv_cache_blocks": kv_blocks,
+            "prefix_working_set_blocks": working_set,
+            "prompt_tokens": plan.prompt_tokens,
+            "unique_tokens": plan.unique_tokens,
+            "shared_prompt_tokens": plan.shared_prompt_tokens,
+            "duplicate_rows": count_duplicates(prepared.duplicate_set),
+            "plan_s": round(prepared.plan_s, 4),
+            # batchllm's own prompts where it reorders their fields (the baselines keep the declared order)
+            **(
+                {
+                    "batchllm_prompt_tokens": reordered.plan.prompt_tokens,
+                    "batchllm_unique_tokens": reordered.plan.unique_tokens,
+                    "field_order_s": round(field_order_s, 4),
+                }
+                if reordered
+                else {}
+            ),
+            "planning_s_charged": {name: round(s, 4) for name, s in planning_s.items() if name in names},
+        },
         "repeat": args.repeat,
         "run_order": [list(runs) for runs in repetitions],  # each repetition's order (rotated)
         "runs": {name: median_run([runs[name] for runs in repetitions]) for name in names},
@@ -166,8 +181,9 @@ def run_bench(args) -> dict:
         # batchllm's prefill tokens over each baseline's: under 1 is fewer tokens computed
         "prefill_ratios": prefill_ratios(repetitions),
         # prompt tokens each prompt set computes at least (sorted, at this block size; see Run)
-        "prompt_set_prefill": {name: int(p.plan.prompt_tokens - p.plan.shared_prompt_tokens)
-                               for name, p in planned_sets.items()},
+        "prompt_set_prefill": {
+            name: int(p.plan.prompt_tokens - p.plan.shared_prompt_tokens) for name, p in planned_sets.items()
+        },
         "outputs_equal": not mismatched,
         # With reordered fields: the share of rows whose answer is the same in both orders.
         "field_order_agreement": field_order_agreement,
@@ -238,7 +254,9 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--database", help="DuckDB database PROMPTS refers to (opened read-only)")
     bench.add_argument("--sample", type=at_least_one, default=500,
                        help="rows of PROMPTS to bench, as whole prefix groups (default 500)")
-    bench.add_argument("--max-tokens", type=at_least_one, default=64, help="output tokens of a PROMPTS row without its own")
+    bench.add_argument(
+        "--max-tokens", type=at_least_one, default=64, help="output tokens of a PROMPTS row without its own"
+    )
     bench.add_argument("--json", action="store_true", help="JSON on stdout (always; logs go to stderr)")
     bench.add_argument("--runs", help="comma-separated subset of " + ",".join(RUNS) + " (default: every run the "
                        "prompts allow; " + ", ".join(FIELD_RUNS) + " need prompts from fields)")

@@ -89,7 +89,9 @@ def in_fresh_process(job: Path, name: str, log_file: Path) -> tuple[dict, dict]:
     """One run in a new Python process (no warm caches, no allocator state, no threads left over
     from an earlier run): its report, with the process id, and its answers."""
     out = job.with_name(f"{name}-{time.time_ns()}.json")
-    subprocess.run([sys.executable, "-m", "engine.bench.fresh_process", str(job), name, str(out), str(log_file)], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "engine.bench.fresh_process", str(job), name, str(out), str(log_file)], check=True
+    )
     result = json.loads(out.read_text())
     out.unlink()
     return result["report"], result["outputs"]

@@ -31,7 +31,9 @@ from .shapes import (
 log = logging.getLogger(__name__)
 
 
-def field_prompt_tables(table: pa.Table, fields: PromptFields, tokenizer, block_size: int) -> tuple[dict[str, pa.Table], float]:
+def field_prompt_tables(
+    table: pa.Table, fields: PromptFields, tokenizer, block_size: int
+) -> tuple[dict[str, pa.Table], float]:
     """The table with its prompt column rendered for each prompt set of ``Run`` (``chosen`` only
     where ``fields`` reorders), and the seconds choosing batchllm's order took (charged to it)."""
     from ..plan.prepared import sorted_prefill_counter
@@ -58,7 +60,9 @@ def field_batches(table: pa.Table, fields: PromptFields, tokenizer, block_size: 
     return {name: tokenize_rows(tokenizer, t.column("prompt").to_pylist()) for name, t in tables.items()}, order_s
 
 
-def planned_prompt_set(batch, max_tokens, block_size: int, ids: list | None = None, response_formats: dict | None = None):
+def planned_prompt_set(
+    batch, max_tokens, block_size: int, ids: list | None = None, response_formats: dict | None = None
+):
     """A synthetic prompt set planned as a table's rows are (``plan_tokenized``): the plan, and the
     batch every run gets. Each row runs: the context is set to hold the longest row."""
     from ..plan.prepared import plan_tokenized
@@ -142,15 +146,25 @@ def bench_prompt_sets(args, tokenizer, model_path: str) -> BenchPromptSets:
         batches, field_order_s = field_batches(table, fields, tokenizer, args.block_size)
         max_tokens = np.random.default_rng(args.seed).integers(2, 9, table.num_rows).astype(np.int64)  # short answers
         ids = table.column("id").to_pylist()
-        described = {"shape": "fields", "seed": args.seed, "fields": fields.fields, "field_order": fields.field_order.value}
+        described = {
+            "shape": "fields",
+            "seed": args.seed,
+            "fields": fields.fields,
+            "field_order": fields.field_order.value,
+        }
     elif args.shape == "short":
         fields = fields or SHORT_SHAPE
         table, max_tokens, choices = short_table(args.seed)
         batches, field_order_s = field_batches(table, fields, tokenizer, args.block_size)
         response_formats = {row: ResponseFormat(choice=c) for row, c in choices.items()}
         ids = table.column("id").to_pylist()
-        described = {"shape": "short", "seed": args.seed, "fields": fields.fields, "field_order": fields.field_order.value,
-                     "constrained_rows": len(choices)}
+        described = {
+            "shape": "short",
+            "seed": args.seed,
+            "fields": fields.fields,
+            "field_order": fields.field_order.value,
+            "constrained_rows": len(choices),
+        }
     elif args.shape == "nested":
         batches["declared"], max_tokens = nested_tokens(vocab, args.seed)
         described = {"shape": "nested", "seed": args.seed}
@@ -169,7 +183,9 @@ def bench_prompt_sets(args, tokenizer, model_path: str) -> BenchPromptSets:
         batches["declared"], max_tokens = synthetic_tokens(workload, vocab)
         described = {"shape": "groups", **asdict(workload)}
     ids = ids or [f"row-{i:06d}" for i in range(max_tokens.size)]
-    both = {name: planned_prompt_set(b, max_tokens, args.block_size, ids, response_formats) for name, b in batches.items()}
+    both = {
+        name: planned_prompt_set(b, max_tokens, args.block_size, ids, response_formats) for name, b in batches.items()
+    }
     planned_sets = {name: planned for name, (planned, _) in both.items()}  # each prompt set's plan
     prompt_sets = {name: prepared for name, (_, prepared) in both.items()}  # ... and the batch its runs get
     return BenchPromptSets(planned_sets, prompt_sets, max_tokens, response_formats, described, field_order_s)

@@ -32,7 +32,9 @@ def ratios_over_repetitions(repetitions: list[dict], plan_s: dict[str, float]) -
         for baseline in BASELINES:
             if RUNS[ours_name].prompts == "declared" and RUNS[baseline].prompts != "declared":
                 continue  # the engine's own effect: on exactly the prompts the baseline ran
-            pairs = [(runs[ours_name], runs[baseline]) for runs in repetitions if ours_name in runs and baseline in runs]
+            pairs = [
+                (runs[ours_name], runs[baseline]) for runs in repetitions if ours_name in runs and baseline in runs
+            ]
             pairs = [(ours, theirs) for ours, theirs in pairs if theirs["wall_s"]]
             if not pairs:
                 continue
@@ -62,12 +64,16 @@ def median_run(reports: list[dict]) -> dict:
     return out
 
 
-def verdict(ratios: dict, agreement: float, rows: int, described: dict, field_order_agreement: float | None = None) -> str:
+def verdict(
+    ratios: dict, agreement: float, rows: int, described: dict, field_order_agreement: float | None = None
+) -> str:
     """Lines a team can act on: how each engine run compared with the strongest baseline that ran
     (the one it leads by least), with the range over the repetitions. ``batchllm`` is judged on
     the baselines' own prompts (the engine's effect); ``batchllm_field_order`` against every
     baseline, the hand order included (the engine and its field order together)."""
-    what = f"{rows} rows of {described['source']}" if described["shape"] == "table" else f"the {described['shape']} shape"
+    what = (
+        f"{rows} rows of {described['source']}" if described["shape"] == "table" else f"the {described['shape']} shape"
+    )
     if not ratios:
         return f"on {what}: run batchllm and a vLLM run to compare"
     equal = "outputs equal" if agreement == 1 else f"OUTPUTS DIFFER in {100 * (1 - agreement):.1f}% of rows"
@@ -78,7 +84,11 @@ def verdict(ratios: dict, agreement: float, rows: int, described: dict, field_or
     for ours, against in ratios.items():
         strongest = min(against, key=lambda key: against[key]["median"])
         r = against[strongest]
-        spread = f"{r['median']:.2f}x (range {r['min']:.2f}-{r['max']:.2f})" if r["min"] != r["max"] else f"{r['median']:.2f}x"
+        spread = (
+            f"{r['median']:.2f}x (range {r['min']:.2f}-{r['max']:.2f})"
+            if r["min"] != r["max"]
+            else f"{r['median']:.2f}x"
+        )
         call = {"faster": "faster than", "on par": "on par with", "slower": "SLOWER than"}[r["call"]]
         others = ", ".join(f"{against[k]['median']:.2f}x {LABELS[k[3:]]}" for k in against if k != strongest)
         lines.append(f"{ENGINE_LABELS[ours]} is {call} the strongest baseline, {LABELS[strongest[3:]]}: {spread}"

@@ -52,18 +52,24 @@ def check(settings: EngineSettings, rows: int = 16) -> Report:
     report = Report()
     platform = current_platform()
     version = vllm_version()
-    report.facts.update(platform=platform.value, detected_by=platform_detection(), vllm=version,
-                        vllm_pinned=f"{VLLM_SERIES}.x",
-                        gpus=[{"index": g.index, "name": g.name, "memory_gib": round(g.memory_gib, 1)} for g in visible_gpus()],
-                        gpus_on_node=len(gpus()))
+    report.facts.update(
+        platform=platform.value,
+        detected_by=platform_detection(),
+        vllm=version,
+        vllm_pinned=f"{VLLM_SERIES}.x",
+        gpus=[{"index": g.index, "name": g.name, "memory_gib": round(g.memory_gib, 1)} for g in visible_gpus()],
+        gpus_on_node=len(gpus()),
+    )
     try:
         check_vllm_version(version.split(" ")[-1])
     except RuntimeError as exc:
         report.problem(str(exc))
     if platform is Platform.CUDA and settings.tensor_parallel_size > len(visible_gpus()):
-        report.problem(f"tensor_parallel_size {settings.tensor_parallel_size} needs {settings.tensor_parallel_size} "
-                       f"GPUs; this process may use {len(visible_gpus())} of the node's {len(gpus())} "
-                       f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): lower it or give it more")
+        report.problem(
+            f"tensor_parallel_size {settings.tensor_parallel_size} needs {settings.tensor_parallel_size} "
+            f"GPUs; this process may use {len(visible_gpus())} of the node's {len(gpus())} "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): lower it or give it more"
+        )
     env = {**process_env(settings, platform), **os.environ}  # what the engine will see: the user's values win
     for problem in environment_problems(platform, env):
         report.problem(problem)

@@ -158,7 +158,9 @@ def cmd_plan(args) -> int:
     if plan.num_groups > args.top:
         print(f"   ... {plan.num_groups - args.top} more groups")
     for s in summary["shards"]:
-        print(f"shard {s['shard']}: {s['rows']} rows, ~{s['prefill_tokens']} prefill + {s['decode_tokens']} decode tokens")
+        print(
+            f"shard {s['shard']}: {s['rows']} rows, ~{s['prefill_tokens']} prefill + {s['decode_tokens']} decode tokens"
+        )
     return 0
 
 
@@ -185,16 +187,24 @@ def cmd_run(args) -> int:
     output = Path(args.output)
     check_output(output, args.prompts, args.overwrite)  # before any work
     with output_lock(output), terminate_as_exit():
-        engine_settings, sampling, _, _, prepared, _ = _prepare(args, field_order_state=Path(f"{output}.field_order.parquet"))
+        engine_settings, sampling, _, _, prepared, _ = _prepare(
+            args, field_order_state=Path(f"{output}.field_order.parquet")
+        )
         checkpoint_dir = Path(args.checkpoint_dir or f"{output}.checkpoint")
         bar = ProgressBar.on_terminal() if not args.json else None
         # With a bar on screen the progress lines go to the log file only.
         sink = file_logger("batchllm.progress").info if bar else log.info
         try:
             outcome = run_resumable(
-                prepared, engine_settings, sampling, checkpoint_dir, SchedulerSettings(log_every_s=args.progress_every_s),
-                reuse_from=[output] if output.exists() else [], progress_sink=sink,
-                checkpoint_every_rows=args.checkpoint_every_rows, display=bar,
+                prepared,
+                engine_settings,
+                sampling,
+                checkpoint_dir,
+                SchedulerSettings(log_every_s=args.progress_every_s),
+                reuse_from=[output] if output.exists() else [],
+                progress_sink=sink,
+                checkpoint_every_rows=args.checkpoint_every_rows,
+                display=bar,
             )
         finally:
             if bar:
@@ -228,7 +238,9 @@ def cmd_prepare_model(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="batchllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="batchllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--log-file", type=Path, default=LOG_DIR / "batchllm.log",
                         help="where vLLM's, torch's and other libraries' warnings go (default: %(default)s)")
@@ -247,10 +259,18 @@ def main(argv: list[str] | None = None) -> int:
     add_response_format_options(run)
     run.add_argument("--json", action="store_true", help="print the run's statistics as JSON")
     run.add_argument("--checkpoint-dir", help="where finished rows are kept while running (default OUT.checkpoint)")
-    run.add_argument("--checkpoint-every-rows", type=at_least_one, default=256, help="write a checkpoint part this often")
-    run.add_argument("--progress-every-s", type=positive_seconds, default=SchedulerSettings.model_fields["log_every_s"].default,
-                     help="seconds between progress lines")
-    run.add_argument("--overwrite", action="store_true", help="replace an existing --output that is not a result of these prompts")
+    run.add_argument(
+        "--checkpoint-every-rows", type=at_least_one, default=256, help="write a checkpoint part this often"
+    )
+    run.add_argument(
+        "--progress-every-s",
+        type=positive_seconds,
+        default=SchedulerSettings.model_fields["log_every_s"].default,
+        help="seconds between progress lines",
+    )
+    run.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --output that is not a result of these prompts"
+    )
     run.set_defaults(func=cmd_run)
 
     prep = sub.add_parser("prepare-model", help="build a built-in offline model")
@@ -266,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command in ("run", "bench", "doctor"):  # they start vLLM: its and torch's warnings go to the log file
         args.log_file = route_library_output(args.log_file)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s: %(message)s"
+    )
     from ..models import ModelNotFound
     from ..table.output import OutputError
     from ..vllm.vllm_engine import EngineStartError

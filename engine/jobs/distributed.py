@@ -51,8 +51,15 @@ class ReplicaWorker:
     def ping(self) -> int:
         return os.getpid()
 
-    def run_sub_shard(self, sub_shard: int, prepared: PreparedBatch, engine_settings: EngineSettings, sampling: SamplingSettings,
-                  scheduler_settings: SchedulerSettings, checkpoint_dir: str) -> dict:
+    def run_sub_shard(
+        self,
+        sub_shard: int,
+        prepared: PreparedBatch,
+        engine_settings: EngineSettings,
+        sampling: SamplingSettings,
+        scheduler_settings: SchedulerSettings,
+        checkpoint_dir: str,
+    ) -> dict:
         from .resume import run_resumable
 
         outcome = run_resumable(prepared, engine_settings, sampling, checkpoint_dir, scheduler_settings,
@@ -94,8 +101,10 @@ def replica_resources(node_gpus: list[float], replicas: int, tensor_parallel_siz
         return {"num_cpus": 1}
     total, fits = sum(node_gpus), sum(int(g // tensor_parallel_size) for g in node_gpus)
     if total < replicas * tensor_parallel_size:
-        raise RuntimeError(f"the Ray cluster has {total:g} GPUs; {replicas} replicas x tensor_parallel_size "
-                           f"{tensor_parallel_size} need {replicas * tensor_parallel_size}: lower ray_replicas or add GPUs")
+        raise RuntimeError(
+            f"the Ray cluster has {total:g} GPUs; {replicas} replicas x tensor_parallel_size "
+            f"{tensor_parallel_size} need {replicas * tensor_parallel_size}: lower ray_replicas or add GPUs"
+        )
     if fits < replicas:
         raise RuntimeError(f"a replica's {tensor_parallel_size} GPUs must be on one node; the nodes have "
                            f"{sorted((int(g) for g in node_gpus if g), reverse=True)} GPUs, room for {fits} of the "
@@ -126,7 +135,9 @@ def wait_for_gpu_nodes(nodes, wants_gpus: bool, timeout_s: float, sleep=None) ->
         sleep(5.0)
 
 
-def _sub_shards(prepared: PreparedBatch, replicas: int, placement: Placement, weights: list[float] | None) -> np.ndarray:
+def _sub_shards(
+    prepared: PreparedBatch, replicas: int, placement: Placement, weights: list[float] | None
+) -> np.ndarray:
     if placement is Placement.GROUPS:
         return split_prepared(prepared, replicas, weights)
     return np.arange(prepared.num_rows) % replicas
@@ -177,8 +188,20 @@ def run_on_ray(
         for i in range(replicas)
     }
     try:
-        return _run_sub_shards(ray, prepared, engine_settings, sampling, scheduler_settings, checkpoint_root, sub_shard_of_row,
-                           actors, resources_per_replica, max_attempts, start_timeout_s, run_timeout_s)
+        return _run_sub_shards(
+            ray,
+            prepared,
+            engine_settings,
+            sampling,
+            scheduler_settings,
+            checkpoint_root,
+            sub_shard_of_row,
+            actors,
+            resources_per_replica,
+            max_attempts,
+            start_timeout_s,
+            run_timeout_s,
+        )
     finally:
         for actor in actors.values():
             try:
@@ -187,8 +210,20 @@ def run_on_ray(
                 pass
 
 
-def _run_sub_shards(ray, prepared, engine_settings, sampling, scheduler_settings, checkpoint_root, sub_shard_of_row, actors,
-                resources_per_replica, max_attempts, start_timeout_s, run_timeout_s) -> RayRunResult:
+def _run_sub_shards(
+    ray,
+    prepared,
+    engine_settings,
+    sampling,
+    scheduler_settings,
+    checkpoint_root,
+    sub_shard_of_row,
+    actors,
+    resources_per_replica,
+    max_attempts,
+    start_timeout_s,
+    run_timeout_s,
+) -> RayRunResult:
     import time
 
     replicas = len(actors)
@@ -204,7 +239,10 @@ def _run_sub_shards(ray, prepared, engine_settings, sampling, scheduler_settings
     def submit(shard: int, replica: int):
         part = prepared.subset(np.flatnonzero(sub_shard_of_row == shard))
         folder = str(Path(checkpoint_root) / f"shard-{shard:03d}")
-        return actors[replica].run_sub_shard.remote(shard, part, engine_settings, sampling, scheduler_settings, checkpoint_dir=folder)
+        return actors[replica].run_sub_shard.remote(
+            shard, part, engine_settings, sampling, scheduler_settings, checkpoint_dir=folder
+        )
+
     pending = {submit(s, s): (s, s) for s in range(replicas) if (sub_shard_of_row == s).any()}
     attempts = {s: 1 for s, _ in pending.values()}
     done: dict[int, dict] = {}

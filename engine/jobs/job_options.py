@@ -102,8 +102,12 @@ def prompt_fields_from(args) -> PromptFields | None:
             raise SystemExit("--instruction and --question need --fields")
         return None
     try:
-        return PromptFields(instruction=args.instruction or "", fields=[f.strip() for f in args.fields.split(",") if f.strip()],
-                            question=args.question, field_order=args.field_order,
-                            choose_order_again=getattr(args, "choose_field_order_again", False))
+        return PromptFields(
+            instruction=args.instruction or "",
+            fields=[f.strip() for f in args.fields.split(",") if f.strip()],
+            question=args.question,
+            field_order=args.field_order,
+            choose_order_again=getattr(args, "choose_field_order_again", False),
+        )
     except ValidationError as exc:
         raise SystemExit(f"--fields: {one_line(exc)}") from None

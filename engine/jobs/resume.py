@@ -59,7 +59,9 @@ def run_resumable(
     rows = [int(r) for r in prepared.order] if rows is None else list(rows)
     settings_fp = settings_fingerprint(engine_settings.for_platform(current_platform()), sampling)
     fingerprints = row_fingerprints(prepared, settings_fp)
-    checkpoint = Checkpoint(checkpoint_dir, prepared.id_type, every_rows=checkpoint_every_rows, every_s=checkpoint_every_s)
+    checkpoint = Checkpoint(
+        checkpoint_dir, prepared.id_type, every_rows=checkpoint_every_rows, every_s=checkpoint_every_s
+    )
     reused = checkpoint.load({prepared.ids[r]: fingerprints[r] for r in rows}, also=list(reuse_from),
                              settings_fp=settings_fp)
     todo = [r for r in rows if prepared.ids[r] not in reused]

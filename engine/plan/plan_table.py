@@ -213,7 +213,9 @@ def _token_ids(rows: pa.Table) -> TokenizedBatch:
     lengths = np.diff(offsets)
     lengths[~pc.is_null(rows.column("error")).to_numpy(zero_copy_only=False)] = 0  # error rows run nothing
     keep = np.repeat(lengths > 0, np.diff(offsets))
-    return TokenizedBatch(np.asarray(tokens, dtype=np.int32)[keep], np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    return TokenizedBatch(
+        np.asarray(tokens, dtype=np.int32)[keep], np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    )
 
 
 def load_shard(path: Path, key: str, stamp: dict[str, str],

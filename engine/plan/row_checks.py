@@ -26,7 +26,8 @@ def output_budgets(row_max_tokens: list | None, default: int, lengths: np.ndarra
         errors.setdefault(
             int(i),
             f"prompt of {lengths[i]} tokens + max_tokens {max_tokens[i]} exceeds the model's context of {limit} "
-            f"tokens (max_model_len={settings.max_model_len or 'the default'}, KV cache {settings.kv_cache_blocks} blocks)",
+            f"tokens (max_model_len={settings.max_model_len or 'the default'}, "
+            f"KV cache {settings.kv_cache_blocks} blocks)",
         )
     return max_tokens
 

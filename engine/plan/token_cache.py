@@ -1,14 +1,14 @@
 """Token ids and block hashes cached by row content, so a nightly rerun tokenizes only the rows that changed.
 
-A row's key is its content key (``prompt_snapshot.content_keys``). The cache lives in one folder per tokenizer fingerprint (the tokenizer
-and chat-template files), as append-only parts of ``(key, token_ids, block_hashes, error)``: a
-rerun maps the parts into memory, tokenizes the rows whose key is missing and appends a small
-part; when half the entries no longer belong to the table the parts are compacted into one. Each
-entry keeps its row's chained block hashes (``RowBlocks``; a part records their block size and
-hash version), so the plan of a million rows reads 8 bytes per block instead of 4 per token, and
-hashes only what changed. Parts are Arrow IPC files, uncompressed, so they map into memory without
-being decoded (Parquet took 10 s per 2 GB of token ids to read back): a shard's partition reads
-just its rows' ids from them.
+A row's key is its content key (``prompt_snapshot.content_keys``). The cache lives in one folder per
+tokenizer fingerprint (the tokenizer and chat-template files), as append-only parts of ``(key,
+token_ids, block_hashes, error)``: a rerun maps the parts into memory, tokenizes the rows whose key
+is missing and appends a small part; when half the entries no longer belong to the table the parts
+are compacted into one. Each entry keeps its row's chained block hashes (``RowBlocks``; a part
+records their block size and hash version), so the plan of a million rows reads 8 bytes per block
+instead of 4 per token, and hashes only what changed. Parts are Arrow IPC files, uncompressed, so
+they map into memory without being decoded (Parquet took 10 s per 2 GB of token ids to read back): a
+shard's partition reads just its rows' ids from them.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ def _gather(lists: pa.ChunkedArray, position: np.ndarray) -> tuple[np.ndarray, n
     return flat, offsets
 
 
-def _entries(keys: pa.Array, tokens: np.ndarray, offsets: np.ndarray, errors: pa.Array, block_size: int) -> pa.RecordBatch:
+def _entries(
+    keys: pa.Array, tokens: np.ndarray, offsets: np.ndarray, errors: pa.Array, block_size: int
+) -> pa.RecordBatch:
     """Cache entries of rows ``tokens[offsets[i]:offsets[i + 1]]``, with their block hashes
     (computed here, once per content)."""
     blocks = RowBlocks.of_tokens(tokens, offsets, block_size)

@@ -35,7 +35,9 @@ class TokenizedBatch:
         arrays = [np.asarray(r, dtype=np.int32) for r in rows]
         lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
         tokens = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int32)
-        return cls(tokens=tokens, offsets=np.concatenate([[0], np.cumsum(lengths)]), errors=errors or {}, seconds=seconds)
+        return cls(
+            tokens=tokens, offsets=np.concatenate([[0], np.cumsum(lengths)]), errors=errors or {}, seconds=seconds
+        )
 
     def row(self, i: int) -> list[int]:
         return self.tokens[self.offsets[i] : self.offsets[i + 1]].tolist()
@@ -108,7 +110,11 @@ def _render_chat(tokenizer, messages: str) -> str:
     if not isinstance(conversation, list) or not conversation:
         raise ValueError("messages must be a non-empty JSON list of {role, content} objects")
     for k, message in enumerate(conversation):
-        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES or not isinstance(message.get("content"), str):
+        if (
+            not isinstance(message, dict)
+            or message.get("role") not in CHAT_ROLES
+            or not isinstance(message.get("content"), str)
+        ):
             raise ValueError(f"message {k} must be an object with a role in {CHAT_ROLES} and text content, "
                              f"not {str(message)[:80]!r}")
     return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)

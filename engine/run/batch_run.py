@@ -142,6 +142,9 @@ class BatchRun:
         stats.mean_kv_usage, stats.rows_per_step = totals.mean_kv_usage, totals.rows_per_step
         scheduled = scheduler.stats
         stats.prefix_requests = scheduled.prefix_requests
-        stats.prefix_prompt_tokens, stats.prefix_cached_tokens = scheduled.prefix_prompt_tokens, scheduled.prefix_cached_tokens
+        stats.prefix_prompt_tokens, stats.prefix_cached_tokens = (
+            scheduled.prefix_prompt_tokens,
+            scheduled.prefix_cached_tokens,
+        )
         progress.update(stats.rows, stats.prompt_tokens + stats.output_tokens, stats.saved_tokens, 0,
                         stats.mean_kv_usage, stats.preemptions, force=True)

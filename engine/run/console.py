@@ -139,13 +139,23 @@ def run_summary(stats: dict) -> list[tuple[str, str]]:
     """The lines of a finished run's summary, from ``RunStats.to_dict()`` plus row counts."""
     reusable = stats.get("reusable_tokens") or 0
     return [
-        ("rows", f"{stats['rows']:,} ({stats['ok_rows']:,} ok, {stats['error_rows']:,} errors, "
-                 f"{stats['reused_rows']:,} reused from a checkpoint)"),
-        ("prompt tokens", f"{stats['prompt_tokens']:,}, computed {stats['prefill_tokens']:,} (minimum "
-                          f"{stats['prompt_tokens'] - reusable:,}: {100 * stats['saving_vs_ideal']:.0f}% of the reusable tokens saved)"),
+        (
+            "rows",
+            f"{stats['rows']:,} ({stats['ok_rows']:,} ok, {stats['error_rows']:,} errors, "
+            f"{stats['reused_rows']:,} reused from a checkpoint)",
+        ),
+        (
+            "prompt tokens",
+            f"{stats['prompt_tokens']:,}, computed {stats['prefill_tokens']:,} (minimum "
+            f"{stats['prompt_tokens'] - reusable:,}: "
+            f"{100 * stats['saving_vs_ideal']:.0f}% of the reusable tokens saved)",
+        ),
         ("output tokens", f"{stats['output_tokens']:,}"),
         ("throughput", f"{stats['tokens_per_s']:,.0f} tok/s ({stats['output_tokens_per_s']:,.0f} output tok/s)"),
-        ("engine", f"{stats['engine_steps']:,} steps, {stats['rows_per_step']:.1f} rows/step, "
-                   f"vLLM KV {100 * stats['mean_kv_usage']:.0f}% used, {stats['preemptions']} preemptions"),
+        (
+            "engine",
+            f"{stats['engine_steps']:,} steps, {stats['rows_per_step']:.1f} rows/step, "
+            f"vLLM KV {100 * stats['mean_kv_usage']:.0f}% used, {stats['preemptions']} preemptions",
+        ),
         ("time", f"{format_eta(stats['wall_s'])} running, {format_eta(stats['startup_s'])} starting vLLM"),
     ]

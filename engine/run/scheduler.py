@@ -66,7 +66,9 @@ class PlannedGroup:
     rows: list[int]
 
 
-def groups_in_run_order(rows: Iterable[int], group_of_row: np.ndarray, prefix_tokens_of_row: np.ndarray) -> list[PlannedGroup]:
+def groups_in_run_order(
+    rows: Iterable[int], group_of_row: np.ndarray, prefix_tokens_of_row: np.ndarray
+) -> list[PlannedGroup]:
     """Split rows (already in run order) where the group changes."""
     groups: list[PlannedGroup] = []
     last = None
@@ -162,7 +164,9 @@ class GroupScheduler:
         self._budget = max(1, int(self._capacity * settings.kv_budget_fraction))
         self._lookahead = settings.lookahead_tokens if settings.reserve_output is ReserveOutput.LOOKAHEAD else None
         keys = group_prefix_keys(batch, groups, block_size)
-        self._queue = deque(_GroupState(position, g, keys.chain(position)) for position, g in enumerate(groups) if g.rows)
+        self._queue = deque(
+            _GroupState(position, g, keys.chain(position)) for position, g in enumerate(groups) if g.rows
+        )
         self._open: list[_GroupState] = []  # admitted groups with rows left to admit, in plan order
         # Rows sharing more than their group's prefix with the row before them (a document asked
         # two questions inside a larger group): row -> (that row, whole-block tokens they share).
@@ -477,4 +481,6 @@ class InOrder:
 
     def scheduler(self, prepared: PreparedBatch, rows_in_plan_order: list[int], settings: SchedulerSettings,
                   block_size: int, capacity_blocks: int) -> InOrderScheduler:
-        return InOrderScheduler(prepared.batch, prepared.max_tokens, [r for r in self.order if r not in prepared.errors])
+        return InOrderScheduler(
+            prepared.batch, prepared.max_tokens, [r for r in self.order if r not in prepared.errors]
+        )

@@ -55,10 +55,13 @@ class StepProfile:
                 out[name] = {"count": 0}
                 continue
             out[name] = {
-                "count": int(mask.sum()), "seconds": round(float(seconds[mask].sum()), 3),
+                "count": int(mask.sum()),
+                "seconds": round(float(seconds[mask].sum()), 3),
                 "ms_per_step": round(1000 * float(seconds[mask].mean()), 2),
-                "prefill_tokens": int(prefill[mask].sum()), "decode_tokens": int(decode[mask].sum()),
-                "rows_per_step": round(float(rows[mask].mean()), 2), "groups_per_step": round(float(groups[mask].mean()), 2),
+                "prefill_tokens": int(prefill[mask].sum()),
+                "decode_tokens": int(decode[mask].sum()),
+                "rows_per_step": round(float(rows[mask].mean()), 2),
+                "groups_per_step": round(float(groups[mask].mean()), 2),
                 "ms_per_decode_token": round(1000 * float(seconds[mask].sum() / max(decode[mask].sum(), 1)), 3),
             }
         return out

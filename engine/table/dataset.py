@@ -181,9 +181,13 @@ def validate(table: pa.Table, columns: Columns = Columns()) -> pa.Table:
         if name in names and not _is_text(table.column(name).type):
             raise DatasetError(f"column {name!r} must be text, not {table.column(name).type}")
     if columns.max_tokens in names and not pa.types.is_integer(table.column(columns.max_tokens).type):
-        raise DatasetError(f"column {columns.max_tokens!r} must be an integer, not {table.column(columns.max_tokens).type}")
+        raise DatasetError(
+            f"column {columns.max_tokens!r} must be an integer, not {table.column(columns.max_tokens).type}"
+        )
     if columns.response_format in names and not _is_text(table.column(columns.response_format).type):
-        raise DatasetError(f"column {columns.response_format!r} must be JSON text, not {table.column(columns.response_format).type}")
+        raise DatasetError(
+            f"column {columns.response_format!r} must be JSON text, not {table.column(columns.response_format).type}"
+        )
     keep = [c for c in (columns.id, columns.prompt, columns.messages, columns.max_tokens, columns.response_format)
             if c in names]
     return table.select(keep)

@@ -88,7 +88,9 @@ def kept_field_orders(table: pa.Table, spec: PromptFields, id_column: str, state
 
 def _placed(table: pa.Table, spec: PromptFields, id_column: str, state: dict, stored: pa.Table) -> KeptOrders:
     n, k = table.num_rows, len(spec.fields)
-    stored_order = {key: order for key, order in zip(stored.column("id").to_pylist(), stored.column("order").to_pylist())}
+    stored_order = {
+        key: order for key, order in zip(stored.column("id").to_pylist(), stored.column("order").to_pylist())
+    }
     orders = np.empty((n, k), dtype=np.int16)
     ids = table.column(id_column).to_pylist()
     new = [i for i, key in enumerate(ids) if key not in stored_order]

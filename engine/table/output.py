@@ -37,7 +37,12 @@ def check_output(output: Path, source: str, overwrite: bool) -> None:
         raise OutputError(f"--output {output} is a directory; give a file name such as {output / 'answers.parquet'}")
     folder = target.parent
     existing = next((p for p in [folder, *folder.parents] if p.exists()), None)
-    if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+    if (
+        existing is None
+        or not existing.is_dir()
+        or not os.access(existing, os.W_OK)
+        or (target.exists() and not os.access(target, os.W_OK))
+    ):
         raise OutputError(f"--output {output} is not writable")
     if target.exists() and not overwrite:
         previous = _result_of(target)

@@ -42,8 +42,13 @@ def rendered_batches(batches: Iterable[pa.RecordBatch], schema: pa.Schema, field
     return each_batch(), out_schema, None
 
 
-def rendered_table(table: pa.Table, fields: PromptFields, columns: Columns, prefill_tokens: PrefillCounter | None = None,
-                   field_order_path: Path | None = None) -> tuple[pa.Table, KeptOrders | None]:
+def rendered_table(
+    table: pa.Table,
+    fields: PromptFields,
+    columns: Columns,
+    prefill_tokens: PrefillCounter | None = None,
+    field_order_path: Path | None = None,
+) -> tuple[pa.Table, KeptOrders | None]:
     """``rendered_batches`` of a table held in memory."""
     batches, schema, kept = rendered_batches(table.to_batches(), table.schema, fields, columns, prefill_tokens,
                                              field_order_path)

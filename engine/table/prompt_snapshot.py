@@ -30,7 +30,9 @@ def content_keys(prompts: pa.Array | None, messages: pa.Array | None, n: int) ->
     messages = messages.to_pylist() if messages is not None else [None] * n
     keys = []
     for prompt, chat in zip(prompts, messages):
-        text = b"m\0" + chat.encode() if chat is not None else (b"p\0" + prompt.encode() if prompt is not None else b"n")
+        text = (
+            b"m\0" + chat.encode() if chat is not None else (b"p\0" + prompt.encode() if prompt is not None else b"n")
+        )
         keys.append(row_key(text))
     return pa.array(keys, KEY_TYPE)
 
@@ -91,7 +93,9 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_snapshot(path: Path, what: str = "prompt snapshot", filters=None, columns: list[str] | None = None) -> pa.Table:
+def read_snapshot(
+    path: Path, what: str = "prompt snapshot", filters=None, columns: list[str] | None = None
+) -> pa.Table:
     if not path.exists():
         raise FileNotFoundError(f"{what} not found at {path}: materialize the upstream asset first")
     return pq.read_table(path, filters=filters, columns=columns)

@@ -75,9 +75,11 @@ def check_kv_cache_layout(engine, block_size: int) -> None:
         if reported != one_pool:
             raise EngineStartError(
                 f"vLLM reports a KV cache of {reported:,} tokens, but one pool of {cache.num_gpu_blocks:,} blocks of "
-                f"{block_size} tokens holds {one_pool:,} for rows of {model.max_model_len:,}: this model's KV cache has "
+                f"{block_size} tokens holds {one_pool:,} for rows of {model.max_model_len:,}: "
+                "this model's KV cache has "
                 "more than one group (sliding-window, Mamba or other layers beside full attention); the scheduler "
-                "counts one pool and would over-admit: not supported yet")
+                "counts one pool and would over-admit: not supported yet"
+            )
 
 
 def kv_cache_groups(engine) -> list | None:
