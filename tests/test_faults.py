@@ -48,6 +48,13 @@ def cli(*args) -> list[str]:
     return [sys.executable, "-m", "engine.cli.main", *args]
 
 
+def start_fault_job(config_file, home) -> subprocess.Popen:
+    """``tests/fault_job.py`` materializing the job's one partition, in its own process, its output piped."""
+    return subprocess.Popen([sys.executable, "-m", "tests.fault_job", str(config_file)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**os.environ, "DAGSTER_HOME": str(home)})
+
+
 def test_cli_run_terminated_writes_what_finished_and_shuts_down(big_prompts, tmp_path, tiny_model):
     """SIGTERM (a scheduler's or a container's stop) is not SIGKILL: the run writes every finished
     row, including those since the last part, and exits; the rerun reuses all of them."""
@@ -138,14 +145,7 @@ def test_dagster_run_terminated_keeps_every_finished_row(big_prompts, tmp_path, 
                             output_table="answers", storage_dir=str(tmp_path / "jobs"))
     config_file = tmp_path / "job.json"
     config_file.write_text(config.model_dump_json())
-    child = subprocess.Popen(
-        [sys.executable, "-m", "tests.fault_job", str(config_file)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "DAGSTER_HOME": str(home)},
-    )
+    child = start_fault_job(config_file, home)
     lines, written_before = [], None
     for line in child.stdout:  # until rows have finished that no checkpoint part holds yet
         lines.append(line)
@@ -190,14 +190,7 @@ def test_dagster_partition_killed_midway_resumes(big_prompts, tmp_path, tiny_mod
     )
     config_file = tmp_path / "job.json"
     config_file.write_text(config.model_dump_json())
-    child = subprocess.Popen(
-        [sys.executable, "-m", "tests.fault_job", str(config_file)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "DAGSTER_HOME": str(home)},
-    )
+    child = start_fault_job(config_file, home)
     checkpoints = config.job_dir / "checkpoints"
     deadline = time.monotonic() + 240
     while not (checkpoints.exists() and any(checkpoints.iterdir())) and time.monotonic() < deadline:

@@ -140,31 +140,18 @@ def bench_prompt_sets(args, tokenizer, model_path: str) -> BenchPromptSets:
         sample = samples["declared"]
         max_tokens, ids, response_formats = sample.max_tokens, sample.ids, sample.response_formats
         batches = {name: s.batch for name, s in samples.items()}
-    elif args.shape == "fields":
-        fields = fields or FIELDS_SHAPE
-        table = fields_table(args.seed)
-        batches, field_order_s = field_batches(table, fields, tokenizer, args.block_size)
-        max_tokens = np.random.default_rng(args.seed).integers(2, 9, table.num_rows).astype(np.int64)  # short answers
-        ids = table.column("id").to_pylist()
-        described = {
-            "shape": "fields",
-            "seed": args.seed,
-            "fields": fields.fields,
-            "field_order": fields.field_order.value,
-        }
-    elif args.shape == "short":
-        fields = fields or SHORT_SHAPE
-        table, max_tokens, choices = short_table(args.seed)
+    elif args.shape in ("fields", "short"):
+        fields = fields or (FIELDS_SHAPE if args.shape == "fields" else SHORT_SHAPE)
+        if args.shape == "fields":
+            table, choices = fields_table(args.seed), {}
+            max_tokens = np.random.default_rng(args.seed).integers(2, 9, table.num_rows).astype(np.int64)  # short
+        else:
+            table, max_tokens, choices = short_table(args.seed)
         batches, field_order_s = field_batches(table, fields, tokenizer, args.block_size)
         response_formats = {row: ResponseFormat(choice=c) for row, c in choices.items()}
         ids = table.column("id").to_pylist()
-        described = {
-            "shape": "short",
-            "seed": args.seed,
-            "fields": fields.fields,
-            "field_order": fields.field_order.value,
-            "constrained_rows": len(choices),
-        }
+        described = {"shape": args.shape, "seed": args.seed, "fields": fields.fields,
+                     "field_order": fields.field_order.value, **({"constrained_rows": len(choices)} if choices else {})}
     elif args.shape == "nested":
         batches["declared"], max_tokens = nested_tokens(vocab, args.seed)
         described = {"shape": "nested", "seed": args.seed}

@@ -188,20 +188,9 @@ def run_on_ray(
         for i in range(replicas)
     }
     try:
-        return _run_sub_shards(
-            ray,
-            prepared,
-            engine_settings,
-            sampling,
-            scheduler_settings,
-            checkpoint_root,
-            sub_shard_of_row,
-            actors,
-            resources_per_replica,
-            max_attempts,
-            start_timeout_s,
-            run_timeout_s,
-        )
+        return _run_sub_shards(ray, prepared, engine_settings, sampling, scheduler_settings, checkpoint_root,
+                               sub_shard_of_row, actors, resources_per_replica, max_attempts, start_timeout_s,
+                               run_timeout_s)
     finally:
         for actor in actors.values():
             try:
@@ -210,20 +199,8 @@ def run_on_ray(
                 pass
 
 
-def _run_sub_shards(
-    ray,
-    prepared,
-    engine_settings,
-    sampling,
-    scheduler_settings,
-    checkpoint_root,
-    sub_shard_of_row,
-    actors,
-    resources_per_replica,
-    max_attempts,
-    start_timeout_s,
-    run_timeout_s,
-) -> RayRunResult:
+def _run_sub_shards(ray, prepared, engine_settings, sampling, scheduler_settings, checkpoint_root, sub_shard_of_row,
+                    actors, resources_per_replica, max_attempts, start_timeout_s, run_timeout_s) -> RayRunResult:
     import time
 
     replicas = len(actors)

@@ -152,16 +152,9 @@ def plan_prompts(
     return planned, planned.runnable(batch)
 
 
-def prepare_batch(
-    table: pa.Table,
-    tokenizer,
-    engine_settings: EngineSettings,
-    sampling: SamplingSettings,
-    columns: Columns = Columns(),
-    scheduler: SchedulerSettings = SchedulerSettings(),
-) -> PreparedBatch:
-    """The runnable batch of a validated prompt table (``plan_prompts`` without the plan)."""
-    return plan_prompts(table, tokenizer, engine_settings, sampling, columns, scheduler)[1]
+def prepare_batch(*args, **kwargs) -> PreparedBatch:
+    """The runnable batch of a validated prompt table: ``plan_prompts`` (same arguments) without the plan."""
+    return plan_prompts(*args, **kwargs)[1]
 
 
 def plan_tokenized(
