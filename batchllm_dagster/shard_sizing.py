@@ -41,7 +41,9 @@ def measured_by_hardware(metadata: list[dict]) -> dict[str, Measured]:
     for m in metadata:
         if not m.get("rows") or "wall_s" not in m:  # every row reused: nothing ran, nothing measured
             continue
-        engine_s = m["wall_s"] - m["startup_s"] - m["engine_stop_s"]
+        # ``wall_s`` is the rows' run on the started engine alone (``RunStats``): vLLM's start is in
+        # ``startup_s`` and its stop in ``engine_stop_s``, both outside it.
+        engine_s = m["wall_s"]
         if engine_s <= 0:
             continue
         overhead_s = m["startup_s"] + m["engine_stop_s"] + m.get("write_s", 0.0)

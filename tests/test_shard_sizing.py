@@ -10,7 +10,7 @@ from batchllm_dagster.shard_sizing import FIRST_NIGHT_ROWS_PER_SHARD, Measured, 
 
 
 def partition(hardware, rows, engine_s, startup_s=1.0, stop_s=0.5, write_s=0.5):
-    return {"rows": rows, "wall_s": startup_s + engine_s + stop_s, "startup_s": startup_s, "engine_stop_s": stop_s,
+    return {"rows": rows, "wall_s": engine_s, "startup_s": startup_s, "engine_stop_s": stop_s,
             "write_s": write_s, "hardware_partition": hardware}
 
 
@@ -27,6 +27,14 @@ def test_the_size_keeps_overhead_at_five_percent_on_the_hardware_that_needs_the_
     overhead, rows_per_s = 2.0, 40.0
     assert overhead / (overhead + size.rows_per_shard / rows_per_s) <= 0.05
     assert shard_size({"h200": Measured(40.0, 2.0, 1)}, share=0.10).rows_per_shard == 1024  # 720 -> 1,024
+
+
+def test_a_partition_whose_engine_start_outlasts_its_rows_is_measured_all_the_same():
+    """A GPU's first partitions: vLLM starts (and compiles) for a minute, the rows run 20 s. Their
+    engine time is ``wall_s`` (the run alone), never less for the start (which once made it 0 or
+    less, so such partitions were never measured and the first-night size stayed)."""
+    measured = measured_by_hardware([partition("h200", 2000, 20.0, startup_s=60.0, stop_s=2.0, write_s=1.0)])
+    assert measured["h200"].rows_per_s == 100.0 and measured["h200"].overhead_s == 63.0
 
 
 @pytest.mark.parametrize("own", [None, 8])

@@ -76,7 +76,7 @@ class RunStats:
     startup_s: float = 0.0
     engine_start_s: float = 0.0  # of startup_s, the time vLLM itself took to start
     engine_stop_s: float = 0.0  # shutting vLLM down after the last row (after wall_s)
-    wall_s: float = 0.0
+    wall_s: float = 0.0  # the rows' run on the started engine: start-up (startup_s) and stop apart
 
     @property
     def prefill_tokens(self) -> int:
