@@ -31,6 +31,7 @@ from engine.plan.plan_table import NotInPlan, StalePlan, load_shard, planned_key
 from engine.plan.prepared import PreparedBatch
 from engine.jobs.resume import RunOutcome, run_resumable
 from engine.settings import EngineSettings, SamplingSettings
+from engine.table.field_order_state import recorded_choice
 
 from .checkpoints import other_checkpoints, prune_checkpoints
 from .snapshots import PLAN_RUN_TAG, plan_stamp_of
@@ -204,12 +205,25 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
                 "not_reused_rows": dg.MetadataValue.json(outcome.not_reused),  # why rows ran again
                 "superseded_rows": len(stale),  # answers a newer plan wanted from elsewhere: not written
                 "write_s": float(round(time.perf_counter() - writing, 3)),  # writing and checks (shard sizing reads it)
+                **field_order_metadata(config),
                 "dagster/row_count": written,
             },
             check_results=checks,
         )
 
     return completions
+
+
+def field_order_metadata(config: BatchJobConfig) -> dict:
+    """With ``field_order: optimize``: the order the rows' prompts were built in and the prompt tokens
+    it saves against the declared order, over the whole table when it was chosen (sorted, at the
+    job's block size: the minimum prefill), as the job keeps it."""
+    choice = recorded_choice(config.field_order_path) if config.dataset.prompt is not None else None
+    if choice is None or "declared" not in choice["candidates"]:
+        return {}
+    candidates = choice["candidates"]
+    return {"field_order": choice["chosen"],
+            "field_order_saved_prompt_tokens": candidates["declared"] - candidates[choice["chosen"]]}
 
 
 def constrained_answers(prepared: PreparedBatch, results: list, sampling: SamplingSettings) -> list[tuple]:

@@ -8,9 +8,6 @@ from batchllm_dagster.config import PLAN_TAG, BatchJobConfig
 from batchllm_dagster.partitions import hardware_of_key, shard_partitions
 from batchllm_dagster.resources import DEFAULT_LLM
 from engine.digests import text_fingerprint
-from engine.models import prepared_model_dir
-from engine.response_format import check_room_for_answers
-from engine.plan.tokenizing import load_tokenizer
 
 from .completions import build_completions
 from .snapshots import PLAN_RUN_TAG
@@ -18,23 +15,7 @@ from .prefix_groups import build_prefix_groups
 from .prompts import build_prompts, source_version
 
 
-def refuse_answers_that_cannot_fit(config: BatchJobConfig) -> None:
-    """A constrained job whose max_tokens cannot hold its longest valid answer is refused when it
-    loads, where the model's tokenizer is on this machine (else when its plan is made)."""
-    if config.sampling.response_format is None:
-        return
-    model = prepared_model_dir(config.llm.model_path)
-    if model is not None:
-        try:
-            check_room_for_answers(
-                config.sampling.response_format, config.sampling.max_tokens, load_tokenizer(str(model))
-            )
-        except ValueError as exc:
-            raise ValueError(f"batch job {config.name!r}: {exc}") from None
-
-
 def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
-    refuse_answers_that_cannot_fit(config)
     partitions = shard_partitions(config.partitions_name)
     prompts = build_prompts(config)
     prefix_groups = build_prefix_groups(config, partitions)

@@ -15,7 +15,6 @@ from engine.locks import locked
 from engine.plan.plan_table import plan_content_keys, plan_table, previous_shards, stale_reasons, write_plan
 from engine.plan.prepared import plan_tokenized
 from engine.table.prompt_snapshot import CONTENT_KEY, columns_without_text, read_snapshot
-from engine.response_format import check_room_for_answers
 from engine.settings import fingerprint
 from engine.plan.shards import assign_shards
 from engine.plan.token_cache import TokenCache
@@ -102,10 +101,6 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         # Lengths and block hashes come from the cache; only new or changed rows are tokenized. The
         # rows' text is not read here otherwise: the plan needs hashes, max_tokens and formats.
         tokenizer = LazyTokenizer(settings.model_path)
-        try:  # every answer would be cut off: refused before any work
-            check_room_for_answers(config.sampling.response_format, config.sampling.max_tokens, tokenizer)
-        except ValueError as exc:
-            raise dg.Failure(f"{config.name}: {exc}") from None
         cache = TokenCache(config.token_cache_dir, tokenizer_fingerprint(settings.model_path))
         snapshot = config.prompts_path
         # What the plan is made from, read before the rows and checked again before the plan is

@@ -234,9 +234,9 @@ class BatchJobConfig(JobSpec):
 
     def plan_code_version(self) -> str:
         # The model settings whole (their context length is resolved only with the model), what
-        # shapes the plan, the format the plan refuses answers without room for, and the shards.
-        return fingerprint(self.llm, self.plan_shaping().fingerprint(), self.sampling.response_format,
-                           self.shards, self.rows_per_shard, self.hardware)
+        # shapes the plan, and the shards.
+        return fingerprint(self.llm, self.plan_shaping().fingerprint(), self.shards, self.rows_per_shard,
+                           self.hardware)
 
     def completions_code_version(self) -> str:
         return fingerprint(self.llm, self.sampling, self.scheduler, self.backend, self.ray_replicas,

@@ -82,27 +82,14 @@ class ResponseFormat(BaseModel):
             self.json_schema).iter_errors(value))
         return None if error is None else f"not valid against the schema: {error.message}"
 
-    def tokens_needed(self, tokenizer) -> int | None:
-        """Output tokens the longest valid answer needs, where that is computable: the longest
-        choice in the model's tokens plus the end of the answer. None for a schema or a regex
-        (their shortest complete answer is not computed here: a cut-off answer becomes an error row)."""
+    def most_answer_tokens(self) -> int | None:
+        """The most output tokens a valid answer can take, where the format bounds it: a choice,
+        spelled a byte per token (vLLM's grammar lets the model spell it in any tokens, not just the
+        tokenizer's own: a random or unsure model does), then the end of the answer. None for a
+        schema or a regex (unbounded: a cut-off answer becomes an error row)."""
         if self.choice is None:
             return None
-        return max(len(tokenizer.encode(c, add_special_tokens=False)) for c in self.choice) + 1
-
-
-def check_room_for_answers(response_format: ResponseFormat | None, max_tokens: int, tokenizer) -> None:
-    """Refuse a constrained job whose ``max_tokens`` cannot hold its longest valid answer: every
-    such answer would be cut off, and a cut label (``enthus``) is not an answer."""
-    if response_format is None:
-        return
-    needed = response_format.tokens_needed(tokenizer)
-    if needed is not None and max_tokens < needed:
-        longest = max(response_format.choice, key=lambda c: len(tokenizer.encode(c, add_special_tokens=False)))
-        raise ValueError(
-            f"max_tokens {max_tokens} cannot hold the longest choice {longest!r}: it needs {needed} "
-            f"tokens with the end of the answer in this model's tokenizer; set max_tokens to at least {needed}"
-        )
+        return max(len(c.encode("utf-8")) for c in self.choice) + 1
 
 
 CUT_OFF = "cut off at max_tokens"

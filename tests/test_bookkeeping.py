@@ -319,6 +319,8 @@ def test_every_setting_that_shapes_a_plan_makes_it_stale_and_changes_the_plan_as
         "min_group_rows": PlanShaping.of(llm, SamplingSettings(max_tokens=8), SchedulerSettings(min_group_rows=3),
                                          Columns()),
         "columns": PlanShaping.of(llm, SamplingSettings(max_tokens=8), SchedulerSettings(), Columns(prompt="text")),
+        "response_format": PlanShaping.of(llm, SamplingSettings(max_tokens=8, response_format={"choice": ["a", "b"]}),
+                                          SchedulerSettings(), Columns()),
     }
     assert set(changed) == {f for f in PlanShaping.__dataclass_fields__}
     assert all(s.fingerprint() != base.fingerprint() for s in changed.values())
@@ -333,3 +335,5 @@ def test_every_setting_that_shapes_a_plan_makes_it_stale_and_changes_the_plan_as
     assert job(sampling=SamplingSettings(max_tokens=9)).plan_code_version() != version
     assert job(dataset=DatasetSpec(parquet="p.parquet", prompt_column="text")).plan_code_version() != version
     assert job(sampling=SamplingSettings(max_tokens=8, temperature=0.7)).plan_code_version() == version
+    choice = SamplingSettings(max_tokens=8, response_format={"choice": ["a"]})
+    assert job(sampling=choice).plan_code_version() != version

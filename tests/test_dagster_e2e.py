@@ -294,6 +294,10 @@ def test_a_job_whose_prompt_is_built_from_a_joins_fields_runs_end_to_end(tmp_pat
         chosen = prompts["field_order"].value
         assert prompts["field_order_chosen"].value == "first choice"
         assert prompts[f"prompt_tokens_{chosen}_order"].value < prompts["prompt_tokens_declared_order"].value
+        saved = prompts["prompt_tokens_declared_order"].value - prompts[f"prompt_tokens_{chosen}_order"].value
+        for result in results.values():  # each partition says which order its prompts were built in, and its saving
+            meta = result.asset_materializations_for_node("tickets__completions")[0].metadata
+            assert meta["field_order"].value == chosen and meta["field_order_saved_prompt_tokens"].value == saved
     with duckdb.connect(str(database), read_only=True) as con:
         answered = con.execute("SELECT count(*) FROM ticket_teams WHERE status = 'ok'").fetchone()[0]
         # The prompt each row ran with: the snapshot, as the README's query reads it.

@@ -68,12 +68,10 @@ def _prepare(args, fields: PromptFields | None = None, field_order_state: Path |
     (``engine.table.field_order_state``); without, it is chosen afresh."""
     from ..plan.prepared import plan_prompts, sorted_prefill_counter
     from ..plan.tokenizing import load_tokenizer
-    from ..response_format import check_room_for_answers
     from ..table.prompt_rendering import rendered_table
 
     engine, sampling, columns = _settings(args)
     tokenizer = load_tokenizer(engine.model_path)
-    check_room_for_answers(sampling.response_format, sampling.max_tokens, tokenizer)  # before any work
     fields = fields or prompt_fields_from(args)
     orders = None
     if fields is None:

@@ -53,15 +53,18 @@ class PlanShaping:
     max_tokens: int  # each row's answer budget (its decode length in the plan)
     min_group_rows: int  # rows a prefix needs to become a group
     columns: Columns  # which columns the plan reads
+    response_format: ResponseFormat | None = None  # the job's: a choice raises the budgets of its rows
 
     @classmethod
     def of(cls, llm: EngineSettings, sampling: SamplingSettings, scheduler: SchedulerSettings, columns: Columns,
            resolved: bool = True) -> "PlanShaping":
         return cls(llm.block_size, llm.context_len if resolved else None, sampling.max_tokens,
-                   scheduler.min_group_rows, columns)
+                   scheduler.min_group_rows, columns, sampling.response_format)
 
     def fingerprint(self) -> str:
-        return fingerprint(*(getattr(self, f.name) for f in fields(self)))  # in field order: values pinned
+        # In field order, values pinned; a setting that is None is left out, so that the plans made
+        # before it was one keep their stamp.
+        return fingerprint(*(v for f in fields(self) if (v := getattr(self, f.name)) is not None))
 
     @classmethod
     def described(cls) -> str:

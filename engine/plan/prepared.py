@@ -175,9 +175,9 @@ def plan_tokenized(
     started = time.perf_counter()
     blocks = rows.row_blocks(engine_settings.block_size)
     hash_s = time.perf_counter() - started
-    max_tokens = output_budgets(_column(table, columns.max_tokens), sampling.max_tokens, blocks.lengths,
-                                engine_settings, errors)
     formats = row_response_formats(_column(table, columns.response_format), errors)
+    max_tokens = output_budgets(_column(table, columns.max_tokens), sampling.max_tokens, blocks.lengths,
+                                engine_settings, errors, formats, sampling.response_format)
     dropped = set(errors) - set(rows.errors)  # rows that tokenized but cannot run: planned as empty
     blocks = blocks.without(dropped)
     decode = np.where(blocks.lengths > 0, max_tokens, 0)

@@ -10,9 +10,11 @@ from ..settings import EngineSettings
 
 
 def output_budgets(row_max_tokens: list | None, default: int, lengths: np.ndarray, settings: EngineSettings,
-                   errors: dict[int, str]) -> np.ndarray:
-    """Each row's ``max_tokens`` (its own, else ``default``); rows whose budget is invalid or does
-    not fit the context beside their prompt get a reason in ``errors``."""
+                   errors: dict[int, str], formats: dict[int, ResponseFormat] | None = None,
+                   job_format: ResponseFormat | None = None) -> np.ndarray:
+    """Each row's ``max_tokens`` (its own, else ``default``), raised where its answer format (its own
+    in ``formats``, else ``job_format``) bounds an answer above it (``answer_floors``); rows whose
+    budget is invalid or does not fit the context beside their prompt get a reason in ``errors``."""
     limit = settings.context_len
     max_tokens = np.full(lengths.size, default, dtype=np.int64)
     for i, value in enumerate(row_max_tokens or []):
@@ -22,6 +24,7 @@ def output_budgets(row_max_tokens: list | None, default: int, lengths: np.ndarra
             errors.setdefault(i, f"invalid max_tokens {value}: must be between 1 and the context of {limit} tokens")
         else:
             max_tokens[i] = value
+    max_tokens = np.maximum(max_tokens, answer_floors(lengths.size, formats or {}, job_format))
     for i in np.flatnonzero(max_tokens > limit - lengths):
         errors.setdefault(
             int(i),
@@ -30,6 +33,18 @@ def output_budgets(row_max_tokens: list | None, default: int, lengths: np.ndarra
             f"KV cache {settings.kv_cache_blocks} blocks)",
         )
     return max_tokens
+
+
+def answer_floors(n: int, formats: dict[int, ResponseFormat], job_format: ResponseFormat | None) -> np.ndarray:
+    """The budget below which a row's valid answer could be cut off, where its format bounds the
+    answer (a choice: ``ResponseFormat.most_answer_tokens``), else 0. Raising a choice row's budget
+    to it costs nothing: the grammar ends the answer at the choice, whatever the budget; below it the
+    model may be cut off mid-choice (``accoun``), which a budget counted in the tokenizer's own
+    tokens of each choice allowed."""
+    floors = np.full(n, (job_format.most_answer_tokens() or 0) if job_format else 0, dtype=np.int64)
+    for row, own in formats.items():
+        floors[row] = own.most_answer_tokens() or 0
+    return floors
 
 
 def row_response_formats(texts: list[str | None] | None, errors: dict[int, str]) -> dict[int, ResponseFormat]:

@@ -64,6 +64,15 @@ def save(path: Path | str, ids: pa.Array | pa.ChunkedArray, spec: PromptFields, 
     write_parquet(table.replace_schema_metadata({STATE_KEY: json.dumps(state)}), path)
 
 
+def recorded_choice(path: Path | str) -> dict | None:
+    """The kept choice as recorded (``fields``, ``chosen``, each candidate's prompt tokens to compute
+    over the whole table when it was chosen), without the rows' orders; None where none is kept."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    return json.loads(pq.read_schema(path).metadata[STATE_KEY])
+
+
 def kept_field_orders(table: pa.Table, spec: PromptFields, id_column: str, state_path: Path | str,
                       prefill_tokens: PrefillCounter | None) -> KeptOrders:
     """Each row's field order: the kept one (see the module doc), or a new choice, recorded."""
