@@ -73,7 +73,7 @@ from ..jobs.job_options import (
 from ..machine import current_platform
 from ..plan.duplicates import count_duplicates
 from ..plan.prefix_tree import build_plan
-from ..settings import ReserveOutput, SamplingSettings, SchedulerSettings
+from ..settings import BLOCK_SIZES, ReserveOutput, SamplingSettings, SchedulerSettings
 from .fresh_process import in_fresh_process
 from .prompt_sets import bench_prompt_sets
 from .runs import FIELD_RUNS, RUNS
@@ -97,6 +97,11 @@ def run_bench(args) -> dict:
     working_set = int(plan.unique_tokens // args.block_size)
     kv_blocks = args.kv_cache_blocks or max(64, working_set // 3)
     engine_settings = engine_settings_from(args, model_path).model_copy(update={"kv_cache_blocks": kv_blocks})
+    # The baselines at another block size (vLLM's own default, say: 128 on CPU, 16 on a GPU), with the
+    # same KV memory: what a user who leaves vLLM's block size alone gets, against this engine's.
+    baseline_block = args.baseline_block_size or args.block_size
+    baseline_settings = engine_settings.model_copy(update={
+        "block_size": baseline_block, "kv_cache_blocks": max(2, kv_blocks * args.block_size // baseline_block)})
     # Fixed output lengths (ignore_eos) make the runs' token counts equal; a constrained answer ends
     # where its format does, in every run alike.
     response_format = response_format_from(args)
@@ -120,7 +125,8 @@ def run_bench(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="batchllm-bench-") as folder:
         job = Path(folder) / "job.pickle"
         with open(job, "wb") as f:  # the batch as planned, without the plan's tree: what every run gets
-            pickle.dump((prompt_sets, engine_settings, sampling, scheduler), f)
+            settings = {"engine": engine_settings, "baseline": baseline_settings}
+            pickle.dump((prompt_sets, settings, sampling, scheduler), f)
         for repetition in range(args.repeat):
             runs = {}
             for name in rotated(names, repetition):
@@ -153,6 +159,8 @@ def run_bench(args) -> dict:
             "dtype": engine_settings.for_platform(current_platform()).dtype,
             "block_size": args.block_size,
             "kv_cache_blocks": kv_blocks,
+            **({"baseline_block_size": baseline_block, "baseline_kv_cache_blocks": baseline_settings.kv_cache_blocks}
+               if baseline_block != args.block_size else {}),
             "prefix_working_set_blocks": working_set,
             "prompt_tokens": plan.prompt_tokens,
             "unique_tokens": plan.unique_tokens,
@@ -272,6 +280,9 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--output-mix", choices=["fixed", "rows", "tasks"], default=Workload.output_mix,
                        help="fixed lengths, random per row, or a short or long task per group")
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--baseline-block-size", type=int, choices=BLOCK_SIZES,
+                       help="run the vLLM baselines at this KV block size (vLLM's own default: 128 on CPU, 16 on a "
+                       "GPU), with the same KV memory; batchllm keeps --block-size (default: the same)")
     bench.add_argument("--kv-budget-fraction", type=float, default=SchedulerSettings().kv_budget_fraction)
     bench.add_argument("--prefix-requests", action="store_true",
                        help="compute a group's prefix by a request of its own where its rows cannot all enter at once")

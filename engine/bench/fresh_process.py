@@ -101,8 +101,10 @@ def _child(job: str, name: str, out: str, log_file: str) -> None:
     """``python -m engine.bench.fresh_process JOB NAME OUT LOG``: run NAME on the pickled batch and settings in JOB."""
     route_library_output(Path(log_file))  # vLLM's log lines to the bench's log file, as in the parent
     with open(job, "rb") as f:
-        prompt_sets, engine_settings, sampling, scheduler = pickle.load(f)
-    report, outputs = _one_run(name, prompt_sets[RUNS[name].prompts], engine_settings, sampling, scheduler)
+        prompt_sets, settings, sampling, scheduler = pickle.load(f)
+    run = RUNS[name]
+    engine_settings = settings["baseline" if run.order is not None else "engine"]  # a baseline has an order
+    report, outputs = _one_run(name, prompt_sets[run.prompts], engine_settings, sampling, scheduler)
     report["pid"] = os.getpid()
     Path(out).write_text(json.dumps({"report": report, "outputs": outputs}))
 
