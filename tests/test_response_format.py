@@ -69,7 +69,7 @@ def test_each_row_is_sent_with_its_format_and_prefix_requests_with_none(tiny_mod
     prepared = prepare_batch(
         table, load_tokenizer(tiny_model), EngineSettings(model_path=tiny_model, block_size=8), job
     )
-    engine = FakeEngine(num_blocks=16, block_size=8)  # the group cannot enter at once: a prefix request
+    engine = FakeEngine(num_blocks=12, block_size=8)  # the group cannot enter at once: a prefix request
     results = list(BatchRun(prepared, engine, job, SchedulerSettings(log_every_s=60, prefix_requests=True)))
     assert len(results) == 6
     sent = engine.sampling_of

@@ -77,8 +77,9 @@ def test_the_budget_is_never_exceeded_and_never_undercounts_what_the_engine_hold
 @pytest.mark.parametrize("prefix_requests", [False, True])
 def test_a_group_prefix_stays_cached_until_its_last_row(prefix_requests):
     batch, groups = nested_batch(documents=8, rows_per_document=5)
+    # Output reserved in full: no preemption, whose recompute would blur what the prefix cost.
     engine, _, out, _, _ = run(batch, groups, np.full(len(batch.lengths), 6), num_blocks=48,
-                               prefix_requests=prefix_requests)
+                               prefix_requests=prefix_requests, reserve_output=ReserveOutput.FULL)
     prefix_tokens = groups[0].prefix_tokens
     # Every row but its group's first found the whole group prefix in the cache: computed once,
     # by the prefix request or by the first row when the rows entered together.

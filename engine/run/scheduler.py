@@ -27,7 +27,7 @@ A scheduler has four verbs, in the manner of vLLM V1's scheduler interface:
   adds its own blocks beyond its group's prefix: what it holds now, plus what it is reserved for
   its coming output (all of it with ``ReserveOutput.FULL``: no preemption ever; the next
   ``lookahead_tokens`` with ``ReserveOutput.LOOKAHEAD``: vLLM allocates output blocks lazily, so
-  more rows fit, and a rare preemption is the price).
+  more rows fit, and a rare preemption is the price; the default, 0, admits as vLLM itself does).
 
   Why the tree's identity and not vLLM's own KV gauge: the gauge lags a step, counts rows waiting
   in vLLM's queue as holding nothing, and counts a finished group's cached prefix as free; the
