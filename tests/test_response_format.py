@@ -175,3 +175,16 @@ def test_a_constrained_answer_that_ended_early_is_ok_only_where_its_format_prove
         assert reason.startswith(
             "cut off at max_tokens (8)" if finish == "length" else f"ended by the stop string {stop!r}"
         )
+
+
+def test_a_bench_prompt_set_runs_every_row_where_a_choice_raises_its_budget():
+    """The bench sizes its context to hold each row's budget as raised for a choice, so no row of a
+    shape becomes an error row (an empty prompt that vLLM's own LLM.generate refuses)."""
+    import numpy as np
+
+    from engine.bench.prompt_sets import planned_prompt_set
+    from engine.plan.tokenizing import TokenizedBatch
+
+    batch = TokenizedBatch.from_rows([np.arange(1, 11, dtype=np.int32) + i for i in range(3)])
+    _, prepared = planned_prompt_set(batch, np.array([2, 2, 2]), 8, None, {0: ResponseFormat(choice=["technical"])})
+    assert prepared.errors == {} and prepared.max_tokens.tolist() == [len("technical") + 1, 2, 2]

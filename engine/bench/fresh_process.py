@@ -56,7 +56,7 @@ def _generate_sorted(prepared, engine_settings: EngineSettings, sampling: Sampli
     from vllm import LLM
 
     llm = LLM(**engine_args(engine_settings, platform, enable_prefix_caching=True))
-    order = sorted_order(prepared)
+    order = [r for r in sorted_order(prepared) if r not in prepared.errors]  # vLLM refuses an empty prompt
     config = llm.llm_engine.vllm_config
     started = time.perf_counter()
     done = llm.generate([{"prompt_token_ids": prepared.batch.row(r)} for r in order],

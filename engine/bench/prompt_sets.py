@@ -66,13 +66,15 @@ def planned_prompt_set(
     """A synthetic prompt set planned as a table's rows are (``plan_tokenized``): the plan, and the
     batch every run gets. Each row runs: the context is set to hold the longest row."""
     from ..plan.prepared import plan_tokenized
+    from ..plan.row_checks import answer_floors
 
     response_formats = response_formats or {}
     n = max_tokens.size
     table = pa.table({"id": ids or [f"row-{i:06d}" for i in range(n)], "max_tokens": max_tokens,
                       "response_format": [response_formats[r].to_text() if r in response_formats else None
                                           for r in range(n)]})
-    room = EngineSettings(block_size=block_size, max_model_len=int((batch.lengths + max_tokens).max(initial=1)))
+    budgets = np.maximum(max_tokens, answer_floors(n, response_formats, None))  # a choice's budget is raised
+    room = EngineSettings(block_size=block_size, max_model_len=int((batch.lengths + budgets).max(initial=1)))
     planned = plan_tokenized(table, batch, room, SamplingSettings(max_tokens=int(max_tokens.max(initial=1))))
     return planned, planned.runnable(batch)
 
