@@ -42,8 +42,12 @@ def answer_floors(n: int, formats: dict[int, ResponseFormat], job_format: Respon
     model may be cut off mid-choice (``accoun``), which a budget counted in the tokenizer's own
     tokens of each choice allowed."""
     floors = np.full(n, (job_format.most_answer_tokens() or 0) if job_format else 0, dtype=np.int64)
+    of_format: dict[int, int] = {}  # rows share a few parsed formats (``row_response_formats``): each counted once
     for row, own in formats.items():
-        floors[row] = own.most_answer_tokens() or 0
+        floor = of_format.get(id(own))
+        if floor is None:
+            floor = of_format[id(own)] = own.most_answer_tokens() or 0
+        floors[row] = floor
     return floors
 
 
