@@ -9,7 +9,8 @@ import contextlib
 import os
 import shutil
 import time
-from dataclasses import asdict
+import warnings
+from dataclasses import asdict, dataclass
 
 import dagster as dg
 import pyarrow as pa
@@ -17,7 +18,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from dagster_duckdb import DuckDBResource
 
-from batchllm_dagster.checks import partition_check_results, partition_check_specs
+from batchllm_dagster.checks import merged_check_results, partition_check_results, partition_check_specs
 from batchllm_dagster.config import Backend, BatchJobConfig
 from batchllm_dagster.instance_limits import warn_if_unlimited
 from batchllm_dagster.metadata import run_metadata
@@ -30,6 +31,7 @@ from engine.locks import Busy, held_alone
 from engine.plan.plan_table import NotInPlan, StalePlan, load_shard, planned_keys, superseded
 from engine.plan.prepared import PreparedBatch
 from engine.jobs.resume import RunOutcome, run_resumable
+from engine.jobs.shared_engine import SharedEngine
 from engine.settings import EngineSettings, SamplingSettings
 from engine.table.field_order_state import recorded_choice
 
@@ -60,7 +62,7 @@ def load_planned_shard(config: BatchJobConfig, key: str, settings: EngineSetting
 
 
 def run_shard_locally(
-    config, key, prepared, settings, sampling, checkpoint, llm, warehouse, log, started_at
+    config, key, prepared, settings, sampling, checkpoint, engine_opener, warehouse, log, started_at
 ) -> RunOutcome:
     """The shard on one vLLM engine in this process, resuming from its checkpoint; a progress bar
     when the step's stderr is a terminal (the demo), progress lines in the run's log always."""
@@ -74,7 +76,7 @@ def run_shard_locally(
     bar = ProgressBar.on_terminal(f"{config.name} {key}")
     try:
         return run_resumable(prepared, settings, sampling, checkpoint, config.scheduler, reuse_from=reuse,
-                             progress_sink=log, engine_opener=llm.engine, started_at=started_at, display=bar)
+                             progress_sink=log, engine_opener=engine_opener, started_at=started_at, display=bar)
     finally:
         if bar:
             bar.close()
@@ -104,49 +106,102 @@ def run_shard_on_ray(config, key, prepared, settings, sampling, checkpoint) -> t
     return outcome.merged(), info
 
 
+@dataclass
+class PartitionDone:
+    """One partition of a run, written and checked; its metadata is made once vLLM has stopped
+    (a range's partitions share one engine, whose stop comes after the last of them)."""
+
+    key: str
+    outcome: RunOutcome
+    engine: dict  # what ran it: vLLM's info and the settings
+    hardware_partition: str
+    checks: list[dg.AssetCheckResult]
+    written: dict  # what writing it measured and wrote
+
+    def metadata(self, device: str) -> dict:
+        return {**run_metadata(self.outcome.stats, device, self.hardware_partition, self.engine), **self.written}
+
+
 def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDefinition) -> dg.AssetsDefinition:
-    @dg.asset(
-        key=config.asset_key("completions"),
-        deps=[config.asset_key("prefix_groups")],
-        partitions_def=partitions,
-        group_name=config.name,
-        pool=config.inference_pool,
-        description=(
-            f"One answer per prompt row, in DuckDB table {config.output_table!r} (and one Parquet file per shard "
-            "under the job's completions/ folder); a partition per shard."
-        ),
-        kinds={"vllm", "duckdb"},
-        code_version=config.completions_code_version(),
-        check_specs=partition_check_specs(config),
-        op_tags={"batchllm/output_table": config.output_table},
-        required_resource_keys={"llm", config.warehouse_key},
-    )
+    # A backfill's runs take up to partitions_per_run partitions each, one vLLM start per run.
+    # (Dagster 1.13 marks backfill_policy beta; it is its one way to run partition ranges.)
+    backfill_policy = dg.BackfillPolicy.multi_run(config.partitions_per_run) if config.partitions_per_run > 1 else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dg.BetaWarning)
+        asset = dg.asset(
+            key=config.asset_key("completions"),
+            deps=[config.asset_key("prefix_groups")],
+            partitions_def=partitions,
+            backfill_policy=backfill_policy,
+            group_name=config.name,
+            pool=config.inference_pool,
+            description=(
+                f"One answer per prompt row, in DuckDB table {config.output_table!r} (and one Parquet file per "
+                "shard under the job's completions/ folder); a partition per shard."
+            ),
+            kinds={"vllm", "duckdb"},
+            code_version=config.completions_code_version(),
+            check_specs=partition_check_specs(config),
+            op_tags={"batchllm/output_table": config.output_table},
+            required_resource_keys={"llm", config.warehouse_key},
+        )
+
+    @asset
     def completions(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         # One run per partition key at a time, whatever launched it (a backfill, the sensor, the UI,
         # two hardware partitions' jobs), in any instance: the second refuses before it reads the
         # checkpoint the first is writing.
-        key = context.partition_key
+        keys = list(context.partition_keys)  # one, or a range (partitions_per_run: the sensor's, a backfill's)
         warn_if_unlimited(context)
         with contextlib.ExitStack() as held:
-            try:
-                held.enter_context(
-                    held_alone(
-                        config.lock_path(f"partition-{key}"),
-                        f"run {context.run.run_id}, pid {os.getpid()}",
-                        f"partition {key} of {config.name}",
+            for key in keys:
+                try:
+                    held.enter_context(
+                        held_alone(
+                            config.lock_path(f"partition-{key}"),
+                            f"run {context.run.run_id}, pid {os.getpid()}",
+                            f"partition {key} of {config.name}",
+                        )
                     )
-                )
-            except Busy as busy:
-                raise dg.Failure(f"{busy}: this run stops without touching its checkpoint or output") from None
-            return run_partition(context)
+                except Busy as busy:
+                    raise dg.Failure(f"{busy}: this run stops without touching its checkpoint or output") from None
+            return run_partitions(context, keys)
 
-    def run_partition(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+    def run_partitions(context: dg.AssetExecutionContext, keys: list[str]) -> dg.MaterializeResult:
+        """The partitions one after another on one vLLM engine, each written and checked on its own."""
         started_at = time.perf_counter()
         llm: VLLMResource = context.resources.llm
-        warehouse: DuckDBResource = getattr(context.resources, config.warehouse_key)
-        key = context.partition_key
         settings = config.engine_settings()
-        prepared, shard, planned = load_planned_shard(config, key, settings, context.run.tags.get(PLAN_RUN_TAG))
+        queued_for = context.run.tags.get(PLAN_RUN_TAG)
+        # Every shard is read and held against the plan before vLLM starts: a stale plan refuses the run whole.
+        shards = [(key, *load_planned_shard(config, key, settings, queued_for)) for key in keys]
+        done: list[PartitionDone] = []
+        with SharedEngine(llm.engine) as shared:
+            try:
+                for key, prepared, shard, planned in shards:
+                    done.append(run_partition(context, key, prepared, shard, planned, settings, shared.open,
+                                              started_at))
+                    started_at = time.perf_counter()  # the next partition's time starts here
+            except BaseException:
+                if done:
+                    context.log.error(f"partitions {[d.key for d in done]} were written before this failure: "
+                                      "a rerun of the range reuses their answers from the output table")
+                raise
+        # vLLM stops once, after the last partition: its stop is that partition's (the last that ran on it).
+        on_engine = [d for d in done if d.outcome.engine is not None]
+        if on_engine:
+            on_engine[-1].outcome.stats.engine_stop_s = shared.stop_s
+        order = field_order_metadata(config)
+        metadata = {d.key: {**d.metadata(llm.device()), **order, "partitions_in_run": len(done)} for d in done}
+        if len(done) == 1:
+            return dg.MaterializeResult(metadata=metadata[done[0].key], check_results=done[0].checks)
+        for key, values in metadata.items():  # each partition's materialization gets its own numbers
+            context.add_asset_metadata(values, partition_key=key)
+        return dg.MaterializeResult(check_results=merged_check_results({d.key: d.checks for d in done}))
+
+    def run_partition(context: dg.AssetExecutionContext, key: str, prepared: PreparedBatch, shard: int, planned,
+                      settings: EngineSettings, engine_opener, started_at: float) -> PartitionDone:
+        warehouse: DuckDBResource = getattr(context.resources, config.warehouse_key)
         hardware_partition = config.hardware_of_shard(shard).name
         sampling = config.sampling
         checkpoint = config.checkpoint_path(key)
@@ -154,8 +209,8 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         if config.backend is Backend.RAY:
             outcome, info = run_shard_on_ray(config, key, prepared, settings, sampling, checkpoint)
         else:
-            outcome = run_shard_locally(config, key, prepared, settings, sampling, checkpoint, llm, warehouse,
-                                        context.log.info, started_at)
+            outcome = run_shard_locally(config, key, prepared, settings, sampling, checkpoint, engine_opener,
+                                        warehouse, context.log.info, started_at)
             info = (
                 asdict(outcome.engine) if outcome.engine else {"vllm": "not started: every row was reused or invalid"}
             )
@@ -199,17 +254,12 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         )
         checks = partition_check_results(config, warehouse, key, table.column("id").to_pylist(), outcome.stats,
                                          constrained_answers(prepared, outcome.results, sampling), stale.to_pylist())
-        return dg.MaterializeResult(
-            metadata={
-                **run_metadata(outcome.stats, llm.device(), hardware_partition, info),
-                "not_reused_rows": dg.MetadataValue.json(outcome.not_reused),  # why rows ran again
-                "superseded_rows": len(stale),  # answers a newer plan wanted from elsewhere: not written
-                "write_s": float(round(time.perf_counter() - writing, 3)),  # writing and checks (shard sizing reads it)
-                **field_order_metadata(config),
-                "dagster/row_count": written,
-            },
-            check_results=checks,
-        )
+        return PartitionDone(key, outcome, info, hardware_partition, checks, {
+            "not_reused_rows": dg.MetadataValue.json(outcome.not_reused),  # why rows ran again
+            "superseded_rows": len(stale),  # answers a newer plan wanted from elsewhere: not written
+            "write_s": float(round(time.perf_counter() - writing, 3)),  # writing and checks (shard sizing reads it)
+            "dagster/row_count": written,
+        })
 
     return completions
 

@@ -7,7 +7,7 @@ import pyarrow as pa
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.instance_limits import warn_if_unlimited
 from batchllm_dagster.metadata import plan_metadata
-from batchllm_dagster.partitions import shard_key, sync_partitions
+from batchllm_dagster.partitions import by_hardware, shard_key, sync_partitions
 from batchllm_dagster.shard_sizing import ShardSize, last_partitions_metadata, measured_by_hardware, shard_size
 from batchllm_dagster.warehouse import remove_answers_not_in, replace_table
 from engine.plan.duplicates import count_duplicates
@@ -132,7 +132,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
                                            context.run.run_id), config.plan_path)
         groups = groups_table(prepared, shards, keys, config)
         replace_table(getattr(context.resources, config.warehouse_key), f"{config.output_table}_prefix_groups", groups)
-        added, removed = sync_partitions(context.instance, config.partitions_name, used)
+        added, removed = sync_partitions(context.instance, config.partitions_name, by_hardware(config, used))
         warehouse = getattr(context.resources, config.warehouse_key)
         removed_answers = 0 if config.keep_deleted_answers else remove_deleted_answers(
             config, warehouse, meta.column(columns.id), used)

@@ -6,6 +6,8 @@ Per partition (evaluated by the completions step itself, so backfills run them t
 * ``prefix_saving``: saved prompt tokens / the plan's ideal is above a floor (a warning);
 * ``answers_follow_response_format``: every ok answer of a constrained row (the job's
   ``sampling.response_format`` or the row's own) parses and follows it (JSON schema, choice, regex).
+A run of several partitions (``partitions_per_run``) evaluates each check on each of them and
+reports it once, failed if it failed on any (``merged_check_results``).
 For the whole table: ``all_prompts_answered`` (missing, duplicated and orphaned ids), evaluated
 once every shard of the current plan has landed.
 """
@@ -21,6 +23,7 @@ from engine.run.results import RunStats
 from engine.sql import quote_identifier
 
 from .config import BatchJobConfig
+from .partitions import RANGE_START
 from .warehouse import table_exists
 
 
@@ -107,6 +110,25 @@ def _format_check(config: BatchJobConfig, constrained: list[tuple[object, str, R
     )
 
 
+def merged_check_results(by_partition: dict[str, list[dg.AssetCheckResult]]) -> list[dg.AssetCheckResult]:
+    """A run of several partitions reports each check once (Dagster 1.13 records a check per step,
+    not per partition of a range): it passes only if it passed on every partition, and its metadata
+    names the partitions it failed on and each partition's own numbers."""
+    firsts = next(iter(by_partition.values()))
+    merged = []
+    for first in firsts:
+        results = {key: next(r for r in checks if r.check_name == first.check_name)
+                   for key, checks in by_partition.items()}
+        failed = [key for key, r in results.items() if not r.passed]
+        merged.append(dg.AssetCheckResult(
+            check_name=first.check_name, asset_key=first.asset_key, passed=not failed, severity=first.severity,
+            metadata={"partitions": len(results), "failed_partitions": dg.MetadataValue.json(failed),
+                      "by_partition": dg.MetadataValue.json({key: {name: getattr(value, "value", value)
+                                                                   for name, value in r.metadata.items()}
+                                                             for key, r in results.items()})}))
+    return merged
+
+
 def _ids_table(ids: list):
     import pyarrow as pa
 
@@ -148,7 +170,7 @@ def build_table_checks(config: BatchJobConfig) -> list[dg.AssetChecksDefinition]
         required_resource_keys={config.warehouse_key})
     def all_prompts_answered(context):
         # A run with a partition materializes a shard (the check itself has none): wait for the last.
-        if {"dagster/partition", "dagster/asset_partition_range_start"} & set(context.run.tags):
+        if {"dagster/partition", RANGE_START} & set(context.run.tags):
             outstanding = shards_outstanding(context.instance, config)
             if outstanding:
                 context.log.info(f"all_prompts_answered is evaluated when the last shard lands: "

@@ -14,6 +14,9 @@ from engine.digests import short_digest
 
 from .config import BatchJobConfig, HardwarePartition
 
+# Dagster's run tags for a partition range (what a backfill under a backfill policy sets too).
+RANGE_START, RANGE_END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
+
 
 def shard_partitions(name: str) -> dg.DynamicPartitionsDefinition:
     return dg.DynamicPartitionsDefinition(name=name)
@@ -34,6 +37,28 @@ def hardware_of_key(config: BatchJobConfig, key: str) -> HardwarePartition:
     if not key.startswith(_slug(hardware.name) + "-"):
         raise ValueError(f"partition key {key!r} is not a shard of hardware {hardware.name!r}: plan the job again")
     return hardware
+
+
+def by_hardware(config: BatchJobConfig, keys: list[str]) -> list[str]:
+    """``keys`` with each hardware partition's shards neighbours (shards cycle over the hardware), in
+    shard order within one: added in this order, a run of ``partitions_per_run`` can take a range."""
+    rank = {hardware.name: i for i, hardware in enumerate(config.hardware)}
+    return sorted(keys, key=lambda key: rank[hardware_of_key(config, key).name])
+
+
+def shard_runs(config: BatchJobConfig, keys: list[str]) -> list[list[str]]:
+    """``keys`` (in the instance's partition order) cut into runs: neighbours bound to the same
+    hardware partition, at most ``partitions_per_run`` each. A run of several is a partition range,
+    so its keys must be neighbours in that order."""
+    runs: list[list[str]] = []
+    for key in keys:
+        run = runs[-1] if runs else None
+        if run and len(run) < config.partitions_per_run and hardware_of_key(config, run[0]) == hardware_of_key(
+                config, key):
+            run.append(key)
+        else:
+            runs.append([key])
+    return runs
 
 
 def sync_partitions(instance: dg.DagsterInstance, name: str, keys: list[str]) -> tuple[list[str], list[str]]:

@@ -5,7 +5,8 @@ at most ``OVERHEAD_SHARE`` of its time there. A partition of R rows at r rows/s 
 overhead takes o + R / r; o <= share x (o + R / r) needs R >= o x r x (1 / share - 1). A faster GPU
 needs bigger shards, so the fastest hardware partition's need decides. The size is rounded up to a
 power of two, so a night's noise does not move every shard's rows. A first night, with nothing
-measured, takes ``FIRST_NIGHT_ROWS_PER_SHARD``.
+measured, takes ``FIRST_NIGHT_ROWS_PER_SHARD``. Runs of several partitions (``partitions_per_run``)
+share one vLLM start, so their partitions measure less overhead each and may be smaller.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ PARTITIONS_READ = 50  # the latest materializations of completions the size is t
 class Measured:
     """One hardware partition's medians over its last partitions that computed rows."""
 
-    rows_per_s: float  # rows per second of engine time
-    overhead_s: float  # a partition's seconds outside the rows' engine time
+    rows_per_s: float  # rows per second of engine time (median)
+    overhead_s: float  # a partition's seconds outside the rows' engine time (mean: see measured_by_hardware)
     partitions: int
 
 
@@ -36,7 +37,11 @@ class ShardSize:
 
 
 def measured_by_hardware(metadata: list[dict]) -> dict[str, Measured]:
-    """The medians per hardware partition of completions metadata (``run_metadata`` and ``write_s``)."""
+    """Per hardware partition, from completions metadata (``run_metadata`` and ``write_s``): the median
+    rows per second, and the mean overhead. A run of several partitions (``partitions_per_run``)
+    starts vLLM once, in its first partition's ``startup_s``, and stops it once, in its last's
+    ``engine_stop_s``: only the mean spreads that over the partitions that shared it (a median
+    would drop it)."""
     samples: dict[str, list[tuple[float, float]]] = {}
     for m in metadata:
         if not m.get("rows") or "wall_s" not in m:  # every row reused: nothing ran, nothing measured
@@ -49,7 +54,7 @@ def measured_by_hardware(metadata: list[dict]) -> dict[str, Measured]:
         overhead_s = m["startup_s"] + m["engine_stop_s"] + m.get("write_s", 0.0)
         samples.setdefault(m["hardware_partition"], []).append((m["rows"] / engine_s, overhead_s))
     return {
-        hardware: Measured(statistics.median(r for r, _ in pairs), statistics.median(o for _, o in pairs), len(pairs))
+        hardware: Measured(statistics.median(r for r, _ in pairs), statistics.fmean(o for _, o in pairs), len(pairs))
         for hardware, pairs in samples.items()
     }
 

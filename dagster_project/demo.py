@@ -44,7 +44,8 @@ def batch_jobs(defs) -> list[tuple[str, object]]:
 
 def run_planned_shards(instance, defs, name: str) -> list:
     """The runs the job's ``run_shards`` sensor asks for after a new plan, run here and now: one per
-    shard, each on its hardware partition's job, so each carries that hardware's tags."""
+    shard (or per ``partitions_per_run`` of them: a partition range in its tags), each on its
+    hardware partition's job, so each carries that hardware's tags."""
     import dagster as dg
 
     sensor = defs.resolve_sensor_def(f"{name}_run_shards")
@@ -54,7 +55,7 @@ def run_planned_shards(instance, defs, name: str) -> list:
     for request in requests:
         result = defs.resolve_job_def(request.job_name).execute_in_process(
             partition_key=request.partition_key, instance=instance, run_config=QUIET, tags=request.tags)
-        assert result.success, f"{name}: partition {request.partition_key} failed"
+        assert result.success, f"{name}: the run of {request.run_key} failed"
         results.append(result)
     return results
 
@@ -74,10 +75,12 @@ def materialize_job(instance, defs, name: str) -> dict:
     shard_runs = run_planned_shards(instance, defs, name)
     evaluations = [e for run in shard_runs for e in run.get_asset_check_evaluations()]
     assert any(e.check_name == "all_prompts_answered" for e in evaluations), f"{name}: the table check did not run"
-    metadata = [m.metadata for run in shard_runs for m in run.asset_materializations_for_node(f"{name}__completions")
-                if "tokens_per_s" in m.metadata]  # a shard whose rows were all reused ran nothing
+    materialized = [m for run in shard_runs for m in run.asset_materializations_for_node(f"{name}__completions")]
+    # a shard whose rows were all reused ran nothing
+    metadata = [m.metadata for m in materialized if "tokens_per_s" in m.metadata]
     return {
-        "partitions": [run.dagster_run.tags["dagster/partition"] for run in shard_runs],
+        "partitions": [m.partition for m in materialized],
+        "runs": len(shard_runs),  # fewer than partitions where the job runs several per run (partitions_per_run)
         "computed_shards": len(metadata),
         "tokens_per_s": sum(m["tokens_per_s"].value for m in metadata) / max(len(metadata), 1),
         "saving_vs_ideal": min((m["saving_vs_ideal"].value for m in metadata), default=1.0),
@@ -128,8 +131,8 @@ def materialize_all() -> None:
             rows.append(
                 (
                     name,
-                    f"{total} rows ({ok} ok, {errors} errors) in {table}; {len(done['partitions'])} shard(s), "
-                    f"{ran}; {checks}{order}",
+                    f"{total} rows ({ok} ok, {errors} errors) in {table}; {len(done['partitions'])} shard(s) in "
+                    f"{done['runs']} run(s), {ran}; {checks}{order}",
                 )
             )
             examples.append((row_id, repr(text.strip()[:90])))

@@ -4,7 +4,8 @@ In one run: generate a DuckDB table of ROWS prompts with realistic sharing (inst
 shared by a few thousand rows, then text of each row's own), materialize ``prompts`` +
 ``prefix_groups`` (the first night), change a share of the rows and materialize both again (the
 next night: the token cache tokenizes only what changed), then run one ``completions`` partition
-(about ``--partition-rows`` rows) on the tiny model and split its wall time into vLLM's start-up,
+(about ``--partition-rows`` rows; ``--partitions-per-run N``: the first N in one run, one vLLM start)
+on the tiny model and split its wall time into vLLM's start-up,
 the engine's run, and everything else (Dagster, reading the plan, writing DuckDB and Parquet,
 checks). Each phase runs in its own process, so each peak RSS is its own. Prints one JSON line.
 
@@ -27,13 +28,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _config(work: Path, model: str, partition_rows: int):
+def _config(work: Path, model: str, partition_rows: int, partitions_per_run: int = 1):
     from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings, SamplingSettings
 
     return BatchJobConfig(
         name="scale", dataset=DatasetSpec(table="prompts", database=str(work / "prompts.duckdb")),
         llm=EngineSettings(model_path=model, max_model_len=4096), sampling=SamplingSettings(max_tokens=16),
-        rows_per_shard=partition_rows, hardware=["cpu"], output_table="answers",
+        rows_per_shard=partition_rows, partitions_per_run=partitions_per_run, hardware=["cpu"], output_table="answers",
         output_database=str(work / "answers.duckdb"), storage_dir=str(work / "jobs"), schedule=None,
     )
 
@@ -121,40 +122,43 @@ def phase_plan(work: Path, model: str, partition_rows: int) -> dict:
     }
 
 
-def phase_partition(work: Path, model: str, partition_rows: int) -> dict:
-    """One completions partition (the first shard), through Dagster."""
+def phase_partition(work: Path, model: str, partition_rows: int, partitions_per_run: int = 1) -> dict:
+    """The plan's first ``partitions_per_run`` completions partitions in one run (one vLLM start),
+    through Dagster; their time split as a sum over them."""
     import dagster as dg
 
     from assets import build_batch_defs
+    from batchllm_dagster.partitions import RANGE_END, RANGE_START
     from batchllm_dagster.shard_sizing import OVERHEAD_SHARE
 
-    config = _config(work, model, partition_rows)
+    config = _config(work, model, partition_rows, partitions_per_run)
     graph = build_batch_defs(config).resolve_asset_graph()
     instance = _instance(work)
-    key = sorted(instance.get_dynamic_partitions(config.partitions_name))[0]
+    keys = instance.get_dynamic_partitions(config.partitions_name)[:partitions_per_run]  # a range: neighbours
     started = time.perf_counter()
-    result = dg.materialize([graph.assets_def_for_key(dg.AssetKey(["scale", "completions"]))], partition_key=key,
-                            instance=instance)
-    partition_s = time.perf_counter() - started
+    result = dg.materialize([graph.assets_def_for_key(dg.AssetKey(["scale", "completions"]))], instance=instance,
+                            tags={RANGE_START: keys[0], RANGE_END: keys[-1]})
+    run_s = time.perf_counter() - started
     assert result.success
-    meta = result.asset_materializations_for_node("scale__completions")[0].metadata
-    value = {k: meta[k].value for k in ("startup_s", "engine_start_s", "wall_s", "engine_stop_s", "write_s")}
-    # The partition's time, split: vLLM's start, the plan read and checked before the first request,
-    # the rows' run, vLLM's stop, writing DuckDB and Parquet and the checks, and Dagster's own (the rest).
-    breakdown = {"engine_start_s": value["engine_start_s"],
-                 "plan_read_s": round(value["startup_s"] - value["engine_start_s"], 3),
-                 "engine_run_s": value["wall_s"], "engine_stop_s": value["engine_stop_s"],
-                 "write_and_checks_s": value["write_s"]}
-    breakdown["dagster_s"] = round(partition_s - sum(breakdown.values()), 3)
-    outside = partition_s - value["wall_s"]
-    return {"partition_rows": meta["ok_rows"].value + meta["error_rows"].value, "partition_s": round(partition_s, 2),
-            **breakdown,
-            # start-up and orchestration against the partition's time (shard sizing holds it at 5%)
-            "overhead_fraction": round(outside / partition_s, 4), "overhead_target": OVERHEAD_SHARE,
+    metas = [m.metadata for m in result.asset_materializations_for_node("scale__completions")]
+    total = {k: sum(m[k].value for m in metas) for k in ("startup_s", "engine_start_s", "wall_s", "engine_stop_s",
+                                                         "write_s", "ok_rows", "error_rows")}
+    # The run's time, split: vLLM's start, the plans read and checked before each partition's first
+    # request, the rows' runs, vLLM's stop, writing DuckDB and Parquet and the checks, and Dagster's own (the rest).
+    breakdown = {"engine_start_s": total["engine_start_s"],
+                 "plan_read_s": round(total["startup_s"] - total["engine_start_s"], 3),
+                 "engine_run_s": total["wall_s"], "engine_stop_s": total["engine_stop_s"],
+                 "write_and_checks_s": total["write_s"]}
+    breakdown["dagster_s"] = round(run_s - sum(breakdown.values()), 3)
+    outside = run_s - total["wall_s"]
+    start_stop = total["engine_start_s"] + total["engine_stop_s"]
+    return {"partitions_in_run": len(metas), "vllm_starts": sum(m["engine_start_s"].value > 0 for m in metas),
+            "partition_rows": round((total["ok_rows"] + total["error_rows"]) / len(metas)),
+            "run_s": round(run_s, 2), **{k: round(v, 3) for k, v in breakdown.items()},
+            # start-up and orchestration against the run's time (shard sizing holds it at 5%)
+            "overhead_fraction": round(outside / run_s, 4), "overhead_target": OVERHEAD_SHARE,
             # the same without vLLM's start and stop (what a faster GPU does not shrink)
-            "orchestration_fraction": round((outside - value["engine_start_s"] - value["engine_stop_s"])
-                                            / max(partition_s - value["engine_start_s"] - value["engine_stop_s"], 1e-9),
-                                            4)}
+            "orchestration_fraction": round((outside - start_stop) / max(run_s - start_stop, 1e-9), 4)}
 
 
 def _child(phase: str, args) -> dict:
@@ -172,6 +176,8 @@ def _child(phase: str, args) -> dict:
             args.model,
             "--partition-rows",
             str(args.partition_rows),
+            "--partitions-per-run",
+            str(args.partitions_per_run),
         ],
         capture_output=True,
         text=True,
@@ -187,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens-per-row", type=int, default=500)
     parser.add_argument("--change-fraction", type=float, default=0.01, help="share of rows changed before the rerun")
     parser.add_argument("--partition-rows", type=int, default=10_000, help="rows per shard (rows_per_shard)")
+    parser.add_argument("--partitions-per-run", type=int, default=1,
+                        help="completions partitions run together, on one vLLM start (partitions_per_run)")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--work", type=Path, help="working folder (default .cache/scale/ROWS)")
     parser.add_argument("--json", action="store_true", help="one JSON line on stdout (always)")
@@ -197,8 +205,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args.work = (args.work or CACHE_ROOT / "scale" / str(args.rows)).resolve()
     if args.phase:  # a child process
-        run = phase_plan if args.phase == "plan" else phase_partition
-        result = run(args.work, resolve_model(args.model), args.partition_rows)
+        if args.phase == "plan":
+            result = phase_plan(args.work, resolve_model(args.model), args.partition_rows)
+        else:
+            result = phase_partition(args.work, resolve_model(args.model), args.partition_rows,
+                                     args.partitions_per_run)
         result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         print(json.dumps(result))
         return 0

@@ -358,3 +358,53 @@ def test_a_shard_that_finishes_after_a_newer_plan_writes_nothing_stale(job, monk
     assert parquet_keys <= new_keys  # no superseded key's file came back
     in_parquet = pq.read_table(job.completions_dir).column("id").to_pylist() if parquet_keys else []
     assert len(in_parquet) == len(set(in_parquet))
+
+
+def test_one_run_answers_a_range_of_shards_on_one_vllm_start(job, tmp_path):
+    """``partitions_per_run: 3``: the shard sensor asks for one run of the plan's three shards (a
+    partition range, as a backfill under the asset's backfill policy runs it). vLLM starts once, in
+    the first partition, and stops once, after the last; each partition is materialized with its own
+    numbers, written under its own key with its own Parquet file, and checked on its own (the checks
+    report once, with every partition's outcome); the answers equal a run per partition's."""
+    from batchllm_dagster.partitions import RANGE_END, RANGE_START
+    from dagster_project.demo import run_planned_shards
+
+    def answers(config) -> tuple[list, list, list]:
+        defs = build_batch_defs(config)
+        graph = defs.resolve_asset_graph()
+        with dg.instance_for_test() as instance:
+            upstream = [graph.assets_def_for_key(dg.AssetKey(["e2e", n])) for n in ("prompts", "prefix_groups")]
+            assert dg.materialize(upstream, instance=instance).success
+            keys = instance.get_dynamic_partitions(config.partitions_name)
+            runs = run_planned_shards(instance, defs, "e2e")
+        with duckdb.connect(config.output_database, read_only=True) as con:
+            rows = con.execute(f"SELECT id, partition_key, text FROM {config.output_table}").fetchall()
+        return runs, keys, rows
+
+    ranged = BatchJobConfig.model_validate({**job.model_dump(), "shards": 3, "partitions_per_run": 3})
+    runs, keys, rows = answers(ranged)
+    assert len(keys) == 3 and len(runs) == 1
+    tags = runs[0].dagster_run.tags
+    assert (tags[RANGE_START], tags[RANGE_END]) == (keys[0], keys[2])
+    materialized = {m.partition: m.metadata for m in runs[0].asset_materializations_for_node("e2e__completions")}
+    assert sorted(materialized) == sorted(keys)
+    rows_of = {key: sum(1 for _, k, _ in rows if k == key) for key in keys}
+    for i, key in enumerate(keys):
+        meta = materialized[key]
+        assert meta["partitions_in_run"].value == 3
+        assert meta["ok_rows"].value + meta["error_rows"].value == rows_of[key] > 0
+        assert (meta["engine_start_s"].value > 0) == (i == 0)  # one vLLM start, in the first partition
+        assert (meta["engine_stop_s"].value > 0) == (i == 2)  # one stop, after the last
+        assert ranged.completions_parquet_path(key).exists()
+    checks = {e.check_name: e for e in runs[0].get_asset_check_evaluations()}
+    assert set(checks) == {"one_completion_per_row", "no_silent_empties", "prefix_saving",
+                           "answers_follow_response_format", "all_prompts_answered"}
+    assert all(e.passed for e in checks.values())
+    assert checks["one_completion_per_row"].metadata["partitions"].value == 3
+    assert set(checks["one_completion_per_row"].metadata["by_partition"].value) == set(keys)
+
+    single = BatchJobConfig.model_validate({**job.model_dump(), "shards": 3, "output_table": "single",
+                                            "storage_dir": str(tmp_path / "single")})
+    single_runs, _, single_rows = answers(single)
+    assert len(single_runs) == 3
+    assert {i: text for i, _, text in rows} == {i: text for i, _, text in single_rows}

@@ -19,7 +19,7 @@ def test_the_size_keeps_overhead_at_five_percent_on_the_hardware_that_needs_the_
     metadata = [partition("a100", 1000, 100.0), partition("a100", 1000, 80.0), partition("a100", 1000, 120.0),
                 partition("h200", 1000, 25.0), {"rows": 0, "hardware_partition": "h200"}]  # all reused: skipped
     measured = measured_by_hardware(metadata)
-    assert measured["a100"] == Measured(rows_per_s=10.0, overhead_s=2.0, partitions=3)  # medians
+    assert measured["a100"] == Measured(rows_per_s=10.0, overhead_s=2.0, partitions=3)  # median rate, mean overhead
     assert measured["h200"] == Measured(rows_per_s=40.0, overhead_s=2.0, partitions=1)
     size = shard_size(measured)
     # The H200 needs 2 s x 40 rows/s x 19 = 1,520 rows for 2 s to be 5%: rounded up to 2,048.
@@ -35,6 +35,20 @@ def test_a_partition_whose_engine_start_outlasts_its_rows_is_measured_all_the_sa
     less, so such partitions were never measured and the first-night size stayed)."""
     measured = measured_by_hardware([partition("h200", 2000, 20.0, startup_s=60.0, stop_s=2.0, write_s=1.0)])
     assert measured["h200"].rows_per_s == 100.0 and measured["h200"].overhead_s == 63.0
+
+
+def test_a_run_of_several_partitions_spreads_its_one_vllm_start_over_them():
+    """partitions_per_run: 4: vLLM starts in the first partition (60 s) and stops after the last (4 s);
+    each partition pays 1 s of its own. The overhead per partition is the run's 68 s over 4, 17 s:
+    a median (1.5 s) would drop the start that every partition of the run shared."""
+    run = [partition("h200", 2000, 20.0, startup_s=60.5, stop_s=0.0),
+           partition("h200", 2000, 20.0, startup_s=0.5, stop_s=0.0),
+           partition("h200", 2000, 20.0, startup_s=0.5, stop_s=0.0),
+           partition("h200", 2000, 20.0, startup_s=0.5, stop_s=4.0)]
+    measured = measured_by_hardware(run)["h200"]
+    assert measured.overhead_s == pytest.approx((60.5 + 0.5 * 3 + 4.0 + 0.5 * 4) / 4) == 17.0
+    alone = measured_by_hardware([partition("h200", 2000, 20.0, startup_s=60.5, stop_s=4.0)])["h200"]
+    assert shard_size({"h200": measured}).rows_per_shard < shard_size({"h200": alone}).rows_per_shard
 
 
 @pytest.mark.parametrize("own", [None, 8])

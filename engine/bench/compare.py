@@ -232,7 +232,8 @@ def cmd_bench(args) -> int:
         # The scale benchmark runs the Dagster assets, which the engine does not import: it is a
         # program of the code location, run as its own process (its phases each in a fresh one).
         command = [sys.executable, "-m", "dagster_project.scale_bench", "--rows", str(args.scale),
-                   "--model", args.model or "tiny", "--partition-rows", str(args.partition_rows)]
+                   "--model", args.model or "tiny", "--partition-rows", str(args.partition_rows),
+                   "--partitions-per-run", str(args.partitions_per_run)]
         return subprocess.call(command)
     if getattr(args, "batch_invariant", False):
         if current_platform() != "cuda":  # vLLM's batch-invariant kernels are Triton kernels for GPUs
@@ -300,8 +301,11 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--rows-in-flight", default="1024,4096,16384", help="sizes for --scheduler-only")
     bench.add_argument("--scale", type=at_least_one, metavar="ROWS",
                        help="a ROWS-row nightly job through Dagster: first plan, a rerun with 1%% of the rows "
-                       "changed, one completions partition (see dagster_project/scale_bench.py)")
+                       "changed, one completions partition or --partitions-per-run of them (see "
+                       "dagster_project/scale_bench.py)")
     bench.add_argument("--partition-rows", type=at_least_one, default=10_000, help="rows per shard for --scale")
+    bench.add_argument("--partitions-per-run", type=at_least_one, default=1,
+                       help="--scale: run the first N partitions in one run, on one vLLM start")
     bench.add_argument("--rows", type=int, default=1_000_000, help="rows for --analysis")
     bench.add_argument("--tokens-per-row", type=int, default=500, help="tokens per row for --analysis")
     add_engine_options(bench)  # --kv-cache-blocks defaults to a third of the prefix working set here

@@ -1,0 +1,95 @@
+"""Several partitions in one run (``partitions_per_run``), without vLLM: which shards share a run,
+one engine started once for them, and their checks reported once with each partition's outcome."""
+
+import contextlib
+
+import dagster as dg
+import pytest
+
+from batchllm_dagster import BatchJobConfig, DatasetSpec
+from batchllm_dagster.checks import merged_check_results
+from batchllm_dagster.partitions import by_hardware, shard_key, shard_runs
+from engine.jobs.shared_engine import SharedEngine
+from engine.settings import EngineSettings
+
+
+def config(hardware, per_run):
+    return BatchJobConfig(name="runs", dataset=DatasetSpec(parquet="p.parquet"), hardware=hardware,
+                          partitions_per_run=per_run, output_database="o.duckdb", storage_dir="j")
+
+
+def keys_of(job, shards):
+    return [shard_key(job.hardware_of_shard(s).name, s, [s]) for s in range(shards)]
+
+
+def test_each_hardware_partitions_shards_are_neighbours_and_runs_never_mix_hardware():
+    job = config(["gpu", "cpu"], 3)
+    keys = by_hardware(job, keys_of(job, 7))  # shards cycle: gpu 0, 2, 4, 6; cpu 1, 3, 5
+    assert [k.split("-")[:2] for k in keys] == [["gpu", "00"], ["gpu", "02"], ["gpu", "04"], ["gpu", "06"],
+                                                ["cpu", "01"], ["cpu", "03"], ["cpu", "05"]]
+    runs = shard_runs(job, keys)
+    assert [len(r) for r in runs] == [3, 1, 3]
+    assert all(len({k.split("-")[0] for k in run}) == 1 for run in runs)
+    # Keys of an older plan kept in place can split a hardware's neighbours: a run is never a range
+    # that would take the other hardware's partition between them.
+    mixed = [keys[0], keys[4], keys[1], keys[2]]
+    assert shard_runs(job, mixed) == [[keys[0]], [keys[4]], [keys[1], keys[2]]]
+    assert shard_runs(config(["gpu", "cpu"], 1), keys) == [[k] for k in keys]
+
+
+def test_partitions_per_run_below_one_is_refused():
+    with pytest.raises(ValueError, match="partitions_per_run at least 1"):
+        config(["cpu"], 0)
+
+
+def test_a_shared_engine_starts_once_for_every_shard_and_stops_once_at_the_end():
+    opened, closed = [], []
+
+    @contextlib.contextmanager
+    def opener(settings):
+        opened.append(settings)
+        yield object()
+        closed.append(settings)
+
+    settings = EngineSettings(model_path="m")
+    with SharedEngine(opener) as shared:
+        engines = []
+        for _ in range(3):  # three shards, each entering and leaving the engine as run_resumable does
+            with shared.open(settings) as engine:
+                engines.append(engine)
+        assert len(opened) == 1 and not closed and len({id(e) for e in engines}) == 1
+        with pytest.raises(ValueError, match="other settings"), shared.open(EngineSettings(model_path="other")):
+            pass
+    assert closed == [settings] and shared.stop_s >= 0
+    with SharedEngine(opener) as unused:  # every row reused: vLLM never starts, nothing to stop
+        pass
+    assert len(opened) == 1 and unused.stop_s == 0.0
+
+
+def test_a_runs_checks_fail_where_any_partition_failed_and_say_which():
+    key = dg.AssetKey(["runs", "completions"])
+
+    def results(rows_ok: bool, missing: int):
+        return [dg.AssetCheckResult(check_name="one_completion_per_row", asset_key=key, passed=rows_ok,
+                                    metadata={"missing": missing}),
+                dg.AssetCheckResult(check_name="prefix_saving", asset_key=key, passed=True,
+                                    severity=dg.AssetCheckSeverity.WARN, metadata={"saving_vs_ideal": 0.95})]
+
+    merged = merged_check_results({"cpu-00-a": results(True, 0), "cpu-01-b": results(False, 2)})
+    rows, saving = merged
+    assert rows.check_name == "one_completion_per_row" and not rows.passed
+    assert rows.metadata["failed_partitions"].value == ["cpu-01-b"]
+    assert rows.metadata["by_partition"].value == {"cpu-00-a": {"missing": 0}, "cpu-01-b": {"missing": 2}}
+    assert saving.passed and saving.severity == dg.AssetCheckSeverity.WARN and saving.metadata["partitions"].value == 2
+
+
+@pytest.mark.parametrize("per_run", [1, 4])
+def test_a_backfill_of_completions_takes_partitions_per_run_partitions_a_run(per_run):
+    from assets import build_batch_defs
+
+    graph = build_batch_defs(config(["cpu"], per_run)).resolve_asset_graph()
+    policy = graph.assets_def_for_key(dg.AssetKey(["runs", "completions"])).backfill_policy
+    if per_run == 1:  # Dagster's default: a run per partition
+        assert policy is None
+    else:
+        assert policy.max_partitions_per_run == per_run
