@@ -61,6 +61,20 @@ def load_planned_shard(config: BatchJobConfig, key: str, settings: EngineSetting
         raise dg.Failure(str(exc)) from None
 
 
+def partition_keys_of(context: dg.AssetExecutionContext) -> list[str]:
+    """The run's partition, or its range's. A key that left the plan since the run was queued is
+    refused when its shard is loaded (saying so); a range whose end left it cannot be listed at all."""
+    if context.has_partition_key:
+        return [context.partition_key]
+    try:
+        return list(context.partition_keys)
+    except dg.DagsterInvalidInvocationError:
+        keys = context.partition_key_range
+        raise dg.Failure(f"the plan changed since this run was queued: partitions {keys.start}..{keys.end} are no "
+                         "longer all in the current plan; the new plan's shards are queued by the run_shards sensor "
+                         "(or rematerialize prefix_groups and run the partitions it lists)") from None
+
+
 def run_shard_locally(
     config, key, prepared, settings, sampling, checkpoint, engine_opener, warehouse, log, started_at
 ) -> RunOutcome:
@@ -151,7 +165,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         # One run per partition key at a time, whatever launched it (a backfill, the sensor, the UI,
         # two hardware partitions' jobs), in any instance: the second refuses before it reads the
         # checkpoint the first is writing.
-        keys = list(context.partition_keys)  # one, or a range (partitions_per_run: the sensor's, a backfill's)
+        keys = partition_keys_of(context)  # one, or a range (partitions_per_run: the sensor's, a backfill's)
         warn_if_unlimited(context)
         with contextlib.ExitStack() as held:
             for key in keys:

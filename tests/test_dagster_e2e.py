@@ -408,3 +408,36 @@ def test_one_run_answers_a_range_of_shards_on_one_vllm_start(job, tmp_path):
     single_runs, _, single_rows = answers(single)
     assert len(single_runs) == 3
     assert {i: text for i, _, text in rows} == {i: text for i, _, text in single_rows}
+
+
+def test_a_range_run_queued_for_a_superseded_plan_says_so_before_starting_vllm(job):
+    """A run of three shards queued by the sensor; then a row is deleted and a new plan drops one of
+    its keys: the queued run, started late, fails with what happened (the range cannot be listed any
+    more), not with Dagster's partition-range error."""
+    from dagster._core.definitions.job_base import InMemoryJob
+    from dagster._core.execution.api import execute_run
+
+    from dagster_project.demo import QUIET
+
+    ranged = BatchJobConfig.model_validate({**job.model_dump(), "shards": 3, "partitions_per_run": 3})
+    defs = build_batch_defs(ranged)
+    with dg.instance_for_test() as instance:
+        assert defs.resolve_job_def("e2e_plan").execute_in_process(instance=instance, run_config=QUIET).success
+        sensor = defs.resolve_sensor_def("e2e_run_shards")
+        with dg.partition_loading_context(dynamic_partitions_store=instance):
+            (request,) = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, definitions=defs)).run_requests
+        shard_job = defs.resolve_job_def(request.job_name)
+        queued = instance.create_run_for_job(  # created now, as the daemon queues it; it starts later
+            shard_job, tags={**shard_job.tags, **request.tags},
+            run_config={"execution": {"config": {"in_process": {}}}})
+        last = request.tags["dagster/asset_partition_range_end"]
+        plan_rows = pq.read_table(ranged.plan_path)
+        gone = plan_rows.filter(pc.equal(plan_rows["partition_key"], last))["id"].to_pylist()[:1]
+        with duckdb.connect(job.dataset.database) as con:  # a row of the last shard deleted: its key changes
+            con.execute("DELETE FROM prompt_rows WHERE id = ?", gone)
+        assert defs.resolve_job_def("e2e_plan").execute_in_process(instance=instance, run_config=QUIET).success
+        assert last not in instance.get_dynamic_partitions(ranged.partitions_name)
+        late = execute_run(InMemoryJob(shard_job), instance.get_run_by_id(queued.run_id), instance)
+    assert not late.success
+    message = "\n".join(str(e.event_specific_data.error) for e in late.all_events if e.is_failure)
+    assert "the plan changed since this run was queued" in message and "are no longer all in" in message
