@@ -264,6 +264,22 @@ def test_every_row_is_submitted_exactly_once_or_rejected(plan, num_blocks, reser
         assert engine.preemptions == 0
 
 
+@pytest.mark.parametrize(("max_tokens", "num_blocks"), [([1, 1, 1, 3, 2], 6), ([1, 1, 1, 2, 2], 5)])
+def test_a_row_after_a_recomputed_copy_of_a_cached_block_counts_the_block_it_finds(max_tokens, num_blocks):
+    """Found by the property test below: four rows that are exactly two blocks (a document and its
+    prefix, no text of their own), then a row that adds one token. Each of the four recomputes its
+    last block (a hit is capped at the prompt's length - 1): the first copy is cached, the others
+    are copies vLLM's lookup never returns. The fifth row shares both blocks with the fourth, but its
+    lookup finds the first copy, not the fourth row's: it references one block more than "shared
+    with the row before" counted (an undercount, then a preemption with output reserved in full)."""
+    block = np.array([91, 81, 75, 63, 230, 204, 207, 201])
+    batch = make_batch([block, block, block, block, np.concatenate([block, [317]])])
+    engine, _, out, watch, _ = run(batch, [PlannedGroup(prefix_tokens=4, rows=[0, 1, 2, 3, 4])], max_tokens,
+                                   num_blocks, reserve_output=ReserveOutput.FULL, prefix_requests=False)
+    assert watch.undercounts == [] and watch.below_exact == []
+    assert engine.preemptions == 0 and sorted(f.submission.row for f in out) == [0, 1, 2, 3, 4]
+
+
 @pytest.mark.parametrize("reserve", ["full", "lookahead"])
 def test_rows_that_are_wholly_a_cached_prefix_count_the_block_vllm_recomputes(reserve):
     # Duplicate rows whose prompt is exactly their group's block-aligned prefix (n answers per

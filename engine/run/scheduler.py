@@ -212,7 +212,13 @@ class GroupScheduler:
         """Leading tokens of the row that vLLM finds in flight: its group's prefix, or more while
         the row before it, with which it shares more, is in the engine too."""
         previous, common = self._shares_deeper.get(row, (None, 0))
-        return self._cache_hit(row, common if previous in self._rows else group.planned.prefix_tokens)
+        if previous not in self._rows:
+            return self._cache_hit(row, group.planned.prefix_tokens)
+        # Only what the row before holds as the blocks a lookup finds: a prompt that is wholly the
+        # common part recomputed its last block (its hit is capped at length - 1), and where that
+        # content was cached already its copy is not what vLLM's lookup returns (the first cached
+        # block of a hash): the row would reference the other block, one more than shared.
+        return self._cache_hit(row, self._cache_hit(previous, common))
 
     def _row_demand(self, row: int, group: _GroupState, generated: int) -> int:
         """The row's blocks by its exact generated tokens (what ``planned_blocks`` shows)."""
@@ -377,8 +383,8 @@ class GroupScheduler:
         once (each row's deeper sharing with the row before it counted once)."""
         planned, total = group.planned, 0
         for row in planned.rows:
-            previous, common = self._shares_deeper.get(row, (None, 0))
-            shared = common if previous is not None else planned.prefix_tokens
+            previous, common = self._shares_deeper.get(row, (None, 0))  # as _shared_len counts it
+            shared = self._cache_hit(previous, common) if previous is not None else planned.prefix_tokens
             total += self._blocks_at(row, 0, self._cache_hit(row, shared) // self._block)
         return total
 
