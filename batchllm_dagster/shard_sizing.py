@@ -69,7 +69,7 @@ def shard_size(measured: dict[str, Measured], share: float = OVERHEAD_SHARE) -> 
     rows = 1 << max(0, int(needs[hardware]) - 1).bit_length()  # rounded up to a power of two
     m = measured[hardware]
     return ShardSize(rows, f"{rows:,} rows: on {hardware}, {m.rows_per_s:,.1f} rows/s and {m.overhead_s:.1f} s of "
-                           f"start-up and orchestration per partition (medians of {m.partitions}) keep that at "
+                           f"start-up and orchestration per partition (median and mean of {m.partitions}) keep that at "
                            f"most {share:.0%} of a partition")
 
 
