@@ -188,3 +188,27 @@ def test_a_bench_prompt_set_runs_every_row_where_a_choice_raises_its_budget():
     batch = TokenizedBatch.from_rows([np.arange(1, 11, dtype=np.int32) + i for i in range(3)])
     _, prepared = planned_prompt_set(batch, np.array([2, 2, 2]), 8, None, {0: ResponseFormat(choice=["technical"])})
     assert prepared.errors == {} and prepared.max_tokens.tolist() == [len("technical") + 1, 2, 2]
+
+
+def test_a_step_after_a_constrained_request_entered_first_lets_its_grammar_compile(monkeypatch):
+    """vLLM compiles grammars on a thread pool and skips, for the step, a request whose compile is
+    not done: the handle gives up the GIL once before a step that follows a constrained submission
+    (with the core in this process, a cached compile then finishes first), and only then."""
+    import numpy as np
+
+    import engine.vllm.vllm_engine as handle_module
+    from engine.bench.bench_scheduler import LLMEngineStandIn
+    from engine.run.requests import Submission
+    from engine.vllm.vllm_engine import VLLMEngine
+
+    pauses = []
+    monkeypatch.setattr(handle_module.time, "sleep", lambda seconds: pauses.append(seconds))
+    handle = VLLMEngine.over(LLMEngineStandIn(), 4, 100)
+    tokens = np.arange(8, dtype=np.int32)
+    handle.submit(Submission(RequestKind.ROW, 0, tokens, 4), SamplingSettings(max_tokens=4))
+    handle.step()
+    assert pauses == []  # unconstrained: no pause
+    handle.submit(Submission(RequestKind.ROW, 1, tokens, 4), SamplingSettings(max_tokens=4, response_format=LABELS))
+    handle.step()
+    handle.step()
+    assert pauses == [0]  # once, before the first step after it entered
