@@ -53,9 +53,11 @@ def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
         requests = []
         for run in shard_runs(config, context.instance.get_dynamic_partitions(config.partitions_name)):
             tags = {PLAN_RUN_TAG: asset_event.run_id}  # a superseded plan's run says so
+            keys = run[0]
             if len(run) > 1:  # a range of neighbouring partitions, one vLLM start (partitions_per_run)
                 tags.update({RANGE_START: run[0], RANGE_END: run[-1]})
-            requests.append(dg.RunRequest(run_key=f"{asset_event.run_id}:{'..'.join(dict.fromkeys([run[0], run[-1]]))}",
+                keys = f"{run[0]}..{run[-1]}"
+            requests.append(dg.RunRequest(run_key=f"{asset_event.run_id}:{keys}",
                                           partition_key=run[0] if len(run) == 1 else None,
                                           job_name=shards_jobs[hardware_of_key(config, run[0]).name].name, tags=tags))
         return requests

@@ -298,10 +298,11 @@ class BatchJobConfig(JobSpec):
         return self.completions_dir / f"{partition_key}.parquet"
 
     def engine_settings(self) -> EngineSettings:
-        """``llm`` with its model (a built-in name or a path) resolved to a checkpoint directory."""
+        """``llm`` with its model (a built-in name or a path) resolved to a checkpoint directory and
+        its KV block size set (the platform's default unless the job sets one: ``with_block_size``)."""
         from engine.models import resolve_model
 
-        return self.llm.model_copy(update={"model_path": resolve_model(self.llm.model_path)})
+        return self.llm.model_copy(update={"model_path": resolve_model(self.llm.model_path)}).with_block_size()
 
 
 def default_data_dir() -> Path:

@@ -97,3 +97,56 @@ def test_each_hash_keeps_the_values_that_name_existing_answers_and_partitions():
     assert digest(b"hello").hexdigest() == "8ed7252f4b03f9e8376db5b2"
     assert text_fingerprint("[1]") == "080a9ed428559ef6"
     assert short_digest("a\x1fb") == "687d6199"
+
+
+def test_a_gpu_counts_and_runs_kv_blocks_of_16_a_cpu_of_32_unless_the_job_sets_one():
+    unset = EngineSettings(model_path="/models/m")
+    assert unset.block_size is None  # the platform decides
+    assert engine_args(unset, Platform.CUDA)["block_size"] == 16
+    assert engine_args(unset, Platform.CPU)["block_size"] == 32
+    assert (unset.with_block_size(Platform.CUDA).block_size, unset.with_block_size(Platform.CPU).block_size) == (16, 32)
+    # Only the block size: a plan's; the rest stays for the engine's machine (a Ray replica's GPU).
+    assert unset.with_block_size(Platform.CPU).dtype is None
+    assert EngineSettings(model_path="m", block_size=64).with_block_size(Platform.CUDA).block_size == 64
+    # A plan may count in 16 anywhere; vLLM on CPU is refused it before it starts, with the fix.
+    sixteen = EngineSettings(model_path="m", block_size=16)
+    assert sixteen.with_block_size(Platform.CPU).block_size == 16
+    assert engine_args(sixteen, Platform.CUDA)["block_size"] == 16
+    with pytest.raises(ValueError, match="multiples of 32 only; leave it unset"):
+        engine_args(sixteen, Platform.CPU)
+
+
+def test_the_cli_and_a_dagster_job_plan_in_the_block_size_of_the_platform_they_run_on(monkeypatch, tmp_path,
+                                                                                       tiny_model):
+    import engine.settings as settings_module
+    from batchllm_dagster.config import BatchJobConfig, DatasetSpec
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    config = BatchJobConfig(name="job", dataset=DatasetSpec(parquet=str(tmp_path / "p.parquet")),
+                            llm=EngineSettings(model_path=tiny_model), output_database=str(tmp_path / "o.duckdb"),
+                            storage_dir=str(tmp_path / "jobs"))
+    versions = {}
+    for platform, block in ((Platform.CPU, 32), (Platform.CUDA, 16)):
+        monkeypatch.setattr(settings_module, "current_platform", lambda platform=platform: platform)
+        assert engine_settings_from(parser.parse_args([]), "/models/m").block_size == block
+        assert engine_settings_from(parser.parse_args(["--block-size", "64"]), "/models/m").block_size == 64
+        assert config.engine_settings().block_size == block
+        assert config.plan_shaping(config.engine_settings()).block_size == block  # the plan's stamp
+        versions[platform] = config.plan_code_version()
+    # As declared the block size is unset: the code version the webserver and a GPU run see is one.
+    assert versions[Platform.CPU] == versions[Platform.CUDA]
+
+
+@pytest.mark.slow  # imports vLLM
+def test_the_platform_block_sizes_are_what_vllms_own_attention_backends_take():
+    from vllm.config.cache import CacheConfig
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+    from engine.settings import BLOCK_SIZES, CPU_BLOCK_MULTIPLE, PLATFORM_DEFAULTS
+
+    assert PLATFORM_DEFAULTS[Platform.CUDA]["block_size"] == CacheConfig.DEFAULT_BLOCK_SIZE  # vLLM's GPU default
+    assert FlashAttentionBackend.supports_block_size(PLATFORM_DEFAULTS[Platform.CUDA]["block_size"])
+    for size in BLOCK_SIZES:
+        assert CPUAttentionBackend.supports_block_size(size) == (size % CPU_BLOCK_MULTIPLE == 0), size

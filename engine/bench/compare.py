@@ -73,9 +73,9 @@ from ..jobs.job_options import (
 from ..machine import current_platform
 from ..plan.duplicates import count_duplicates
 from ..plan.prefix_tree import build_plan
-from ..settings import BLOCK_SIZES, ReserveOutput, SamplingSettings, SchedulerSettings
+from ..settings import BLOCK_SIZES, EngineSettings, ReserveOutput, SamplingSettings, SchedulerSettings
 from .fresh_process import in_fresh_process
-from .prompt_sets import bench_prompt_sets
+from .prompt_sets import bench_prompt_sets, minimum_prefill, prefill_by_block_size
 from .runs import FIELD_RUNS, RUNS
 from .shapes import SHAPES, Workload, synthetic_analysis_tokens
 from .verdict import median_run, prefill_ratios, ratios_over_repetitions, rotated, verdict
@@ -89,19 +89,21 @@ def run_bench(args) -> dict:
 
     model_path = resolve_model(args.model or DEFAULT_MODEL)
     tokenizer = load_tokenizer(model_path)
-    workload = bench_prompt_sets(args, tokenizer, model_path)
+    engine_settings = engine_settings_from(args, model_path)  # the block size set: this platform's unless given
+    block_size = engine_settings.block_size
+    workload = bench_prompt_sets(args, tokenizer, model_path, block_size)
     planned_sets, prompt_sets, described = workload.planned, workload.prepared, workload.described
     max_tokens, response_formats, field_order_s = workload.max_tokens, workload.response_formats, workload.field_order_s
     prepared, reordered = planned_sets["declared"], planned_sets.get("chosen")
     plan = prepared.plan
-    working_set = int(plan.unique_tokens // args.block_size)
+    working_set = int(plan.unique_tokens // block_size)
     kv_blocks = args.kv_cache_blocks or max(64, working_set // 3)
-    engine_settings = engine_settings_from(args, model_path).model_copy(update={"kv_cache_blocks": kv_blocks})
+    engine_settings = engine_settings.model_copy(update={"kv_cache_blocks": kv_blocks})
     # The baselines at another block size (vLLM's own default, say: 128 on CPU, 16 on a GPU), with the
     # same KV memory: what a user who leaves vLLM's block size alone gets, against this engine's.
-    baseline_block = args.baseline_block_size or args.block_size
+    baseline_block = args.baseline_block_size or block_size
     baseline_settings = engine_settings.model_copy(update={
-        "block_size": baseline_block, "kv_cache_blocks": max(2, kv_blocks * args.block_size // baseline_block)})
+        "block_size": baseline_block, "kv_cache_blocks": max(2, kv_blocks * block_size // baseline_block)})
     # Fixed output lengths (ignore_eos) make the runs' token counts equal; a constrained answer ends
     # where its format does, in every run alike.
     response_format = response_format_from(args)
@@ -157,10 +159,10 @@ def run_bench(args) -> dict:
             "rows": prepared.num_rows,
             "model": args.model or DEFAULT_MODEL,
             "dtype": engine_settings.for_platform(current_platform()).dtype,
-            "block_size": args.block_size,
+            "block_size": block_size,
             "kv_cache_blocks": kv_blocks,
             **({"baseline_block_size": baseline_block, "baseline_kv_cache_blocks": baseline_settings.kv_cache_blocks}
-               if baseline_block != args.block_size else {}),
+               if baseline_block != block_size else {}),
             "prefix_working_set_blocks": working_set,
             "prompt_tokens": plan.prompt_tokens,
             "unique_tokens": plan.unique_tokens,
@@ -189,9 +191,10 @@ def run_bench(args) -> dict:
         # batchllm's prefill tokens over each baseline's: under 1 is fewer tokens computed
         "prefill_ratios": prefill_ratios(repetitions),
         # prompt tokens each prompt set computes at least (sorted, at this block size; see Run)
-        "prompt_set_prefill": {
-            name: int(p.plan.prompt_tokens - p.plan.shared_prompt_tokens) for name, p in planned_sets.items()
-        },
+        "prompt_set_prefill": {name: minimum_prefill(p) for name, p in planned_sets.items()},
+        # ... and at a GPU's default block size (16), the CPU's (32) and vLLM's CPU default (128)
+        "prompt_set_prefill_by_block_size": {
+            name: prefill_by_block_size(p) for name, p in prompt_sets.items()},
         "outputs_equal": not mismatched,
         # With reordered fields: the share of rows whose answer is the same in both orders.
         "field_order_agreement": field_order_agreement,
@@ -211,7 +214,8 @@ def run_analysis(args) -> dict:
     gc.collect()
     tracemalloc.start()
     started = time.perf_counter()
-    plan = build_plan(tokens, offsets, decode, args.block_size)
+    block_size = EngineSettings(block_size=args.block_size).with_block_size().block_size  # this platform's default
+    plan = build_plan(tokens, offsets, decode, block_size)
     plan_s = time.perf_counter() - started
     _, peak_alloc = tracemalloc.get_traced_memory()
     tracemalloc.stop()

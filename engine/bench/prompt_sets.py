@@ -79,6 +79,23 @@ def planned_prompt_set(
     return planned, planned.runnable(batch)
 
 
+def minimum_prefill(planned) -> int:
+    """The prompt tokens sorted rows compute at the plan's block size: the plan's unique tokens."""
+    return int(planned.plan.prompt_tokens - planned.plan.shared_prompt_tokens)
+
+
+# Block sizes a bench reports each prompt set's minimum prefill at: a GPU's default (vLLM's), the
+# CPU's (the smallest its attention kernel takes) and vLLM's CPU build's own default.
+REPORTED_BLOCK_SIZES = (16, 32, 128)
+
+
+def prefill_by_block_size(prepared) -> dict[int, int]:
+    """A prompt set's minimum prefill at each of ``REPORTED_BLOCK_SIZES``: vLLM shares whole blocks
+    only, so where shared prefixes end costs up to a block per row."""
+    return {size: minimum_prefill(planned_prompt_set(prepared.batch, prepared.max_tokens, size)[0])
+            for size in REPORTED_BLOCK_SIZES}
+
+
 def table_sample(args, tokenizer, model_path: str, fields: PromptFields | None = None):
     """Whole prefix groups of the user's table, picked at random until ``--sample`` rows, in the
     table's own order (what plain vLLM would be handed); rows that cannot run are left out. The
@@ -130,8 +147,9 @@ class BenchPromptSets:
     field_order_s: float
 
 
-def bench_prompt_sets(args, tokenizer, model_path: str) -> BenchPromptSets:
-    """The prompt sets of ``--shape`` (or of a sample of the user's table, ``PROMPTS``)."""
+def bench_prompt_sets(args, tokenizer, model_path: str, block_size: int) -> BenchPromptSets:
+    """The prompt sets of ``--shape`` (or of a sample of the user's table, ``PROMPTS``), planned in
+    KV blocks of ``block_size``."""
     special = max(tokenizer.all_special_ids or [0])
     vocab = (special + 1, min(len(tokenizer), 32000))
     response_formats, ids, batches = {}, None, {}  # batches: each prompt set's token ids (see Run)
@@ -149,7 +167,7 @@ def bench_prompt_sets(args, tokenizer, model_path: str) -> BenchPromptSets:
             max_tokens = np.random.default_rng(args.seed).integers(2, 9, table.num_rows).astype(np.int64)  # short
         else:
             table, max_tokens, choices = short_table(args.seed)
-        batches, field_order_s = field_batches(table, fields, tokenizer, args.block_size)
+        batches, field_order_s = field_batches(table, fields, tokenizer, block_size)
         response_formats = {row: ResponseFormat(choice=c) for row, c in choices.items()}
         ids = table.column("id").to_pylist()
         described = {"shape": args.shape, "seed": args.seed, "fields": fields.fields,
@@ -173,7 +191,7 @@ def bench_prompt_sets(args, tokenizer, model_path: str) -> BenchPromptSets:
         described = {"shape": "groups", **asdict(workload)}
     ids = ids or [f"row-{i:06d}" for i in range(max_tokens.size)]
     both = {
-        name: planned_prompt_set(b, max_tokens, args.block_size, ids, response_formats) for name, b in batches.items()
+        name: planned_prompt_set(b, max_tokens, block_size, ids, response_formats) for name, b in batches.items()
     }
     planned_sets = {name: planned for name, (planned, _) in both.items()}  # each prompt set's plan
     prompt_sets = {name: prepared for name, (_, prepared) in both.items()}  # ... and the batch its runs get

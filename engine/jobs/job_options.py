@@ -10,7 +10,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ..response_format import ResponseFormat
-from ..settings import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, EngineSettings
+from ..settings import BLOCK_SIZES, EngineSettings
 from ..table.fields import FieldOrder, PromptFields
 from ..validation import one_line
 
@@ -37,7 +37,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine (vLLM)")
     group.add_argument("--model", help="built-in model name (smollm2, tiny) or checkpoint path (default: smollm2; "
                        "the tiny model for bench --scale)")
-    group.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, choices=BLOCK_SIZES,
+    group.add_argument("--block-size", type=int, choices=BLOCK_SIZES,
                        help=fields["block_size"].description)
     group.add_argument("--max-model-len", type=at_least_one, default=fields["max_model_len"].default,
                        help=fields["max_model_len"].description)
@@ -50,11 +50,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_settings_from(args: argparse.Namespace, model_path: str) -> EngineSettings:
-    """The settings the options give, for an already resolved ``model_path``."""
+    """The settings the options give, for an already resolved ``model_path``, with the KV block size
+    a plan made on this machine counts in (the platform's default unless ``--block-size``)."""
     given = {name: getattr(args, name) for name in EngineSettings.model_fields
              if name != "model_path" and getattr(args, name, None) is not None}
     try:
-        return EngineSettings(model_path=model_path, **given)
+        return EngineSettings(model_path=model_path, **given).with_block_size()
     except ValidationError as exc:
         raise ValueError(f"engine settings: {one_line(exc)}") from None
 

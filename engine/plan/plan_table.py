@@ -45,10 +45,10 @@ PLAN_RUN = "batchllm.plan_run"  # the run (a Dagster run id) that made the plan
 class PlanShaping:
     """The settings that shape a plan, the one list of them: a change to any makes the plan on
     disk stale (its stamp records their fingerprint), and Dagster's code version of the plan asset
-    is made from them. ``context_len`` is resolved (the model's and the platform's limit), so
-    None where the model is not known yet (a code version, at definitions load)."""
+    is made from them. ``context_len`` and ``block_size`` are resolved (the model's and the
+    platform's), so None where not known yet (a code version, at definitions load)."""
 
-    block_size: int  # where shared prefixes end (whole blocks) and the blocks each row needs
+    block_size: int | None  # where shared prefixes end (whole blocks) and the blocks each row needs
     context_len: int | None  # rows longer than this are error rows in the plan
     max_tokens: int  # each row's answer budget (its decode length in the plan)
     min_group_rows: int  # rows a prefix needs to become a group
@@ -58,6 +58,8 @@ class PlanShaping:
     @classmethod
     def of(cls, llm: EngineSettings, sampling: SamplingSettings, scheduler: SchedulerSettings, columns: Columns,
            resolved: bool = True) -> "PlanShaping":
+        if resolved:  # the block size this machine plans in where the job sets none
+            llm = llm.with_block_size()
         return cls(llm.block_size, llm.context_len if resolved else None, sampling.max_tokens,
                    scheduler.min_group_rows, columns, sampling.response_format)
 

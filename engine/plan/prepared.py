@@ -168,6 +168,7 @@ def plan_tokenized(
     """Plan rows already tokenized, in ``table``'s order: their token ids (``TokenizedBatch``), or
     just their lengths and block hashes from the token cache (``CachedRows``). ``table`` needs only
     the id, ``max_tokens`` and ``response_format`` columns."""
+    engine_settings = engine_settings.with_block_size()  # a plan counts in whole KV blocks
     ids = table.column(columns.id).to_pylist()
     n = len(ids)
     errors = dict(rows.errors)

@@ -143,17 +143,20 @@ class VLLMEngine:
             check_vllm_version(vllm.__version__)
         except RuntimeError as exc:
             raise EngineStartError(str(exc)) from None
+        try:
+            args = EngineArgs(**engine_args(settings, platform, enable_prefix_caching=enable_prefix_caching,
+                                            max_num_seqs=max_num_seqs))
+        except ValueError as exc:  # a setting this platform cannot run
+            raise EngineStartError(str(exc)) from None
         self.settings = settings.for_platform(platform)
-        self._track(settings.block_size)
-        args = EngineArgs(**engine_args(settings, platform, enable_prefix_caching=enable_prefix_caching,
-                                        max_num_seqs=max_num_seqs))
+        self._track(self.settings.block_size)
         try:
             self._engine = LLMEngine.from_engine_args(args, usage_context=offline_usage_context(),
                                                       stat_loggers=[_stat_logger_factory(self._gauges)])
         except Exception as exc:
             raise EngineStartError(f"vLLM failed to start for {settings.model_path!r}: {exc}") from exc
         try:
-            check_kv_cache_layout(self._engine, settings.block_size)
+            check_kv_cache_layout(self._engine, self.settings.block_size)
         except EngineStartError:
             self.close()
             raise
@@ -165,7 +168,7 @@ class VLLMEngine:
         self.info = EngineInfo(self.version, self.kv_capacity_blocks, self.max_num_seqs, self.max_num_batched_tokens)
         log.info(
             "vLLM %s started: KV capacity %d blocks x %d tokens, max_num_seqs=%d, max_num_batched_tokens=%d, "
-            "max_model_len=%d", self.version, self.kv_capacity_blocks, settings.block_size, self.max_num_seqs,
+            "max_model_len=%d", self.version, self.kv_capacity_blocks, self.settings.block_size, self.max_num_seqs,
             self.max_num_batched_tokens, config.model_config.max_model_len,
         )
         if settings.max_model_len is None and platform is Platform.CPU:

@@ -84,6 +84,7 @@ def engine_args(
     settings: EngineSettings, platform: Platform, *, enable_prefix_caching: bool = True, max_num_seqs: int | None = None
 ) -> dict:
     """Keyword arguments of ``vllm.EngineArgs`` for these settings on this platform."""
+    settings.check_runs_on(platform)
     resolved = settings.for_platform(platform)
     args = dict(
         model=resolved.model_path,
