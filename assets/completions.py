@@ -28,7 +28,7 @@ from batchllm_dagster.warehouse import existing_rows, replace_partition
 from engine.atomic import Staged
 from engine.run.console import ProgressBar
 from engine.locks import Busy, held_alone
-from engine.plan.plan_table import NotInPlan, StalePlan, load_shard, planned_keys, superseded
+from engine.plan.plan_table import NotInPlan, StalePlan, load_shard, planned_block_size, planned_keys, superseded
 from engine.plan.prepared import PreparedBatch
 from engine.jobs.resume import RunOutcome, run_resumable
 from engine.jobs.shared_engine import SharedEngine
@@ -185,7 +185,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         """The partitions one after another on one vLLM engine, each written and checked on its own."""
         started_at = time.perf_counter()
         llm: VLLMResource = context.resources.llm
-        settings = config.engine_settings()
+        settings = config.engine_settings(planned_block_size(config.plan_path))  # the stamp holds it too
         queued_for = context.run.tags.get(PLAN_RUN_TAG)
         # Every shard is read and held against the plan before vLLM starts: a stale plan refuses the run whole.
         shards = [(key, *load_planned_shard(config, key, settings, queued_for)) for key in keys]

@@ -297,12 +297,16 @@ class BatchJobConfig(JobSpec):
     def completions_parquet_path(self, partition_key: str) -> Path:
         return self.completions_dir / f"{partition_key}.parquet"
 
-    def engine_settings(self) -> EngineSettings:
+    def engine_settings(self, planned_block_size: int | None = None) -> EngineSettings:
         """``llm`` with its model (a built-in name or a path) resolved to a checkpoint directory and
-        its KV block size set (the platform's default unless the job sets one: ``with_block_size``)."""
+        its KV block size set: the job's, else the plan's (``planned_block_size``: a shard runs at
+        the block size its plan counts in, whatever machine made it), else this platform's default."""
         from engine.models import resolve_model
 
-        return self.llm.model_copy(update={"model_path": resolve_model(self.llm.model_path)}).with_block_size()
+        llm = self.llm.model_copy(update={"model_path": resolve_model(self.llm.model_path)})
+        if llm.block_size is None and planned_block_size is not None:
+            llm = llm.model_copy(update={"block_size": planned_block_size})
+        return llm.with_block_size()
 
 
 def default_data_dir() -> Path:

@@ -150,3 +150,41 @@ def test_the_platform_block_sizes_are_what_vllms_own_attention_backends_take():
     assert FlashAttentionBackend.supports_block_size(PLATFORM_DEFAULTS[Platform.CUDA]["block_size"])
     for size in BLOCK_SIZES:
         assert CPUAttentionBackend.supports_block_size(size) == (size % CPU_BLOCK_MULTIPLE == 0), size
+
+
+def test_a_shard_runs_at_the_block_size_its_plan_counts_in_whatever_machine_made_it(monkeypatch, tmp_path,
+                                                                                     tiny_model):
+    """A plan job on a CPU machine and shard runs on GPUs (a Kubernetes deployment's usual split):
+    the shards run at the plan's 32, not the GPU's own 16, which would make every plan stale."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import engine.settings as settings_module
+    from assets.snapshots import plan_stamp_of
+    from batchllm_dagster.config import BatchJobConfig, DatasetSpec
+    from engine.plan.plan_table import BLOCK_SIZE, planned_block_size, stale_reasons
+
+    def job(**llm):
+        return BatchJobConfig(name="job", dataset=DatasetSpec(parquet=str(tmp_path / "p.parquet")),
+                              llm=EngineSettings(model_path=tiny_model, max_model_len=512, **llm),
+                              output_database=str(tmp_path / "o.duckdb"), storage_dir=str(tmp_path / "jobs"))
+
+    config = job()
+    config.prompts_path.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"id": [1], "prompt": ["a"]}), config.prompts_path)
+    assert planned_block_size(config.plan_path) is None  # no plan yet
+    monkeypatch.setattr(settings_module, "current_platform", lambda: Platform.CPU)
+    planned = config.engine_settings()
+    stamp = plan_stamp_of(config, planned)
+    config.plan_path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"id": [1]}).replace_schema_metadata({BLOCK_SIZE: str(planned.block_size), **stamp}),
+                   config.plan_path)
+    recorded = {k.encode(): v.encode() for k, v in stamp.items()}
+
+    monkeypatch.setattr(settings_module, "current_platform", lambda: Platform.CUDA)
+    shard = config.engine_settings(planned_block_size(config.plan_path))
+    assert shard.block_size == 32 and stale_reasons(recorded, plan_stamp_of(config, shard)) == []
+    # Without the plan's block size the GPU's own would call the plan stale.
+    assert config.engine_settings().block_size == 16
+    assert stale_reasons(recorded, plan_stamp_of(config, config.engine_settings())) != []
+    assert job(block_size=64).engine_settings(32).block_size == 64  # a job's own block size wins

@@ -191,6 +191,14 @@ def previous_shards(path: Path, ids: pa.ChunkedArray) -> np.ndarray | None:
     return pc.fill_null(pc.take(last.column("shard"), position), -1).to_numpy()
 
 
+def planned_block_size(path: Path) -> int | None:
+    """The KV block size the plan at ``path`` counts in (None: no plan there yet). Its shards run
+    at it where the job sets none: a plan made on a CPU (32) runs at 32 on a GPU too."""
+    if not path.exists():
+        return None
+    return int((pq.ParquetFile(path).schema_arrow.metadata or {}).get(BLOCK_SIZE.encode(), b"0")) or None
+
+
 def prepared_batch(rows: pa.Table, batch: TokenizedBatch) -> PreparedBatch:
     """A batch from (a filtered part of) a plan table and its rows' token ids."""
     errors = {i: e for i, e in enumerate(rows.column("error").to_pylist()) if e is not None}
