@@ -217,6 +217,11 @@ def test_bench_on_a_table_with_fields_reports_both_orders_and_their_agreement(tm
     assert report["prefill_ratios"]["batchllm_field_order"]["vs_vllm_apc_sorted"] < 0.6
     # The hand order (fields by ascending distinct values: category, description, review) shares the description too.
     assert report["prompt_set_prefill"]["hand"] < 0.6 * report["prompt_set_prefill"]["declared"]
+    # At the CPU's own block size (32, unset here) and at a GPU's and vLLM's CPU default: finer blocks share more.
+    assert report["workload"]["block_size"] == 32
+    for name, by_size in report["prompt_set_prefill_by_block_size"].items():
+        assert by_size["32"] == report["prompt_set_prefill"][name]
+        assert by_size["16"] <= by_size["32"] <= by_size["128"]
     assert 0 <= report["field_order_agreement"] <= 1
     for ours in ("batchllm", "batchllm_field_order"):
         ratio = report["ratios"][ours]["vs_vllm_apc_sorted"]
