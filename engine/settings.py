@@ -73,7 +73,7 @@ class EngineSettings(BaseModel):
     @model_validator(mode="after")
     def _in_range(self) -> "EngineSettings":
         if self.block_size is not None and self.block_size not in BLOCK_SIZES:
-            raise ValueError(f"block_size must be one of {BLOCK_SIZES} (what vLLM supports), not {self.block_size}")
+            raise ValueError(f"block_size must be one of {BLOCK_SIZES}, not {self.block_size}")
         if (self.max_model_len is not None and self.max_model_len < 1) or (
                 self.kv_cache_blocks is not None and self.kv_cache_blocks < 2):
             raise ValueError("max_model_len must be >= 1 and kv_cache_blocks (when given) >= 2")
@@ -103,10 +103,9 @@ class EngineSettings(BaseModel):
         the engine's machine's to fill (a Ray replica's GPU, say), while a plan made here must be
         run at the block size it was made at. A plan may count in any block size (for another
         platform); ``check_runs_on`` refuses one this platform's vLLM cannot run."""
-        platform = platform or current_platform()
         if self.block_size is not None:
             return self
-        return self.model_copy(update={"block_size": PLATFORM_DEFAULTS[platform]["block_size"]})
+        return self.model_copy(update={"block_size": PLATFORM_DEFAULTS[platform or current_platform()]["block_size"]})
 
     def check_runs_on(self, platform: Platform) -> None:
         """Refuse, before vLLM starts, a block size this platform's attention cannot take."""
@@ -123,7 +122,7 @@ class EngineSettings(BaseModel):
             max_model_len = self.for_platform(current_platform()).max_model_len
         if self.kv_cache_blocks is None:
             return max_model_len
-        block = self.block_size or PLATFORM_DEFAULTS[current_platform()]["block_size"]
+        block = self.with_block_size().block_size
         return max(block, min(max_model_len, (self.kv_cache_blocks - 1) * block))
 
 
