@@ -206,7 +206,8 @@ def test_bench_on_a_table_with_fields_reports_both_orders_and_their_agreement(tm
     done = subprocess.run([sys.executable, "-m", "engine.cli.main", "bench", str(path), "--model", tiny_model,
                            "--fields", "review,description,category", "--instruction", "Rate.", "--field-order",
                            "optimize", "--runs", "vllm_apc_sorted,vllm_hand_order,batchllm,batchllm_field_order",
-                           "--repeat", "2", "--max-tokens", "3", "--json"], capture_output=True, text=True, check=True)
+                           "--repeat", "2", "--max-tokens", "3", "--each-step", "--json"],
+                          capture_output=True, text=True, check=True)
     report = json.loads(done.stdout)
     runs = ["vllm_apc_sorted", "vllm_hand_order", "batchllm", "batchllm_field_order"]
     assert report["repeat"] == 2 and report["run_order"] == [runs, runs[1:] + runs[:1]]
@@ -230,6 +231,10 @@ def test_bench_on_a_table_with_fields_reports_both_orders_and_their_agreement(tm
     assert "field order gave the same answer" in report["verdict"] and "by hand" in report["verdict"]
     profiles = report["runs"]["batchllm"]["per_step"]
     assert len(profiles) == 2 and all(p["steps"] > 0 and p["outside_steps_s"] >= 0 for p in profiles)
+    # --each-step: every step's seconds, prompt tokens, output tokens, rows and groups, summing to the profile
+    for p in profiles:
+        assert len(p["each"]) == p["steps"] and all(len(step) == 5 for step in p["each"])
+        assert sum(step[1] for step in p["each"]) == p["prefill_steps"]["prefill_tokens"]
 
 
 @pytest.mark.slow

@@ -127,7 +127,7 @@ def run_bench(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="batchllm-bench-") as folder:
         job = Path(folder) / "job.pickle"
         with open(job, "wb") as f:  # the batch as planned, without the plan's tree: what every run gets
-            settings = {"engine": engine_settings, "baseline": baseline_settings}
+            settings = {"engine": engine_settings, "baseline": baseline_settings, "each_step": args.each_step}
             pickle.dump((prompt_sets, settings, sampling, scheduler), f)
         for repetition in range(args.repeat):
             runs = {}
@@ -297,6 +297,9 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--batch-invariant", action="store_true",
                        help="run vLLM batch-invariant (VLLM_BATCH_INVARIANT=1): on a GPU, answers then do not "
                        "depend on which rows share a step, so the runs' answers can be compared exactly")
+    bench.add_argument("--each-step", action="store_true",
+                       help="add every engine step of each run to its per_step profile (each: seconds, prompt "
+                       "tokens, output tokens, rows, groups): two runs' schedules compared step by step")
     bench.add_argument("--analysis", action="store_true", help="time the plan alone on synthetic token ids")
     bench.add_argument("--scheduler-only", action="store_true",
                        help="our own cost per engine step (scheduler + drive loop) on a stand-in engine, no vLLM; "

@@ -21,8 +21,9 @@ from ..settings import EngineSettings, SamplingSettings, SchedulerSettings
 from .runs import RUNS, input_order, sorted_order
 
 def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: SamplingSettings,
-             scheduler: SchedulerSettings) -> tuple[dict, dict]:
-    """One run in this process: its report and each row's answer by id."""
+             scheduler: SchedulerSettings, each_step: bool = False) -> tuple[dict, dict]:
+    """One run in this process: its report and each row's answer by id (``each_step``: with every
+    step's record in its profile)."""
     from ..run.batch_run import BatchRun
     from ..run.scheduler import InOrder, Planned
     from ..vllm.vllm_engine import open_engine
@@ -41,6 +42,8 @@ def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: Sam
     report["per_step"] = profile.summary()
     if report["per_step"]:  # the run's time outside vLLM's steps: our scheduler, submissions, results
         report["per_step"]["outside_steps_s"] = round(run.stats.wall_s - report["per_step"]["step_s"], 3)
+        if each_step:  # seconds, prompt tokens, output tokens, rows, groups
+            report["per_step"]["each"] = [[round(step[0], 4), *step[1:]] for step in profile.steps]
     return report, outputs
 
 
@@ -104,7 +107,8 @@ def _child(job: str, name: str, out: str, log_file: str) -> None:
         prompt_sets, settings, sampling, scheduler = pickle.load(f)
     run = RUNS[name]
     engine_settings = settings["baseline" if run.order is not None else "engine"]  # a baseline has an order
-    report, outputs = _one_run(name, prompt_sets[run.prompts], engine_settings, sampling, scheduler)
+    report, outputs = _one_run(name, prompt_sets[run.prompts], engine_settings, sampling, scheduler,
+                               settings.get("each_step", False))
     report["pid"] = os.getpid()
     Path(out).write_text(json.dumps({"report": report, "outputs": outputs}))
 
