@@ -75,7 +75,7 @@ from ..plan.duplicates import count_duplicates
 from ..plan.prefix_tree import build_plan
 from ..settings import BLOCK_SIZES, EngineSettings, ReserveOutput, SamplingSettings, SchedulerSettings
 from .fresh_process import in_fresh_process
-from .prompt_sets import bench_prompt_sets, minimum_prefill, prefill_by_block_size
+from .prompt_sets import bench_prompt_sets, prefill_by_block_size
 from .runs import FIELD_RUNS, RUNS
 from .shapes import SHAPES, Workload, synthetic_analysis_tokens
 from .verdict import median_run, prefill_ratios, ratios_over_repetitions, rotated, verdict
@@ -191,7 +191,7 @@ def run_bench(args) -> dict:
         # batchllm's prefill tokens over each baseline's: under 1 is fewer tokens computed
         "prefill_ratios": prefill_ratios(repetitions),
         # prompt tokens each prompt set computes at least (sorted, at this block size; see Run)
-        "prompt_set_prefill": {name: minimum_prefill(p) for name, p in planned_sets.items()},
+        "prompt_set_prefill": {name: int(p.plan.unique_tokens) for name, p in planned_sets.items()},
         # ... and at a GPU's default block size (16), the CPU's (32) and vLLM's CPU default (128)
         "prompt_set_prefill_by_block_size": {
             name: prefill_by_block_size(p) for name, p in prompt_sets.items()},

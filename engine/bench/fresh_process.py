@@ -108,7 +108,7 @@ def _child(job: str, name: str, out: str, log_file: str) -> None:
     run = RUNS[name]
     engine_settings = settings["baseline" if run.order is not None else "engine"]  # a baseline has an order
     report, outputs = _one_run(name, prompt_sets[run.prompts], engine_settings, sampling, scheduler,
-                               settings.get("each_step", False))
+                               settings["each_step"])
     report["pid"] = os.getpid()
     Path(out).write_text(json.dumps({"report": report, "outputs": outputs}))
 

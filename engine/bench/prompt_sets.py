@@ -79,11 +79,6 @@ def planned_prompt_set(
     return planned, planned.runnable(batch)
 
 
-def minimum_prefill(planned) -> int:
-    """The prompt tokens sorted rows compute at the plan's block size: the plan's unique tokens."""
-    return int(planned.plan.prompt_tokens - planned.plan.shared_prompt_tokens)
-
-
 # Block sizes a bench reports each prompt set's minimum prefill at: a GPU's default (vLLM's), the
 # CPU's (the smallest its attention kernel takes) and vLLM's CPU build's own default.
 REPORTED_BLOCK_SIZES = (16, 32, 128)
@@ -92,7 +87,7 @@ REPORTED_BLOCK_SIZES = (16, 32, 128)
 def prefill_by_block_size(prepared) -> dict[int, int]:
     """A prompt set's minimum prefill at each of ``REPORTED_BLOCK_SIZES``: vLLM shares whole blocks
     only, so where shared prefixes end costs up to a block per row."""
-    return {size: minimum_prefill(planned_prompt_set(prepared.batch, prepared.max_tokens, size)[0])
+    return {size: int(planned_prompt_set(prepared.batch, prepared.max_tokens, size)[0].plan.unique_tokens)
             for size in REPORTED_BLOCK_SIZES}
 
 

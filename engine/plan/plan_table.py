@@ -196,7 +196,12 @@ def planned_block_size(path: Path) -> int | None:
     at it where the job sets none: a plan made on a CPU (32) runs at 32 on a GPU too."""
     if not path.exists():
         return None
-    return int((pq.ParquetFile(path).schema_arrow.metadata or {}).get(BLOCK_SIZE.encode(), b"0")) or None
+    return _block_size_of(pq.ParquetFile(path).schema_arrow.metadata) or None
+
+
+def _block_size_of(metadata: dict[bytes, bytes] | None) -> int:
+    """The block size a plan table's metadata records (0: none, not a plan table)."""
+    return int((metadata or {}).get(BLOCK_SIZE.encode(), b"0"))
 
 
 def prepared_batch(rows: pa.Table, batch: TokenizedBatch) -> PreparedBatch:
@@ -204,7 +209,7 @@ def prepared_batch(rows: pa.Table, batch: TokenizedBatch) -> PreparedBatch:
     errors = {i: e for i, e in enumerate(rows.column("error").to_pylist()) if e is not None}
     formats = {i: ResponseFormat.from_text(text) for i, text in enumerate(rows.column("response_format").to_pylist())
                if text is not None}
-    block_size = int((rows.schema.metadata or {}).get(BLOCK_SIZE.encode(), b"0"))
+    block_size = _block_size_of(rows.schema.metadata)
     if block_size < 1:
         raise ValueError(f"not a plan table: it has no {BLOCK_SIZE}")
     return PreparedBatch(
