@@ -46,6 +46,7 @@ def run_metadata(stats: RunStats, device: str, hardware_partition: str, engine_i
         "prefill_tokens": stats.prefill_tokens,
         "output_tokens": stats.output_tokens,
         "preemptions": stats.preemptions,
+        "recomputed_tokens": stats.recomputed_tokens,  # computed again after vLLM preempted their rows
         "engine_steps": stats.engine_steps,
         "device": device,  # the GPU or CPU model it ran on
         "hardware_partition": hardware_partition,  # the job's hardware partition (the output's ``hardware`` column)

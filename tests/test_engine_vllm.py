@@ -23,13 +23,13 @@ def settings(model, **kw):
     return EngineSettings(model_path=model, kv_cache_blocks=kw.pop("kv_cache_blocks", 64), **kw)
 
 
-def run(model, table, plain=False, engine_settings=None, sampling=SAMPLING, input_order=False):
+def run(model, table, plain=False, engine_settings=None, sampling=SAMPLING, input_order=False, **scheduler):
     """Our scheduler, or (``plain``) plain vLLM given the rows in input order."""
     engine_settings = engine_settings or settings(model)
     prepared = prepare_batch(table, load_tokenizer(model), engine_settings, sampling)
     rows = list(range(table.num_rows)) if input_order else None
     with open_engine(engine_settings) as engine:
-        batch_run = BatchRun(prepared, engine, sampling, SchedulerSettings(log_every_s=1), rows=rows,
+        batch_run = BatchRun(prepared, engine, sampling, SchedulerSettings(log_every_s=1, **scheduler), rows=rows,
                              scheduling=InOrder(list(range(table.num_rows))) if plain else Planned())
         results = list(batch_run)
     return {r.id: r for r in results}, batch_run.stats
@@ -60,6 +60,21 @@ def test_engine_equals_plain_vllm_and_reaches_the_ideal_saving_without_preemptio
     assert ours_stats.prefix_requests == 0  # each group's first row computes its prefix (the default)
     assert ours_stats.preemptions == 0
     assert ours_stats.engine_steps > 0 and 0 < ours_stats.mean_kv_usage <= 1 and ours_stats.rows_per_step >= 1
+
+
+def test_the_tokens_a_preemption_computes_again_are_counted(tiny_model):
+    """vLLM alone, on a cache too small for what it admits, preempts rows and computes them again
+    later: the run counts those tokens (vLLM's own prefix-cache counters at readmission), which the
+    prompt tokens computed at first prefill do not show; a run that never preempts counts none."""
+    table = make_prompt_table()
+    engine_settings = settings(tiny_model, kv_cache_blocks=32)  # rows of ~430 tokens in blocks of 32
+    sampling = SamplingSettings(max_tokens=96, ignore_eos=True)
+    plain, plain_stats = run(tiny_model, table, plain=True, engine_settings=engine_settings, sampling=sampling)
+    assert plain_stats.preemptions > 0 and plain_stats.recomputed_tokens > 0, plain_stats.to_dict()
+    ours, ours_stats = run(tiny_model, table, engine_settings=engine_settings, sampling=sampling,
+                           reserve_output="full")
+    assert ours_stats.preemptions == 0 and ours_stats.recomputed_tokens == 0, ours_stats.to_dict()
+    assert {i: r.text for i, r in ours.items()} == {i: r.text for i, r in plain.items()}
 
 
 def test_bad_rows_become_error_results_and_the_batch_goes_on(tiny_model):

@@ -44,7 +44,7 @@ class Watched:
         self.engine, self.scheduler, self.undercounts, self.below_exact = engine, scheduler, [], []
 
     def __call__(self, report):
-        planned = self.scheduler.planned_blocks(report.generated)
+        planned = self.scheduler.planned_blocks(self.engine.generated)
         if self.engine.referenced_blocks > planned:
             self.undercounts.append((self.engine.step_count, self.engine.referenced_blocks, planned))
         if self.scheduler.blocks_in_flight < planned:
@@ -186,6 +186,24 @@ def test_a_prefix_request_only_for_a_group_whose_rows_cannot_all_enter_and_it_ho
     assert sorted(f.submission.row for f in out) == list(range(len(rows)))
 
 
+def test_a_groups_rows_build_their_prompts_on_one_list_of_its_prefix_only_where_they_begin_with_it():
+    batch, groups = nested_batch(documents=3, rows_per_document=3)
+    # A wrong plan: group 2 claims a prefix its rows do not share (one more block than they do).
+    groups[2] = PlannedGroup(prefix_tokens=groups[2].prefix_tokens + BLOCK, rows=groups[2].rows)
+    engine, _, out, _, _ = run(batch, groups, np.full(len(batch.lengths), 3), num_blocks=200)
+    by_row = {sub.row: sub for _, sub in engine.submitted if sub.kind is RequestKind.ROW}
+    for position, group in enumerate(groups):
+        shared = [by_row[row].shared_ids for row in group.rows]
+        if position < 2:  # one list, converted once, for every row of the group
+            assert all(ids is shared[0] for ids in shared) and len(shared[0]) == group.prefix_tokens
+        else:
+            assert shared == [None] * len(group.rows)
+        for row in group.rows:
+            prompt = by_row[row].prompt_ids()
+            assert prompt == batch.tokens_of(row).tolist() and prompt is not by_row[row].shared_ids
+    assert len(out) == len(batch.lengths)
+
+
 def test_a_row_larger_than_the_whole_cache_is_rejected_not_a_stall():
     batch, groups = nested_batch(documents=2, rows_per_document=3)
     max_tokens = np.full(len(batch.lengths), 4)
@@ -258,6 +276,14 @@ def test_every_row_is_submitted_exactly_once_or_rejected(plan, num_blocks, reser
     rejected = [o.row for o in out if isinstance(o, Rejected)]
     assert len(submitted_rows) == len(set(submitted_rows))
     assert sorted(submitted_rows + rejected) == list(range(len(batch.lengths)))
+    for g in groups:  # admission's per-row constants are the block counts, computed once for all rows
+        for row in g.rows:
+            hit = scheduler._cache_hit(row, g.prefix_tokens) // BLOCK
+            assert scheduler._prefix_hit_blocks[row] == hit
+            assert scheduler._entry_cost(row, hit) == scheduler._blocks_at(row, 0, hit)
+    for _, sub in engine.submitted:  # the prompt vLLM gets is the row's, shared prefix list or not
+        expected = batch.tokens_of(sub.row) if sub.kind is RequestKind.ROW else sub.token_ids
+        assert sub.prompt_ids() == expected.tolist()
     assert scheduler.done
     assert watch.undercounts == [] and watch.below_exact == []
     if reserve == "full":

@@ -5,7 +5,8 @@ between two engine steps must stay a small part of a step (an 8B model's decode 
 rows is tens of milliseconds). Here the engine is a stand-in that decodes every running row by one
 token per step and finishes it at its ``max_tokens``, at a cost of O(rows admitted + finished),
 with its own time measured and taken out: what remains is the scheduler (``GroupScheduler``:
-admission, block counting, growth) and ``drive``, per step, at 1,024 / 4,096 / 16,384 rows in flight.
+admission, block counting, growth) and ``drive``, per step, at 256 / 1,024 / 16,384 rows in flight;
+and the same with ``VLLMEngine`` itself over a stand-in that emits what vLLM emits.
 """
 
 from __future__ import annotations
@@ -202,11 +203,12 @@ def measure(in_flight: int, finishing_per_step: int = 16, seed: int = 0, with_ha
     }
 
 
-def run_scheduler_only(sizes: list[int]) -> dict:
+def run_scheduler_only(sizes: list[int], repeat: int = 5) -> dict:
     """Per size: the scheduler and drive alone, and with the vLLM handle over an engine stand-in that
-    emits what vLLM emits (the host work a GPU waits for between two steps)."""
+    emits what vLLM emits (the host work a GPU waits for between two steps), ``repeat`` times: the
+    run with the median mean cost per step, and the range of that mean over the runs."""
     results = [measure(n) for n in sizes]
-    with_handle = [measure(n, with_handle=True) for n in sizes]
+    with_handle = [_median_of([measure(n, with_handle=True, seed=seed) for seed in range(repeat)]) for n in sizes]
     worst = max(results, key=lambda r: r["rows_in_flight"])
     at_1024 = [r for r in with_handle if r["asked_rows_in_flight"] == 1024]
     return {
@@ -219,11 +221,19 @@ def run_scheduler_only(sizes: list[int]) -> dict:
         f"step; recounting every row in flight, as each step did before: {worst['us_recount_all_rows']:.0f} us"
         + (
             f"; with the vLLM handle at 1,024: {at_1024[0]['us_per_step_mean_all']:.0f} us per step, mean over "
-            "all steps"
+            f"all steps (median of {repeat} runs, {at_1024[0]['us_per_step_mean_all_range'][0]:.0f}-"
+            f"{at_1024[0]['us_per_step_mean_all_range'][1]:.0f})"
             if at_1024
             else ""
         ),
     }
+
+
+def _median_of(runs: list[dict]) -> dict:
+    """The run whose mean cost per step is the median, with that mean's range over all the runs."""
+    means = sorted(r["us_per_step_mean_all"] for r in runs)
+    median = sorted(runs, key=lambda r: r["us_per_step_mean_all"])[(len(runs) - 1) // 2]
+    return {**median, "us_per_step_mean_all_range": [means[0], means[-1]], "runs": len(runs)}
 
 
 # An H200 running an 8B model in bf16 (128 KiB of KV per token): about 106 GB of its 141 GB left for

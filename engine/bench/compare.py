@@ -305,7 +305,7 @@ def add_bench_parser(sub) -> None:
                        help="our own cost per engine step (scheduler + drive loop) on a stand-in engine, no vLLM; "
                        "with --shape short, how full the batch runs at an H200's settings on the block-accounting "
                        "stand-in, against vLLM alone on sorted rows")
-    bench.add_argument("--rows-in-flight", default="1024,4096,16384", help="sizes for --scheduler-only")
+    bench.add_argument("--rows-in-flight", default="256,1024,16384", help="sizes for --scheduler-only")
     bench.add_argument("--scale", type=at_least_one, metavar="ROWS",
                        help="a ROWS-row nightly job through Dagster: first plan, a rerun with 1%% of the rows "
                        "changed, one completions partition or --partitions-per-run of them (see "

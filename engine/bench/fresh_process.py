@@ -75,7 +75,8 @@ def _generate_sorted(prepared, engine_settings: EngineSettings, sampling: Sampli
         stats.output_tokens += len(out.outputs[0].token_ids)
         outputs[prepared.ids[row]] = out.outputs[0].text
     report = _report(stats, config.scheduler_config.max_num_seqs, config.cache_config.num_gpu_blocks)
-    for unknown in ("preemptions", "engine_steps", "rows_per_step", "mean_kv_usage"):  # LLM.generate does not say
+    # LLM.generate does not say these
+    for unknown in ("preemptions", "recomputed_tokens", "engine_steps", "rows_per_step", "mean_kv_usage"):
         report[unknown] = None
     return report, outputs
 
@@ -83,8 +84,8 @@ def _generate_sorted(prepared, engine_settings: EngineSettings, sampling: Sampli
 def _report(stats: RunStats, max_num_seqs: int, kv_capacity_blocks: int) -> dict:
     out = {**stats.to_dict(), "max_num_seqs": max_num_seqs, "kv_capacity_blocks": kv_capacity_blocks}
     keep = ["tokens_per_s", "output_tokens_per_s", "wall_s", "prompt_tokens", "cached_tokens", "reusable_tokens",
-            "prefill_tokens", "saving_vs_ideal", "output_tokens", "preemptions", "prefix_requests", "max_num_seqs",
-            "kv_capacity_blocks", "engine_steps", "rows_per_step", "mean_kv_usage"]
+            "prefill_tokens", "saving_vs_ideal", "output_tokens", "preemptions", "recomputed_tokens",
+            "prefix_requests", "max_num_seqs", "kv_capacity_blocks", "engine_steps", "rows_per_step", "mean_kv_usage"]
     return {k: out[k] for k in keep}
 
 

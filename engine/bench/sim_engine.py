@@ -70,6 +70,7 @@ class FakeEngine:
         self.submitted: list[tuple[int, Submission]] = []  # (step, submission) in submission order
         self.sampling_of: dict = {}  # the sampling each request was submitted with
         self.finished_at: dict[tuple, int] = {}  # request key -> step it finished
+        self.generated: dict[tuple, int] = {}  # request key -> output tokens so far, while unfinished
         self.peak_referenced = 0
         self.preemptions = 0
         self.prefill_tokens = 0
@@ -116,13 +117,10 @@ class FakeEngine:
                     submission=request.submission, text=f"answer-{hash(request.submission.token_ids.tobytes())}",
                     token_ids=[0] * request.generated, prompt_tokens=len(request.submission.token_ids),
                     cached_tokens=request.cached_tokens or 0, finish_reason="length"))
-            else:
-                report.generated[request.submission.key] = request.generated
-                if request.generated == 1:
-                    report.started.append(request.submission.key)
-        for request in self._waiting:
-            if request.generated:
-                report.generated[request.submission.key] = request.generated
+            elif request.generated == 1:
+                report.started.append(request.submission.key)
+        # Exact counts, which vLLM's handle does not report (the tests check the scheduler's bound on them).
+        self.generated = {r.submission.key: r.generated for r in self._running + self._waiting if r.generated}
         self.peak_referenced = max(self.peak_referenced, self.referenced_blocks)
         report.kv_usage = 1 - self.free_blocks / self.kv_capacity_blocks
         report.running = len(self._running) + len(report.finished)

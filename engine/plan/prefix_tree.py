@@ -191,11 +191,16 @@ def unique_tokens_per_row(plan: PrefixPlan, order: np.ndarray, part: np.ndarray 
     return paid
 
 
-def common_whole_blocks(a: np.ndarray, b: np.ndarray, block_size: int) -> int:
-    """Whole KV blocks two rows share from their first token: the cache hit one gives the other."""
+def common_tokens(a: np.ndarray, b: np.ndarray) -> int:
+    """Tokens two rows share from their first."""
     n = min(a.size, b.size)
     differ = np.flatnonzero(a[:n] != b[:n])
-    return (int(differ[0]) if differ.size else n) // block_size
+    return int(differ[0]) if differ.size else n
+
+
+def common_whole_blocks(a: np.ndarray, b: np.ndarray, block_size: int) -> int:
+    """Whole KV blocks two rows share from their first token: the cache hit one gives the other."""
+    return common_tokens(a, b) // block_size
 
 
 def reusable_tokens(batch: TokenizedBatch, rows_in_plan_order: list[int], block_size: int) -> int:

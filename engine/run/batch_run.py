@@ -139,6 +139,7 @@ class BatchRun:
         stats.wall_s = time.perf_counter() - started
         stats.startup_s = (totals.first_submit_at or started) - (self.started_at or started)
         stats.preemptions, stats.engine_steps = totals.preemptions, totals.steps
+        stats.recomputed_tokens = totals.recomputed_tokens
         stats.mean_kv_usage, stats.rows_per_step = totals.mean_kv_usage, totals.rows_per_step
         scheduled = scheduler.stats
         stats.prefix_requests = scheduled.prefix_requests

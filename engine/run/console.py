@@ -155,7 +155,8 @@ def run_summary(stats: dict) -> list[tuple[str, str]]:
         (
             "engine",
             f"{stats['engine_steps']:,} steps, {stats['rows_per_step']:.1f} rows/step, "
-            f"vLLM KV {100 * stats['mean_kv_usage']:.0f}% used, {stats['preemptions']} preemptions",
+            f"vLLM KV {100 * stats['mean_kv_usage']:.0f}% used, {stats['preemptions']} preemptions"
+            + (f" ({stats['recomputed_tokens']:,} tokens computed again)" if stats.get("recomputed_tokens") else ""),
         ),
         ("time", f"{format_eta(stats['wall_s'])} running, {format_eta(stats['startup_s'])} starting vLLM"),
     ]

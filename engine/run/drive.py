@@ -28,6 +28,7 @@ class StepTotals:
     kv_usage_sum: float = 0.0
     running_sum: int = 0
     preemptions: int = 0
+    recomputed_tokens: int = 0  # computed again after a preemption (see EngineGauges)
     first_submit_at: float | None = None  # perf_counter() when the first request entered the engine
 
     def add(self, report: StepReport) -> None:
@@ -35,6 +36,7 @@ class StepTotals:
         self.kv_usage_sum += report.kv_usage
         self.running_sum += report.running
         self.preemptions += report.preempted
+        self.recomputed_tokens += report.recomputed_tokens
 
     @property
     def mean_kv_usage(self) -> float:
@@ -68,13 +70,13 @@ def drive(
 ) -> Iterator[Finished | Rejected]:
     """Run until the scheduler has nothing left; yields finished rows and rejected rows.
     ``row_formats``: rows whose answers follow their own constraint instead of ``sampling``'s."""
-    generated: dict = {}
+    formats = row_formats or {}
     while True:
-        decision = scheduler.schedule(generated)
+        decision = scheduler.schedule()
         for row, reason in decision.reject:
             yield Rejected(row, reason)
         for submission in decision.submit:
-            engine.submit(submission, request_sampling(submission, sampling, row_formats or {}))
+            engine.submit(submission, request_sampling(submission, sampling, formats))
         if decision.submit and totals.first_submit_at is None:
             totals.first_submit_at = time.perf_counter()
         if not engine.has_unfinished():
@@ -85,7 +87,6 @@ def drive(
         report = engine.step()
         report.seconds = time.perf_counter() - started
         totals.add(report)
-        generated = report.generated
         scheduler.after_step(report.started)
         for finished in report.finished:
             scheduler.finish(finished)

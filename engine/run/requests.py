@@ -33,6 +33,16 @@ class Submission:
     subject: int  # the row (ROW) or the group's position in the plan (PREFIX)
     token_ids: np.ndarray
     max_tokens: int
+    # The first tokens of ``token_ids`` as Python ints, one list shared by the rows of a group (its
+    # prefix): converting a prompt to the list vLLM takes is a Python int per token, ~10 us for 560
+    # tokens, the largest host cost of a submission; a group's rows convert only what follows it.
+    shared_ids: list[int] | None = field(default=None, repr=False)
+
+    def prompt_ids(self) -> list[int]:
+        """The prompt as a new list of Python ints (the engine's own: never the shared one)."""
+        if self.shared_ids is None:
+            return self.token_ids.tolist()
+        return self.shared_ids + self.token_ids[len(self.shared_ids):].tolist()
 
     @property
     def row(self) -> int:
@@ -71,23 +81,26 @@ class Finished:
 @dataclass
 class EngineGauges:
     """What the engine itself reported of a step: its KV usage in 0..1, requests running,
-    preemptions, the prompt tokens it computed for requests whose prefill ended in the step and
-    the output tokens it generated."""
+    preemptions, the prompt tokens it computed for requests whose prefill ended in the step, the
+    output tokens it generated, and the tokens it computed again for requests it had preempted
+    (their prompt and output so far, less what it found cached: what a preemption cost)."""
 
     kv_usage: float = 0.0
     running: int = 0
     preempted: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    recomputed_tokens: int = 0
 
 
 @dataclass
 class StepReport(EngineGauges):
-    """What one engine step did: finished requests, output tokens so far of the unfinished ones,
-    the engine's gauges, and the step's wall time (set by drive, for a per-step profile)."""
+    """What one engine step did: finished requests, requests that started, the engine's gauges,
+    and the step's wall time (set by drive, for a per-step profile). Not the output tokens so far
+    of each running request: vLLM emits a request's first output and its last only (see
+    ``vllm_engine.STREAM_INTERVAL``), and the scheduler bounds the rest by the steps."""
 
     finished: list[Finished] = field(default_factory=list)
-    generated: dict[RequestKey, int] = field(default_factory=dict)
     started: list[RequestKey] = field(default_factory=list)  # unfinished requests that got their first token now
     seconds: float = 0.0
 

@@ -49,8 +49,10 @@ def results_to_table(results: list[RowResult], id_type: pa.DataType = pa.string(
 class RunStats:
     """Counters of one run.
 
-    ``prefill_tokens`` counts every prompt token the engine computed, the prefix requests'
-    included, so it can be held against the plan's minimum. ``startup_s`` is the time from the
+    ``prefill_tokens`` counts every prompt token the engine computed at a request's first prefill,
+    the prefix requests' included, so it can be held against the plan's minimum;
+    ``recomputed_tokens`` what it computed again for requests it had preempted (their prompt and
+    output so far, less the cache hits: counted by vLLM where prefix caching is on). ``startup_s`` is the time from the
     start of the run (or of the step that ran it) until vLLM got its first request: reading the
     plan, checking it, starting vLLM. ``mean_kv_usage`` is vLLM's own KV usage (0..1) averaged
     over the engine's steps, ``rows_per_step`` the mean number of requests it ran per step.
@@ -70,6 +72,7 @@ class RunStats:
     prefix_cached_tokens: int = 0
     reusable_tokens: int = 0  # what a perfect cache on this run's engine reuses (plan.reusable_tokens)
     preemptions: int = 0
+    recomputed_tokens: int = 0
     engine_steps: int = 0
     mean_kv_usage: float = 0.0
     rows_per_step: float = 0.0

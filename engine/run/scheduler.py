@@ -1,11 +1,11 @@
 """Decide what enters the engine and when: BatchLLM's group-wise admission under a KV budget.
 
-A scheduler has four verbs, in the manner of vLLM V1's scheduler interface:
+A scheduler, in the manner of vLLM V1's scheduler interface:
 
 * it is built from the **planned groups** (rows in run order, each group's shared prefix);
-* ``schedule(generated)``: given how many tokens each unfinished request has generated so far
-  (what the engine reported after its last step), what to submit next, and which rows can never
-  run (a row that needs more KV than the whole cache is rejected, never a stall);
+* ``schedule()``: what to submit next, and which rows can never run (a row that needs more KV
+  than the whole cache is rejected, never a stall);
+* ``after_step(started)``: an engine step ran, these requests got their first token in it;
 * ``finish(finished)``: account a request the engine finished;
 * ``stats``: what it did (prefix requests, the budget, the most blocks it planned to use).
 
@@ -27,7 +27,9 @@ A scheduler has four verbs, in the manner of vLLM V1's scheduler interface:
   adds its own blocks beyond its group's prefix: what it holds now, plus what it is reserved for
   its coming output (all of it with ``ReserveOutput.FULL``: no preemption ever; the next
   ``lookahead_tokens`` with ``ReserveOutput.LOOKAHEAD``: vLLM allocates output blocks lazily, so
-  more rows fit, and a rare preemption is the price; the default, 0, admits as vLLM itself does).
+  more rows fit, and a rare preemption is the price; the default, 1, is the slot every row's next
+  step writes: 0 admits as vLLM itself does, filling the cache with prompts whose first decode
+  then finds no block, so vLLM preempts and later recomputes them).
 
   Why the tree's identity and not vLLM's own KV gauge: the gauge lags a step, counts rows waiting
   in vLLM's queue as holding nothing, and counts a finished group's cached prefix as free; the
@@ -51,7 +53,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..plan.block_hashes import RowBlocks
-from ..plan.prefix_tree import common_whole_blocks
+from ..plan.prefix_tree import common_tokens
 from ..plan.prepared import PreparedBatch
 from ..plan.tokenizing import TokenizedBatch
 from ..settings import ReserveOutput, SchedulerSettings
@@ -124,6 +126,7 @@ class _GroupState:
     next_row: int = 0
     outstanding: int = 0
     holding: bool = False  # counted in the scheduler's prefix blocks
+    prefix_ids: list[int] | None = None  # its prefix's token ids, while its rows are being admitted
 
     @property
     def all_admitted(self) -> bool:
@@ -163,6 +166,7 @@ class GroupScheduler:
         self._capacity = max(1, capacity_blocks - 1)  # vLLM keeps one block as its null block
         self._budget = max(1, int(self._capacity * settings.kv_budget_fraction))
         self._lookahead = settings.lookahead_tokens if settings.reserve_output is ReserveOutput.LOOKAHEAD else None
+        self._entry_blocks, self._prefix_hit_blocks, self._too_large = self._row_constants(groups)
         keys = group_prefix_keys(batch, groups, block_size)
         self._queue = deque(
             _GroupState(position, g, keys.chain(position)) for position, g in enumerate(groups) if g.rows
@@ -171,11 +175,20 @@ class GroupScheduler:
         # Rows sharing more than their group's prefix with the row before them (a document asked
         # two questions inside a larger group): row -> (that row, whole-block tokens they share).
         self._shares_deeper: dict[int, tuple[int, int]] = {}
-        for g in groups:
+        # Groups whose rows all begin with their prefix's tokens (every one the planner makes): their
+        # rows' prompts are built on one list of the prefix's ids (``Submission.shared_ids``), which
+        # is only ever done where the tokens were compared here.
+        self._prefix_shared: set[int] = set()
+        for position, g in enumerate(groups):
+            shared = len(g.rows) > 1 and g.prefix_tokens > 0
             for previous, row in zip(g.rows, g.rows[1:]):
-                common = common_whole_blocks(batch.tokens_of(previous), batch.tokens_of(row), block_size) * block_size
+                same = common_tokens(batch.tokens_of(previous), batch.tokens_of(row))
+                shared = shared and same >= g.prefix_tokens
+                common = same - same % block_size
                 if common > g.prefix_tokens:
                     self._shares_deeper[row] = (previous, common)
+            if shared:
+                self._prefix_shared.add(position)
         self._next_sharer = {previous: row for row, (previous, _) in self._shares_deeper.items()}
         self._holders: Counter[int] = Counter()  # prefix block key -> groups holding it
         self._rows: dict[int, _GroupState] = {}  # rows in the engine
@@ -191,6 +204,22 @@ class GroupScheduler:
         self._growing = [0] * block_size  # rows whose count grows after steps of this phase (step % block_size)
         self._growth_ends: dict[int, list[int]] = {}  # step -> rows whose count grows for the last time then
         self.stats = SchedulerStats(budget_blocks=self._budget)
+
+    def _row_constants(self, groups: list[PlannedGroup]) -> tuple[list[int], list[int], set[int]]:
+        """What admitting a row reads, computed for every row at once: the blocks its prompt and its
+        reserved output end in at admission (``_blocks_at`` with nothing generated, before its cache
+        hit), the whole blocks of its group's prefix it finds cached (``_cache_hit``), and the rows
+        that need more blocks than the whole cache even alone (rejected when their turn comes)."""
+        block, lengths = self._block, np.asarray(self._lengths, dtype=np.int64)
+        max_tokens = np.asarray(self._max_tokens, dtype=np.int64)
+        prefix = np.zeros(lengths.size, dtype=np.int64)
+        for g in groups:
+            prefix[g.rows] = g.prefix_tokens
+        ahead = max_tokens if self._lookahead is None else np.minimum(max_tokens, self._lookahead)
+        hit_blocks = np.maximum(0, np.minimum(prefix, (lengths - 1) // block * block)) // block
+        alone = prefix // block + np.maximum(1, -(-(lengths + max_tokens) // block) - hit_blocks)
+        entry_blocks = -(-(lengths + ahead) // block)
+        return entry_blocks.tolist(), hit_blocks.tolist(), set(np.flatnonzero(alone > self._capacity).tolist())
 
     @property
     def done(self) -> bool:
@@ -292,8 +321,8 @@ class GroupScheduler:
             neighbour.hit_blocks = own_hit
 
     def planned_blocks(self, generated: Mapping[RequestKey, int]) -> int:
-        """Blocks of everything in flight by the rows' exact generated tokens, shared prefix blocks
-        once (what the progress line shows; admission counts ``blocks_in_flight``, never less)."""
+        """Blocks of everything in flight by the rows' exact generated tokens (an engine that knows
+        them: the fake's), shared prefix blocks once: admission's ``blocks_in_flight`` is never less."""
         rows = sum(
             self._row_demand(row, group, generated.get((RequestKind.ROW, row), 0)) for row, group in self._rows.items()
         )
@@ -316,13 +345,13 @@ class GroupScheduler:
                 del self._holders[key]
 
     # -- the verbs --------------------------------------------------------------------------
-    def schedule(self, generated: Mapping[RequestKey, int] | None = None) -> Decision:
+    def schedule(self) -> Decision:
         """What to submit before the next engine step, in plan order, until the budget is spent:
         first the rows of groups already admitted whose prefix is ready, then new groups. A group
         whose prefix request is still running holds back only its own rows: later groups go on
         (many small groups per step, as vLLM alone would batch them). Its cost grows with what it
         admits, not with the rows in flight: the count is kept by events (``blocks_in_flight``,
-        see ``after_step``); ``generated`` is not read."""
+        see ``after_step``)."""
         decision = Decision()
         for group in list(self._open):
             if group.state is _PrefixState.RUNNING:
@@ -360,7 +389,7 @@ class GroupScheduler:
         planned = group.planned
         new_blocks = sum(1 for key in group.block_keys if key not in self._holders)
         first = planned.rows[0]
-        need = new_blocks + 1 + self._blocks_at(first, 0, self._cache_hit(first, planned.prefix_tokens) // self._block)
+        need = new_blocks + 1 + self._entry_cost(first, self._prefix_hit_blocks[first])
         if self._busy() and self.blocks_in_flight + need > self._budget:
             return False
         # A prefix request computes the prefix before the rows need it: not when every block of it is
@@ -370,7 +399,7 @@ class GroupScheduler:
         self._hold(group)
         if self._uses_prefix_request(group) and needs_computing:
             prefix = self._batch.tokens_of(first)[: planned.prefix_tokens]
-            decision.submit.append(Submission(RequestKind.PREFIX, group.position, prefix, 1))
+            decision.submit.append(Submission(RequestKind.PREFIX, group.position, prefix, 1, self._prefix_ids(group)))
             self._prefixes[group.position] = group  # counts the prefix request's own output block
             self.stats.prefix_requests += 1
             group.state = _PrefixState.RUNNING
@@ -381,38 +410,54 @@ class GroupScheduler:
     def _rows_cost(self, group: _GroupState) -> int:
         """The blocks the group's rows take at admission beyond its prefix, all of them entering at
         once (each row's deeper sharing with the row before it counted once)."""
-        planned, total = group.planned, 0
-        for row in planned.rows:
+        total = 0
+        for row in group.planned.rows:
             previous, common = self._shares_deeper.get(row, (None, 0))  # as _shared_len counts it
-            shared = self._cache_hit(previous, common) if previous is not None else planned.prefix_tokens
-            total += self._blocks_at(row, 0, self._cache_hit(row, shared) // self._block)
+            hit_blocks = (self._cache_hit(row, self._cache_hit(previous, common)) // self._block
+                          if previous is not None else self._prefix_hit_blocks[row])
+            total += self._entry_cost(row, hit_blocks)
         return total
+
+    def _entry_cost(self, row: int, hit_blocks: int) -> int:
+        """The row's blocks at admission beyond its cache hit: ``_blocks_at(row, 0, hit_blocks)``."""
+        return max(1, self._entry_blocks[row] - hit_blocks)
 
     def _admit_rows(self, group: _GroupState, decision: Decision) -> bool:
         """Submit the group's next rows while they fit the budget; False when one did not."""
         planned = group.planned
+        busy, left = self._busy(), self._budget - self.blocks_in_flight
         while not group.all_admitted:
             row = planned.rows[group.next_row]
-            alone = planned.prefix_tokens // self._block + self._own_blocks(
-                self._lengths[row] + self._max_tokens[row], self._cache_hit(row, planned.prefix_tokens))
-            if alone > self._capacity:
+            if row in self._too_large:
+                alone = planned.prefix_tokens // self._block + self._own_blocks(
+                    self._lengths[row] + self._max_tokens[row], self._cache_hit(row, planned.prefix_tokens))
                 decision.reject.append((row, f"needs {alone} KV blocks with its output; the KV cache has "
                                              f"{self._capacity} (block size {self._block})"))
                 group.next_row += 1
                 continue
-            hit_blocks = self._shared_len(row, group) // self._block
-            cost = self._blocks_at(row, 0, hit_blocks)
-            if self._busy() and self.blocks_in_flight + cost > self._budget:
+            hit_blocks = (self._shared_len(row, group) // self._block if row in self._shares_deeper
+                          else self._prefix_hit_blocks[row])
+            cost = self._entry_cost(row, hit_blocks)
+            if busy and cost > left:
                 return False
-            decision.submit.append(Submission(RequestKind.ROW, row, self._batch.tokens_of(row), self._max_tokens[row]))
+            busy, left = True, left - cost
+            decision.submit.append(Submission(RequestKind.ROW, row, self._batch.tokens_of(row), self._max_tokens[row],
+                                              self._prefix_ids(group)))
             self._rows[row] = group
             self._accounts[row] = _RowAccount(cost, hit_blocks)
             self._row_blocks += cost
             group.outstanding += 1
             group.next_row += 1
+        group.prefix_ids = None  # every row has its prompt
         if group.outstanding == 0:  # every row was rejected
             self._release(group)
         return True
+
+    def _prefix_ids(self, group: _GroupState) -> list[int] | None:
+        """The group's prefix as Python ints, converted once for all its rows (see ``__init__``)."""
+        if group.prefix_ids is None and group.position in self._prefix_shared:
+            group.prefix_ids = self._batch.tokens_of(group.planned.rows[0])[: group.planned.prefix_tokens].tolist()
+        return group.prefix_ids
 
     def finish(self, finished: Finished) -> None:
         submission = finished.submission
@@ -452,7 +497,7 @@ class InOrderScheduler:
     def done(self) -> bool:
         return self._unfinished == 0
 
-    def schedule(self, generated: Mapping[RequestKey, int] | None = None) -> Decision:
+    def schedule(self) -> Decision:
         decision, self._pending = Decision(submit=self._pending), []
         return decision
 

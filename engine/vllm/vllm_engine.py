@@ -9,12 +9,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..machine import current_platform, vllm_version
 from ..models import model_context_len
 from ..run.console import tidy_library_loggers
-from ..run.requests import EngineGauges, Finished, RequestKey, StepReport, Submission
+from ..run.requests import EngineGauges, Finished, StepReport, Submission
 from ..run.results import EngineInfo
 from ..settings import EngineSettings, Platform, SamplingSettings
 from .vllm_env import check_vllm_version, configure, engine_args, offline_usage_context
@@ -42,6 +43,11 @@ def _stat_logger_factory(gauges: EngineGauges):
             if scheduler_stats is not None:
                 gauges.running = scheduler_stats.num_running_reqs
                 gauges.kv_usage = scheduler_stats.kv_cache_usage
+                # vLLM counts a preempted request's lookup when it is admitted again: the tokens it
+                # then computes are those it queried less those it found (with prefix caching on).
+                cache = scheduler_stats.prefix_cache_stats
+                if cache is not None:
+                    gauges.recomputed_tokens += cache.preempted_queries - cache.preempted_hits
 
         def log_engine_initialized(self):
             pass
@@ -119,6 +125,16 @@ def sampling_params(sampling: SamplingSettings, max_tokens: int, deltas: bool = 
     )
 
 
+@dataclass(slots=True, eq=False)
+class _InFlight:
+    """A request in vLLM: what was submitted, and its output so far (DELTA outputs add to it)."""
+
+    submission: Submission
+    token_ids: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    started: bool = False  # its first output came (reported once as started)
+
+
 class VLLMEngine:
     """One vLLM ``LLMEngine`` driven step by step by the caller (implements ``requests.Engine``)."""
 
@@ -181,9 +197,7 @@ class VLLMEngine:
         """The handle's own bookkeeping of the requests it submitted."""
         self.block_size = block_size
         self._gauges = EngineGauges()
-        self._submitted: dict[str, Submission] = {}  # unfinished requests by vLLM request id
-        self._generated: dict[RequestKey, int] = {}  # output tokens so far of each unfinished request
-        self._outputs: dict[str, tuple[list[int], list[str]]] = {}  # token ids and text pieces so far
+        self._in_flight: dict[str, _InFlight] = {}  # unfinished requests by vLLM request id
         self._params: dict[tuple[int, int], tuple] = {}  # (id of sampling, max_tokens) -> (sampling, params)
         self._grammars_submitted = False  # a constrained request entered since the last step
 
@@ -217,7 +231,7 @@ class VLLMEngine:
 
     def submit(self, submission: Submission, sampling: SamplingSettings) -> None:
         request_id = submission.request_id
-        engine_input = self._engine.renderer.render_cmpl([{"prompt_token_ids": submission.token_ids.tolist()}])[0]
+        engine_input = self._engine.renderer.render_cmpl([{"prompt_token_ids": submission.prompt_ids()}])[0]
         # Only what is new each step: CUMULATIVE rebuilds every running row's whole output per step.
         # One SamplingParams per (sampling, max_tokens): vLLM clones each request's params on
         # arrival (input_processor), and building one costs ~17 us, at 1,024 rows a GPU's wait.
@@ -228,17 +242,17 @@ class VLLMEngine:
         params = cached[1]
         self._engine.add_request(request_id, engine_input, params)
         self._grammars_submitted |= params.structured_outputs is not None
-        self._submitted[request_id] = submission
-        self._outputs[request_id] = ([], [])
+        self._in_flight[request_id] = _InFlight(submission)
 
     def has_unfinished(self) -> bool:
         return self._engine.has_unfinished_requests()
 
     def step(self) -> StepReport:
         """One engine step: what finished, what started, and vLLM's own gauges. Costs what vLLM
-        emitted (first tokens and finishes, see ``STREAM_INTERVAL``), not the rows running; a
-        running row's ``generated`` is its count at its last output."""
-        self._gauges.preempted = self._gauges.prefill_tokens = self._gauges.decode_tokens = 0
+        emitted (first tokens and finishes, see ``STREAM_INTERVAL``), not the rows running: each
+        output is one lookup by its request id (a string, whose hash Python keeps)."""
+        gauges = self._gauges
+        gauges.preempted = gauges.prefill_tokens = gauges.decode_tokens = gauges.recomputed_tokens = 0
         if self._grammars_submitted:
             # vLLM compiles a request's grammar on a thread pool (``StructuredOutputManager``), and
             # its scheduler skips for this step a request whose compile is not done yet. Rows enter
@@ -251,30 +265,27 @@ class VLLMEngine:
         outputs = self._engine.step()
         report = StepReport(**vars(self._gauges))  # what vLLM's stat logger recorded of this step
         for out in outputs:
-            submission = self._submitted[out.request_id]
+            request = self._in_flight[out.request_id]
             completion = out.outputs[0]  # the step's new tokens and text (DELTA)
-            token_ids, texts = self._outputs[out.request_id]
-            token_ids.extend(completion.token_ids)
-            texts.append(completion.text)
+            request.token_ids += completion.token_ids
+            request.texts.append(completion.text)
             if not out.finished:
-                if submission.key not in self._generated:
-                    report.started.append(submission.key)
-                self._generated[submission.key] = len(token_ids)
+                if not request.started:
+                    request.started = True
+                    report.started.append(request.submission.key)
                 continue
-            del self._submitted[out.request_id], self._outputs[out.request_id]
-            self._generated.pop(submission.key, None)
+            del self._in_flight[out.request_id]
             report.finished.append(
                 Finished(
-                    submission=submission,
-                    text="".join(texts),
-                    token_ids=token_ids,
-                    prompt_tokens=len(out.prompt_token_ids or []),
+                    submission=request.submission,
+                    text="".join(request.texts),
+                    token_ids=request.token_ids,
+                    prompt_tokens=len(out.prompt_token_ids or ()),
                     cached_tokens=int(out.num_cached_tokens or 0),
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
                 )
             )
-        report.generated = self._generated
         return report
 
     def close(self) -> None:
