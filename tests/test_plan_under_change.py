@@ -81,7 +81,11 @@ def test_prompts_wait_for_a_plan_being_made_and_a_plan_is_made_from_one_snapshot
 
     rows = [{"id": i, "prompt": f"a shared start, then {w}"} for i, w in ((1, "one"), (2, "two"), (3, "three"))]
     config, source, (prompts, groups), _ = parquet_job(tmp_path, tiny_model, "race", rows)
-    with dg.instance_for_test() as instance:
+    # No compute-log capture: a run materialized on a thread tees its output through `tail -F`
+    # subprocesses, whose clean-up once hung past 30 s on a loaded machine (the test is about locks).
+    no_log_capture = {"compute_logs": {"module": "dagster._core.storage.noop_compute_log_manager",
+                                       "class": "NoOpComputeLogManager"}}
+    with dg.instance_for_test(overrides=no_log_capture) as instance:
         assert dg.materialize([prompts], instance=instance).success
         before = config.prompts_path.stat().st_mtime_ns
         pq.write_table(pa.table({"id": [1, 2, 3], "prompt": ["edited", "a shared start, then two", "x"]}), source)
