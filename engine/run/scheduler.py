@@ -205,11 +205,12 @@ class GroupScheduler:
         self._growth_ends: dict[int, list[int]] = {}  # step -> rows whose count grows for the last time then
         self.stats = SchedulerStats(budget_blocks=self._budget)
 
-    def _row_constants(self, groups: list[PlannedGroup]) -> tuple[list[int], list[int], set[int]]:
+    def _row_constants(self, groups: list[PlannedGroup]) -> tuple[list[int], list[int], dict[int, int]]:
         """What admitting a row reads, computed for every row at once: the blocks its prompt and its
         reserved output end in at admission (``_blocks_at`` with nothing generated, before its cache
         hit), the whole blocks of its group's prefix it finds cached (``_cache_hit``), and the rows
-        that need more blocks than the whole cache even alone (rejected when their turn comes)."""
+        that need more blocks than the whole cache even alone, with what they need (rejected when
+        their turn comes)."""
         block, lengths = self._block, np.asarray(self._lengths, dtype=np.int64)
         max_tokens = np.asarray(self._max_tokens, dtype=np.int64)
         prefix = np.zeros(lengths.size, dtype=np.int64)
@@ -219,7 +220,8 @@ class GroupScheduler:
         hit_blocks = np.maximum(0, np.minimum(prefix, (lengths - 1) // block * block)) // block
         alone = prefix // block + np.maximum(1, -(-(lengths + max_tokens) // block) - hit_blocks)
         entry_blocks = -(-(lengths + ahead) // block)
-        return entry_blocks.tolist(), hit_blocks.tolist(), set(np.flatnonzero(alone > self._capacity).tolist())
+        too_large = np.flatnonzero(alone > self._capacity)
+        return entry_blocks.tolist(), hit_blocks.tolist(), dict(zip(too_large.tolist(), alone[too_large].tolist()))
 
     @property
     def done(self) -> bool:
@@ -227,10 +229,6 @@ class GroupScheduler:
         return not self._queue and not self._open and not self._rows and not self._prefixes
 
     # -- block accounting -------------------------------------------------------------------
-    def _own_blocks(self, tokens: int, shared: int) -> int:
-        """Blocks of ``tokens`` beyond the first ``shared`` (whole blocks), at least one."""
-        return max(1, -(-tokens // self._block) - shared // self._block)
-
     def _cache_hit(self, row: int, shared: int) -> int:
         """Of ``shared`` leading tokens in the cache, those vLLM reuses for the row: a hit is capped at
         the prompt's length - 1 (``KVCacheManager.get_computed_blocks``), so a prompt that is wholly
@@ -428,9 +426,8 @@ class GroupScheduler:
         busy, left = self._busy(), self._budget - self.blocks_in_flight
         while not group.all_admitted:
             row = planned.rows[group.next_row]
-            if row in self._too_large:
-                alone = planned.prefix_tokens // self._block + self._own_blocks(
-                    self._lengths[row] + self._max_tokens[row], self._cache_hit(row, planned.prefix_tokens))
+            alone = self._too_large.get(row)
+            if alone is not None:
                 decision.reject.append((row, f"needs {alone} KV blocks with its output; the KV cache has "
                                              f"{self._capacity} (block size {self._block})"))
                 group.next_row += 1
