@@ -5,7 +5,10 @@ Per partition (evaluated by the completions step itself, so backfills run them t
 * ``no_silent_empties``: an ok row has text, an error row has a reason;
 * ``prefix_saving``: saved prompt tokens / the plan's ideal is above a floor (a warning);
 * ``answers_follow_response_format``: every ok answer of a constrained row (the job's
-  ``sampling.response_format`` or the row's own) parses and follows it (JSON schema, choice, regex).
+  ``sampling.response_format`` or the row's own) parses and follows it (JSON schema, choice, regex);
+* ``error_rows_within_bound``: the partition's error rows (rows that cannot run, rows vLLM refused
+  or ended, answers cut off) are at most ``max_error_share`` of its rows: its ok rows are written
+  either way, the check makes a bad night visible.
 A run of several partitions (``partitions_per_run``) evaluates each check on each of them and
 reports it once, failed if it failed on any (``merged_check_results``).
 For the whole table: ``all_prompts_answered`` (missing, duplicated and orphaned ids), evaluated
@@ -45,6 +48,10 @@ def partition_check_specs(config: BatchJobConfig) -> list[dg.AssetCheckSpec]:
             asset=key,
             description="Answers of constrained rows parse and follow their JSON schema, choices or regex.",
         ),
+        dg.AssetCheckSpec(
+            "error_rows_within_bound", asset=key,
+            description=f"Error rows are at most {config.max_error_share:.0%} of the partition's rows.",
+        ),
     ]
 
 
@@ -71,10 +78,10 @@ def partition_check_results(config: BatchJobConfig, warehouse: DuckDBResource, p
             f"SELECT count(*) FROM (SELECT id FROM {table} WHERE id IN (SELECT id FROM expected) "
             "GROUP BY id HAVING count(*) > 1)"
         ).fetchall()[0][0]
-        silent, errors = con.execute(
+        silent, errors, rows = con.execute(
             f"""SELECT count(*) FILTER (WHERE (status = 'ok' AND coalesce(text, '') = '')
                                        OR (status = 'error' AND coalesce(error, '') = '')),
-                       count(*) FILTER (WHERE status = 'error')
+                       count(*) FILTER (WHERE status = 'error'), count(*)
                 FROM {table} WHERE partition_key = ?""",
             [partition_key],
         ).fetchall()[0]
@@ -97,6 +104,13 @@ def partition_check_results(config: BatchJobConfig, warehouse: DuckDBResource, p
             metadata={"saving_vs_ideal": float(round(saving, 4)), "floor": config.min_saving_vs_ideal},
         ),
         _format_check(config, constrained),
+        dg.AssetCheckResult(
+            check_name="error_rows_within_bound", asset_key=config.asset_key("completions"),
+            passed=errors <= config.max_error_share * rows,
+            metadata={"error_rows": int(errors), "rows": int(rows),
+                      "error_share": float(round(errors / rows, 4)) if rows else 0.0,
+                      "max_error_share": config.max_error_share},
+        ),
     ]
 
 

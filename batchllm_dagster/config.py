@@ -158,6 +158,14 @@ class JobSpec(BaseModel):
     keep_deleted_answers: Annotated[bool, *described(
         "keep the answers of prompt rows deleted at the source (history); by default they leave the output "
         "table and the shard Parquet files when the next plan no longer has their ids")] = False
+    max_removed_share: Annotated[float, *described(
+        "a plan that would remove the answers of more than this share of the answered rows (their ids gone from "
+        "the source: an empty or truncated source, a wrong WHERE) is refused, nothing removed; removing every "
+        "answer needs 1.0 (0..1)")] = 0.2
+    max_error_share: Annotated[float, *described(
+        "a partition whose error rows (rows that cannot run, rows vLLM refused or ended, answers cut off) are "
+        "more than this share of its rows fails its error_rows_within_bound check; its ok rows are written "
+        "either way (0..1)")] = 0.05
     min_saving_vs_ideal: Annotated[float, *described("prefix_saving check warns below this share of the ideal")] = 0.9
     schedule: Annotated[str | None, *described("cron of the nightly run (None: no schedule)")] = "0 2 * * *"
 
@@ -181,6 +189,9 @@ class JobSpec(BaseModel):
             raise ValueError(f"shards must be in 1..{MAX_PARTITIONS:,}, ray_replicas, rows_per_shard and "
                              "partitions_per_run at least 1 (got "
                              f"{self.shards}, {self.ray_replicas}, {self.rows_per_shard}, {self.partitions_per_run})")
+        for label in ("max_error_share", "max_removed_share"):
+            if not 0 <= getattr(self, label) <= 1:
+                raise ValueError(f"{label} must be between 0 and 1 (got {getattr(self, label)})")
         return self
 
     def shard_count(self, rows: int, measured_rows_per_shard: int = FIRST_NIGHT_ROWS_PER_SHARD) -> int:

@@ -97,6 +97,23 @@ def answered_ids(warehouse: DuckDBResource, table: str, ids: pa.Array, keys: set
     return {row[0] for row in found}
 
 
+def answers_not_in(warehouse: DuckDBResource, table: str, live_ids: pa.Array) -> tuple[int, int]:
+    """How many of the output table's answers are of ids not in ``live_ids``, and how many it
+    holds: what ``remove_answers_not_in`` would delete, counted before anything is."""
+    _ensure_folder(warehouse)
+    with warehouse.get_connection() as con:
+        if not table_exists(con, table):
+            return 0, 0
+        con.register("live", pa.table({"id": live_ids}))
+        try:
+            gone, answered = con.execute(
+                f"SELECT count(*) FILTER (WHERE id NOT IN (SELECT id FROM live)), count(*) "
+                f"FROM {quote_identifier(table)}").fetchall()[0]
+        finally:
+            con.unregister("live")
+    return int(gone), int(answered)
+
+
 def remove_answers_not_in(warehouse: DuckDBResource, table: str, live_ids: pa.Array) -> int:
     """Delete the answers of ids that are no longer prompt rows (deleted at the source); returns
     how many. One transaction: readers see the table before or after, never half of it."""

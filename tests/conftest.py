@@ -52,3 +52,31 @@ def group_rows(plan, group: int):
     """The rows of one group of a ``PrefixPlan``, in run order."""
     starts = plan.group_starts()
     return plan.order[starts[group] : starts[group + 1]]
+
+
+@pytest.fixture
+def nightly(tmp_path, tiny_model):
+    """A job of two shards on two hardware partitions over a DuckDB table of ``make_prompt_table``."""
+    import shutil
+
+    import duckdb
+
+    from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings, SamplingSettings
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    database = tmp_path / "warehouse.duckdb"
+    with duckdb.connect(str(database)) as con:
+        con.register("incoming", make_prompt_table())
+        con.execute("CREATE TABLE prompt_rows AS SELECT * FROM incoming")
+    return BatchJobConfig(
+        name="nightly",
+        dataset=DatasetSpec(table="prompt_rows", database=str(database)),
+        llm=EngineSettings(model_path=str(model), kv_cache_blocks=64),
+        sampling=SamplingSettings(max_tokens=6),
+        shards=2,
+        hardware=["gpu-a", "gpu-b"],  # shard 0 runs on one, shard 1 on the other
+        output_database=str(database),
+        output_table="answers",
+        storage_dir=str(tmp_path / "jobs"),
+    )

@@ -258,3 +258,26 @@ def test_a_rerun_of_a_grown_table_keeps_the_field_order_and_reuses_every_old_ans
     assert "field order kept" in second.stderr and "40 rows kept their order, 5 new rows placed" in second.stderr
     again = batchllm(*args[:-1], "--choose-field-order-again", "--json")
     assert "field order chosen (asked)" in again.stderr
+
+
+@pytest.mark.slow
+def test_a_row_whose_format_vllm_refuses_is_an_error_row_and_the_shard_finishes(tiny_model, tmp_path):
+    """Python's ``re`` takes a backreference; vLLM's grammar backends refuse it. That row alone is
+    an error row with vLLM's reason, checked once for its format before the run; the rest answer."""
+    import pyarrow as pa
+
+    from engine.response_format import ResponseFormat
+
+    source, output = tmp_path / "rows.parquet", tmp_path / "answers.parquet"
+    formats = [ResponseFormat(regex=r"(a)\1" if i == 5 else r"[a-z]{3}").to_text() for i in range(12)]
+    pq.write_table(pa.table({"id": list(range(12)), "prompt": [f"question {i} about things" for i in range(12)],
+                             "response_format": formats}), source)
+    done = batchllm("run", str(source), "--model", tiny_model, "--output", str(output), "--max-tokens", "6",
+                    "--kv-cache-blocks", "64", "--json", check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {r["id"]: r for r in pq.read_table(output).to_pylist()}
+    assert len(rows) == 12
+    assert [i for i, r in rows.items() if r["status"] == "error"] == [5]
+    assert "vLLM refused" in rows[5]["error"] and "backreference" in rows[5]["error"]
+    assert "\n" not in rows[5]["error"]
+    assert all(len(r["text"]) == 3 for i, r in rows.items() if i != 5)

@@ -15,35 +15,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from assets import build_batch_defs
-from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings, SamplingSettings
+from batchllm_dagster import BatchJobConfig
 from dagster_project.demo import QUIET, run_planned_shards
 from engine.run.checkpoint import NEW_ROW, ROW_CHANGED, SETTINGS_CHANGED, Checkpoint
 from engine.models import build_tiny_model
 
-from .conftest import make_prompt_table
 
 pytestmark = pytest.mark.slow  # real vLLM
-
-
-@pytest.fixture
-def nightly(tmp_path, tiny_model):
-    model = tmp_path / "model"
-    shutil.copytree(tiny_model, model)
-    database = tmp_path / "warehouse.duckdb"
-    with duckdb.connect(str(database)) as con:
-        con.register("incoming", make_prompt_table())
-        con.execute("CREATE TABLE prompt_rows AS SELECT * FROM incoming")
-    return BatchJobConfig(
-        name="nightly",
-        dataset=DatasetSpec(table="prompt_rows", database=str(database)),
-        llm=EngineSettings(model_path=str(model), kv_cache_blocks=64),
-        sampling=SamplingSettings(max_tokens=6),
-        shards=2,
-        hardware=["gpu-a", "gpu-b"],  # shard 0 runs on one, shard 1 on the other
-        output_database=str(database),
-        output_table="answers",
-        storage_dir=str(tmp_path / "jobs"),
-    )
 
 
 def from_scratch(config: BatchJobConfig) -> dict:

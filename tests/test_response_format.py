@@ -212,3 +212,72 @@ def test_a_step_after_a_constrained_request_entered_first_lets_its_grammar_compi
     handle.step()
     handle.step()
     assert pauses == [0]  # once, before the first step after it entered
+
+
+def test_a_format_the_engine_refuses_makes_its_rows_error_rows_asked_once_per_format(tiny_model):
+    refused = ResponseFormat(regex=r"(a)\1")
+    table = pa.table({"id": [f"r{i}" for i in range(6)], "prompt": [f"Review {i}: fine" for i in range(6)],
+                      "response_format": [None, refused.to_text(), None, refused.to_text(), PERSON.to_text(), None]})
+    job = SamplingSettings(max_tokens=3, response_format=LABELS)
+    prepared = prepare_batch(table, load_tokenizer(tiny_model), EngineSettings(model_path=tiny_model, block_size=8),
+                             job)
+    engine = FakeEngine(num_blocks=64, block_size=8)
+    engine.refuses = {refused.to_text(): "backreferences are not supported"}
+    results = {r.id: r for r in BatchRun(prepared, engine, job, SchedulerSettings(log_every_s=60))}
+    # (the stand-in's answers follow no format: the other rows are cut-off error rows of their own)
+    refused_rows = {i for i, r in results.items() if r.error == "backreferences are not supported"}
+    assert refused_rows == {"r1", "r3"} and len(results) == 6
+    assert sorted(engine.asked) == sorted([LABELS.to_text(), refused.to_text(), PERSON.to_text()])
+    assert {s.row for _, s in engine.submitted} == {0, 2, 4, 5}  # a refused row never reaches the engine
+
+
+@pytest.mark.parametrize("finish_reason", ["error", "abort"])
+def test_a_request_the_engine_ended_is_an_error_row_whatever_its_text(tiny_model, finish_reason):
+    """vLLM ends a request with ``error`` (a grammar that rejected the model's tokens) or ``abort``:
+    no answer, though it has text and no format says otherwise; a later run never reuses it."""
+    table = pa.table({"id": ["a", "b"], "prompt": ["first prompt", "second prompt"]})
+    job = SamplingSettings(max_tokens=3)
+    prepared = prepare_batch(table, load_tokenizer(tiny_model), EngineSettings(model_path=tiny_model, block_size=8),
+                             job)
+
+    class EndsOne(FakeEngine):
+        def step(self):
+            report = super().step()
+            for finished in report.finished:
+                if finished.submission.row == 1:
+                    finished.finish_reason = finish_reason
+            return report
+
+    run = BatchRun(prepared, EndsOne(num_blocks=64, block_size=8), job, SchedulerSettings(log_every_s=60))
+    results = {r.id: r for r in run}
+    assert results["a"].status == "ok"
+    assert results["b"].status == "error" and finish_reason in results["b"].error and results["b"].text
+    assert (run.stats.ok_rows, run.stats.error_rows) == (1, 1)
+
+
+def test_a_request_vllm_refuses_as_it_arrives_comes_back_finished_with_the_reason():
+    """The handle's last line of defence (a refusal the format check did not foresee): the request
+    is not raised out of ``submit``, it finishes at the next step as an error, the others run."""
+    import numpy as np
+
+    from engine.bench.bench_scheduler import LLMEngineStandIn
+    from engine.run.requests import Submission
+    from engine.vllm.vllm_engine import VLLMEngine
+
+    class Refusing(LLMEngineStandIn):
+        def add_request(self, request_id, engine_input, params):
+            if request_id == "row-1":
+                from vllm.exceptions import VLLMValidationError
+
+                raise VLLMValidationError("Grammar error:\n  backreferences are not supported")
+            super().add_request(request_id, engine_input, params)
+
+    handle = VLLMEngine.over(Refusing(), block_size=16, kv_capacity_blocks=64)
+    for row in (0, 1):
+        handle.submit(Submission(RequestKind.ROW, row, np.arange(20), 2), SamplingSettings(max_tokens=2))
+    finished = []
+    while handle.has_unfinished():
+        finished += handle.step().finished
+    by_row = {f.submission.row: f for f in finished}
+    assert by_row[0].failure is None
+    assert by_row[1].failure == "vLLM refused the request: Grammar error: backreferences are not supported"

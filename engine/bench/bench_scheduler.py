@@ -70,6 +70,9 @@ class SteadyDecodeEngine(_SteadyDecode):
         super().__init__()
         self.block_size, self.kv_capacity_blocks = BLOCK, kv_capacity_blocks
 
+    def refusal(self, sampling) -> None:
+        return None
+
     def submit(self, submission: Submission, sampling) -> None:
         self._entering.append(submission)
 

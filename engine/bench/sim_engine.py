@@ -74,8 +74,17 @@ class FakeEngine:
         self.peak_referenced = 0
         self.preemptions = 0
         self.prefill_tokens = 0
+        self.refuses: dict[str, str] = {}  # a response format's text -> why it is refused (a test sets it)
+        self.asked: list[str] = []  # the formats asked about, in order
 
     # -- the engine protocol --------------------------------------------------------------------
+    def refusal(self, sampling) -> str | None:
+        fmt = sampling.response_format
+        if fmt is None:
+            return None
+        self.asked.append(fmt.to_text())
+        return self.refuses.get(fmt.to_text())
+
     def submit(self, submission: Submission, sampling) -> None:
         self.submitted.append((self.step_count, submission))
         self.sampling_of[submission.key] = sampling

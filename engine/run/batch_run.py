@@ -18,7 +18,7 @@ from ..plan.prefix_tree import reusable_tokens
 from ..plan.prepared import PreparedBatch
 from ..response_format import cut_off_reason
 from ..settings import SamplingSettings, SchedulerSettings
-from .drive import Rejected, StepTotals, drive
+from .drive import Rejected, StepTotals, drive, row_sampling
 from .progress import Display, Progress
 from .requests import Engine
 from .results import RowResult, RunStats
@@ -83,13 +83,31 @@ class BatchRun:
         self.stats.error_rows += 1
         return self._result(row, status="error", error=reason)
 
+    def _refused_by_engine(self, rows: list[int]) -> dict[int, str]:
+        """The rows whose response format the engine refuses, with its reason: each distinct
+        format asked once, before any row runs (one such row must not fail the shard)."""
+        formats, job_format = self.prepared.response_formats, self.sampling.response_format
+        asked: dict[int, str | None] = {}  # id of a format -> the engine's refusal
+        refused = {}
+        for row in rows:
+            own = formats.get(row)
+            if own is None and job_format is None:
+                continue
+            key = id(own if own is not None else job_format)
+            if key not in asked:
+                asked[key] = self.engine.refusal(row_sampling(self.sampling, own))
+            if asked[key]:
+                refused[row] = asked[key]
+        return refused
+
     def __iter__(self) -> Iterator[RowResult]:
         prepared, stats = self.prepared, self.stats
         started = time.perf_counter()
+        refused = self._refused_by_engine([r for r in self.rows if r not in prepared.errors])
         for row in self.rows:
-            if row in prepared.errors:
-                yield self._error(row, prepared.errors[row])
-        ok_rows = [r for r in self.rows if r not in prepared.errors]
+            if row in prepared.errors or row in refused:
+                yield self._error(row, prepared.errors.get(row) or refused[row])
+        ok_rows = [r for r in self.rows if r not in prepared.errors and r not in refused]
         if not ok_rows:
             return
         position = np.empty(prepared.num_rows, dtype=np.int64)
@@ -130,8 +148,9 @@ class BatchRun:
             stats.wall_s = time.perf_counter() - started
             # A constrained answer that ended at max_tokens or a stop string, not proved complete,
             # is not an answer: stored as an error row (its text kept to look at), never as ok.
-            cut = cut_off_reason(prepared.response_formats.get(row, self.sampling.response_format), item.text,
-                                 item.finish_reason, int(prepared.max_tokens[row]), item.stop_reason)
+            cut = item.failure or cut_off_reason(prepared.response_formats.get(row, self.sampling.response_format),
+                                                 item.text, item.finish_reason, int(prepared.max_tokens[row]),
+                                                 item.stop_reason)
             yield self._answer(row, item, cut, item.cached_tokens)
             for copy in copies.get(row, []):  # its identical rows: the same answer, their own ids, nothing computed
                 stats.duplicate_rows += 1

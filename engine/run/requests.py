@@ -23,6 +23,8 @@ class RequestKind(enum.Enum):
 
 RequestKey = tuple[RequestKind, int]
 
+ENGINE_FAILURES = ("error", "abort")  # vLLM's finish reasons of a request it did not answer
+
 
 @dataclass(frozen=True, eq=False)
 class Submission:
@@ -76,6 +78,18 @@ class Finished:
     cached_tokens: int
     finish_reason: str | None
     stop_reason: int | str | None = None  # the stop string that ended it (vLLM's; None: end of sequence)
+    error: str | None = None  # why the engine refused it (see ``Engine.submit``)
+
+    @property
+    def failure(self) -> str | None:
+        """Why this is no answer whatever its text (None: it may be one): the engine refused the
+        request, or ended it itself (vLLM's ``error``: a grammar that rejected the model's tokens;
+        ``abort``). Such a row is an error row, never reused by a later run."""
+        if self.error:
+            return self.error
+        if self.finish_reason in ENGINE_FAILURES:
+            return f"vLLM ended the request with finish_reason {self.finish_reason!r}"
+        return None
 
 
 @dataclass
@@ -111,7 +125,15 @@ class Engine(Protocol):
     block_size: int
     kv_capacity_blocks: int  # usable KV blocks, known after start-up
 
-    def submit(self, submission: Submission, sampling: SamplingSettings) -> None: ...
+    def refusal(self, sampling: SamplingSettings) -> str | None:
+        """Why this engine refuses every request with ``sampling`` (a response format its grammar
+        backend cannot compile), None where it takes them: asked once per format before a run."""
+        ...
+
+    def submit(self, submission: Submission, sampling: SamplingSettings) -> None:
+        """Hand a request to the engine. A request it refuses is not raised: it comes back finished,
+        with its ``error``, from the next ``step``."""
+        ...
 
     def step(self) -> StepReport: ...
 

@@ -200,6 +200,8 @@ class VLLMEngine:
         self._in_flight: dict[str, _InFlight] = {}  # unfinished requests by vLLM request id
         self._params: dict[tuple[int, int], tuple] = {}  # (id of sampling, max_tokens) -> (sampling, params)
         self._grammars_submitted = False  # a constrained request entered since the last step
+        self._refusals: dict[str, str | None] = {}  # a response format's text -> why vLLM refuses it
+        self._refused: list[Finished] = []  # requests vLLM refused at submission, reported by the next step
 
     @classmethod
     def over(cls, llm_engine, block_size: int, kv_capacity_blocks: int) -> "VLLMEngine":
@@ -229,6 +231,30 @@ class VLLMEngine:
             return None
         return sorted({name for reply in replies for name in reply})
 
+    def refusal(self, sampling: SamplingSettings) -> str | None:
+        """Why vLLM refuses every request constrained by ``sampling``'s response format (its grammar
+        backend cannot compile it: a regex backreference, say), None where it takes them. Asked of
+        vLLM's own check, the one ``add_request`` runs (``SamplingParams.verify`` with the engine's
+        structured-output backend), once per format."""
+        response_format = sampling.response_format
+        if response_format is None:
+            return None
+        text = response_format.to_text()
+        if text not in self._refusals:
+            self._refusals[text] = self._verify(sampling_params(sampling, 1))
+        return self._refusals[text]
+
+    def _verify(self, params) -> str | None:
+        processor = getattr(self._engine, "input_processor", None)
+        if processor is None:  # a stand-in without vLLM's front end (the bench's)
+            return None
+        try:  # on a copy: vLLM's check records the backend it chose in the params it checks
+            params.clone().verify(processor.model_config, processor.speculative_config,
+                                  processor.structured_outputs_config, processor.tokenizer)
+        except _request_errors() as exc:
+            return f"vLLM refused the response format: {one_line_text(exc)}"
+        return None
+
     def submit(self, submission: Submission, sampling: SamplingSettings) -> None:
         request_id = submission.request_id
         engine_input = self._engine.renderer.render_cmpl([{"prompt_token_ids": submission.prompt_ids()}])[0]
@@ -240,12 +266,20 @@ class VLLMEngine:
         if cached is None:  # the value keeps ``sampling`` alive, so its id names it while cached
             cached = self._params[key] = (sampling, sampling_params(sampling, submission.max_tokens, deltas=True))
         params = cached[1]
-        self._engine.add_request(request_id, engine_input, params)
+        try:
+            self._engine.add_request(request_id, engine_input, params)
+        except _request_errors() as exc:
+            # vLLM refused this request (it checks each one as it arrives): the row becomes an error
+            # row with vLLM's reason at the next step, and the shard goes on.
+            self._refused.append(Finished(
+                submission=submission, text="", token_ids=[], prompt_tokens=len(submission.token_ids),
+                cached_tokens=0, finish_reason="error", error=f"vLLM refused the request: {one_line_text(exc)}"))
+            return
         self._grammars_submitted |= params.structured_outputs is not None
         self._in_flight[request_id] = _InFlight(submission)
 
     def has_unfinished(self) -> bool:
-        return self._engine.has_unfinished_requests()
+        return bool(self._refused) or self._engine.has_unfinished_requests()
 
     def step(self) -> StepReport:
         """One engine step: what finished, what started, and vLLM's own gauges. Costs what vLLM
@@ -262,8 +296,9 @@ class VLLMEngine:
             # compile finish first (25 steps at 35.2); a core in its own process compiles there.
             time.sleep(0)
             self._grammars_submitted = False
-        outputs = self._engine.step()
+        outputs = self._engine.step() if self._engine.has_unfinished_requests() else []
         report = StepReport(**vars(self._gauges))  # what vLLM's stat logger recorded of this step
+        report.finished, self._refused = self._refused, []
         for out in outputs:
             request = self._in_flight[out.request_id]
             completion = out.outputs[0]  # the step's new tokens and text (DELTA)
@@ -304,6 +339,19 @@ class VLLMEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def one_line_text(exc: Exception) -> str:
+    """An error's message on one line (vLLM's grammar errors draw the pattern over several)."""
+    return " ".join(str(exc).split())
+
+
+def _request_errors() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a request it refuses (``VLLMValidationError`` and the other client
+    errors; a few checks still raise ``ValueError``), as opposed to a failed engine."""
+    from vllm.exceptions import VLLMClientError
+
+    return (ValueError, VLLMClientError)
 
 
 def _worker_call(function, executor: str | None, core_in_this_process: bool | None = None):
