@@ -28,7 +28,7 @@ from batchllm_dagster.warehouse import existing_rows, replace_partition
 from engine.atomic import Staged
 from engine.run.console import ProgressBar
 from engine.locks import Busy, held_alone
-from engine.plan.plan_table import NotInPlan, StalePlan, load_shard, planned_block_size, planned_keys, superseded
+from engine.plan.plan_table import NotInPlan, StalePlan, load_shard, planned_counts, planned_keys, superseded
 from engine.plan.prepared import PreparedBatch
 from engine.jobs.resume import RunOutcome, run_resumable
 from engine.jobs.shared_engine import SharedEngine
@@ -185,7 +185,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         """The partitions one after another on one vLLM engine, each written and checked on its own."""
         started_at = time.perf_counter()
         llm: VLLMResource = context.resources.llm
-        settings = config.engine_settings(planned_block_size(config.plan_path))  # the stamp holds it too
+        settings = config.engine_settings(planned_counts(config.plan_path))  # the stamp holds them too
         queued_for = context.run.tags.get(PLAN_RUN_TAG)
         # Every shard is read and held against the plan before vLLM starts: a stale plan refuses the run whole.
         shards = [(key, *load_planned_shard(config, key, settings, queued_for)) for key in keys]
@@ -239,30 +239,11 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         for result in outcome.results:
             result.shard = shard
         table = answers_table(outcome.results, prepared.id_type, key, hardware_partition, config.llm.model_path)
-        # A plan made while this shard ran may want some of its answers from elsewhere (rows moved,
-        # edited or deleted, another model): those are not written, the newer plan's shards answer
-        # them. Then only the rest is written, by id, and no Parquet file: the newer plan's run of
-        # this key (if it has one) writes its file whole, and a key it dropped never comes back.
-        stale = superseded(config.plan_path, key, planned)
-        if len(stale):
-            context.log.warning(f"{len(stale)} of this shard's rows were superseded by a newer plan while it ran "
-                                "(moved to another shard, edited, deleted, or another model): their answers are not "
-                                "written; the newer plan's shards answer them")
-            table = table.filter(pc.invert(pc.is_in(table.column("id"), value_set=stale)))
-            written = replace_partition(warehouse, config.output_table, key, table, whole_partition=False)
-        else:
-            # Parquet staged, DuckDB committed, then Parquet renamed into place: a failure at any point
-            # (a DuckDB lock timeout, say) leaves both as they were and keeps the checkpoint for the rerun.
-            with Staged(config.completions_parquet_path(key)) as staged:  # published once DuckDB has committed
-                pq.write_table(table, staged.path)
-                written = replace_partition(warehouse, config.output_table, key, table)
-        if not len(stale):
-            shutil.rmtree(checkpoint, ignore_errors=True)  # the table now holds every row of the shard
-        # else kept: the newer plan's shards reuse its still-valid answers by row fingerprint (a row
-        # that only moved to another key), and prune_checkpoints removes it once none is wanted.
-        planned = planned_keys(config.plan_path)  # other shards' checkpoints this write made useless
-        prune_checkpoints(config, warehouse, set(planned.column("partition_key").to_pylist()),
-                          planned.column("id").combine_chunks())
+        # The check against the plan on disk and the write are one step: no plan lands between them
+        # (a plan holds this lock exclusively from reading the snapshot to its last delete), else
+        # this shard could delete a newer shard's answers, bring back deleted ids or a removed key's file.
+        with config.plan_lock(f"partition {key} writing (run {context.run.run_id})", shared=True):
+            table, written, stale = write_partition(warehouse, key, table, planned, checkpoint, context.log)
         context.log.info(
             f"wrote {table.num_rows} rows of partition {key} to {config.output_table} ({written} in it now)"
         )
@@ -274,6 +255,36 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
             "write_s": float(round(time.perf_counter() - writing, 3)),  # writing and checks (shard sizing reads it)
             "dagster/row_count": written,
         })
+
+    def write_partition(warehouse: DuckDBResource, key: str, table: pa.Table, planned: pa.Table, checkpoint, log):
+        """The shard's answers written as the plan on disk still wants them; returns the rows
+        written, how many the partition holds now and the ids a newer plan superseded. A plan made while this shard ran
+        may want some of its answers from elsewhere (rows moved, edited or deleted, another model):
+        those are not written, the newer plan's shards answer them. Then only the rest is written,
+        by id, and no Parquet file: the newer plan's run of this key (if it has one) writes its file
+        whole, and a key it dropped never comes back."""
+        stale = superseded(config.plan_path, key, planned)
+        if len(stale):
+            log.warning(f"{len(stale)} of this shard's rows were superseded by a newer plan while it ran "
+                                "(moved to another shard, edited, deleted, or another model): their answers are not "
+                                "written; the newer plan's shards answer them")
+            table = table.filter(pc.invert(pc.is_in(table.column("id"), value_set=stale)))
+            written = replace_partition(warehouse, config.output_table, key, table, whole_partition=False,
+                                        on_wait=log.info)
+        else:
+            # Parquet staged, DuckDB committed, then Parquet renamed into place: a failure at any point
+            # (a DuckDB lock timeout, say) leaves both as they were and keeps the checkpoint for the rerun.
+            with Staged(config.completions_parquet_path(key)) as staged:  # published once DuckDB has committed
+                pq.write_table(table, staged.path)
+                written = replace_partition(warehouse, config.output_table, key, table, on_wait=log.info)
+        if not len(stale):
+            shutil.rmtree(checkpoint, ignore_errors=True)  # the table now holds every row of the shard
+        # else kept: the newer plan's shards reuse its still-valid answers by row fingerprint (a row
+        # that only moved to another key), and prune_checkpoints removes it once none is wanted.
+        live = planned_keys(config.plan_path)  # other shards' checkpoints this write made useless
+        prune_checkpoints(config, warehouse, set(live.column("partition_key").to_pylist()),
+                          live.column("id").combine_chunks())
+        return table, written, stale
 
     return completions
 

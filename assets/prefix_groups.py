@@ -1,6 +1,7 @@
 """``prefix_groups``: the global prefix plan of the batch, cut into shards (the partitions)."""
 
 import math
+import os
 
 import dagster as dg
 import numpy as np
@@ -13,7 +14,6 @@ from batchllm_dagster.partitions import by_hardware, shard_key, sync_partitions
 from batchllm_dagster.shard_sizing import ShardSize, last_partitions_metadata, measured_by_hardware, shard_size
 from batchllm_dagster.warehouse import answers_not_in, remove_answers_not_in, replace_table
 from engine.plan.duplicates import count_duplicates
-from engine.locks import locked
 from engine.plan.plan_table import plan_content_keys, plan_table, previous_shards, stale_reasons, write_plan
 from engine.plan.prepared import plan_tokenized
 from engine.table.prompt_snapshot import CONTENT_KEY, columns_without_text, read_snapshot
@@ -113,12 +113,12 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         # One plan of this job at a time in any instance (the plan pool needs an instance's limits):
         # a second waits, then plans from the snapshot as it is then.
         warn_if_unlimited(context)
-        with locked(config.lock_path("plan")):
+        with config.plan_lock(f"a plan being made (run {context.run.run_id}, pid {os.getpid()})"):
             return make_plan(context)
 
     def make_plan(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         columns = config.dataset.columns
-        settings = config.engine_settings()
+        settings = config.plan_settings()  # counted as the shards' hardware runs, not this machine
         # Lengths and block hashes come from the cache; only new or changed rows are tokenized. The
         # rows' text is not read here otherwise: the plan needs hashes, max_tokens and formats.
         tokenizer = LazyTokenizer(settings.model_path)
@@ -151,7 +151,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
             raise dg.Failure(f"{config.name}: {', '.join(changed)} changed while this plan was being made (prompts "
                              "materialized meanwhile?): no plan written; materialize prefix_groups again")
         plan_bytes = write_plan(plan_table(prepared, meta.column(CONTENT_KEY), cache, shards.shard_of_row, keys, stamp,
-                                           context.run.run_id), config.plan_path)
+                                           context.run.run_id, settings.max_model_len), config.plan_path)
         groups = groups_table(prepared, shards, keys, config)
         replace_table(getattr(context.resources, config.warehouse_key), f"{config.output_table}_prefix_groups", groups)
         added, removed = sync_partitions(context.instance, config.partitions_name, by_hardware(config, used))

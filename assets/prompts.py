@@ -1,10 +1,10 @@
 """``prompts``: the prompt rows, read from DuckDB (read-only) or Parquet and snapshotted."""
 
+import os
 from pathlib import Path
 
-import pyarrow as pa
-
 import dagster as dg
+import pyarrow as pa
 
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import table_preview
@@ -13,7 +13,6 @@ from engine.table.dataset import check_unique_ids, read_sql, single_query, sourc
 from engine.table.field_order_state import KeptOrders
 from engine.table.fields import FieldOrder, PrefillCounter
 from engine.table.prompt_rendering import rendered_batches
-from engine.locks import locked
 from engine.table.prompt_snapshot import SnapshotWriter, snapshot_digest
 
 
@@ -58,7 +57,7 @@ def _prefill_counter(config: BatchJobConfig) -> PrefillCounter | None:
     from engine.plan.prepared import sorted_prefill_counter
     from engine.plan.tokenizing import load_tokenizer
 
-    settings = config.engine_settings()
+    settings = config.plan_settings()
     return sorted_prefill_counter(load_tokenizer(settings.model_path), settings.block_size)
 
 
@@ -84,7 +83,7 @@ def build_prompts(config: BatchJobConfig) -> dg.AssetsDefinition:
         path, spec = config.prompts_path, config.dataset
         # The job's plan lock: a snapshot never lands while a plan is being made from the last one
         # (that plan finishes first; this run then waits), in any instance, whatever launched it.
-        with locked(config.lock_path("plan")):
+        with config.plan_lock(f"a prompt snapshot being taken (run {context.run.run_id}, pid {os.getpid()})"):
             rows, preview, choice = snapshot_dataset(config, path)
         context.log.info(f"{rows} prompt rows from {spec.describe()} -> {path}")
         order = {}

@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from engine.plan.plan_table import PlanShaping
 from engine.table.dataset import Columns
 from engine.table.fields import PromptFields
+from engine.machine import Platform, current_platform
 from engine.settings import EngineSettings, Policy, SamplingSettings, SchedulerSettings, fingerprint
 
 from .shard_sizing import FIRST_NIGHT_ROWS_PER_SHARD
@@ -39,6 +40,9 @@ class HardwarePartition(BaseModel):
     name: str = Field(description="letters, digits, '.', '_' or '-'; it starts the shard partition keys")
     pool: str | None = Field(None, description="runs of this hardware queue in this pool (default: inference_<name>)")
     run_tags: dict[str, str] = Field(default_factory=dict, description="tags every run of its shards carries")
+    platform: Platform | None = Field(
+        None, description="what its machines run vLLM on, 'cuda' or 'cpu': a plan for its shards counts in that "
+        "platform's KV block size and context length wherever the plan step runs (unset: the plan step's machine's)")
 
     @model_validator(mode="after")
     def _valid(self) -> "HardwarePartition":
@@ -166,6 +170,9 @@ class JobSpec(BaseModel):
         "a partition whose error rows (rows that cannot run, rows vLLM refused or ended, answers cut off) are "
         "more than this share of its rows fails its error_rows_within_bound check; its ok rows are written "
         "either way (0..1)")] = 0.05
+    lock_timeout_s: Annotated[float, *described(
+        "how long a plan, a prompt snapshot or a shard's write waits for the job's plan lock (held while a plan "
+        "is made) before failing with the holder's name (> 0)")] = 3600.0
     min_saving_vs_ideal: Annotated[float, *described("prefix_saving check warns below this share of the ideal")] = 0.9
     schedule: Annotated[str | None, *described("cron of the nightly run (None: no schedule)")] = "0 2 * * *"
 
@@ -184,11 +191,18 @@ class JobSpec(BaseModel):
         names = [h.name for h in self.hardware]
         if len(set(names)) != len(names):
             raise ValueError(f"hardware partition names must differ: {names}")
+        platforms = {h.platform for h in self.hardware if h.platform is not None}
+        if len(platforms) > 1 and (self.llm.block_size is None or self.llm.max_model_len is None):
+            raise ValueError(f"hardware partitions on different platforms ({', '.join(sorted(platforms))}) share one "
+                             "plan, which counts in one KV block size and context length: set llm.block_size (one "
+                             "both run, e.g. 32) and llm.max_model_len")
         if (self.shards is not None and not 1 <= self.shards <= MAX_PARTITIONS) or self.ray_replicas < 1 \
                 or (self.rows_per_shard is not None and self.rows_per_shard < 1) or self.partitions_per_run < 1:
             raise ValueError(f"shards must be in 1..{MAX_PARTITIONS:,}, ray_replicas, rows_per_shard and "
                              "partitions_per_run at least 1 (got "
                              f"{self.shards}, {self.ray_replicas}, {self.rows_per_shard}, {self.partitions_per_run})")
+        if self.lock_timeout_s <= 0:
+            raise ValueError(f"lock_timeout_s must be > 0 (got {self.lock_timeout_s})")
         for label in ("max_error_share", "max_removed_share"):
             if not 0 <= getattr(self, label) <= 1:
                 raise ValueError(f"{label} must be between 0 and 1 (got {getattr(self, label)})")
@@ -227,6 +241,11 @@ class BatchJobConfig(JobSpec):
         if self.pool:
             return self.pool
         return self.hardware[0].run_pool if len(self.hardware) == 1 else None
+
+    @property
+    def plan_platform(self) -> Platform | None:
+        """The platform the job's hardware partitions declare (None: none declares one)."""
+        return next((h.platform for h in self.hardware if h.platform is not None), None)
 
     def hardware_of_shard(self, shard: int) -> HardwarePartition:
         """Shards are bound to hardware partitions round-robin."""
@@ -281,6 +300,15 @@ class BatchJobConfig(JobSpec):
         """A lock the job's runs take whatever launched them (``engine.locks``)."""
         return self.job_dir / "locks" / f"{name}.lock"
 
+    def plan_lock(self, holder: str, shared: bool = False):
+        """The job's plan lock: held exclusively while a plan is made and while a prompt snapshot
+        lands, shared while a shard checks its answers against the plan and writes them. A wait
+        past ``lock_timeout_s`` fails naming the exclusive holder."""
+        from engine.locks import locked
+
+        return locked(self.lock_path("plan"), shared=shared, holder=holder, timeout_s=self.lock_timeout_s,
+                      what=f"the plan lock of job {self.name!r}")
+
     @property
     def field_order_path(self) -> Path:
         """The job's field order, kept from night to night (``engine.table.field_order_state``)."""
@@ -308,16 +336,29 @@ class BatchJobConfig(JobSpec):
     def completions_parquet_path(self, partition_key: str) -> Path:
         return self.completions_dir / f"{partition_key}.parquet"
 
-    def engine_settings(self, planned_block_size: int | None = None) -> EngineSettings:
+    def plan_settings(self) -> EngineSettings:
+        """What the job's plan counts in: ``llm`` with its model resolved (``engine_settings``) and
+        the KV block size and context length the job sets, else those of the platform its hardware
+        partitions declare, else of the machine the plan step runs on: never the plan step's own
+        machine where the shards declare another (a plan made on a CPU pod for GPU shards counts
+        in the GPU's 16 and the model's own length)."""
+        llm = self._model_resolved()
+        resolved = llm.for_platform(self.plan_platform or current_platform())
+        return llm.model_copy(update={"block_size": resolved.block_size, "max_model_len": resolved.max_model_len})
+
+    def engine_settings(self, planned: dict[str, int] | None = None) -> EngineSettings:
         """``llm`` with its model (a built-in name or a path) resolved to a checkpoint directory and
-        its KV block size set: the job's, else the plan's (``planned_block_size``: a shard runs at
-        the block size its plan counts in, whatever machine made it), else this platform's default."""
+        its KV block size set: the job's, else the plan's, else this platform's default. ``planned``:
+        what the plan counts in (``plan_table.planned_counts``): a shard runs at its block size and
+        context length where the job sets none, whatever machine made the plan."""
+        llm = self._model_resolved()
+        unset = {name: value for name, value in (planned or {}).items() if getattr(llm, name) is None}
+        return llm.model_copy(update=unset).with_block_size()
+
+    def _model_resolved(self) -> EngineSettings:
         from engine.models import resolve_model
 
-        llm = self.llm.model_copy(update={"model_path": resolve_model(self.llm.model_path)})
-        if llm.block_size is None and planned_block_size is not None:
-            llm = llm.model_copy(update={"block_size": planned_block_size})
-        return llm.with_block_size()
+        return self.llm.model_copy(update={"model_path": resolve_model(self.llm.model_path)})
 
 
 def default_data_dir() -> Path:

@@ -6,8 +6,12 @@ resource retries while another process holds the lock) and never while the model
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
+import duckdb
 import pyarrow as pa
 from dagster_duckdb import DuckDBResource
 
@@ -20,28 +24,57 @@ def table_exists(con, table: str) -> bool:
     )
 
 
-def _ensure_folder(warehouse: DuckDBResource) -> None:
-    """DuckDB creates a database file, not the folders above it."""
+def _local_file(warehouse: DuckDBResource) -> Path | None:
     if warehouse.database and warehouse.database != ":memory:" and "://" not in warehouse.database:
-        Path(warehouse.database).parent.mkdir(parents=True, exist_ok=True)
+        return Path(warehouse.database)
+    return None
+
+
+@contextmanager
+def connection(warehouse: DuckDBResource, on_wait: Callable[[str], None] | None = None):
+    """A connection to the output database (DuckDB creates the file, not the folders above it).
+    ``on_wait``: told when another process holds the file (one DuckDB writer per file: a long read
+    of the source in the same database, as in the demo), whom DuckDB names, and how long it took
+    (dagster-duckdb retries its connection for up to ~100 s)."""
+    path = _local_file(warehouse)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    holder = _held_by_another_process(path) if on_wait is not None and path is not None else None
+    if holder:
+        on_wait(f"waiting for the output database {path}: another process holds it ({holder})")
+    started = time.monotonic()
+    with warehouse.get_connection() as con:
+        if holder:
+            on_wait(f"got the output database {path} after waiting {time.monotonic() - started:.1f} s")
+        yield con
+
+
+def _held_by_another_process(path: Path) -> str | None:
+    """DuckDB's reason when another process holds the database file (None: free, or no file yet)."""
+    if not path.exists():
+        return None
+    try:
+        duckdb.connect(str(path)).close()
+    except duckdb.IOException as exc:
+        return " ".join(str(exc).split())
+    return None
 
 
 def replace_table(warehouse: DuckDBResource, table: str, data: pa.Table) -> None:
-    _ensure_folder(warehouse)
-    with warehouse.get_connection() as con:
+    with connection(warehouse) as con:
         con.register("incoming", data)
         con.execute(f"CREATE OR REPLACE TABLE {quote_identifier(table)} AS SELECT * FROM incoming")
         con.unregister("incoming")
 
 
 def replace_partition(warehouse: DuckDBResource, table: str, partition_key: str, rows: pa.Table,
-                      whole_partition: bool = True) -> int:
+                      whole_partition: bool = True, on_wait: Callable[[str], None] | None = None) -> int:
     """Make ``rows`` the partition's rows: one row per id, whatever ran before (idempotent). With
     ``whole_partition=False`` only these ids' rows are replaced (a shard that a newer plan
-    superseded in part: the partition's other rows may be that plan's fresh answers)."""
+    superseded in part: the partition's other rows may be that plan's fresh answers). ``on_wait``:
+    see ``connection``."""
     target = quote_identifier(table)
-    _ensure_folder(warehouse)
-    with warehouse.get_connection() as con:
+    with connection(warehouse, on_wait) as con:
         con.register("incoming", rows)
         try:
             con.execute("BEGIN TRANSACTION")
@@ -72,8 +105,7 @@ def _add_new_columns(con, target: str) -> None:
 
 def existing_rows(warehouse: DuckDBResource, table: str, ids: pa.Array):
     """The output table's rows for these ids (None if the table does not exist yet)."""
-    _ensure_folder(warehouse)
-    with warehouse.get_connection() as con:
+    with connection(warehouse) as con:
         if not table_exists(con, table):
             return None
         con.register("wanted", pa.table({"id": ids}))
@@ -84,8 +116,7 @@ def existing_rows(warehouse: DuckDBResource, table: str, ids: pa.Array):
 
 def answered_ids(warehouse: DuckDBResource, table: str, ids: pa.Array, keys: set[str]) -> set:
     """Of ``ids``, those the output table holds under one of ``keys``."""
-    _ensure_folder(warehouse)
-    with warehouse.get_connection() as con:
+    with connection(warehouse) as con:
         if not table_exists(con, table):
             return set()
         con.register("wanted", pa.table({"id": ids}))
@@ -100,8 +131,7 @@ def answered_ids(warehouse: DuckDBResource, table: str, ids: pa.Array, keys: set
 def answers_not_in(warehouse: DuckDBResource, table: str, live_ids: pa.Array) -> tuple[int, int]:
     """How many of the output table's answers are of ids not in ``live_ids``, and how many it
     holds: what ``remove_answers_not_in`` would delete, counted before anything is."""
-    _ensure_folder(warehouse)
-    with warehouse.get_connection() as con:
+    with connection(warehouse) as con:
         if not table_exists(con, table):
             return 0, 0
         con.register("live", pa.table({"id": live_ids}))
@@ -118,8 +148,7 @@ def remove_answers_not_in(warehouse: DuckDBResource, table: str, live_ids: pa.Ar
     """Delete the answers of ids that are no longer prompt rows (deleted at the source); returns
     how many. One transaction: readers see the table before or after, never half of it."""
     target = quote_identifier(table)
-    _ensure_folder(warehouse)
-    with warehouse.get_connection() as con:
+    with connection(warehouse) as con:
         if not table_exists(con, table):
             return 0
         con.register("live", pa.table({"id": live_ids}))

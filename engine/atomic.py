@@ -2,14 +2,15 @@
 
 Readers (another process, a rerun, the Dagster UI) see the old version or the new one, never half of
 one; a crash leaves at most a hidden ``.NAME.PID.partial`` beside the target, which no reader
-lists. The process id keeps two writers of the same target (two runs of one job) off each
-other's staging file. This is the one place the project does this.
+lists, and the next writer of that target removes it. The process id keeps two writers of the same
+target (two runs of one job) off each other's staging file. This is the one place the project does this.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -28,6 +29,9 @@ class Staged:
     def __enter__(self) -> "Staged":
         self.target.parent.mkdir(parents=True, exist_ok=True)
         self._remove(self.path)  # a leftover of a crashed run of this process id
+        for leftover in self.target.parent.glob(f".{self.target.name}.*.partial"):
+            if _left_by_a_dead_writer(leftover):
+                self._remove(leftover)
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
@@ -54,6 +58,28 @@ class Staged:
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
+
+
+# A staging file this old whose writer is not a live process here is a crash's leftover. Not younger
+# ones: a process of the same id in another container writing to a shared volume may still own it.
+LEFTOVER_AGE_S = 3600
+
+
+def _left_by_a_dead_writer(path: Path) -> bool:
+    try:
+        pid = int(path.name.rsplit(".", 2)[-2])
+        age = time.time() - path.lstat().st_mtime
+    except (ValueError, OSError):
+        return False
+    if age < LEFTOVER_AGE_S or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
 
 
 def write_parquet(table: pa.Table, path: Path | str) -> None:

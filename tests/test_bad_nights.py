@@ -80,3 +80,35 @@ def test_removing_every_answer_goes_through_where_the_job_allows_it(nightly):
     assert materialization.metadata["removed_answers"].value > 20
     left = what_a_night_left(config, instance)
     assert left["answers"] == [] and left["files"] == [] and left["partitions"] == []
+
+
+def test_no_plan_lands_between_a_shards_check_against_the_plan_and_its_write(nightly, monkeypatch):
+    """A shard checks which of its answers the plan on disk still wants, then writes them: a plan
+    landing in between (it deletes and moves answers under the plan lock) could have the old shard
+    delete a newer shard's answers or bring deleted ids back. Right after the check, a plan cannot
+    take its lock: the check and the write are one step."""
+    import fcntl
+
+    import assets.completions as completions
+
+    config = nightly
+    instance = dg.DagsterInstance.ephemeral()
+    defs = build_batch_defs(config)
+    assert plan(defs, instance).success
+    checked, after_check = completions.superseded, []
+
+    def check_then_try_to_plan(path, key, ran):
+        stale = checked(path, key, ran)
+        with open(config.lock_path("plan"), "a+b") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                after_check.append("a plan waits")
+            else:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+                after_check.append("a plan could land here")
+        return stale
+
+    monkeypatch.setattr(completions, "superseded", check_then_try_to_plan)
+    run_planned_shards(instance, defs, "nightly")
+    assert after_check == ["a plan waits", "a plan waits"]

@@ -236,7 +236,8 @@ def test_every_run_of_a_hardware_partition_carries_its_tags_and_pool(job):
         passed = all(e.passed for r in results for e in r.get_asset_check_evaluations())
     # Each shard's run checks its shard; the whole-table check evaluates in the last one only (in
     # the first it would fail: the other shard's rows are missing), so no check is red.
-    shard_checks = ["one_completion_per_row", "no_silent_empties", "prefix_saving", "answers_follow_response_format"]
+    shard_checks = ["one_completion_per_row", "no_silent_empties", "prefix_saving", "answers_follow_response_format",
+                    "error_rows_within_bound"]
     assert sorted(checks[0]) == sorted(shard_checks)
     assert sorted(checks[1]) == sorted(shard_checks + ["all_prompts_answered"])
     assert passed
@@ -398,7 +399,7 @@ def test_one_run_answers_a_range_of_shards_on_one_vllm_start(job, tmp_path):
         assert ranged.completions_parquet_path(key).exists()
     checks = {e.check_name: e for e in runs[0].get_asset_check_evaluations()}
     assert set(checks) == {"one_completion_per_row", "no_silent_empties", "prefix_saving",
-                           "answers_follow_response_format", "all_prompts_answered"}
+                           "answers_follow_response_format", "error_rows_within_bound", "all_prompts_answered"}
     assert all(e.passed for e in checks.values())
     assert checks["one_completion_per_row"].metadata["partitions"].value == 3
     assert set(checks["one_completion_per_row"].metadata["by_partition"].value) == set(keys)

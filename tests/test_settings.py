@@ -152,39 +152,93 @@ def test_the_platform_block_sizes_are_what_vllms_own_attention_backends_take():
         assert CPUAttentionBackend.supports_block_size(size) == (size % CPU_BLOCK_MULTIPLE == 0), size
 
 
-def test_a_shard_runs_at_the_block_size_its_plan_counts_in_whatever_machine_made_it(monkeypatch, tmp_path,
-                                                                                     tiny_model):
-    """A plan job on a CPU machine and shard runs on GPUs (a Kubernetes deployment's usual split):
-    the shards run at the plan's 32, not the GPU's own 16, which would make every plan stale."""
+def _plan_on(monkeypatch, config, platform) -> dict:
+    """The plan step's settings and stamp on a machine of ``platform``, written as a plan of one row
+    (its metadata as ``prefix_groups`` writes it); returns the stamp as the plan records it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     import engine.settings as settings_module
     from assets.snapshots import plan_stamp_of
-    from batchllm_dagster.config import BatchJobConfig, DatasetSpec
-    from engine.plan.plan_table import BLOCK_SIZE, planned_block_size, stale_reasons
+    from engine.plan.plan_table import BLOCK_SIZE, MAX_MODEL_LEN
 
-    def job(**llm):
-        return BatchJobConfig(name="job", dataset=DatasetSpec(parquet=str(tmp_path / "p.parquet")),
-                              llm=EngineSettings(model_path=tiny_model, max_model_len=512, **llm),
-                              output_database=str(tmp_path / "o.duckdb"), storage_dir=str(tmp_path / "jobs"))
-
-    config = job()
-    config.prompts_path.parent.mkdir(parents=True)
+    monkeypatch.setattr(settings_module, "current_platform", lambda: platform)
+    monkeypatch.setattr("batchllm_dagster.config.current_platform", lambda: platform)
+    config.prompts_path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table({"id": [1], "prompt": ["a"]}), config.prompts_path)
-    assert planned_block_size(config.plan_path) is None  # no plan yet
-    monkeypatch.setattr(settings_module, "current_platform", lambda: Platform.CPU)
-    planned = config.engine_settings()
+    planned = config.plan_settings()
     stamp = plan_stamp_of(config, planned)
-    config.plan_path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table({"id": [1]}).replace_schema_metadata({BLOCK_SIZE: str(planned.block_size), **stamp}),
-                   config.plan_path)
-    recorded = {k.encode(): v.encode() for k, v in stamp.items()}
+    pq.write_table(pa.table({"id": [1]}).replace_schema_metadata(
+        {BLOCK_SIZE: str(planned.block_size), MAX_MODEL_LEN: str(planned.max_model_len), **stamp}), config.plan_path)
+    return {k.encode(): v.encode() for k, v in stamp.items()}
 
-    monkeypatch.setattr(settings_module, "current_platform", lambda: Platform.CUDA)
-    shard = config.engine_settings(planned_block_size(config.plan_path))
-    assert shard.block_size == 32 and stale_reasons(recorded, plan_stamp_of(config, shard)) == []
-    # Without the plan's block size the GPU's own would call the plan stale.
-    assert config.engine_settings().block_size == 16
-    assert stale_reasons(recorded, plan_stamp_of(config, config.engine_settings())) != []
-    assert job(block_size=64).engine_settings(32).block_size == 64  # a job's own block size wins
+
+def _shard_on(monkeypatch, config, platform) -> EngineSettings:
+    """The settings a shard runs at on a machine of ``platform`` (as ``completions`` resolves them)."""
+    import engine.settings as settings_module
+    from engine.plan.plan_table import planned_counts
+
+    monkeypatch.setattr(settings_module, "current_platform", lambda: platform)
+    monkeypatch.setattr("batchllm_dagster.config.current_platform", lambda: platform)
+    return config.engine_settings(planned_counts(config.plan_path))
+
+
+def _job(tmp_path, model, hardware=("cpu",), **llm):
+    from batchllm_dagster.config import BatchJobConfig, DatasetSpec
+
+    return BatchJobConfig(name="job", dataset=DatasetSpec(parquet=str(tmp_path / "p.parquet")),
+                          llm=EngineSettings(model_path=model, **llm), hardware=list(hardware),
+                          output_database=str(tmp_path / "o.duckdb"), storage_dir=str(tmp_path / "jobs"))
+
+
+def test_a_shard_runs_at_what_its_plan_counts_in_whatever_machine_made_it(monkeypatch, tmp_path, tiny_model):
+    """A plan job on a CPU machine and shard runs on GPUs (a Kubernetes deployment's usual split),
+    no max_model_len set: the shards run at the plan's 32 and 2,048, not the GPU's own 16 and the
+    model's 4,096, which would make every plan stale (and a rematerialized one stale again)."""
+    from assets.snapshots import plan_stamp_of
+    from engine.plan.plan_table import planned_counts, stale_reasons
+
+    config = _job(tmp_path, tiny_model)
+    assert planned_counts(config.plan_path) == {}  # no plan yet
+    recorded = _plan_on(monkeypatch, config, Platform.CPU)
+    assert planned_counts(config.plan_path) == {"block_size": 32, "max_model_len": 2048}
+
+    shard = _shard_on(monkeypatch, config, Platform.CUDA)
+    assert (shard.block_size, shard.max_model_len) == (32, 2048)
+    assert stale_reasons(recorded, plan_stamp_of(config, shard)) == []
+    # Without what the plan counts in, the GPU's own would call the plan stale.
+    own = config.engine_settings().for_platform(Platform.CUDA)
+    assert (own.block_size, own.max_model_len) == (16, 4096)
+    assert stale_reasons(recorded, plan_stamp_of(config, own)) != []
+    # A job's own settings win over the plan's.
+    assert _job(tmp_path, tiny_model, block_size=64).engine_settings({"block_size": 32}).block_size == 64
+    assert _job(tmp_path, tiny_model, max_model_len=512).engine_settings({"max_model_len": 2048}).max_model_len == 512
+
+
+def test_a_plan_for_gpu_partitions_counts_in_the_gpus_settings_wherever_it_is_made(monkeypatch, tmp_path,
+                                                                                  tiny_model):
+    """A hardware partition that says it is a GPU's: its plan counts in 16-token blocks and the
+    model's own context (4,096), also when the plan step runs on a CPU pod, and its shards find it
+    current on the GPU. No max_model_len set."""
+    from assets.snapshots import plan_stamp_of
+    from batchllm_dagster.config import HardwarePartition
+    from engine.plan.plan_table import planned_counts, stale_reasons
+
+    config = _job(tmp_path, tiny_model, hardware=[HardwarePartition(name="h200", platform="cuda")])
+    recorded = _plan_on(monkeypatch, config, Platform.CPU)
+    assert planned_counts(config.plan_path) == {"block_size": 16, "max_model_len": 4096}
+    shard = _shard_on(monkeypatch, config, Platform.CUDA)
+    assert (shard.block_size, shard.max_model_len) == (16, 4096)
+    assert stale_reasons(recorded, plan_stamp_of(config, shard)) == []
+    # Made on a GPU machine, the same plan: where the plan step runs does not matter.
+    assert _plan_on(monkeypatch, config, Platform.CUDA) == recorded
+
+
+def test_hardware_partitions_of_two_platforms_need_the_settings_their_one_plan_counts_in(tmp_path, tiny_model):
+    from batchllm_dagster.config import HardwarePartition
+
+    both = [HardwarePartition(name="h200", platform="cuda"), HardwarePartition(name="cpu", platform="cpu")]
+    with pytest.raises(ValueError, match="set llm.block_size"):
+        _job(tmp_path, tiny_model, hardware=both)
+    job = _job(tmp_path, tiny_model, hardware=both, block_size=32, max_model_len=2048)
+    assert (job.plan_settings().block_size, job.plan_settings().max_model_len) == (32, 2048)

@@ -76,3 +76,29 @@ def test_a_table_an_older_version_made_gains_the_columns_a_newer_one_writes(tmp_
         got = dict((r[0], r[1:]) for r in con.execute("SELECT id, text, model, completed_at FROM answers").fetchall())
     assert got["1"] == ("old", None, None)
     assert got["2"][:2] == ("new", "m") and isinstance(got["2"][2], dt.datetime)
+
+
+def test_a_write_that_waits_for_another_process_on_the_database_says_why_and_how_long(tmp_path):
+    """Source and output in one database (the demo's): a long read of the source holds the file;
+    the shard's write waits for it, and its log says for whom and for how long."""
+    import subprocess
+    import sys
+    import time
+
+    database = str(tmp_path / "w.duckdb")
+    db = DuckDBResource(database=database)
+    replace_partition(db, "answers", "a", rows("a", ["1"], "old"))
+    holder = subprocess.Popen([sys.executable, "-c", f"import duckdb, time; con = duckdb.connect({database!r}); "
+                               "print('held', flush=True); time.sleep(2)"], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    lines = []
+    started = time.monotonic()
+    replace_partition(db, "answers", "a", rows("a", ["1"], "new"), on_wait=lines.append)
+    holder.wait()
+    assert time.monotonic() - started > 0.5
+    assert len(lines) == 2
+    assert "another process holds it" in lines[0] and f"PID {holder.pid}" in lines[0]
+    assert "after waiting" in lines[1]
+    quiet = []
+    replace_partition(db, "answers", "a", rows("a", ["1"], "newer"), on_wait=quiet.append)
+    assert quiet == []  # nobody held it: nothing to say

@@ -36,6 +36,7 @@ from .token_cache import TokenCache
 from .tokenizing import TokenizedBatch, model_fingerprint
 
 BLOCK_SIZE = "batchllm.block_size"
+MAX_MODEL_LEN = "batchllm.max_model_len"  # the context length the plan checked rows against
 TOKEN_CACHE = "batchllm.token_cache"  # the token cache folder the content keys point into
 PLAN_RUN = "batchllm.plan_run"  # the run (a Dagster run id) that made the plan
 
@@ -135,15 +136,17 @@ def rows_table(prepared: PlannedBatch | PreparedBatch) -> pa.Table:
 
 
 def plan_table(prepared: PlannedBatch, content_keys: pa.ChunkedArray | pa.Array, token_cache: TokenCache,
-               shard_of_row: np.ndarray, partition_keys: list[str], stamp: dict[str, str], plan_run: str) -> pa.Table:
+               shard_of_row: np.ndarray, partition_keys: list[str], stamp: dict[str, str], plan_run: str,
+               max_model_len: int) -> pa.Table:
     """The whole plan table of a planned batch: its rows, their content keys in ``token_cache``,
-    their shards and partition keys (``partition_keys[shard]``), stamped."""
+    their shards and partition keys (``partition_keys[shard]``), stamped, with the context length
+    it checked rows against (``max_model_len``; the block size is ``rows_table``'s)."""
     table = (rows_table(prepared)
              .append_column(CONTENT_KEY, content_keys)
              .append_column("shard", pa.array(shard_of_row, pa.int64()))
              .append_column("partition_key", pa.array([partition_keys[s] for s in shard_of_row], pa.string())))
     return table.replace_schema_metadata({**table.schema.metadata, TOKEN_CACHE: str(token_cache.folder),
-                                          **stamp, PLAN_RUN: plan_run})
+                                          MAX_MODEL_LEN: str(max_model_len), **stamp, PLAN_RUN: plan_run})
 
 
 def write_plan(table: pa.Table, path: Path) -> int:
@@ -191,12 +194,16 @@ def previous_shards(path: Path, ids: pa.ChunkedArray) -> np.ndarray | None:
     return pc.fill_null(pc.take(last.column("shard"), position), -1).to_numpy()
 
 
-def planned_block_size(path: Path) -> int | None:
-    """The KV block size the plan at ``path`` counts in (None: no plan there yet). Its shards run
-    at it where the job sets none: a plan made on a CPU (32) runs at 32 on a GPU too."""
+def planned_counts(path: Path) -> dict[str, int]:
+    """What the plan at ``path`` counts in: its KV ``block_size`` and the ``max_model_len`` it
+    checked rows against (empty: no plan there yet). Its shards run at them where the job sets
+    none, on whatever machine: a plan made for a GPU on a CPU pod (16, the model's own length)
+    runs so on the GPU, and one counted in a CPU's 32 and 2,048 runs at those on a GPU too."""
     if not path.exists():
-        return None
-    return _block_size_of(pq.ParquetFile(path).schema_arrow.metadata) or None
+        return {}
+    metadata = pq.ParquetFile(path).schema_arrow.metadata or {}
+    counts = {"block_size": _block_size_of(metadata), "max_model_len": int(metadata.get(MAX_MODEL_LEN.encode(), 0))}
+    return {name: value for name, value in counts.items() if value}
 
 
 def _block_size_of(metadata: dict[bytes, bytes] | None) -> int:
