@@ -34,6 +34,39 @@ def test_checkpoint_writes_parts_and_reuses_only_matching_ok_rows(tmp_path):
     assert reused["r2"].text == "answer 2"
 
 
+def test_reuse_reads_ids_and_fingerprints_first_and_the_text_of_reused_rows_only(tmp_path, monkeypatch):
+    """Other shards' checkpoints (after a night of failed writes, the whole job) are read by id and
+    fingerprint; a file's answers only where some of its rows are reused, and the output table's
+    rows (another id type: DuckDB's) count the same."""
+    import pyarrow.parquet as pq
+
+    from engine.run import checkpoint as checkpoint_module
+
+    for shard in range(3):
+        other = Checkpoint(tmp_path / f"shard-{shard}", pa.string(), every_rows=10)
+        for i in range(shard * 10, shard * 10 + 10):
+            other.add(result(i, status="error" if i == 11 else "ok"))
+    parts = sorted(tmp_path.glob("shard-*/part-*.parquet"))
+    read, read_table = [], pq.read_table
+
+    def recording(path, columns=None, **kw):
+        read.append((path.parent.name, columns))
+        return read_table(path, columns=columns, **kw)
+
+    monkeypatch.setattr(checkpoint_module.pq, "read_table", recording)
+    table = pa.table({"id": pa.array(["r25"], pa.large_string()), "status": ["ok"], "text": ["from the table"],
+                      "row_fingerprint": ["fp"], "settings_fingerprint": [None]})
+    expected = {"r11": "fp", "r12": "fp", "r13": "other", "r25": "fp", "r99": "fp"}
+    loaded = Checkpoint(tmp_path / "mine", pa.string())
+    reused = loaded.load(expected, also=[table, *parts], settings_fp=None)
+    assert sorted(reused) == ["r12", "r25"] and reused["r12"].text == "answer 12"
+    assert reused["r25"].text == "answer 25"  # a checkpoint read after the table: the later source
+    whole = [shard for shard, columns in read if columns is None]
+    assert sorted(whole) == ["shard-1", "shard-2"]  # shard-0 holds none of these ids: its text is never read
+    assert dict(loaded.not_reused) == {"an error before": 1, "prompt, max_tokens or response format changed": 1,
+                                       "new row": 1}
+
+
 def test_a_damaged_checkpoint_part_is_recomputed_not_trusted(tmp_path):
     checkpoint = Checkpoint(tmp_path / "ckpt", pa.string(), every_rows=1)
     checkpoint.add(result(0))

@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..atomic import write_parquet
@@ -67,12 +68,18 @@ ROW_CHANGED = "prompt, max_tokens or response format changed"
 FAILED_BEFORE = "an error before"
 
 
-def _why_not_reused(previous: dict | None, settings_fp: str | None) -> str:
+_IDENTITY_COLUMNS = ["id", "status", "row_fingerprint", "settings_fingerprint"]  # what reuse reads first
+_WHY_COLUMNS = ["id", "status", "settings_fingerprint"]
+
+
+def _why_not_reused(previous: tuple[str, str | None] | None, settings_fp: str | None) -> str:
+    """``previous``: the (status, settings fingerprint) an earlier result of the id recorded."""
     if previous is None:
         return NEW_ROW
-    if previous.get("settings_fingerprint") != settings_fp:
+    status, settings = previous
+    if settings != settings_fp:
         return SETTINGS_CHANGED
-    return FAILED_BEFORE if previous["status"] != "ok" else ROW_CHANGED
+    return FAILED_BEFORE if status != "ok" else ROW_CHANGED
 
 
 class Checkpoint:
@@ -94,35 +101,70 @@ class Checkpoint:
         ``also`` names more results to reuse from (a previous run's output, another checkpoint's
         parts: files or tables);
         ``settings_fp`` (the current ``settings_fingerprint``) lets ``not_reused`` say why the
-        other rows were not reused."""
+        other rows were not reused. Each source is read by its ids and fingerprints first; the
+        answers' text only of the rows reused (after a night of failed writes every shard reads
+        every other shard's checkpoint: the job's answers must not pass through each shard)."""
         parts = sorted(self.folder.glob("part-*.parquet")) if self.folder.exists() else []
+        wanted_ids = pa.array(list(expected), self.id_type)
+        wanted_fps = pa.array(list(expected.values()), pa.string())
         reusable: dict = {}
-        latest: dict = {}  # row id -> its last earlier result (why it was not reused)
+        latest: dict = {}  # row id -> (status, settings fingerprint) of its last earlier result
         self.reused_from = {}
         for part in [*also, *parts]:
-            if isinstance(part, pa.Table):
-                table, part = part, "the output table"
-            else:
-                try:
-                    table = pq.read_table(part)
-                except Exception as exc:  # a damaged file is recomputed, not trusted
-                    log.warning("ignoring unreadable checkpoint file %s: %s", part, exc)
-                    continue
-            if "row_fingerprint" not in table.column_names:
+            source = "the output table" if isinstance(part, pa.Table) else (
+                "checkpoint" if part in parts else f"the checkpoint {part.parent}"
+                if part.name.startswith("part-") and part.suffix == ".parquet" else str(part))
+            found = self._identities(part, wanted_ids)
+            if found is None:
                 continue
-            names = ["id"] + [n for n, _ in RESULT_SCHEMA_FIELDS if n in table.column_names]
-            for record in table.select(names).to_pylist():
+            rows, position, identities = found
+            for row_id, status, settings in zip(*(identities.column(n).to_pylist() for n in _WHY_COLUMNS)):
+                latest[row_id] = (status, settings)
+            same = pc.and_(pc.equal(identities.column("row_fingerprint"), pc.take(wanted_fps, position)),
+                           pc.equal(identities.column("status"), "ok"))
+            chosen = pc.filter(rows, same)
+            if not len(chosen):
+                continue
+            answers = self._read(part, chosen)
+            names = ["id"] + [n for n, _ in RESULT_SCHEMA_FIELDS if n in answers.column_names]
+            for record in answers.select(names).to_pylist():
                 row_id = record.pop("id")
-                if row_id not in expected:
-                    continue
-                latest[row_id] = record
-                if record["row_fingerprint"] == expected[row_id] and record["status"] == "ok":
-                    reusable[row_id] = RowResult(id=row_id, **record)
-                    self.reused_from[row_id] = ("checkpoint" if part in parts else f"the checkpoint {part.parent}"
-                                                if str(part).endswith(".parquet") and part.name.startswith("part-")
-                                                else str(part))
+                reusable[row_id] = RowResult(id=row_id, **record)
+                self.reused_from[row_id] = source
         self.not_reused = Counter(_why_not_reused(latest.get(i), settings_fp) for i in expected if i not in reusable)
         return reusable
+
+    def _identities(self, part: Path | pa.Table, wanted_ids: pa.Array):
+        """The rows of ``part`` whose id is wanted: their row numbers in it, their positions in
+        ``wanted_ids``, and their ids, statuses and fingerprints (no text read). None: nothing
+        wanted there, or nothing to reuse (an unreadable file is recomputed, not trusted)."""
+        try:
+            if isinstance(part, pa.Table):
+                table = part.select([n for n in _IDENTITY_COLUMNS if n in part.column_names])
+            else:
+                present = pq.ParquetFile(part).schema_arrow.names
+                table = pq.read_table(part, columns=[n for n in _IDENTITY_COLUMNS if n in present])
+            if "row_fingerprint" not in table.column_names:
+                return None
+            ids = table.column("id").cast(self.id_type)
+        except Exception as exc:
+            log.warning("ignoring unreadable checkpoint file %s: %s", part, exc)
+            return None
+        position = pc.index_in(ids, value_set=wanted_ids)
+        keep = pc.is_valid(position)
+        if not pc.any(keep).as_py():
+            return None
+        rows = pc.filter(pa.array(range(table.num_rows), pa.int64()), keep)
+        table = table.set_column(table.schema.get_field_index("id"), "id", ids).filter(keep)
+        if "settings_fingerprint" not in table.column_names:
+            table = table.append_column("settings_fingerprint", pa.nulls(table.num_rows, pa.string()))
+        return rows, pc.filter(position, keep), table
+
+    def _read(self, part: Path | pa.Table, rows: pa.Array) -> pa.Table:
+        """Rows ``rows`` of ``part`` whole, text included: read one file's at a time."""
+        table = part if isinstance(part, pa.Table) else pq.read_table(part)
+        return table.take(rows).set_column(table.schema.get_field_index("id"), "id",
+                                           table.column("id").take(rows).cast(self.id_type))
 
     def describe_reuse(self) -> str:
         """Where the reused rows came from, e.g. ``12 from the checkpoint, 3 from out.parquet``."""
