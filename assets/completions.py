@@ -24,6 +24,7 @@ from batchllm_dagster.instance_limits import warn_if_unlimited
 from batchllm_dagster.metadata import run_metadata
 from batchllm_dagster.output_table import answers_table
 from batchllm_dagster.resources import VLLMResource
+from batchllm_dagster.shard_sizing import TimeLimit, last_partitions_metadata, measured_by_hardware, shard_time_limit
 from batchllm_dagster.warehouse import existing_rows, replace_partition
 from engine.atomic import Staged
 from engine.run.console import ProgressBar
@@ -32,6 +33,7 @@ from engine.plan.plan_table import NotInPlan, StalePlan, load_shard, planned_cou
 from engine.plan.prepared import PreparedBatch
 from engine.jobs.resume import RunOutcome, run_resumable
 from engine.jobs.shared_engine import SharedEngine
+from engine.machine import Platform
 from engine.settings import EngineSettings, SamplingSettings
 from engine.table.field_order_state import recorded_choice
 
@@ -75,18 +77,21 @@ def partition_keys_of(context: dg.AssetExecutionContext) -> list[str]:
                          "(or rematerialize prefix_groups and run the partitions it lists)") from None
 
 
+def reuse_sources(config: BatchJobConfig, key: str, prepared: PreparedBatch, warehouse) -> list:
+    """What a shard reuses by row fingerprint, besides its own checkpoint, locally and on Ray alike:
+    its rows already in the output table (a nightly rerun of unchanged rows), and the answers other
+    shards of this job finished and did not write (a shard killed before a new plan gave its rows
+    other keys)."""
+    previous = existing_rows(warehouse, config.output_table, pa.array(prepared.ids, prepared.id_type))
+    reuse = [previous] if previous is not None and previous.num_rows else []
+    return reuse + other_checkpoints(config, key)
+
+
 def run_shard_locally(
-    config, key, prepared, settings, sampling, checkpoint, engine_opener, warehouse, log, started_at
+    config, key, prepared, settings, sampling, checkpoint, engine_opener, reuse, log, started_at
 ) -> RunOutcome:
     """The shard on one vLLM engine in this process, resuming from its checkpoint; a progress bar
     when the step's stderr is a terminal (the demo), progress lines in the run's log always."""
-    # Rows already in the table with the same fingerprint (a nightly rerun of unchanged rows)
-    # are reused like checkpointed ones.
-    previous = existing_rows(warehouse, config.output_table, pa.array(prepared.ids, prepared.id_type))
-    reuse = [previous] if previous is not None and previous.num_rows else []
-    # Answers other shards of this job finished and did not write (a shard killed before a new plan
-    # gave its rows other keys): reused by row fingerprint, like this shard's own checkpoint.
-    reuse += other_checkpoints(config, key)
     bar = ProgressBar.on_terminal(f"{config.name} {key}")
     try:
         return run_resumable(prepared, settings, sampling, checkpoint, config.scheduler, reuse_from=reuse,
@@ -96,20 +101,28 @@ def run_shard_locally(
             bar.close()
 
 
-def run_shard_on_ray(config, key, prepared, settings, sampling, checkpoint) -> tuple[RunOutcome, dict]:
-    """The shard spread over ``ray_replicas`` vLLM replicas on the Ray cluster, whole groups each."""
+def run_shard_on_ray(config, key, prepared, settings, sampling, checkpoint, reuse, hardware, time_limit,
+                     log) -> tuple[RunOutcome, dict]:
+    """The shard spread over ``ray_replicas`` vLLM replicas on the Ray cluster, whole groups each,
+    with the same reuse and checkpoint as a local run. GPUs are wanted where the hardware partition
+    is a GPU's (never because this driver has one); ``time_limit``: the job's, else one from what
+    the hardware partition measured (``shard_time_limit``)."""
     from engine.jobs.distributed import run_on_ray
 
+    if time_limit is not None:
+        log(f"shard {key} on Ray: time limit {time_limit.why}")
     outcome = run_on_ray(
         prepared,
         settings,
         sampling,
         checkpoint,
         replicas=config.ray_replicas,
+        reuse_from=reuse,
+        wants_gpus=hardware.platform is Platform.CUDA,
         address=config.ray_address,
         scheduler_settings=config.scheduler,
         actor_prefix=f"batchllm-{key}",
-        run_timeout_s=config.ray_shard_timeout_s,
+        run_timeout_s=time_limit.seconds if time_limit else None,
         gpu_wait_s=config.ray_gpu_wait_s,
     )
     info = {
@@ -213,18 +226,28 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
             context.add_asset_metadata(values, partition_key=key)
         return dg.MaterializeResult(check_results=merged_check_results({d.key: d.checks for d in done}))
 
+    def ray_time_limit(instance: dg.DagsterInstance, hardware_partition: str, rows: int) -> TimeLimit | None:
+        if config.ray_shard_timeout_s is not None:
+            return TimeLimit(config.ray_shard_timeout_s, f"{config.ray_shard_timeout_s:g} s (ray_shard_timeout_s)")
+        measured = measured_by_hardware(last_partitions_metadata(instance, config.asset_key("completions")))
+        return shard_time_limit(measured.get(hardware_partition), rows)
+
     def run_partition(context: dg.AssetExecutionContext, key: str, prepared: PreparedBatch, shard: int, planned,
                       settings: EngineSettings, engine_opener, started_at: float) -> PartitionDone:
         warehouse: DuckDBResource = getattr(context.resources, config.warehouse_key)
-        hardware_partition = config.hardware_of_shard(shard).name
+        hardware = config.hardware_of_shard(shard)
+        hardware_partition = hardware.name
         sampling = config.sampling
         checkpoint = config.checkpoint_path(key)
         context.log.info(f"shard {key}: {prepared.num_rows} planned rows ({hardware_partition})")
+        reuse = reuse_sources(config, key, prepared, warehouse)
         if config.backend is Backend.RAY:
-            outcome, info = run_shard_on_ray(config, key, prepared, settings, sampling, checkpoint)
+            outcome, info = run_shard_on_ray(config, key, prepared, settings, sampling, checkpoint, reuse, hardware,
+                                             ray_time_limit(context.instance, hardware_partition, prepared.num_rows),
+                                             context.log.info)
         else:
             outcome = run_shard_locally(config, key, prepared, settings, sampling, checkpoint, engine_opener,
-                                        warehouse, context.log.info, started_at)
+                                        reuse, context.log.info, started_at)
             info = (
                 asdict(outcome.engine) if outcome.engine else {"vllm": "not started: every row was reused or invalid"}
             )

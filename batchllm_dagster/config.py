@@ -153,7 +153,9 @@ class JobSpec(BaseModel):
         int, *described("vLLM replicas a shard is spread over, whole prefix groups each (>= 1)")
     ] = 1
     ray_shard_timeout_s: Annotated[float | None, *described(
-        "backend 'ray': fail a shard's run not done within this many seconds (None: no limit)")] = None
+        "backend 'ray': fail a shard's run not done within this many seconds (None: 4 x what its hardware "
+        "partition's last partitions measured for as many rows, at least 600 s; no limit before anything was "
+        "measured)")] = None
     ray_gpu_wait_s: Annotated[float, *described(
         "backend 'ray' with vLLM's GPU build: how long to wait for a GPU node to join before refusing")] = 600.0
     pool: Annotated[str | None, *described(

@@ -19,6 +19,8 @@ import dagster as dg
 FIRST_NIGHT_ROWS_PER_SHARD = 10_000
 OVERHEAD_SHARE = 0.05
 PARTITIONS_READ = 50  # the latest materializations of completions the size is taken from
+TIMEOUT_FACTOR = 4  # a shard's default time limit on Ray: this many times what it measured
+MIN_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,25 @@ def shard_size(measured: dict[str, Measured], share: float = OVERHEAD_SHARE) -> 
     return ShardSize(rows, f"{rows:,} rows: on {hardware}, {m.rows_per_s:,.1f} rows/s and {m.overhead_s:.1f} s of "
                            f"start-up and orchestration per partition (median and mean of {m.partitions}) keep that at "
                            f"most {share:.0%} of a partition")
+
+
+@dataclass(frozen=True)
+class TimeLimit:
+    seconds: float
+    why: str
+
+
+def shard_time_limit(measured: Measured | None, rows: int) -> TimeLimit | None:
+    """A shard's time limit where the job sets none (``ray_shard_timeout_s``): ``TIMEOUT_FACTOR``
+    times what its hardware partition's last partitions measured for as many rows (their rows per
+    second, their overhead), at least ``MIN_TIMEOUT_S``; None before anything was measured there."""
+    if measured is None:
+        return None
+    expected = rows / measured.rows_per_s + measured.overhead_s
+    seconds = max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * expected)
+    return TimeLimit(seconds, f"{seconds:,.0f} s: {TIMEOUT_FACTOR} x the {expected:,.0f} s that {rows:,} rows took "
+                                   f"at the {measured.rows_per_s:,.1f} rows/s and {measured.overhead_s:.1f} s of "
+                                   f"overhead measured here (at least {MIN_TIMEOUT_S:,.0f} s)")
 
 
 def last_partitions_metadata(instance: dg.DagsterInstance, completions: dg.AssetKey) -> list[dict]:

@@ -9,6 +9,10 @@ import pytest
 # In CI a broken ``ray`` extra must fail the run, not skip it.
 ray = __import__("ray") if os.environ.get("CI") == "true" else pytest.importorskip("ray")
 
+import numpy as np  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+
+from engine.plan.shards import split_prepared  # noqa: E402
 from engine.run.batch_run import BatchRun  # noqa: E402
 from engine.jobs.distributed import run_on_ray  # noqa: E402
 from engine.plan.prepared import prepare_batch  # noqa: E402
@@ -81,16 +85,21 @@ def test_a_replica_killed_midway_has_its_shard_rerun_elsewhere(cluster, tiny_mod
     settings = EngineSettings(model_path=tiny_model, kv_cache_blocks=256)
     checkpoints = tmp_path / "ckpt"
 
+    prepared = prepared_batch(tiny_model, table, SamplingSettings(max_tokens=40))
+    first_sub_shard = {prepared.ids[i] for i in np.flatnonzero(split_prepared(prepared, 2) == 0)}
+
     def kill_replica_once_it_checkpoints():
-        folder = checkpoints / "shard-000"
+        """Sub-shards checkpoint to the shard's one folder: kill replica 0 once a row of its own is there."""
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not list(folder.glob("part-*.parquet")):
+        while time.monotonic() < deadline:
+            ids = {i for part in checkpoints.glob("part-*.parquet") for i in pq.read_table(part)["id"].to_pylist()}
+            if ids & first_sub_shard:
+                break
             time.sleep(0.02)
         ray.kill(ray.get_actor("victim-0"), no_restart=True)
 
     killer = threading.Thread(target=kill_replica_once_it_checkpoints)
     killer.start()
-    prepared = prepared_batch(tiny_model, table, SamplingSettings(max_tokens=40))
     result = run_on_ray(prepared, settings, SamplingSettings(max_tokens=40), checkpoints, replicas=2,
                         bind_cpu_cores=True, actor_prefix="victim")
     killer.join()
@@ -154,3 +163,68 @@ def test_replicas_that_cannot_start_time_out_with_what_they_asked_for(cluster, t
         run_on_ray(prepared, settings, SAMPLING, tmp_path / "ckpt", replicas=2,
                    resources_per_replica={"resources": {"h200": 1}}, start_timeout_s=3)
     assert time.perf_counter() - started < 60
+
+
+def test_a_rerun_on_ray_reuses_what_the_shard_and_the_output_table_hold_and_checkpoints_where_reuse_looks(
+        cluster, tiny_model, tmp_path):
+    """Ray's sub-shards write the shard's own checkpoint folder (parts straight in it, as a local
+    run's: where reuse and pruning look) and reuse what they are given: a rerun computes nothing."""
+    import pyarrow as pa
+
+    from engine.run.results import results_to_table
+
+    table = make_prompt_table(seed=8, documents=6, questions=3, singles=4)
+    settings = EngineSettings(model_path=tiny_model, kv_cache_blocks=256)
+    prepared = prepared_batch(tiny_model, table)
+    first = run_on_ray(prepared, settings, SAMPLING, tmp_path / "ckpt", replicas=2, bind_cpu_cores=True)
+    assert list((tmp_path / "ckpt").glob("part-*.parquet")) and not list((tmp_path / "ckpt").glob("*/"))
+    output_table = results_to_table(first.results, pa.string())  # as the output table would hold them
+    again = run_on_ray(prepared, settings, SAMPLING, tmp_path / "elsewhere", replicas=2, bind_cpu_cores=True,
+                       reuse_from=[output_table])
+    assert sum(s.reused_rows for s in again.stats_of_sub_shard.values()) == table.num_rows
+    assert {r.id: r.text for r in again.results} == {r.id: r.text for r in first.results}
+
+
+def test_a_failed_run_on_ray_kills_its_actors(cluster, tiny_model, tmp_path):
+    """However a run ends, its actors go: a retry finds their names (and GPUs) free."""
+    prepared = prepared_batch(tiny_model, make_prompt_table(documents=2, questions=2, singles=0))
+    broken = EngineSettings(model_path=str(tmp_path / "no-model"), kv_cache_blocks=256)
+    with pytest.raises(Exception, match="does not exist"):
+        run_on_ray(prepared, broken, SAMPLING, tmp_path / "ckpt", replicas=2, actor_prefix="doomed")
+
+    def doomed_alive() -> bool:
+        return any(a["name"].startswith("doomed-") for a in ray.util.list_named_actors(all_namespaces=True))
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and doomed_alive():
+        time.sleep(0.2)
+    assert not doomed_alive()
+
+
+def test_a_job_for_gpu_hardware_never_runs_its_replicas_on_cpu_actors(cluster, tiny_model, tmp_path):
+    """Whether replicas need GPUs is the job's hardware partition's to say (``platform: cuda``), not
+    the driver's: on this CPU cluster such a shard waits for a GPU node, then refuses."""
+    import dagster as dg
+    import pyarrow.parquet as pq
+
+    from assets import build_batch_defs
+    from batchllm_dagster import BatchJobConfig, DatasetSpec
+    from batchllm_dagster.config import HardwarePartition
+
+    pq.write_table(make_prompt_table(seed=9, documents=2, questions=2, singles=1), tmp_path / "prompts.parquet")
+    config = BatchJobConfig(
+        name="gpu_ray", dataset=DatasetSpec(parquet=str(tmp_path / "prompts.parquet")),
+        llm=EngineSettings(model_path=tiny_model, kv_cache_blocks=256, block_size=32), sampling=SAMPLING, shards=1,
+        hardware=[HardwarePartition(name="h200", platform="cuda")], output_database=str(tmp_path / "out.duckdb"),
+        storage_dir=str(tmp_path / "jobs"), backend="ray", ray_replicas=1, ray_gpu_wait_s=1)
+    defs = build_batch_defs(config)
+    graph = defs.resolve_asset_graph()
+    assets = [graph.assets_def_for_key(dg.AssetKey(["gpu_ray", name]))
+              for name in ("prompts", "prefix_groups", "completions")]
+    with dg.instance_for_test() as instance:
+        assert dg.materialize(assets[:2], instance=instance).success
+        (partition,) = instance.get_dynamic_partitions(config.partitions_name)
+        result = dg.materialize([assets[2]], partition_key=partition, instance=instance, raise_on_error=False)
+    assert not result.success
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    assert "no GPU node joined the Ray cluster within 1s" in str(failure.event_specific_data.error)

@@ -91,3 +91,13 @@ def test_the_plan_takes_the_size_the_last_partitions_measured(tmp_path, tiny_mod
         else:  # 0.5 s x 1 row/s x 19 = 9.5 rows: 16 a shard, 50 rows in 4 shards
             assert second["rows_per_shard"] == 16 and second["shards"] == 4
             assert "at most 5% of a partition" in second["rows_per_shard_why"]
+
+
+def test_a_shard_on_ray_gets_a_time_limit_from_what_its_hardware_measured():
+    from batchllm_dagster.shard_sizing import MIN_TIMEOUT_S, TIMEOUT_FACTOR, shard_time_limit
+
+    assert shard_time_limit(None, 10_000) is None  # nothing measured: no limit to guess
+    limit = shard_time_limit(Measured(rows_per_s=10.0, overhead_s=60.0, partitions=3), 10_000)
+    assert limit.seconds == TIMEOUT_FACTOR * (10_000 / 10.0 + 60.0) == 4240.0
+    assert "10,000 rows" in limit.why and "10.0 rows/s" in limit.why
+    assert shard_time_limit(Measured(100.0, 1.0, 1), 100).seconds == MIN_TIMEOUT_S  # never a hair trigger

@@ -4,9 +4,11 @@ kept whole on one replica.
 The driver takes a prepared (planned) batch, cuts it into one shard per replica along the run
 order without splitting a group (weighted by each replica's speed when known), and sends each
 shard's prepared rows (token ids, groups, order: no tokenizer or planner on the replica) to a
-replica actor, which runs them with ``run_resumable``, checkpointing finished rows to the
-shard's folder (a path every node can reach). A replica that dies has its shard rerun on another
-live replica, which resumes from the checkpoint: nothing is lost or computed twice.
+replica actor, which runs them with ``run_resumable``, reusing what the caller names (the output
+table's rows, other shards' checkpoints) and checkpointing finished rows to the shard's own
+checkpoint folder (a path every node can reach), the one a local run of the shard writes: reuse and
+pruning see them the same. A replica that dies has its sub-shard rerun on another live replica,
+which resumes from the checkpoint: nothing is lost or computed twice.
 
 ``placement="round_robin"`` spreads rows over replicas one by one, as a plain data-parallel
 runner does: every replica then pays for every prefix (kept for comparison).
@@ -59,11 +61,12 @@ class ReplicaWorker:
         sampling: SamplingSettings,
         scheduler_settings: SchedulerSettings,
         checkpoint_dir: str,
+        reuse_from: list = (),
     ) -> dict:
         from .resume import run_resumable
 
         outcome = run_resumable(prepared, engine_settings, sampling, checkpoint_dir, scheduler_settings,
-                                checkpoint_every_rows=32)
+                                reuse_from=reuse_from, checkpoint_every_rows=32)
         return {"sub_shard": sub_shard, "replica": self.replica, "pid": os.getpid(), "device": self.device,
                 "outcome": outcome}
 
@@ -116,7 +119,7 @@ def gpus_of_live_nodes(nodes: list[dict]) -> list[float]:
     return [node["Resources"].get("GPU", 0.0) for node in nodes if node.get("Alive")]
 
 
-def wait_for_gpu_nodes(nodes, wants_gpus: bool, timeout_s: float, sleep=None) -> list[float]:
+def wait_for_gpu_nodes(nodes, wants_gpus: bool | None, timeout_s: float, sleep=None) -> list[float]:
     """The GPUs of the cluster's live nodes (``nodes()``: Ray's node list). A job built for GPUs
     waits up to ``timeout_s`` for a GPU node to join (an autoscaler starting one), then refuses
     with the numbers: it never runs its replicas as CPU actors."""
@@ -147,9 +150,11 @@ def run_on_ray(
     prepared: PreparedBatch,
     engine_settings: EngineSettings,
     sampling: SamplingSettings,
-    checkpoint_root: str | Path,
+    checkpoint_dir: str | Path,
     *,
     replicas: int = 2,
+    reuse_from: list = (),
+    wants_gpus: bool | None = None,
     address: str | None = None,
     scheduler_settings: SchedulerSettings = SchedulerSettings(),
     placement: Placement | str = Placement.GROUPS,
@@ -162,10 +167,14 @@ def run_on_ray(
     run_timeout_s: float | None = None,
     gpu_wait_s: float = 600.0,
 ) -> RayRunResult:
-    """Run every row of ``prepared`` on ``replicas`` Ray actors; shards are whole prefix groups.
+    """Run every row of ``prepared`` on ``replicas`` Ray actors; shards are whole prefix groups,
+    checkpointed to ``checkpoint_dir`` (the shard's own, as a local run), reusing ``reuse_from``
+    (``run_resumable``'s) where the fingerprints hold.
 
-    ``resources_per_replica`` defaults to ``replica_resources`` of the cluster's nodes (a job built
-    for GPUs waits up to ``gpu_wait_s`` for a GPU node, then refuses). Replicas that have not
+    ``resources_per_replica`` defaults to ``replica_resources`` of the cluster's nodes: ``wants_gpus``
+    (the job's hardware partition is a GPU's) waits up to ``gpu_wait_s`` for a GPU node, then
+    refuses, never places vLLM on CPU actors; it is the job's to say, not the driver's (a driver
+    without a GPU drives GPU replicas). None: whatever the cluster has. Replicas that have not
     started and answered within ``start_timeout_s`` (the cluster lacks what they ask for, an image
     pull hangs) fail the run with what they asked for, and a run whose shards are not all done
     within ``run_timeout_s`` (a hung engine) fails with what was done: never a wait forever. Its
@@ -173,14 +182,11 @@ def run_on_ray(
     """
     import ray
 
-    from ..machine import current_platform
-    from ..settings import Platform
-
     if not ray.is_initialized():
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
     sub_shard_of_row = _sub_shards(prepared, replicas, Placement.parse(placement), replica_weights)
     if resources_per_replica is None:
-        node_gpus = wait_for_gpu_nodes(ray.nodes, current_platform() is Platform.CUDA, gpu_wait_s)
+        node_gpus = wait_for_gpu_nodes(ray.nodes, bool(wants_gpus), gpu_wait_s)
         resources_per_replica = replica_resources(node_gpus, replicas, engine_settings.tensor_parallel_size)
     actor_class = ray.remote(max_restarts=0, **resources_per_replica)(ReplicaWorker)
     actors = {
@@ -188,9 +194,9 @@ def run_on_ray(
         for i in range(replicas)
     }
     try:
-        return _run_sub_shards(ray, prepared, engine_settings, sampling, scheduler_settings, checkpoint_root,
-                               sub_shard_of_row, actors, resources_per_replica, max_attempts, start_timeout_s,
-                               run_timeout_s)
+        return _run_sub_shards(ray, prepared, engine_settings, sampling, scheduler_settings, checkpoint_dir,
+                               list(reuse_from), sub_shard_of_row, actors, resources_per_replica, max_attempts,
+                               start_timeout_s, run_timeout_s)
     finally:
         for actor in actors.values():
             try:
@@ -199,8 +205,9 @@ def run_on_ray(
                 pass
 
 
-def _run_sub_shards(ray, prepared, engine_settings, sampling, scheduler_settings, checkpoint_root, sub_shard_of_row,
-                    actors, resources_per_replica, max_attempts, start_timeout_s, run_timeout_s) -> RayRunResult:
+def _run_sub_shards(ray, prepared, engine_settings, sampling, scheduler_settings, checkpoint_dir, reuse_from,
+                    sub_shard_of_row, actors, resources_per_replica, max_attempts, start_timeout_s,
+                    run_timeout_s) -> RayRunResult:
     import time
 
     replicas = len(actors)
@@ -213,12 +220,12 @@ def _run_sub_shards(ray, prepared, engine_settings, sampling, scheduler_settings
                            f"(it has {ray.available_resources()})") from None
     deadline = None if run_timeout_s is None else time.monotonic() + run_timeout_s
 
+    reuse = ray.put(reuse_from)  # one copy in the object store for every sub-shard
+
     def submit(shard: int, replica: int):
         part = prepared.subset(np.flatnonzero(sub_shard_of_row == shard))
-        folder = str(Path(checkpoint_root) / f"shard-{shard:03d}")
-        return actors[replica].run_sub_shard.remote(
-            shard, part, engine_settings, sampling, scheduler_settings, checkpoint_dir=folder
-        )
+        return actors[replica].run_sub_shard.remote(shard, part, engine_settings, sampling, scheduler_settings,
+                                                    checkpoint_dir=str(checkpoint_dir), reuse_from=reuse)
 
     pending = {submit(s, s): (s, s) for s in range(replicas) if (sub_shard_of_row == s).any()}
     attempts = {s: 1 for s, _ in pending.values()}

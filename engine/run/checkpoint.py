@@ -10,6 +10,7 @@ model's content, vLLM's version, dtype as resolved, sampling); anything else is 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -196,6 +197,7 @@ class Checkpoint:
         if not self._pending:
             return
         table = results_to_table(self._pending, self.id_type)
-        write_parquet(table, self.folder / f"part-{time.time_ns():020d}.parquet")
+        # Named by time, then by process: the sub-shards of a Ray run write to one folder.
+        write_parquet(table, self.folder / f"part-{time.time_ns():020d}-{os.getpid()}.parquet")
         self.written += len(self._pending)
         self._pending.clear()
