@@ -5,14 +5,14 @@ from dagster_duckdb import DuckDBResource
 
 from batchllm_dagster.checks import build_table_checks
 from batchllm_dagster.config import PLAN_TAG, BatchJobConfig
-from batchllm_dagster.partitions import RANGE_END, RANGE_START, hardware_of_key, shard_partitions, shard_runs
+from batchllm_dagster.partitions import shard_partitions
 from batchllm_dagster.resources import DEFAULT_LLM
 from engine.digests import text_fingerprint
 
 from .completions import build_completions
-from .snapshots import PLAN_RUN_TAG
 from .prefix_groups import build_prefix_groups
 from .prompts import build_prompts, source_version
+from .shard_sensor import build_run_shards_sensor
 
 
 def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
@@ -41,26 +41,7 @@ def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
         for hardware in config.hardware
     }
 
-    @dg.asset_sensor(
-        asset_key=prefix_groups.key,
-        jobs=list(shards_jobs.values()),
-        name=f"{config.name}_run_shards",
-        default_status=dg.DefaultSensorStatus.STOPPED,
-        description="After a new plan, run each of its shards once (one run per shard partition, or per "
-        "partitions_per_run neighbouring ones, on its hardware's job).",
-    )
-    def run_shards(context: dg.SensorEvaluationContext, asset_event: dg.EventLogEntry):
-        requests = []
-        for run in shard_runs(config, context.instance.get_dynamic_partitions(config.partitions_name)):
-            tags = {PLAN_RUN_TAG: asset_event.run_id}  # a superseded plan's run says so
-            keys = run[0]
-            if len(run) > 1:  # a range of neighbouring partitions, one vLLM start (partitions_per_run)
-                tags.update({RANGE_START: run[0], RANGE_END: run[-1]})
-                keys = f"{run[0]}..{run[-1]}"
-            requests.append(dg.RunRequest(run_key=f"{asset_event.run_id}:{keys}",
-                                          partition_key=run[0] if len(run) == 1 else None,
-                                          job_name=shards_jobs[hardware_of_key(config, run[0]).name].name, tags=tags))
-        return requests
+    run_shards = build_run_shards_sensor(config, shards_jobs)
 
     @dg.sensor(
         job=plan_job,

@@ -149,6 +149,10 @@ class JobSpec(BaseModel):
         "'local' (vLLM in the step's process) or 'ray' (replicas on a Ray cluster)")] = Backend.LOCAL
     ray_address: Annotated[str | None, *described(
         "Ray cluster address for backend 'ray' (None: start or join a local one)")] = None
+    shard_attempts: Annotated[int, *described(
+        "runs the shard sensor asks for one shard (or range) of a plan before it stops asking (>= 1): a run "
+        "that failed (its key still held by another run, the plan changed under it, an engine error) or "
+        "landed nothing is asked again on a later tick")] = 3
     ray_replicas: Annotated[
         int, *described("vLLM replicas a shard is spread over, whole prefix groups each (>= 1)")
     ] = 1
@@ -203,6 +207,8 @@ class JobSpec(BaseModel):
             raise ValueError(f"shards must be in 1..{MAX_PARTITIONS:,}, ray_replicas, rows_per_shard and "
                              "partitions_per_run at least 1 (got "
                              f"{self.shards}, {self.ray_replicas}, {self.rows_per_shard}, {self.partitions_per_run})")
+        if self.shard_attempts < 1:
+            raise ValueError(f"shard_attempts must be at least 1 (got {self.shard_attempts})")
         if self.lock_timeout_s <= 0:
             raise ValueError(f"lock_timeout_s must be > 0 (got {self.lock_timeout_s})")
         for label in ("max_error_share", "max_removed_share"):

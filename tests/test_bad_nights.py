@@ -112,3 +112,75 @@ def test_no_plan_lands_between_a_shards_check_against_the_plan_and_its_write(nig
     monkeypatch.setattr(completions, "superseded", check_then_try_to_plan)
     run_planned_shards(instance, defs, "nightly")
     assert after_check == ["a plan waits", "a plan waits"]
+
+
+def sensor_requests(defs, instance) -> list:
+    sensor = defs.resolve_sensor_def("nightly_run_shards")
+    with dg.partition_loading_context(dynamic_partitions_store=instance):
+        result = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, definitions=defs))
+    return result.run_requests
+
+
+def queue(defs, instance, request):
+    """A run created as the daemon creates a sensor's: it starts later, from what it was queued with."""
+    job = defs.resolve_job_def(request.job_name)
+    return instance.create_run_for_job(
+        job, tags={**job.tags, **request.tags, "dagster/partition": request.partition_key},
+        run_config={**QUIET, "execution": {"config": {"in_process": {}}}})
+
+
+def start(defs, instance, queued):
+    from dagster._core.definitions.job_base import InMemoryJob
+    from dagster._core.execution.api import execute_run
+
+    job = defs.resolve_job_def(queued.job_name)
+    return execute_run(InMemoryJob(job), instance.get_run_by_id(queued.run_id), instance)
+
+
+def insert_row(config, n: int) -> None:
+    with duckdb.connect(config.dataset.database) as con:
+        con.execute("INSERT INTO prompt_rows (id, prompt) VALUES (?, ?)", [f"late-{n}", f"a row inserted late, {n}"])
+
+
+def test_with_rows_arriving_while_shards_wait_every_shard_lands_and_a_refused_run_is_asked_again(nightly):
+    """No run-retry setting, no dagster.yaml: inserts land every few minutes, each a new plan that
+    changes a shard's key while its run waits to start (a long vLLM start), and a run is refused
+    because another run holds its key. The shard sensor asks again for what has not landed, until
+    every partition of the last plan has, with one answer per live id."""
+    from engine.locks import held_alone
+
+    config = nightly
+    defs = build_batch_defs(config)
+    with dg.instance_for_test() as instance:
+        queued = []
+        for night in range(3):  # a plan, its shards queued, then rows arrive before they start
+            assert plan(defs, instance).success
+            queued += [queue(defs, instance, r) for r in sensor_requests(defs, instance)]
+            insert_row(config, night)
+        assert plan(defs, instance).success
+        # The queued runs start late: those whose key the later plans replaced fail, saying so.
+        outcomes = [start(defs, instance, q).success for q in queued]
+        assert not all(outcomes)
+        # Another run holds a key of the current plan: its run is refused (not queued behind it).
+        keys = instance.get_dynamic_partitions(config.partitions_name)
+        retried = 0
+        for tick in range(6):
+            requests = sensor_requests(defs, instance)
+            if not requests:
+                break
+            for request in requests:
+                run = queue(defs, instance, request)
+                if tick == 0:
+                    with held_alone(config.lock_path(f"partition-{request.partition_key}"), "another run", "x"):
+                        assert not start(defs, instance, run).success
+                else:
+                    retried += ":attempt-" in request.run_key
+                    assert start(defs, instance, run).success
+        assert retried and not sensor_requests(defs, instance)
+        landed = {r.partition_key for r in instance.fetch_materializations(
+            dg.AssetKey(["nightly", "completions"]), limit=100).records}
+        assert set(keys) <= landed
+    with duckdb.connect(config.output_database, read_only=True) as con:
+        answers = con.execute("SELECT id, status FROM answers").fetchall()
+        live = {row[0] for row in con.execute("SELECT id FROM prompt_rows").fetchall()}
+    assert sorted(a[0] for a in answers) == sorted(live) and all(status == "ok" for _, status in answers)

@@ -1,0 +1,88 @@
+"""The ``<name>_run_shards`` sensor: every shard of the current plan runs until it lands.
+
+After a plan it asks for one run per shard (or per ``partitions_per_run`` neighbours) on its
+hardware partition's job. On every later tick it asks again for the shards of that plan that have
+not landed and have no run queued or running: a run that failed (another run still held its key, a
+plan that changed under it, an engine error) or that landed nothing is retried, up to
+``shard_attempts`` runs per shard run and plan, without any run-retry setting of the instance.
+"""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from batchllm_dagster.checks import shards_outstanding
+from batchllm_dagster.config import BatchJobConfig
+from batchllm_dagster.partitions import RANGE_END, RANGE_START, hardware_of_key, shard_runs
+
+from .snapshots import PLAN_RUN_TAG
+
+SHARDS_TAG = "batchllm/shards"  # the shard keys a sensor's run answers (``first..last`` for a range)
+IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
+             dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
+FINISHED = [dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]
+
+
+def keys_in_flight(instance: dg.DagsterInstance, config: BatchJobConfig, keys: list[str]) -> set[str]:
+    """The shard keys (of ``keys``, the partitions in order) that a queued or running run of the
+    job's shard jobs answers, whichever plan it was queued for."""
+    position = {key: i for i, key in enumerate(keys)}
+    busy: set[str] = set()
+    for hardware in config.hardware:
+        runs = instance.get_runs(filters=dg.RunsFilter(job_name=config.shards_job_name(hardware), statuses=IN_FLIGHT))
+        for run in runs:
+            tags = run.tags
+            if "dagster/partition" in tags:
+                busy.add(tags["dagster/partition"])
+            elif tags.get(RANGE_START) in position and tags.get(RANGE_END) in position:
+                busy.update(keys[position[tags[RANGE_START]]:position[tags[RANGE_END]] + 1])
+    return busy
+
+
+def shard_requests(instance: dg.DagsterInstance, config: BatchJobConfig, job_of_hardware: dict[str, str],
+                   log=None) -> list[dg.RunRequest]:
+    """The runs to ask for now (see the module doc)."""
+    plan = instance.fetch_materializations(config.asset_key("prefix_groups"), limit=1).records
+    if not plan:
+        return []
+    plan_run = plan[0].run_id
+    keys = instance.get_dynamic_partitions(config.partitions_name)
+    outstanding = set(shards_outstanding(instance, config))
+    busy = keys_in_flight(instance, config, keys) if outstanding else set()
+    requests = []
+    for run in shard_runs(config, keys):
+        if not outstanding & set(run) or busy & set(run):
+            continue
+        label = run[0] if len(run) == 1 else f"{run[0]}..{run[-1]}"
+        tags = {PLAN_RUN_TAG: plan_run, SHARDS_TAG: label}  # a superseded plan's run says so
+        tried = len(instance.get_run_ids(filters=dg.RunsFilter(tags=tags, statuses=FINISHED)))
+        if tried >= config.shard_attempts:
+            if log:
+                log(f"{label}: {tried} runs for this plan did not land it (shard_attempts); not asked again")
+            continue
+        if len(run) > 1:  # a range of neighbouring partitions, one vLLM start (partitions_per_run)
+            tags.update({RANGE_START: run[0], RANGE_END: run[-1]})
+        requests.append(dg.RunRequest(
+            run_key=f"{plan_run}:{label}" + (f":attempt-{tried + 1}" if tried else ""),
+            partition_key=run[0] if len(run) == 1 else None,
+            job_name=job_of_hardware[hardware_of_key(config, run[0]).name], tags=tags))
+    return requests
+
+
+def build_run_shards_sensor(config: BatchJobConfig, shards_jobs: dict[str, dg.UnresolvedAssetJobDefinition]):
+    job_of_hardware = {hardware: job.name for hardware, job in shards_jobs.items()}
+
+    @dg.sensor(
+        jobs=list(shards_jobs.values()),
+        name=f"{config.name}_run_shards",
+        minimum_interval_seconds=30,
+        default_status=dg.DefaultSensorStatus.STOPPED,
+        description="Run each shard of the current plan until it lands (one run per shard partition, or per "
+        "partitions_per_run neighbouring ones, on its hardware's job): a failed run is asked again, up to "
+        "shard_attempts times per plan.",
+    )
+    def run_shards(context: dg.SensorEvaluationContext):
+        requests = shard_requests(context.instance, config, job_of_hardware, context.log.info)
+        return requests or dg.SkipReason("every shard of the current plan has landed or has a run")
+
+    return run_shards
