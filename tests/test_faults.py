@@ -175,6 +175,9 @@ def test_dagster_run_terminated_keeps_every_finished_row(big_prompts, tmp_path, 
 
 
 def test_dagster_partition_killed_midway_resumes(big_prompts, tmp_path, tiny_model, monkeypatch):
+    """The night's kill for real: the partition's run, in a child process, is SIGKILLed by the OS
+    mid-shard (no ``finally``, no flush); the rerun reuses what its checkpoint holds, and every id
+    is then once in DuckDB and once in the shard's Parquet file, each equal to a fresh run's answer."""
     home = tmp_path / "dagster_home"
     home.mkdir()
     monkeypatch.setenv("DAGSTER_HOME", str(home))
@@ -217,3 +220,7 @@ def test_dagster_partition_killed_midway_resumes(big_prompts, tmp_path, tiny_mod
     subprocess.run(cli("run", str(big_prompts), "--model", tiny_model, "--output", str(reference), "--max-tokens",
                        MAX_TOKENS, "--kv-cache-blocks", "256"), capture_output=True, check=True, cwd=ROOT)
     assert answers == {a["id"]: a["text"] for a in pq.read_table(reference).to_pylist()}
+    # The shard's Parquet file holds the same rows, each once: the killed run left nothing half there.
+    (published,) = list(config.completions_dir.glob("*.parquet"))
+    in_parquet = pq.read_table(published, columns=["id", "text"]).to_pylist()
+    assert len(in_parquet) == total and {a["id"]: a["text"] for a in in_parquet} == answers

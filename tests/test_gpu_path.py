@@ -290,3 +290,41 @@ def test_the_models_own_context_is_the_one_vllm_derives(name):
     path = resolve_model(name)
     assert EngineArgs(model=path).create_model_config().max_model_len == model_context_len(path)
     assert engine_args(EngineSettings(model_path=path), Platform.CUDA)["max_model_len"] == model_context_len(path)
+
+
+@pytest.mark.slow  # imports vLLM
+def test_a_gpu_captures_cuda_graphs_for_every_decode_batch_it_runs(monkeypatch, tiny_model):
+    """An H200 runs offline batches of 1,024 rows; vLLM alone captures CUDA graphs up to 512 on it
+    (``_set_cudagraph_sizes``: 1,024 only on Blackwell), so every larger decode step would run eager.
+    The engine fixes ``max_num_seqs`` to vLLM's own offline default and captures up to it: vLLM's
+    own sizing, on the arguments the engine passes, then covers 1,024. Eager and CPU runs capture
+    nothing (no compilation config is passed)."""
+    import vllm.engine.arg_utils as arg_utils
+    from vllm import EngineArgs
+    from vllm.config import CompilationConfig, VllmConfig
+    from vllm.config.compilation import CUDAGraphMode
+
+    from engine.vllm.vllm_env import offline_max_num_seqs
+
+    monkeypatch.setattr(arg_utils, "current_platform", simulated_platform("NVIDIA H200", H200_BYTES))
+    seqs = offline_max_num_seqs(1)
+    assert seqs == 1024
+    args = EngineArgs(**engine_args(EngineSettings(model_path=tiny_model), Platform.CUDA, max_num_seqs=seqs))
+    assert (args.max_num_seqs, args.compilation_config.max_cudagraph_capture_size) == (1024, 1024)
+
+    def captured_up_to(compilation: CompilationConfig) -> int:
+        config = types.SimpleNamespace(  # what vLLM's sizing reads of a VllmConfig, on a non-Blackwell GPU
+            model_config=types.SimpleNamespace(enforce_eager=False), compilation_config=compilation,
+            scheduler_config=types.SimpleNamespace(max_num_seqs=1024, max_num_batched_tokens=16384),
+            speculative_config=None, num_speculative_tokens=0, uniform_decode_query_len=1,
+            performance_mode="balanced")
+        VllmConfig._set_cudagraph_sizes(config)
+        return max(compilation.cudagraph_capture_sizes)
+
+    mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    assert captured_up_to(CompilationConfig(cudagraph_mode=mode)) == 512  # vLLM alone
+    ours = args.compilation_config.max_cudagraph_capture_size
+    assert captured_up_to(CompilationConfig(cudagraph_mode=mode, max_cudagraph_capture_size=ours)) == 1024
+    eager = engine_args(EngineSettings(model_path=tiny_model, enforce_eager=True), Platform.CUDA, max_num_seqs=seqs)
+    assert "compilation_config" not in eager
+    assert "compilation_config" not in engine_args(EngineSettings(model_path=tiny_model), Platform.CPU)

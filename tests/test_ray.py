@@ -228,3 +228,58 @@ def test_a_job_for_gpu_hardware_never_runs_its_replicas_on_cpu_actors(cluster, t
     assert not result.success
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
     assert "no GPU node joined the Ray cluster within 1s" in str(failure.event_specific_data.error)
+
+
+def test_a_night_on_ray_with_a_replica_killed_loses_nothing(cluster, tiny_model, tmp_path):
+    """A Dagster shard on two Ray replicas; one replica is killed once it has checkpointed a row of
+    its own. Its sub-shard reruns on the other, from the shard's checkpoint; every id is then once in
+    DuckDB and once in the shard's Parquet file, each equal to a local run's answer."""
+    import dagster as dg
+    import duckdb
+
+    from assets import build_batch_defs
+    from batchllm_dagster import BatchJobConfig, DatasetSpec
+
+    sampling = SamplingSettings(max_tokens=40)
+    table = make_prompt_table(seed=10, documents=40, questions=10, singles=20)
+    pq.write_table(table, tmp_path / "prompts.parquet")
+    config = BatchJobConfig(
+        name="ray_night", dataset=DatasetSpec(parquet=str(tmp_path / "prompts.parquet")),
+        llm=EngineSettings(model_path=tiny_model, kv_cache_blocks=256), sampling=sampling, shards=1,
+        output_database=str(tmp_path / "out.duckdb"), output_table="answers", storage_dir=str(tmp_path / "jobs"),
+        backend="ray", ray_replicas=2)
+    defs = build_batch_defs(config)
+    graph = defs.resolve_asset_graph()
+    assets = [graph.assets_def_for_key(dg.AssetKey(["ray_night", name]))
+              for name in ("prompts", "prefix_groups", "completions")]
+    with dg.instance_for_test() as instance:
+        assert dg.materialize(assets[:2], instance=instance).success
+        (key,) = instance.get_dynamic_partitions(config.partitions_name)
+        planned = prepared_batch(tiny_model, table, sampling)
+        first_sub_shard = {planned.ids[i] for i in np.flatnonzero(split_prepared(planned, 2) == 0)}
+        folder = config.checkpoint_path(key)
+        killed = []
+
+        def kill_replica_once_it_checkpoints():
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline:
+                ids = {i for part in folder.glob("part-*.parquet") for i in pq.read_table(part)["id"].to_pylist()}
+                if ids & first_sub_shard:
+                    ray.kill(ray.get_actor(f"batchllm-{key}-0"), no_restart=True)
+                    killed.append(len(ids))
+                    return
+                time.sleep(0.02)
+
+        killer = threading.Thread(target=kill_replica_once_it_checkpoints)
+        killer.start()
+        result = dg.materialize([assets[2]], partition_key=key, instance=instance)
+        killer.join()
+    assert result.success and killed
+    meta = result.asset_materializations_for_node("ray_night__completions")[0].metadata
+    assert meta["engine"].value["reassigned_sub_shards"] == [0]
+    with duckdb.connect(config.output_database, read_only=True) as con:
+        rows = con.execute("SELECT id, text FROM answers").fetchall()
+    expected = local_answers(tiny_model, table, sampling)
+    assert len(rows) == len(expected) and dict(rows) == expected
+    in_parquet = pq.read_table(config.completions_parquet_path(key), columns=["id", "text"]).to_pylist()
+    assert len(in_parquet) == len(expected) and {r["id"]: r["text"] for r in in_parquet} == expected

@@ -110,6 +110,8 @@ def _start_and_answer(settings: EngineSettings, rows: int, report: Report) -> No
             "max_num_batched_tokens": engine.max_num_batched_tokens, "dtype": str(resolved.model_config.dtype),
             "kv_cache_tokens": getattr(resolved.cache_config, "kv_cache_size_tokens", None),
             "max_model_len": resolved.model_config.max_model_len,
+            # decode batches above the largest run without CUDA graphs (none: eager, the CPU's)
+            "cuda_graph_capture_sizes": _capture_sizes(resolved.compilation_config),
             "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1",
             # what the worker chose; None where it cannot be asked: then vLLM's own line in the log file
             "attention_backends": engine.attention_backends() or "not asked (worker processes): see the log file",
@@ -126,6 +128,13 @@ def _start_and_answer(settings: EngineSettings, rows: int, report: Report) -> No
         report.problem(f"{rows} rows went in and {len(results)} answers came back: please report it")
     elif bad:
         report.problem(f"{len(bad)} of {rows} rows got no answer ({bad[0].error or 'empty text'}): check the model")
+
+
+def _capture_sizes(compilation) -> str:
+    sizes = sorted(compilation.cudagraph_capture_sizes or [])
+    if not sizes:
+        return "none (eager)"
+    return f"{len(sizes)} sizes, {sizes[0]} to {sizes[-1]} rows"
 
 
 def settings_of_job(path: str) -> EngineSettings:

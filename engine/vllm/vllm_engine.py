@@ -18,7 +18,7 @@ from ..run.console import tidy_library_loggers
 from ..run.requests import EngineGauges, Finished, StepReport, Submission
 from ..run.results import EngineInfo
 from ..settings import EngineSettings, Platform, SamplingSettings
-from .vllm_env import check_vllm_version, configure, engine_args, offline_usage_context
+from .vllm_env import check_vllm_version, configure, engine_args, offline_max_num_seqs, offline_usage_context
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +159,8 @@ class VLLMEngine:
             check_vllm_version(vllm.__version__)
         except RuntimeError as exc:
             raise EngineStartError(str(exc)) from None
+        if platform is Platform.CUDA and max_num_seqs is None:  # fixed here, so CUDA graphs can cover it
+            max_num_seqs = offline_max_num_seqs(settings.tensor_parallel_size)
         try:
             args = EngineArgs(**engine_args(settings, platform, enable_prefix_caching=enable_prefix_caching,
                                             max_num_seqs=max_num_seqs))

@@ -102,6 +102,11 @@ def engine_args(
     )
     if platform is Platform.CUDA and resolved.gpu_memory_utilization is not None:
         args["gpu_memory_utilization"] = resolved.gpu_memory_utilization
+    if platform is Platform.CUDA and not resolved.enforce_eager and args["max_num_seqs"]:
+        # vLLM captures decode graphs up to 512 rows on an H100/H200 (``_set_cudagraph_sizes``), while
+        # its offline batch is 1,024: every decode step of 513-1,024 rows would run eager. Capture
+        # what the engine runs, one fixed size per job and node (the compile hash stays one).
+        args["compilation_config"] = {"max_cudagraph_capture_size": args["max_num_seqs"]}
     if platform is Platform.CPU:  # the small CPU models load in a second: no loading bar between ours
         args["use_tqdm_on_load"] = False
     return args
@@ -114,6 +119,15 @@ def check_vllm_version(installed: str) -> None:
         raise RuntimeError(
             f"batchllm drives vLLM {VLLM_SERIES}.x internals, but vLLM {installed} is installed: install "
             f"batchllm-dagster[gpu] (GPU) or batchllm-dagster[cpu] (CPU), which pin vLLM {VLLM_SERIES}")
+
+
+def offline_max_num_seqs(tensor_parallel_size: int) -> int:
+    """vLLM's own ``max_num_seqs`` for an offline batch on this node's GPUs (``get_batch_defaults``:
+    1,024 on an H100/H200, 256 on smaller ones; device memory from NVML, as vLLM reads it)."""
+    from vllm import EngineArgs
+
+    _, max_num_seqs = EngineArgs.get_batch_defaults(world_size=tensor_parallel_size)
+    return max_num_seqs[offline_usage_context()]
 
 
 def offline_usage_context():
