@@ -150,8 +150,9 @@ def _ids_table(ids: list):
 
 
 def shards_outstanding(instance: dg.DagsterInstance, config: BatchJobConfig) -> list[str]:
-    """Partitions of the current plan not materialized since the plan was made (the shard sensor
-    runs every one of them after each plan)."""
+    """Partitions of the current plan not landed since the plan was made: no materialization since,
+    or only ones that left rows to the plan (a run of an earlier plan that finished after it and did
+    not write the rows it superseded: the key's run for this plan still has to answer them)."""
     plan = instance.fetch_materializations(config.asset_key("prefix_groups"), limit=1).records
     current = instance.get_dynamic_partitions(config.partitions_name)
     if not plan:
@@ -161,11 +162,16 @@ def shards_outstanding(instance: dg.DagsterInstance, config: BatchJobConfig) -> 
         page = instance.fetch_materializations(
             dg.AssetRecordsFilter(asset_key=config.asset_key("completions"),
                                   after_storage_id=plan[0].storage_id), limit=1000, cursor=cursor)
-        landed.update(r.partition_key for r in page.records)
+        landed.update(r.partition_key for r in page.records if _wrote_every_row(r.asset_materialization))
         if not page.has_more:
             break
         cursor = page.cursor
     return [key for key in current if key not in landed]
+
+
+def _wrote_every_row(materialization) -> bool:
+    superseded = materialization.metadata.get("superseded_rows") if materialization is not None else None
+    return superseded is None or superseded.value == 0
 
 
 def build_table_checks(config: BatchJobConfig) -> list[dg.AssetChecksDefinition]:

@@ -320,3 +320,25 @@ def test_rows_that_are_wholly_a_cached_prefix_count_the_block_vllm_recomputes(re
     assert watch.undercounts == []
     assert engine.preemptions == 0
     assert len(out) == 8
+
+
+@pytest.mark.parametrize("reserve", [ReserveOutput.LOOKAHEAD, ReserveOutput.FULL])
+def test_an_engine_that_runs_a_step_ahead_of_its_reports_preempts_no_more(reserve):
+    """vLLM's async scheduling (a GPU's default) plans step s + 1 before the scheduler reads step s:
+    rows hold a token more than the reports show. Counted (``steps_ahead``), the engine preempts no
+    more than one that reports every step as it runs; not counted, it does."""
+    batch, groups = nested_batch(documents=8, rows_per_document=6, system_blocks=2, document_blocks=2, own_tokens=4)
+    max_tokens = np.full(len(batch.lengths), 9)  # prompts end a token short of a block: decodes cross blocks
+
+    def preemptions(steps_ahead: int, counted: bool) -> int:
+        engine = FakeEngine(40, BLOCK, steps_ahead=steps_ahead)
+        scheduler = GroupScheduler(batch, max_tokens, groups, SchedulerSettings(reserve_output=reserve), BLOCK, 40,
+                                   steps_ahead if counted else 0)
+        out = list(drive(scheduler, engine, SAMPLING, StepTotals()))
+        assert sorted(f.submission.row for f in out) == list(range(len(batch.lengths)))
+        return engine.preemptions
+
+    in_step = preemptions(0, counted=True)
+    assert preemptions(1, counted=True) <= in_step
+    if reserve is ReserveOutput.LOOKAHEAD:
+        assert preemptions(1, counted=False) > in_step  # what counting one step behind cost

@@ -69,6 +69,7 @@ class SteadyDecodeEngine(_SteadyDecode):
     def __init__(self, kv_capacity_blocks: int):
         super().__init__()
         self.block_size, self.kv_capacity_blocks = BLOCK, kv_capacity_blocks
+        self.steps_ahead = 0
 
     def refusal(self, sampling) -> None:
         return None

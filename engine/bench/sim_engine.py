@@ -23,7 +23,7 @@ decoding is.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,7 +56,9 @@ class _Request:
 
 class FakeEngine:
     def __init__(self, num_blocks: int, block_size: int = 4, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, steps_ahead: int = 0):
+        """``steps_ahead``: how many steps it runs beyond the report it returns (vLLM's async
+        scheduling: 1), so requests submitted after reading step s enter at step s + 1 + steps_ahead."""
         self.block_size, self.kv_capacity_blocks, self.max_num_seqs = block_size, num_blocks, max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self._budget = 0  # tokens left in the step being scheduled
@@ -74,6 +76,8 @@ class FakeEngine:
         self.peak_referenced = 0
         self.preemptions = 0
         self.prefill_tokens = 0
+        self.steps_ahead = steps_ahead
+        self._unread: deque[StepReport] = deque()  # steps run, their reports not yet returned
         self.refuses: dict[str, str] = {}  # a response format's text -> why it is refused (a test sets it)
         self.asked: list[str] = []  # the formats asked about, in order
 
@@ -92,7 +96,7 @@ class FakeEngine:
         self._arrivals += 1
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._unread)
 
     # A context manager like VLLMEngine: whoever opens it closes it.
     closed_by_owner = False
@@ -108,6 +112,13 @@ class FakeEngine:
         raise AssertionError("only the engine's owner closes it, by leaving its context")
 
     def step(self) -> StepReport:
+        """Run one step (and, at the start, the ``steps_ahead`` before it); return the report of
+        the step ``steps_ahead`` behind the last one run."""
+        while (self._waiting or self._running) and len(self._unread) <= self.steps_ahead:
+            self._unread.append(self._run_step())
+        return self._unread.popleft() if self._unread else StepReport()
+
+    def _run_step(self) -> StepReport:
         self.step_count += 1
         self._budget = self.max_num_batched_tokens or float("inf")
         preempted = self._grow_running()

@@ -119,7 +119,7 @@ class BatchRun:
         copied = {row for rows in copies.values() for row in rows}
         scheduler = self.scheduling.scheduler(prepared, [r for r in in_plan_order if r not in copied],
                                               self.scheduler_settings, self.engine.block_size,
-                                              self.engine.kv_capacity_blocks)
+                                              self.engine.kv_capacity_blocks, self.engine.steps_ahead)
         # The minimum, whatever order the rows run in: the plan's order shares every prefix it can.
         stats.reusable_tokens = reusable_tokens(prepared.batch, in_plan_order, prepared.block_size)
         totals = StepTotals()

@@ -124,6 +124,7 @@ class Engine(Protocol):
 
     block_size: int
     kv_capacity_blocks: int  # usable KV blocks, known after start-up
+    steps_ahead: int  # steps it may run beyond the last report read (vLLM's async scheduling: 1)
 
     def refusal(self, sampling: SamplingSettings) -> str | None:
         """Why this engine refuses every request with ``sampling`` (a response format its grammar

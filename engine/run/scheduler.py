@@ -159,13 +159,18 @@ class GroupScheduler:
         settings: SchedulerSettings,
         block_size: int,
         capacity_blocks: int,
+        steps_ahead: int = 0,
     ):
+        """``steps_ahead``: steps the engine may run beyond the last report read (vLLM's async
+        scheduling plans step s + 1 before step s's outputs are read): each row may hold that many
+        tokens more than the reports show, so it is counted with as many more of its output."""
         self._batch, self._settings, self._block = batch, settings, block_size
         # Python ints: read once per admission, a numpy scalar costs more than the arithmetic.
         self._lengths, self._max_tokens = batch.lengths.tolist(), [int(m) for m in max_tokens]
         self._capacity = max(1, capacity_blocks - 1)  # vLLM keeps one block as its null block
         self._budget = max(1, int(self._capacity * settings.kv_budget_fraction))
-        self._lookahead = settings.lookahead_tokens if settings.reserve_output is ReserveOutput.LOOKAHEAD else None
+        self._lookahead = (settings.lookahead_tokens + steps_ahead
+                           if settings.reserve_output is ReserveOutput.LOOKAHEAD else None)
         self._entry_blocks, self._prefix_hit_blocks, self._too_large = self._row_constants(groups)
         keys = group_prefix_keys(batch, groups, block_size)
         self._queue = deque(
@@ -514,9 +519,10 @@ class Planned:
     shares_answers = True
 
     def scheduler(self, prepared: PreparedBatch, rows_in_plan_order: list[int], settings: SchedulerSettings,
-                  block_size: int, capacity_blocks: int) -> GroupScheduler:
+                  block_size: int, capacity_blocks: int, steps_ahead: int = 0) -> GroupScheduler:
         groups = groups_in_run_order(rows_in_plan_order, prepared.group_of_row, prepared.prefix_tokens_of_row)
-        return GroupScheduler(prepared.batch, prepared.max_tokens, groups, settings, block_size, capacity_blocks)
+        return GroupScheduler(prepared.batch, prepared.max_tokens, groups, settings, block_size, capacity_blocks,
+                              steps_ahead)
 
 
 @dataclass(frozen=True)
@@ -528,7 +534,7 @@ class InOrder:
     shares_answers = False
 
     def scheduler(self, prepared: PreparedBatch, rows_in_plan_order: list[int], settings: SchedulerSettings,
-                  block_size: int, capacity_blocks: int) -> InOrderScheduler:
+                  block_size: int, capacity_blocks: int, steps_ahead: int = 0) -> InOrderScheduler:
         return InOrderScheduler(
             prepared.batch, prepared.max_tokens, [r for r in self.order if r not in prepared.errors]
         )

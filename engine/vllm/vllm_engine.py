@@ -180,6 +180,9 @@ class VLLMEngine:
             raise
         config = self._engine.vllm_config
         self.kv_capacity_blocks: int = int(config.cache_config.num_gpu_blocks)
+        # With async scheduling (vLLM's default on CUDA, off on CPU) the core plans step s + 1
+        # before this handle reads step s's outputs: the scheduler counts each row one token ahead.
+        self.steps_ahead = 1 if config.scheduler_config.async_scheduling else 0
         self.max_num_seqs: int = int(config.scheduler_config.max_num_seqs)
         self.max_num_batched_tokens: int = int(config.scheduler_config.max_num_batched_tokens)
         self.version = vllm_version()
@@ -198,6 +201,7 @@ class VLLMEngine:
     def _track(self, block_size: int) -> None:
         """The handle's own bookkeeping of the requests it submitted."""
         self.block_size = block_size
+        self.steps_ahead = 0
         self._gauges = EngineGauges()
         self._in_flight: dict[str, _InFlight] = {}  # unfinished requests by vLLM request id
         self._params: dict[tuple[int, int], tuple] = {}  # (id of sampling, max_tokens) -> (sampling, params)
