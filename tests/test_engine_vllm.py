@@ -270,3 +270,20 @@ def test_vllm_emits_a_rows_first_output_and_its_last_not_one_per_step(tiny_model
     assert rows and all(r.output_tokens == 16 for r in rows)
     per_request = {i: emitted.count(i) for i in set(emitted)}
     assert max(per_request.values()) <= 2  # 16 tokens each, two outputs at most
+
+
+def test_vllm_runs_no_prometheus_logger_beside_the_engines_own(tiny_model):
+    """vLLM adds a Prometheus logger that records a latency per running request per step unless a
+    custom logger is one; the engine's own is, registers nothing, and still reads every gauge."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    engine_settings = settings(tiny_model)
+    table = make_prompt_table(documents=2, questions=3, singles=2)
+    prepared = prepare_batch(table, load_tokenizer(tiny_model), engine_settings, SAMPLING)
+    with open_engine(engine_settings) as engine:
+        loggers = engine._engine.logger_manager.stat_loggers
+        prometheus = [type(x).__name__ for x in loggers if isinstance(x, PrometheusStatLogger)]
+        run = BatchRun(prepared, engine, SAMPLING, SchedulerSettings(log_every_s=60))
+        assert len(list(run)) == table.num_rows
+    assert prometheus == ["GaugeStatLogger"]
+    assert run.stats.engine_steps > 0 and run.stats.mean_kv_usage > 0 and run.stats.rows_per_step > 0
