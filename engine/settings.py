@@ -65,7 +65,8 @@ class EngineSettings(BaseModel):
     max_num_batched_tokens: int | None = Field(None, description="tokens per engine step (default: vLLM's)")
     tensor_parallel_size: int = Field(1, description="GPUs one model replica is split over")
     gpu_memory_utilization: float | None = Field(
-        None, description="GPU only: share of each GPU's memory vLLM may use, in (0, 1] (default: vLLM's 0.9)")
+        None, description="GPU only: share of each GPU's memory vLLM may use, in (0, 1] "
+        "(default: vLLM's, 0.92 in 0.32)")
     cpu_kv_cache_gib: int = Field(2, description="CPU only: memory of the KV cache in GiB")
     seed: int = 0
 

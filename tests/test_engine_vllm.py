@@ -12,7 +12,7 @@ from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
 from engine.plan.tokenizing import load_tokenizer
 from engine.vllm.vllm_engine import open_engine
 
-from .conftest import make_prompt_table
+from .conftest import ROOT, make_prompt_table
 
 pytestmark = pytest.mark.slow  # real vLLM, dg, Ray or a browser
 
@@ -287,3 +287,44 @@ def test_vllm_runs_no_prometheus_logger_beside_the_engines_own(tiny_model):
         assert len(list(run)) == table.num_rows
     assert prometheus == ["GaugeStatLogger"]
     assert run.stats.engine_steps > 0 and run.stats.mean_kv_usage > 0 and run.stats.rows_per_step > 0
+
+
+def test_an_engine_core_whose_parent_is_killed_exits(tiny_model, tmp_path):
+    """With the core in its own process (a GPU's default), SIGKILL of the process that started it
+    (the OOM killer, a pod's hard stop) must not leave the core holding the GPU: its watch kills it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "start.py"
+    script.write_text(
+        "import sys, time\n"
+        "from engine.settings import EngineSettings\n"
+        "from engine.vllm.core_watch import core_pids\n"
+        "from engine.vllm.vllm_engine import open_engine\n"
+        "if __name__ == '__main__':  # vLLM spawns its core: the script is imported again there\n"
+        f"    engine = open_engine(EngineSettings(model_path={tiny_model!r}, kv_cache_blocks=64))\n"
+        "    print(*core_pids(engine._engine), flush=True)\n"
+        "    time.sleep(600)\n")
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+           "PYTHONPATH": str(ROOT)}
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True, env=env)
+    cores = [int(p) for p in parent.stdout.readline().split()]
+    assert cores, "the core did not start in its own process"
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return open(f"/proc/{pid}/stat").read().split()[2] != "Z"  # a zombie is dead, unreaped
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(alive(p) for p in cores):
+        time.sleep(0.2)
+    assert not any(alive(p) for p in cores)

@@ -20,6 +20,7 @@ from ..run.console import tidy_library_loggers
 from ..run.requests import EngineGauges, Finished, StepReport, Submission
 from ..run.results import EngineInfo
 from ..settings import EngineSettings, Platform, SamplingSettings
+from .core_watch import watch_core
 from .vllm_env import check_vllm_version, configure, engine_args, offline_max_num_seqs, offline_usage_context
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,7 @@ class VLLMEngine:
                                                       stat_loggers=[gauge_stat_logger(self._gauges)])
         except Exception as exc:
             raise EngineStartError(f"vLLM failed to start for {settings.model_path!r}: {exc}") from exc
+        self._core_watch = watch_core(self._engine)  # the core dies with this process, however it dies
         try:
             check_kv_cache_layout(self._engine, self.settings.block_size)
         except EngineStartError:
@@ -355,6 +357,10 @@ class VLLMEngine:
             shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
             if shutdown:
                 shutdown()
+            watch, self._core_watch = getattr(self, "_core_watch", None), None
+            if watch is not None:  # the core is gone: its watch has nothing left to do
+                watch.terminate()
+                watch.wait()
             del engine
             import gc
 

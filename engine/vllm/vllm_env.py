@@ -54,9 +54,9 @@ def process_env(settings: EngineSettings, platform: Platform, cores: int | None 
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
-        # Compiled kernels and CUDA graphs: keep this folder on a persistent volume (README, On GPUs).
+        # Compiled code (torch.compile's and Inductor's: vLLM points TORCHINDUCTOR_CACHE_DIR inside it
+        # itself); CUDA graphs are captured again at every start. Keep it on a persistent volume.
         "VLLM_CACHE_ROOT": str(CACHE_ROOT / "vllm"),
-        "TORCHINDUCTOR_CACHE_DIR": str(CACHE_ROOT / "inductor"),
         "VLLM_RPC_BASE_PATH": str(rpc_base_path(CACHE_ROOT)),
         "TOKENIZERS_PARALLELISM": "true",
         # vLLM logs to stdout by default; keep stdout for results (``--json``).
