@@ -12,7 +12,7 @@ Per partition (evaluated by the completions step itself, so backfills run them t
 A run of several partitions (``partitions_per_run``) evaluates each check on each of them and
 reports it once, failed if it failed on any (``merged_check_results``).
 For the whole table: ``all_prompts_answered`` (missing, duplicated and orphaned ids), evaluated
-once every shard of the current plan has landed.
+with every shard on the rows of the shards landed so far, on every row once all have landed.
 """
 
 from __future__ import annotations
@@ -176,46 +176,56 @@ def _wrote_every_row(materialization) -> bool:
 
 def build_table_checks(config: BatchJobConfig) -> list[dg.AssetChecksDefinition]:
     """``all_prompts_answered`` runs with every run that materializes a shard (a sensor's, a
-    backfill's, one launched from the UI or ``dg launch``) and evaluates only in the run of the
-    shard that lands last, once the whole plan is answered: it is skipped, not failed, while shards
-    are outstanding, so a healthy night has no red check. Selected alone, it always evaluates."""
+    backfill's, one launched from the UI or ``dg launch``) and evaluates what is decided by then:
+    every row of the shards landed for the current plan answered once, no answer twice, none of an
+    id the snapshot no longer has; the rows of shards still outstanding are counted apart
+    (``outstanding_rows``), so a healthy night has no red check, and the run of the shard that lands
+    last checks every row. Selected alone, it checks every row whatever the shards."""
     key = config.asset_key("completions")
     table = quote_identifier(config.output_table)
 
     @dg.multi_asset_check(
         specs=[dg.AssetCheckSpec("all_prompts_answered", asset=key, blocking=False,
-                                 description="Every prompt row of the snapshot has exactly one completion; none is "
-                                 "orphaned. Evaluated once every shard of the current plan has landed.")],
+                                 description="Every prompt row of the snapshot whose shard has landed has exactly one "
+                                 "completion (every row once every shard of the current plan has landed); no "
+                                 "completion is orphaned.")],
         can_subset=True, name=f"{config.name}_all_prompts_answered",
         required_resource_keys={config.warehouse_key})
     def all_prompts_answered(context):
-        # A run with a partition materializes a shard (the check itself has none): wait for the last.
+        # A run with a partition materializes a shard (the check itself has none): the rows of the
+        # shards still to land are not missing yet.
+        outstanding = []
         if {"dagster/partition", RANGE_START} & set(context.run.tags):
             outstanding = shards_outstanding(context.instance, config)
-            if outstanding:
-                context.log.info(f"all_prompts_answered is evaluated when the last shard lands: "
-                                 f"{len(outstanding)} shards of the current plan are outstanding")
-                return
         with getattr(context.resources, config.warehouse_key).get_connection() as con:
             if not table_exists(con, config.output_table):
                 yield dg.AssetCheckResult(check_name="all_prompts_answered", asset_key=key, passed=False,
                                           metadata={"reason": "no completions table yet"})
                 return
-            missing, duplicated, orphaned = con.execute(
+            waiting, parameters = "SELECT NULL::VARCHAR AS id WHERE false", [str(config.prompts_path)]
+            if outstanding:
+                waiting = ("SELECT id::VARCHAR AS id FROM read_parquet(?) "
+                           "WHERE partition_key IN (SELECT unnest(?::VARCHAR[]))")
+                parameters += [str(config.plan_path), outstanding]
+            missing, duplicated, orphaned, waiting_rows = con.execute(
                 f"""
                 WITH prompts AS ({ids_sql(config.dataset.id_column)}),
+                     waiting AS ({waiting}),
                      answers AS (SELECT id::VARCHAR AS id, count(*) AS n FROM {table} GROUP BY 1)
-                SELECT (SELECT count(*) FROM prompts LEFT JOIN answers USING (id) WHERE answers.n IS NULL),
+                SELECT (SELECT count(*) FROM prompts LEFT JOIN answers USING (id)
+                        WHERE answers.n IS NULL AND prompts.id NOT IN (SELECT id FROM waiting)),
                        (SELECT count(*) FROM answers WHERE n > 1),
-                       (SELECT count(*) FROM answers WHERE id NOT IN (SELECT id FROM prompts))
+                       (SELECT count(*) FROM answers WHERE id NOT IN (SELECT id FROM prompts)),
+                       (SELECT count(*) FROM waiting)
                 """,
-                [str(config.prompts_path)],
+                parameters,
             ).fetchall()[0]
         # With keep_deleted_answers the answers of deleted rows are history, kept on purpose.
         yield dg.AssetCheckResult(
             check_name="all_prompts_answered", asset_key=key,
             passed=missing == 0 and duplicated == 0 and (orphaned == 0 or config.keep_deleted_answers),
-            metadata={"missing": int(missing), "duplicated": int(duplicated), "orphaned": int(orphaned)},
+            metadata={"missing": int(missing), "duplicated": int(duplicated), "orphaned": int(orphaned),
+                      "outstanding_shards": len(outstanding), "outstanding_rows": int(waiting_rows)},
         )
 
     return [all_prompts_answered]

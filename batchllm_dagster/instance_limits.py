@@ -33,6 +33,6 @@ def warn_if_unlimited(context) -> None:
     missing = missing_limits(context.instance)
     if missing:
         context.log.warning(
-            f"this Dagster instance has no {', no '.join(missing)}: runs of one GPU or one plan are not queued "
+            f"this Dagster instance lacks {' and '.join(missing)}: runs of one GPU or one plan are not queued "
             f"(the package's locks still allow one run per partition and one plan per job). Add to its "
             f"dagster.yaml:\n{DAGSTER_YAML}")

@@ -149,8 +149,16 @@ def test_an_instance_without_the_queueing_limits_is_named_with_the_lines_to_add(
 
     from batchllm_dagster.instance_limits import DAGSTER_YAML, missing_limits
 
+    from types import SimpleNamespace
+
+    from batchllm_dagster.instance_limits import warn_if_unlimited
+
     with dg.instance_for_test() as bare:
         assert len(missing_limits(bare)) == 3
+        said = []
+        warn_if_unlimited(SimpleNamespace(instance=bare, log=SimpleNamespace(warning=said.append)))
+    assert said[0].startswith("this Dagster instance lacks a run-tag limit of 1 per value of batchllm/pool and a "
+                              "run-tag limit of 1 per value of batchllm/plan and a default op pool limit of 1:")
     demo = yaml.safe_load((Path(__file__).parents[1] / "dagster_project" / "dagster.yaml").read_text())
     for settings in (yaml.safe_load(DAGSTER_YAML), demo):  # the lines the warning gives, and the demo's file
         with dg.instance_for_test(overrides=settings) as configured:
