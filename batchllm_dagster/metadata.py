@@ -47,7 +47,8 @@ def run_metadata(stats: RunStats, device: str, hardware_partition: str, engine_i
         "output_tokens": stats.output_tokens,
         "preemptions": stats.preemptions,
         "recomputed_tokens": stats.recomputed_tokens,  # computed again after vLLM preempted their rows
-        "engine_steps": stats.engine_steps,
+        "engine_steps": stats.engine_steps,  # steps that ran rows
+        "idle_steps": stats.idle_steps,  # steps vLLM ran nothing (requests waiting for a grammar compile)
         "device": device,  # the GPU or CPU model it ran on
         "hardware_partition": hardware_partition,  # the job's hardware partition (the output's ``hardware`` column)
         "engine": dg.MetadataValue.json(engine_info),

@@ -342,3 +342,17 @@ def test_an_engine_that_runs_a_step_ahead_of_its_reports_preempts_no_more(reserv
     assert preemptions(1, counted=True) <= in_step
     if reserve is ReserveOutput.LOOKAHEAD:
         assert preemptions(1, counted=False) > in_step  # what counting one step behind cost
+
+
+def test_steps_in_which_the_engine_ran_nothing_are_counted_apart():
+    """vLLM holds back a constrained request while its grammar compiles, and a step then runs
+    nothing: 4 choice rows took 326 such steps (engine_steps 326, rows_per_step 0.02). Those are
+    ``idle_steps``; the run's steps and rows per step are those that ran rows (5 and 1.6 there)."""
+    from engine.run.requests import StepReport
+
+    totals = StepTotals()
+    for _ in range(3):
+        totals.add(StepReport())  # nothing ran
+    totals.add(StepReport(running=4, prefill_tokens=40))
+    totals.add(StepReport(running=2, decode_tokens=2))
+    assert (totals.steps, totals.idle_steps, totals.rows_per_step) == (2, 3, 3.0)

@@ -157,7 +157,7 @@ class BatchRun:
                 yield self._answer(copy, item, cut, item.prompt_tokens)
         stats.wall_s = time.perf_counter() - started
         stats.startup_s = (totals.first_submit_at or started) - (self.started_at or started)
-        stats.preemptions, stats.engine_steps = totals.preemptions, totals.steps
+        stats.preemptions, stats.engine_steps, stats.idle_steps = totals.preemptions, totals.steps, totals.idle_steps
         stats.recomputed_tokens = totals.recomputed_tokens
         stats.mean_kv_usage, stats.rows_per_step = totals.mean_kv_usage, totals.rows_per_step
         scheduled = scheduler.stats

@@ -25,6 +25,7 @@ class StepTotals:
     """The engine's own gauges summed over the steps of a run."""
 
     steps: int = 0
+    idle_steps: int = 0  # steps in which the engine ran nothing (not in ``steps``): see ``StepReport.idle``
     kv_usage_sum: float = 0.0
     running_sum: int = 0
     preemptions: int = 0
@@ -32,6 +33,9 @@ class StepTotals:
     first_submit_at: float | None = None  # perf_counter() when the first request entered the engine
 
     def add(self, report: StepReport) -> None:
+        if report.idle:
+            self.idle_steps += 1
+            return
         self.steps += 1
         self.kv_usage_sum += report.kv_usage
         self.running_sum += report.running

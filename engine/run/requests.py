@@ -118,6 +118,13 @@ class StepReport(EngineGauges):
     started: list[RequestKey] = field(default_factory=list)  # unfinished requests that got their first token now
     seconds: float = 0.0
 
+    @property
+    def idle(self) -> bool:
+        """The engine ran nothing in this step (vLLM holds back requests whose grammar is still being
+        compiled on its thread pool): not a step of the run's work."""
+        return (not self.finished and not self.started and self.running == 0 and self.prefill_tokens == 0
+                and self.decode_tokens == 0)
+
 
 class Engine(Protocol):
     """What a scheduler needs of an engine."""

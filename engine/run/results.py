@@ -74,6 +74,7 @@ class RunStats:
     preemptions: int = 0
     recomputed_tokens: int = 0
     engine_steps: int = 0
+    idle_steps: int = 0  # engine steps that ran nothing: requests waiting for a grammar compile
     mean_kv_usage: float = 0.0
     rows_per_step: float = 0.0
     startup_s: float = 0.0
