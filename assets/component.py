@@ -35,17 +35,28 @@ class BatchJobScaffolder(dg.Scaffolder):
     def scaffold(self, request: dg.ScaffoldRequest) -> None:
         name = request.target_path.name.replace("-", "_")
         (request.target_path / "prompts.sql").write_text(
-            "-- The batch: one row per prompt, with a unique id.\nSELECT id, prompt FROM review_labels\n"
+            "-- FILL IN: the batch, one row per prompt: a unique, non-NULL `id` and a `prompt` (text) or\n"
+            "-- `messages` (JSON chat messages) column, optionally `max_tokens`. It runs read-only on the\n"
+            "-- defs.yaml's `database` (a DuckDB file under BATCHLLM_DATA_DIR, default ./data); it may also\n"
+            "-- read Parquet: SELECT id, prompt FROM read_parquet('my_prompts.parquet').\n"
+            "SELECT id, prompt FROM my_prompt_table\n"
         )
         scaffold_component(request, {
             "name": name,
-            "dataset": {"sql_file": "prompts.sql", "database": "batchllm.duckdb"},
+            "dataset": {"sql_file": "prompts.sql", "database": "my_warehouse.duckdb"},
             "llm": {"model_path": "smollm2"},
             "sampling": {"max_tokens": 32},
             "shards": 2,
             "hardware": ["cpu"],
             "output_table": f"{name}_completions",
         })
+        written = request.target_path / "defs.yaml"
+        written.write_text(
+            "# FILL IN before `dg check defs`: dataset.database (a DuckDB file under BATCHLLM_DATA_DIR, default\n"
+            "# ./data; or parquet: a file or glob instead of sql_file/database) and prompts.sql (your table);\n"
+            "# llm.model_path (a local checkpoint, or a built-in: smollm2, tiny). Every key: `dg utils\n"
+            "# inspect-component assets.BatchJobComponent`; the README's \"Declaring a batch job\".\n"
+            + written.read_text())
 
 
 @dg.scaffold_with(BatchJobScaffolder)
@@ -63,6 +74,11 @@ class BatchJobComponent(JobSpec, dg.Component, dg.Resolvable, dg.Model):
     def to_config(self, component_dir: Path) -> BatchJobConfig:
         data = default_data_dir()
         spec = self.dataset
+        if spec.sql_file and not (component_dir / spec.sql_file).is_file():
+            # Known without running: `dg check defs` names it (a database is made by whatever fills
+            # it, maybe after the definitions load: it is checked when prompts runs).
+            raise ValueError(f"job {self.name!r}: dataset.sql_file {spec.sql_file!r} does not exist in "
+                             f"{component_dir} (the folder of its defs.yaml)")
         resolved = spec.model_copy(update={
             "sql_file": str(component_dir / spec.sql_file) if spec.sql_file else None,
             "parquet": str(data / spec.parquet) if spec.parquet else None,

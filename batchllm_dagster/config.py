@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.plan.plan_table import PlanShaping
 from engine.table.dataset import Columns
@@ -36,6 +36,8 @@ class HardwarePartition(BaseModel):
     """A kind of machine the shards run on. Every run of its shards carries ``run_tags`` (what the
     deployment places runs by: dagster-k8s node selectors and GPU limits, say) and the tag
     ``batchllm/pool`` = ``pool``, which dagster.yaml's run queue limits to one run at a time."""
+
+    model_config = ConfigDict(extra="forbid")  # a mistyped key is named, never ignored
 
     name: str = Field(description="letters, digits, '.', '_' or '-'; it starts the shard partition keys")
     pool: str | None = Field(None, description="runs of this hardware queue in this pool (default: inference_<name>)")
@@ -64,6 +66,8 @@ class HardwarePartition(BaseModel):
 
 class DatasetSpec(BaseModel):
     """Where the prompts come from: exactly one of ``sql``, ``sql_file``, ``table``, ``parquet``."""
+
+    model_config = ConfigDict(extra="forbid")  # a mistyped key is named, never ignored
 
     sql: str | None = None
     sql_file: str | None = None
@@ -122,6 +126,8 @@ class JobSpec(BaseModel):
     """What a batch job declares, in Python (``BatchJobConfig``) and in YAML (``BatchJobComponent``)
     alike. Ranges are checked by a validator, not ``Field(ge=...)``: Dagster's YAML resolution takes
     plain fields only."""
+
+    model_config = ConfigDict(extra="forbid")  # a mistyped key is named, never ignored
 
     name: Annotated[str, *described("asset key prefix and partition set name (letters, digits, _)")]
     dataset: Annotated[DatasetSpec, *described("where the prompts come from")]

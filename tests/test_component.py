@@ -58,6 +58,27 @@ def test_scaffolded_job_resolves_to_a_config(tmp_path):
     assert config.name == "nightly_reviews"
     assert Path(config.dataset.sql_file) == target / "prompts.sql"
     assert config.output_database == config.dataset.database
+    # The template says what to fill in, and points at no demo database or table.
+    text = (target / "defs.yaml").read_text() + (target / "prompts.sql").read_text()
+    assert "FILL IN" in text and "batchllm.duckdb" not in text and "review_labels" not in text
+    # A SQL file that is not there is named when the definitions load (`dg check defs`), not at night.
+    (target / "prompts.sql").unlink()
+    with pytest.raises(ValueError, match="dataset.sql_file 'prompts.sql' does not exist"):
+        component.to_config(target)
+
+
+def test_a_mistyped_key_is_named_never_ignored():
+    from batchllm_dagster import BatchJobConfig, DatasetSpec
+
+    with pytest.raises(Exception, match="choices"):  # YAML: dg's model names it
+        BatchJobComponent.resolve_from_yaml("name: x\ndataset: {sql: select 1, database: d.duckdb}\nchoices: [a]\n")
+    with pytest.raises(Exception, match="choices"):  # Python: the job model forbids it too
+        BatchJobConfig(name="x", dataset=DatasetSpec(parquet="p.parquet"), output_database="o.duckdb",
+                       storage_dir="s", choices=["a"])
+    with pytest.raises(Exception, match="'as_declared' or 'optimize'"):
+        BatchJobComponent.resolve_from_yaml(
+            "name: x\ndataset: {sql: select 1, database: d.duckdb, prompt: {instruction: i, fields: [a], "
+            "field_order: optimise}}\n")
 
 
 def test_bad_yaml_is_rejected_with_the_reason():
