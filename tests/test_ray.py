@@ -21,6 +21,7 @@ from engine.plan.tokenizing import load_tokenizer  # noqa: E402
 from engine.vllm.vllm_engine import open_engine  # noqa: E402
 
 from .conftest import make_prompt_table  # noqa: E402
+from .fault_job import completions_and_plan  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real vLLM, dg, Ray or a browser
 
@@ -207,7 +208,6 @@ def test_a_job_for_gpu_hardware_never_runs_its_replicas_on_cpu_actors(cluster, t
     import dagster as dg
     import pyarrow.parquet as pq
 
-    from assets import build_batch_defs
     from batchllm_dagster import BatchJobConfig, DatasetSpec
     from batchllm_dagster.config import HardwarePartition
 
@@ -217,10 +217,7 @@ def test_a_job_for_gpu_hardware_never_runs_its_replicas_on_cpu_actors(cluster, t
         llm=EngineSettings(model_path=tiny_model, kv_cache_blocks=256, block_size=32), sampling=SAMPLING, shards=1,
         hardware=[HardwarePartition(name="h200", platform="cuda")], output_database=str(tmp_path / "out.duckdb"),
         storage_dir=str(tmp_path / "jobs"), backend="ray", ray_replicas=1, ray_gpu_wait_s=1)
-    defs = build_batch_defs(config)
-    graph = defs.resolve_asset_graph()
-    assets = [graph.assets_def_for_key(dg.AssetKey(["gpu_ray", name]))
-              for name in ("prompts", "prefix_groups", "completions")]
+    assets = completions_and_plan(config)  # prompts, prefix_groups, completions
     with dg.instance_for_test() as instance:
         assert dg.materialize(assets[:2], instance=instance).success
         (partition,) = instance.get_dynamic_partitions(config.partitions_name)
@@ -237,7 +234,6 @@ def test_a_night_on_ray_with_a_replica_killed_loses_nothing(cluster, tiny_model,
     import dagster as dg
     import duckdb
 
-    from assets import build_batch_defs
     from batchllm_dagster import BatchJobConfig, DatasetSpec
 
     sampling = SamplingSettings(max_tokens=40)
@@ -248,10 +244,7 @@ def test_a_night_on_ray_with_a_replica_killed_loses_nothing(cluster, tiny_model,
         llm=EngineSettings(model_path=tiny_model, kv_cache_blocks=256), sampling=sampling, shards=1,
         output_database=str(tmp_path / "out.duckdb"), output_table="answers", storage_dir=str(tmp_path / "jobs"),
         backend="ray", ray_replicas=2)
-    defs = build_batch_defs(config)
-    graph = defs.resolve_asset_graph()
-    assets = [graph.assets_def_for_key(dg.AssetKey(["ray_night", name]))
-              for name in ("prompts", "prefix_groups", "completions")]
+    assets = completions_and_plan(config)  # prompts, prefix_groups, completions
     with dg.instance_for_test() as instance:
         assert dg.materialize(assets[:2], instance=instance).success
         (key,) = instance.get_dynamic_partitions(config.partitions_name)
