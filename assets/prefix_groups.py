@@ -76,7 +76,10 @@ def refuse_mass_removal(config: BatchJobConfig, warehouse, ids: pa.ChunkedArray)
     """Fail the plan, before anything is written or removed, where it would drop the answers of
     more than ``max_removed_share`` of the answered rows: a source that came back empty or
     truncated must not delete what GPU hours computed. The plan, partitions, answers, Parquet files
-    and checkpoints stay as they were; a later plan on the whole source reuses every answer."""
+    and checkpoints stay as they were; a later plan on the whole source reuses every answer. With
+    ``keep_deleted_answers`` a plan removes no answer (the table keeps deleted rows' as history)."""
+    if config.keep_deleted_answers:
+        return
     gone, answered = answers_not_in(warehouse, config.output_table, ids.combine_chunks())
     if gone and gone > config.max_removed_share * answered:
         raise dg.Failure(

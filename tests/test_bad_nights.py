@@ -70,6 +70,17 @@ def test_an_empty_source_is_refused_and_every_answer_kept_then_a_small_deletion_
         assert con.execute("SELECT count(*) FROM answers").fetchall()[0][0] == len(ids) - 2
 
 
+def test_a_job_that_keeps_deleted_answers_is_never_refused_for_them(nightly):
+    """With ``keep_deleted_answers`` no plan removes an answer: the table's history of deleted rows
+    must not count as answers a plan would remove (it would refuse every plan once history grew)."""
+    config = nightly.model_copy(update={"keep_deleted_answers": True})
+    defs, instance = first_night(config)
+    answered = len(what_a_night_left(config, instance)["answers"])
+    delete_source_rows(config, "true")
+    assert plan(defs, instance).success
+    assert len(what_a_night_left(config, instance)["answers"]) == answered  # history kept
+
+
 def test_removing_every_answer_goes_through_where_the_job_allows_it(nightly):
     config = nightly.model_copy(update={"max_removed_share": 1.0})
     defs, instance = first_night(config)
