@@ -25,7 +25,7 @@ from batchllm_dagster.metadata import run_metadata
 from batchllm_dagster.output_table import answers_table
 from batchllm_dagster.resources import VLLMResource
 from batchllm_dagster.shard_sizing import TimeLimit, last_partitions_metadata, measured_by_hardware, shard_time_limit
-from batchllm_dagster.warehouse import existing_rows, replace_partition
+from batchllm_dagster.warehouse import existing_rows, replace_partition, replace_prompts_view
 from engine.atomic import Staged
 from engine.run.console import ProgressBar
 from engine.locks import Busy, held_alone
@@ -36,6 +36,7 @@ from engine.jobs.shared_engine import SharedEngine
 from engine.machine import Platform
 from engine.settings import EngineSettings, SamplingSettings
 from engine.table.field_order_state import recorded_choice
+from engine.table.prompt_snapshot import CONTENT_KEY
 
 from .checkpoints import other_checkpoints, prune_checkpoints
 from .snapshots import PLAN_RUN_TAG, plan_stamp_of
@@ -261,7 +262,8 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         writing = time.perf_counter()  # from here: writing and checks, the partition's time after its rows
         for result in outcome.results:
             result.shard = shard
-        table = answers_table(outcome.results, prepared.id_type, key, hardware_partition, config.llm.model_path)
+        table = answers_table(outcome.results, prepared.id_type, key, hardware_partition, config.llm.model_path,
+                              planned.select(["id", CONTENT_KEY]))
         # The check against the plan on disk and the write are one step: no plan lands between them
         # (a plan holds this lock exclusively from reading the snapshot to its last delete), else
         # this shard could delete a newer shard's answers, bring back deleted ids or a removed key's file.
@@ -300,6 +302,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
             with Staged(config.completions_parquet_path(key)) as staged:  # published once DuckDB has committed
                 pq.write_table(table, staged.path)
                 written = replace_partition(warehouse, config.output_table, key, table, on_wait=log.info)
+        replace_prompts_view(warehouse, config.output_table, config.prompts_path, config.dataset.columns)
         if not len(stale):
             shutil.rmtree(checkpoint, ignore_errors=True)  # the table now holds every row of the shard
         # else kept: the newer plan's shards reuse its still-valid answers by row fingerprint (a row

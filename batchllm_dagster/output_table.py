@@ -12,19 +12,25 @@ import pyarrow as pa
 
 from engine.run.results import RowResult, results_to_table
 
-# After the result columns: the partition each row was answered in.
+# After the result columns (``computed_at`` among them: when the engine answered the row, kept when
+# a later night reuses the answer): the partition each row was last written in.
 PARTITION_COLUMNS = [
     ("partition_key", pa.string()),  # the shard's partition key
     ("hardware", pa.string()),  # the job's hardware partition the shard is bound to (not the device)
     ("model", pa.string()),  # the job's model setting (a path or a built-in name)
-    ("completed_at", pa.timestamp("us", tz="UTC")),  # when the partition was written
+    ("completed_at", pa.timestamp("us", tz="UTC")),  # when the partition last wrote it (the answer confirmed)
 ]
+CONTENT_KEY_COLUMN = "content_key"  # the prompt the answer is of: its row's snapshot content key, in hex
 
 
 def answers_table(results: list[RowResult], id_type: pa.DataType, partition_key: str, hardware_partition: str,
-                  model: str) -> pa.Table:
-    """The rows a partition writes to the output table and its Parquet file."""
+                  model: str, content_keys: pa.Table) -> pa.Table:
+    """The rows a partition writes to the output table and its Parquet file. ``content_keys``:
+    each row's id and the content key of the prompt it ran (the plan's ``_content_key``)."""
     table = results_to_table(results, id_type)
+    keys = dict(zip(content_keys.column(0).to_pylist(), content_keys.column(1).to_pylist()))
+    hexed = [key.hex() if (key := keys.get(i)) is not None else None for i in table.column("id").to_pylist()]
+    table = table.append_column(CONTENT_KEY_COLUMN, pa.array(hexed, pa.string()))
     values = [partition_key, hardware_partition, model, dt.datetime.now(dt.timezone.utc)]
     for (name, type_), value in zip(PARTITION_COLUMNS, values):
         table = table.append_column(name, pa.array([value] * table.num_rows, type_))

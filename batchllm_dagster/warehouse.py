@@ -13,9 +13,10 @@ from pathlib import Path
 
 import duckdb
 import pyarrow as pa
+import pyarrow.parquet as pq
 from dagster_duckdb import DuckDBResource
 
-from engine.sql import quote_identifier
+from engine.sql import quote_identifier, quote_literal
 
 
 def table_exists(con, table: str) -> bool:
@@ -101,6 +102,26 @@ def _add_new_columns(con, target: str) -> None:
     for name, type_, *_ in con.execute("DESCRIBE incoming").fetchall():
         if name not in have:
             con.execute(f"ALTER TABLE {target} ADD COLUMN {quote_identifier(name)} {type_}")
+
+
+def replace_prompts_view(warehouse: DuckDBResource, table: str, snapshot: Path, columns) -> str:
+    """The view ``<table>_with_prompts``: every answer with its row's prompt (and chat messages) from
+    the job's prompt snapshot, and ``prompt_current``: whether that is the prompt the answer is of
+    (false for a row edited at the source since it was answered, until its shard runs again; NULL
+    for an answer kept of a deleted row or one written before answers recorded their prompt).
+    Returns the view's name."""
+    from engine.table.prompt_snapshot import CONTENT_KEY
+
+    view = f"{table}_with_prompts"
+    present = set(pq.read_schema(snapshot).names) if snapshot.exists() else set()
+    texts = "".join(f", p.{quote_identifier(c)}" for c in (columns.prompt, columns.messages) if c in present)
+    with connection(warehouse) as con:
+        con.execute(
+            f"CREATE OR REPLACE VIEW {quote_identifier(view)} AS SELECT a.*{texts}, "
+            f"a.content_key = lower(hex(p.{quote_identifier(CONTENT_KEY)})) AS prompt_current "
+            f"FROM {quote_identifier(table)} a LEFT JOIN read_parquet({quote_literal(str(snapshot.resolve()))}) p "
+            f"ON a.id::VARCHAR = p.{quote_identifier(columns.id)}::VARCHAR")
+    return view
 
 
 def existing_rows(warehouse: DuckDBResource, table: str, ids: pa.Array):

@@ -195,3 +195,36 @@ def test_with_rows_arriving_while_shards_wait_every_shard_lands_and_a_refused_ru
         answers = con.execute("SELECT id, status FROM answers").fetchall()
         live = {row[0] for row in con.execute("SELECT id FROM prompt_rows").fetchall()}
     assert sorted(a[0] for a in answers) == sorted(live) and all(status == "ok" for _, status in answers)
+
+
+def test_each_answer_says_when_it_was_computed_and_its_prompt_is_one_query_away(nightly):
+    """``computed_at`` is when the engine answered a row, kept when a later night reuses the answer
+    (``completed_at`` is when its partition last wrote it); the view ``answers_with_prompts`` gives
+    each answer its prompt, and whether the source still has that prompt."""
+    import time
+
+    config = nightly
+    defs, instance = first_night(config)
+    with duckdb.connect(config.output_database, read_only=True) as con:
+        first = {r[0]: r[1:] for r in con.execute(
+            "SELECT id, computed_at, completed_at, prompt, prompt_current FROM answers_with_prompts").fetchall()}
+        source = dict(con.execute("SELECT id, prompt FROM prompt_rows").fetchall())
+    assert {i: r[2] for i, r in first.items()} == source and all(r[3] for r in first.values())
+    assert all(r[0] is not None and r[0] <= r[1] for r in first.values())
+    edited = next(i for i, p in source.items() if p)
+    with duckdb.connect(config.dataset.database) as con:
+        con.execute("UPDATE prompt_rows SET prompt = prompt || ' (edited)' WHERE id = ?", [edited])
+    time.sleep(0.01)
+    assert plan(defs, instance).success
+    with duckdb.connect(config.output_database, read_only=True) as con:
+        current = dict(con.execute("SELECT id, prompt_current FROM answers_with_prompts").fetchall())
+    assert [i for i, c in current.items() if not c] == [edited]  # its answer is of the old prompt, until it runs
+    run_planned_shards(instance, defs, "nightly")
+    with duckdb.connect(config.output_database, read_only=True) as con:
+        second = {r[0]: r[1:] for r in con.execute(
+            "SELECT id, computed_at, completed_at, prompt, prompt_current FROM answers_with_prompts").fetchall()}
+    assert all(r[3] for r in second.values()) and second[edited][2].endswith("(edited)")
+    assert second[edited][0] > first[edited][0]  # computed again
+    reused = [i for i in second if i != edited]
+    assert all(second[i][0] == first[i][0] for i in reused)  # reused answers keep when they were computed
+    assert all(second[i][1] >= first[i][1] for i in reused)

@@ -67,9 +67,10 @@ def test_a_table_an_older_version_made_gains_the_columns_a_newer_one_writes(tmp_
     from engine.run.results import RowResult
 
     db = DuckDBResource(database=str(tmp_path / "w.duckdb"))
-    old = answers_table([RowResult(id="1", status="ok", text="old")], pa.string(), "a", "cpu", "m")
+    keys = pa.table({"id": ["1", "2"], "key": [b"\x01" * 16, b"\x02" * 16]})
+    old = answers_table([RowResult(id="1", status="ok", text="old")], pa.string(), "a", "cpu", "m", keys)
     replace_partition(db, "answers", "a", old.drop_columns(["model", "completed_at"]))
-    new = answers_table([RowResult(id="2", status="ok", text="new")], pa.string(), "b", "cpu", "m")
+    new = answers_table([RowResult(id="2", status="ok", text="new")], pa.string(), "b", "cpu", "m", keys)
     assert new.column_names[-len(PARTITION_COLUMNS):] == [name for name, _ in PARTITION_COLUMNS]
     replace_partition(db, "answers", "b", new)
     with db.get_connection() as con:

@@ -8,6 +8,7 @@ come out keyed by row id as rows finish.
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 from collections.abc import Callable, Iterator
 
@@ -61,7 +62,7 @@ class BatchRun:
     def _result(self, row: int, **fields) -> RowResult:
         return RowResult(id=self.prepared.ids[row], group=int(self.prepared.group_of_row[row]),
                          row_fingerprint=self.fingerprints[row], settings_fingerprint=self.settings_fingerprint,
-                         **fields)
+                         computed_at=dt.datetime.now(dt.timezone.utc), **fields)
 
     def _answer(self, row: int, item, cut: str | None, cached_tokens: int) -> RowResult:
         """Row ``row`` answered by the finished request ``item`` (its own, or an identical row's)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import asdict, dataclass, fields
 
 import pyarrow as pa
@@ -21,6 +22,7 @@ class RowResult:
     group: int | None = None
     row_fingerprint: str | None = None  # model + settings + prompt: what a rerun may reuse
     settings_fingerprint: str | None = None  # model + answer settings alone: why a row was not reused
+    computed_at: dt.datetime | None = None  # when the engine answered it (kept when a later run reuses it)
 
 
 RESULT_SCHEMA_FIELDS = [
@@ -35,6 +37,7 @@ RESULT_SCHEMA_FIELDS = [
     ("group", pa.int64()),
     ("row_fingerprint", pa.string()),
     ("settings_fingerprint", pa.string()),
+    ("computed_at", pa.timestamp("us", tz="UTC")),
 ]
 
 
