@@ -1,6 +1,6 @@
-"""The code location: three batch jobs over the embedded DuckDB database.
+"""The code location: the demo's batch jobs over the embedded DuckDB database.
 
-* ``reviews`` and ``documents`` are declared in YAML (``defs/*/defs.yaml``, BatchJobComponent);
+* the jobs under ``defs/`` are declared in YAML (``defs/*/defs.yaml``, BatchJobComponent);
 * ``support`` is declared from Python with the same factory.
 
 Paths come from ``BATCHLLM_DATA_DIR`` (default ``./data``); ``make demo`` creates the database.
