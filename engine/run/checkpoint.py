@@ -126,7 +126,11 @@ class Checkpoint:
             chosen = pc.filter(rows, same)
             if not len(chosen):
                 continue
-            answers = self._read(part, chosen)
+            try:
+                answers = self._read(part, chosen)
+            except Exception as exc:  # damaged since its ids were read: recomputed, not trusted
+                log.warning("ignoring unreadable checkpoint file %s: %s", part, exc)
+                continue
             names = ["id"] + [n for n, _ in RESULT_SCHEMA_FIELDS if n in answers.column_names]
             for record in answers.select(names).to_pylist():
                 row_id = record.pop("id")
