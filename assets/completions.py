@@ -283,11 +283,11 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
 
     def write_partition(warehouse: DuckDBResource, key: str, table: pa.Table, planned: pa.Table, checkpoint, log):
         """The shard's answers written as the plan on disk still wants them; returns the rows
-        written, how many the partition holds now and the ids a newer plan superseded. A plan made while this shard ran
-        may want some of its answers from elsewhere (rows moved, edited or deleted, another model):
-        those are not written, the newer plan's shards answer them. Then only the rest is written,
-        by id, and no Parquet file: the newer plan's run of this key (if it has one) writes its file
-        whole, and a key it dropped never comes back."""
+        written, how many the partition holds now and the ids a newer plan superseded. A plan made
+        while this shard ran may want some of its answers from elsewhere (rows moved, edited or
+        deleted, another model): those are not written, the newer plan's shards answer them. Then
+        only the rest is written, by id, and no Parquet file: the newer plan's run of this key (if it
+        has one) writes its file whole, and a key it dropped never comes back."""
         stale = superseded(config.plan_path, key, planned)
         if len(stale):
             log.warning(f"{len(stale)} of this shard's rows were superseded by a newer plan while it ran "
