@@ -43,21 +43,11 @@ def batch_jobs(defs) -> list[tuple[str, object]]:
 
 
 def run_planned_shards(instance, defs, name: str) -> list:
-    """The runs the job's ``run_shards`` sensor asks for after a new plan, run here and now: one per
-    shard (or per ``partitions_per_run`` of them: a partition range in its tags), each on its
-    hardware partition's job, so each carries that hardware's tags."""
-    import dagster as dg
+    """The runs the job's ``run_shards`` sensor asks for after a new plan, run here and now
+    (``assets.run_plan``: ``batchllm-dagster run``'s), each one's success asserted."""
+    from assets.run_plan import run_planned_shards as run_shards
 
-    sensor = defs.resolve_sensor_def(f"{name}_run_shards")
-    with dg.partition_loading_context(dynamic_partitions_store=instance):  # the shard keys live in the instance
-        requests = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, definitions=defs)).run_requests
-    results = []
-    for request in requests:
-        result = defs.resolve_job_def(request.job_name).execute_in_process(
-            partition_key=request.partition_key, instance=instance, run_config=QUIET, tags=request.tags)
-        assert result.success, f"{name}: the run of {request.run_key} failed"
-        results.append(result)
-    return results
+    return run_shards(instance, defs, name, run_config=QUIET)
 
 
 def materialize_job(instance, defs, name: str) -> dict:

@@ -1,0 +1,97 @@
+"""``batchllm-dagster run JOB``: a job's plan and every shard of it from the command line, in the
+instance of ``DAGSTER_HOME``, without copying partition keys out of a log: what the schedule and the
+``<JOB>_run_shards`` sensor do, run here and now, one run per shard (or per ``partitions_per_run``
+range) on its hardware partition's job, each recorded in the instance as the UI's are.
+
+    batchllm-dagster run reviews                  # prompts + prefix_groups, then every shard
+    batchllm-dagster run reviews --shards-only    # the current plan's shards that have not landed
+    batchllm-dagster run reviews --definitions my_project.definitions
+
+The definitions module is the project's (``[tool.dg.project] code_location_target_module`` of the
+``pyproject.toml`` in this folder) unless given. A failed shard does not stop the others; the exit
+status is 1 when one failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import tomllib
+from pathlib import Path
+
+import dagster as dg
+
+
+def run_planned_shards(instance: dg.DagsterInstance, defs: dg.Definitions, name: str, run_config: dict | None = None,
+                       check: bool = True) -> list:
+    """The runs job ``name``'s shard sensor asks for now (every shard of the current plan that has
+    not landed and has no run in flight), run here one after another; with ``check``, a failed one
+    raises once all have run."""
+    results = []
+    for request in _requests(instance, defs, name):
+        results.append(defs.resolve_job_def(request.job_name).execute_in_process(
+            partition_key=request.partition_key, instance=instance, run_config=run_config, tags=request.tags,
+            raise_on_error=False))
+    failed = [r.dagster_run.tags.get("batchllm/shards") for r in results if not r.success]
+    if check and failed:
+        raise RuntimeError(f"{name}: the runs of {failed} failed (see their logs in the instance)")
+    return results
+
+
+def _requests(instance: dg.DagsterInstance, defs: dg.Definitions, name: str) -> list[dg.RunRequest]:
+    sensor = defs.resolve_sensor_def(f"{name}_run_shards")
+    with dg.partition_loading_context(dynamic_partitions_store=instance):  # the shard keys live in the instance
+        result = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, definitions=defs))
+    return list(result.run_requests or [])
+
+
+def load_definitions(module: str | None = None) -> dg.Definitions:
+    """The code location's definitions: ``module``'s, else the dg project's in this folder."""
+    if module is None:
+        pyproject = Path("pyproject.toml")
+        project = tomllib.loads(pyproject.read_text()).get("tool", {}).get("dg", {}).get("project", {}) \
+            if pyproject.exists() else {}
+        module = project.get("code_location_target_module") or (
+            f"{project['root_module']}.definitions" if "root_module" in project else None)
+        if module is None:
+            raise SystemExit("batchllm-dagster: no --definitions given and no [tool.dg.project] in ./pyproject.toml")
+    sys.path.insert(0, str(Path.cwd()))  # a project run from its folder, installed or not
+    loaded = importlib.import_module(module)
+    found = [value for value in vars(loaded).values()
+             if isinstance(value, dg.Definitions) or callable(getattr(value, "__dagster_definitions", None))]
+    defs = getattr(loaded, "defs", found[0] if found else None)
+    if defs is None:
+        raise SystemExit(f"batchllm-dagster: {module} defines no Definitions")
+    return defs() if callable(defs) and not isinstance(defs, dg.Definitions) else defs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="batchllm-dagster", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="plan a batch job and run every shard of the plan")
+    run.add_argument("job", help="the job's name (its assets are JOB/prompts, JOB/prefix_groups, JOB/completions)")
+    run.add_argument("--shards-only", action="store_true", help="run the current plan's shards, do not plan")
+    run.add_argument("--definitions", help="the definitions module (default: this dg project's)")
+    run.add_argument("--log-level", default="WARNING", help="Dagster's console log level (every event is in "
+                                                            "the instance either way; default WARNING)")
+    args = parser.parse_args(argv)
+    quiet = {"loggers": {"console": {"config": {"log_level": args.log_level.upper()}}}}
+    defs = load_definitions(args.definitions)
+    instance = dg.DagsterInstance.get()
+    if not args.shards_only:
+        planned = defs.resolve_job_def(f"{args.job}_plan").execute_in_process(instance=instance, run_config=quiet,
+                                                                              raise_on_error=False)
+        if not planned.success:
+            print(f"batchllm-dagster: the plan of {args.job!r} failed (run {planned.run_id}): see its log",
+                  file=sys.stderr)
+            return 1
+    results = run_planned_shards(instance, defs, args.job, run_config=quiet, check=False)
+    failed = [r for r in results if not r.success]
+    print(f"{args.job}: {len(results)} shard runs, {len(results) - len(failed)} succeeded"
+          + (f", {len(failed)} failed: {[r.run_id for r in failed]}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

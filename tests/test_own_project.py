@@ -1,0 +1,72 @@
+"""A data engineer's own Dagster project, set up as the README's "In your own project" says: a dg
+project folder, a job scaffolded and filled in, `dg check defs`, `dg launch` of its plan, and
+`batchllm-dagster run` for every shard; no demo file, no dagster.yaml."""
+
+import os
+import subprocess
+import duckdb
+import pytest
+
+from .conftest import ROOT
+
+pytestmark = pytest.mark.slow  # the dg CLI and real vLLM
+
+BIN = ROOT / ".venv" / "bin"
+PYPROJECT = """[project]
+name = "my-batches"
+version = "0.1.0"
+dependencies = ["batchllm-dagster"]
+
+[tool.dg]
+directory_type = "project"
+
+[tool.dg.project]
+root_module = "my_batches"
+code_location_target_module = "my_batches.definitions"
+"""
+DEFINITIONS = """from pathlib import Path
+
+import dagster as dg
+
+
+@dg.definitions
+def defs() -> dg.Definitions:
+    return dg.load_from_defs_folder(path_within_project=Path(__file__).parent)
+"""
+
+
+def test_a_project_of_ones_own_set_up_from_the_readme_answers_every_row(tmp_path, tiny_model):
+    project = tmp_path / "my_project"
+    (project / "my_batches" / "defs").mkdir(parents=True)
+    (project / "pyproject.toml").write_text(PYPROJECT)
+    (project / "my_batches" / "__init__.py").write_text("")
+    (project / "my_batches" / "defs" / "__init__.py").write_text("")
+    (project / "my_batches" / "definitions.py").write_text(DEFINITIONS)
+    env = {**os.environ, "PYTHONPATH": str(project), "DAGSTER_HOME": str(tmp_path / "home"),
+           "BATCHLLM_DATA_DIR": str(project / "data")}
+    (tmp_path / "home").mkdir()
+
+    def run(*command):
+        done = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        return done.stdout + done.stderr
+
+    run(str(BIN / "dg"), "scaffold", "defs", "assets.BatchJobComponent", "nightly")
+    job = project / "my_batches" / "defs" / "nightly"
+    # Filled in as the template says: the database, the SQL, the model.
+    (project / "data").mkdir()
+    with duckdb.connect(str(project / "data" / "my_warehouse.duckdb")) as con:
+        con.execute("CREATE TABLE my_prompt_table AS SELECT i AS id, 'Question ' || i || ': what is ' || i || "
+                    "' plus one?' AS prompt FROM range(12) t(i)")
+    text = (job / "defs.yaml").read_text().replace("max_tokens: 32", "max_tokens: 4")
+    (job / "defs.yaml").write_text(text.replace("model_path: smollm2",
+                                                f"model_path: {tiny_model}\n    kv_cache_blocks: 64"))
+    assert "All definitions loaded successfully" in run(str(BIN / "dg"), "check", "defs")
+    run(str(BIN / "dg"), "launch", "--job", "nightly_plan")
+    assert "nightly: 2 shard runs, 2 succeeded" in run(str(BIN / "batchllm-dagster"), "run", "nightly", "--shards-only")
+    with duckdb.connect(str(project / "data" / "my_warehouse.duckdb"), read_only=True) as con:
+        answers = con.execute("SELECT count(*), count(DISTINCT id), count(*) FILTER (WHERE status = 'ok') "
+                              "FROM nightly_completions").fetchall()[0]
+    assert answers == (12, 12, 12)
+    # Nothing left to run: a second call asks for no shard.
+    assert "nightly: 0 shard runs" in run(str(BIN / "batchllm-dagster"), "run", "nightly", "--shards-only")
