@@ -430,3 +430,55 @@ def subprocess_pid_that_has_exited() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     return child.pid
+
+
+def test_a_max_tokens_that_changes_no_rows_budget_reruns_nothing_and_older_answers_are_reused(tmp_path, tiny_model):
+    """Lowering ``max_tokens`` below a choice's length leaves every choice row's budget where its
+    longest choice puts it: no answer can change, and none is computed again (it reran every row:
+    "model or answer settings changed"). Answers written under the fingerprint before this change
+    (typed ``max_tokens`` in the settings) are reused too, never recomputed for it."""
+    from engine.bench.sim_engine import FakeEngine
+    from engine.jobs.resume import run_resumable
+    from engine.machine import current_platform
+    from engine.plan.prepared import prepare_batch
+    from engine.plan.tokenizing import load_tokenizer
+    from engine.response_format import ResponseFormat
+    from engine.run.checkpoint import legacy_settings_fingerprint, row_fingerprints
+    from engine.settings import EngineSettings, SamplingSettings
+
+    table = pa.table({"id": [f"r{i}" for i in range(6)], "prompt": [f"Review {i}: fine" for i in range(6)]})
+    settings = EngineSettings(model_path=tiny_model, block_size=8)
+    labels = ResponseFormat(choice=["positive", "negative"])
+
+    class Labels(FakeEngine):  # answers a valid label, ended by the model (as vLLM's grammar ends it)
+        def step(self):
+            report = super().step()
+            for finished in report.finished:
+                finished.text, finished.finish_reason = "positive", "stop"
+            return report
+
+    def run(max_tokens, folder):
+        sampling = SamplingSettings(max_tokens=max_tokens, response_format=labels)
+        prepared = prepare_batch(table, load_tokenizer(tiny_model), settings, sampling)
+        outcome = run_resumable(prepared, settings, sampling, tmp_path / folder,
+                                engine_opener=lambda *a: Labels(num_blocks=64, block_size=8))
+        return prepared, sampling, outcome
+
+    prepared, sampling, first = run(4, "ckpt")  # below the longest choice: every budget is raised to 9
+    assert first.stats.reused_rows == 0
+    _, _, lower = run(2, "ckpt")  # lower still: the same budgets, the same answers
+    assert lower.stats.reused_rows == 6 and lower.not_reused == {}
+    _, _, higher = run(16, "ckpt")  # a budget that does change: every row again
+    assert higher.stats.reused_rows == 0
+
+    # An answer written before: its row fingerprint made of the settings with the typed max_tokens.
+    old = row_fingerprints(prepared, legacy_settings_fingerprint(settings.for_platform(current_platform()), sampling))
+    import pyarrow.parquet as pq
+
+    written = pq.read_table(sorted((tmp_path / "ckpt").glob("part-*.parquet"))[0])
+    written = written.set_column(written.schema.get_field_index("row_fingerprint"), "row_fingerprint",
+                                 pa.array([old[prepared.ids.index(i)] for i in written["id"].to_pylist()]))
+    (tmp_path / "old").mkdir()
+    pq.write_table(written, tmp_path / "old" / "part-0.parquet")
+    _, _, upgraded = run(4, "old")
+    assert upgraded.stats.reused_rows == written.num_rows

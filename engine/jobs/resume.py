@@ -16,7 +16,7 @@ import pyarrow as pa
 from ..machine import current_platform
 from ..plan.prepared import PreparedBatch
 from ..run.batch_run import BatchRun
-from ..run.checkpoint import Checkpoint, row_fingerprints, settings_fingerprint
+from ..run.checkpoint import Checkpoint, legacy_settings_fingerprint, row_fingerprints, settings_fingerprint
 from ..run.progress import Display
 from ..run.results import EngineInfo, RowResult, RunStats
 from ..settings import EngineSettings, SamplingSettings, SchedulerSettings
@@ -57,13 +57,17 @@ def run_resumable(
     leaves it."""
     started_at = time.perf_counter() if started_at is None else started_at
     rows = [int(r) for r in prepared.order] if rows is None else list(rows)
-    settings_fp = settings_fingerprint(engine_settings.for_platform(current_platform()), sampling)
+    resolved = engine_settings.for_platform(current_platform())
+    settings_fp = settings_fingerprint(resolved, sampling)
     fingerprints = row_fingerprints(prepared, settings_fp)
+    legacy_settings_fp = legacy_settings_fingerprint(resolved, sampling)
+    legacy = row_fingerprints(prepared, legacy_settings_fp)
     checkpoint = Checkpoint(
         checkpoint_dir, prepared.id_type, every_rows=checkpoint_every_rows, every_s=checkpoint_every_s
     )
     reused = checkpoint.load({prepared.ids[r]: fingerprints[r] for r in rows}, also=list(reuse_from),
-                             settings_fp=settings_fp)
+                             settings_fp=settings_fp, legacy={prepared.ids[r]: legacy[r] for r in rows},
+                             legacy_settings_fp=legacy_settings_fp)
     todo = [r for r in rows if prepared.ids[r] not in reused]
     why = "; ".join(f"{n} {reason}" for reason, n in checkpoint.not_reused.most_common())
     (progress_sink or log.info)(

@@ -39,7 +39,20 @@ def settings_fingerprint(engine: EngineSettings, sampling: SamplingSettings) -> 
     config, tokenizer, chat template: the plan stamp's ``model_fingerprint``, not its path, so a
     checkpoint re-exported in place reruns every row), vLLM's version, the engine settings above
     (``engine`` as resolved for the platform by ``for_platform``: a CPU and a GPU run differ) and
-    the sampling, response format included."""
+    the sampling, response format included, but not ``max_tokens`` as typed: each row's budget as
+    it runs (raised to its longest choice, say) is in its own fingerprint (``row_fingerprints``),
+    so a setting that changes no row's budget reruns nothing."""
+    return _settings_fingerprint(engine, sampling.model_dump(mode="json", exclude={"max_tokens"}))
+
+
+def legacy_settings_fingerprint(engine: EngineSettings, sampling: SamplingSettings) -> str:
+    """The settings fingerprint answers were written with before it left out ``max_tokens`` as
+    typed: an answer whose row fingerprint is made of it is as valid as one of today's (the same
+    model, settings and row, the typed budget too), so a rerun still reuses it."""
+    return _settings_fingerprint(engine, sampling)
+
+
+def _settings_fingerprint(engine: EngineSettings, sampling) -> str:
     from ..machine import vllm_version
     from ..plan.tokenizing import model_fingerprint
 
@@ -73,12 +86,13 @@ _IDENTITY_COLUMNS = ["id", "status", "row_fingerprint", "settings_fingerprint"] 
 _WHY_COLUMNS = ["id", "status", "settings_fingerprint"]
 
 
-def _why_not_reused(previous: tuple[str, str | None] | None, settings_fp: str | None) -> str:
-    """``previous``: the (status, settings fingerprint) an earlier result of the id recorded."""
+def _why_not_reused(previous: tuple[str, str | None] | None, settings_fps: set[str]) -> str:
+    """``previous``: the (status, settings fingerprint) an earlier result of the id recorded;
+    ``settings_fps``: the settings fingerprints of today's settings."""
     if previous is None:
         return NEW_ROW
     status, settings = previous
-    if settings != settings_fp:
+    if settings not in settings_fps:
         return SETTINGS_CHANGED
     return FAILED_BEFORE if status != "ok" else ROW_CHANGED
 
@@ -96,8 +110,10 @@ class Checkpoint:
         self.reused_from: dict = {}  # row id -> where load() found it
         self.not_reused: Counter[str] = Counter()  # why load() found no reusable result, rows per reason
 
-    def load(self, expected: dict, also: list[Path | pa.Table] = (), settings_fp: str | None = None) -> dict:
-        """Reusable ok results by id: those whose fingerprint equals ``expected[id]``.
+    def load(self, expected: dict, also: list[Path | pa.Table] = (), settings_fp: str | None = None,
+             legacy: dict | None = None, legacy_settings_fp: str | None = None) -> dict:
+        """Reusable ok results by id: those whose fingerprint equals ``expected[id]`` (or
+        ``legacy[id]``: the same row under ``legacy_settings_fingerprint``, ``legacy_settings_fp``).
 
         ``also`` names more results to reuse from (a previous run's output, another checkpoint's
         parts: files or tables);
@@ -108,6 +124,7 @@ class Checkpoint:
         parts = sorted(self.folder.glob("part-*.parquet")) if self.folder.exists() else []
         wanted_ids = pa.array(list(expected), self.id_type)
         wanted_fps = pa.array(list(expected.values()), pa.string())
+        legacy_fps = pa.array([(legacy or {}).get(i) for i in expected], pa.string())
         reusable: dict = {}
         latest: dict = {}  # row id -> (status, settings fingerprint) of its last earlier result
         self.reused_from = {}
@@ -121,8 +138,10 @@ class Checkpoint:
             rows, position, identities = found
             for row_id, status, settings in zip(*(identities.column(n).to_pylist() for n in _WHY_COLUMNS)):
                 latest[row_id] = (status, settings)
-            same = pc.and_(pc.equal(identities.column("row_fingerprint"), pc.take(wanted_fps, position)),
-                           pc.equal(identities.column("status"), "ok"))
+            recorded = identities.column("row_fingerprint")
+            fingerprint_holds = pc.or_kleene(pc.equal(recorded, pc.take(wanted_fps, position)),
+                                             pc.equal(recorded, pc.take(legacy_fps, position)))
+            same = pc.and_(pc.fill_null(fingerprint_holds, False), pc.equal(identities.column("status"), "ok"))
             chosen = pc.filter(rows, same)
             if not len(chosen):
                 continue
@@ -136,7 +155,8 @@ class Checkpoint:
                 row_id = record.pop("id")
                 reusable[row_id] = RowResult(id=row_id, **record)
                 self.reused_from[row_id] = source
-        self.not_reused = Counter(_why_not_reused(latest.get(i), settings_fp) for i in expected if i not in reusable)
+        settings = {settings_fp} | ({legacy_settings_fp} if legacy_settings_fp else set())
+        self.not_reused = Counter(_why_not_reused(latest.get(i), settings) for i in expected if i not in reusable)
         return reusable
 
     def _identities(self, part: Path | pa.Table, wanted_ids: pa.Array):
