@@ -9,7 +9,8 @@ import pyarrow as pa
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import table_preview
 from engine.atomic import Staged
-from engine.table.dataset import check_unique_ids, read_sql, single_query, source_sql, stream_sql, validate
+from engine.table.dataset import (DatasetError, check_unique_ids, read_sql, single_query, source_sql, stream_sql,
+                                  validate)
 from engine.table.field_order_state import KeptOrders
 from engine.table.fields import FieldOrder, PrefillCounter
 from engine.table.prompt_rendering import rendered_batches
@@ -84,7 +85,10 @@ def build_prompts(config: BatchJobConfig) -> dg.AssetsDefinition:
         # The job's plan lock: a snapshot never lands while a plan is being made from the last one
         # (that plan finishes first; this run then waits), in any instance, whatever launched it.
         with config.plan_lock(f"a prompt snapshot being taken (run {context.run.run_id}, pid {os.getpid()})"):
-            rows, preview, choice = snapshot_dataset(config, path)
+            try:
+                rows, preview, choice = snapshot_dataset(config, path)
+            except DatasetError as exc:  # what to fix in the job or its data: one line, no traceback
+                raise dg.Failure(f"{config.name}: {exc}", allow_retries=False) from None
         context.log.info(f"{rows} prompt rows from {spec.describe()} -> {path}")
         order = {}
         if choice is not None:

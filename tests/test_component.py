@@ -164,3 +164,28 @@ def test_a_job_builds_definitions_with_its_warehouse_resource_bound(tmp_path):
             resource = assets_def.resource_defs["nightly_warehouse"]
             assert resource.configurable_resource_cls.__name__ == "DuckDBResource"
             assert resource.config_schema.default_value["database"] == config.output_database
+
+
+@pytest.mark.parametrize("dataset, message", [
+    ({"table": "carz"}, 'Table with name carz does not exist!\nDid you mean "cars"?'),
+    ({"table": "cars", "prompt": {"instruction": "x", "fields": ["nmae"]}},
+     "the prompt's fields ['nmae'] are not columns of the table (it has id, name)"),
+    ({"table": "cars", "database": "nope.duckdb"}, "nope.duckdb' does not exist"),
+])
+def test_a_job_whose_table_or_fields_do_not_exist_fails_its_plan_in_a_line_that_names_them(tmp_path, dataset,
+                                                                                           message):
+    import duckdb
+
+    from batchllm_dagster import BatchJobConfig, DatasetSpec
+    from assets import build_batch_defs
+
+    with duckdb.connect(str(tmp_path / "w.duckdb")) as con:
+        con.execute("CREATE TABLE cars AS SELECT i AS id, 'car ' || i AS name FROM range(3) t(i)")
+    spec = DatasetSpec(**{"database": str(tmp_path / "w.duckdb"), **dataset,
+                          **({"database": str(tmp_path / dataset["database"])} if "database" in dataset else {})})
+    config = BatchJobConfig(name="j", dataset=spec, output_database=str(tmp_path / "o.duckdb"),
+                            storage_dir=str(tmp_path / "jobs"))
+    result = build_batch_defs(config).resolve_job_def("j_plan").execute_in_process(raise_on_error=False)
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE").event_specific_data.error
+    assert failure.cls_name == "Failure" and message in failure.message
+    assert failure.message.startswith("dagster._core.definitions.events.Failure: j: ")
