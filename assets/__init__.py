@@ -2,8 +2,8 @@
 prompts -> prefix_groups -> completions (one partition per shard), its checks, jobs, sensors and
 schedule (``build_batch_defs``), and the same from YAML (``BatchJobComponent``)."""
 
-from .component import BatchJobComponent
 from .completions import build_completions
+from .component import BatchJobComponent
 from .factory import build_batch_defs
 from .prefix_groups import build_prefix_groups
 from .prompts import build_prompts

@@ -27,13 +27,13 @@ from batchllm_dagster.resources import VLLMResource
 from batchllm_dagster.shard_sizing import TimeLimit, last_partitions_metadata, measured_by_hardware, shard_time_limit
 from batchllm_dagster.warehouse import existing_rows, replace_partition, replace_prompts_view
 from engine.atomic import Staged
-from engine.run.console import ProgressBar
-from engine.locks import Busy, held_alone
-from engine.plan.plan_table import NotInPlan, StalePlan, load_shard, planned_counts, planned_keys, superseded
-from engine.plan.prepared import PreparedBatch
 from engine.jobs.resume import RunOutcome, run_resumable
 from engine.jobs.shared_engine import SharedEngine
+from engine.locks import Busy, held_alone
 from engine.machine import Platform
+from engine.plan.plan_table import NotInPlan, StalePlan, load_shard, planned_counts, planned_keys, superseded
+from engine.plan.prepared import PreparedBatch
+from engine.run.console import ProgressBar
 from engine.settings import EngineSettings, SamplingSettings
 from engine.table.field_order_state import recorded_choice
 from engine.table.prompt_snapshot import CONTENT_KEY

@@ -16,11 +16,11 @@ from batchllm_dagster.warehouse import answers_not_in, remove_answers_not_in, re
 from engine.plan.duplicates import count_duplicates
 from engine.plan.plan_table import plan_content_keys, plan_table, previous_shards, stale_reasons, write_plan
 from engine.plan.prepared import plan_tokenized
-from engine.table.prompt_snapshot import CONTENT_KEY, columns_without_text, read_snapshot
-from engine.settings import fingerprint
 from engine.plan.shards import assign_shards
 from engine.plan.token_cache import TokenCache
 from engine.plan.tokenizing import LazyTokenizer, tokenizer_fingerprint
+from engine.settings import fingerprint
+from engine.table.prompt_snapshot import CONTENT_KEY, columns_without_text, read_snapshot
 
 from .checkpoints import prune_checkpoints
 from .snapshots import plan_stamp_of

@@ -9,13 +9,19 @@ import pyarrow as pa
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.metadata import table_preview
 from engine.atomic import Staged
-from engine.table.dataset import (DatasetError, check_unique_ids, read_sql, single_query, source_sql, stream_sql,
-                                  validate)
+from engine.table.dataset import (
+    DatasetError,
+    check_unique_ids,
+    read_sql,
+    single_query,
+    source_sql,
+    stream_sql,
+    validate,
+)
 from engine.table.field_order_state import KeptOrders
 from engine.table.fields import FieldOrder, PrefillCounter
 from engine.table.prompt_rendering import rendered_batches
 from engine.table.prompt_snapshot import SnapshotWriter, snapshot_digest
-
 
 
 def dataset_sql(config: BatchJobConfig) -> tuple[str, str | None, list[str]]:

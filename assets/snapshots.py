@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from batchllm_dagster.config import BatchJobConfig
 from engine.plan.plan_table import plan_stamp
-from engine.table.prompt_snapshot import snapshot_digest
 from engine.settings import EngineSettings
+from engine.table.prompt_snapshot import snapshot_digest
 
 PLAN_RUN_TAG = "batchllm/plan_run"  # tag of a shard's run: the plan run whose shards it was queued for
 

@@ -20,15 +20,14 @@ from __future__ import annotations
 import dagster as dg
 from dagster_duckdb import DuckDBResource
 
-from engine.table.prompt_snapshot import ids_sql
 from engine.response_format import ResponseFormat
 from engine.run.results import RunStats
 from engine.sql import quote_identifier
+from engine.table.prompt_snapshot import ids_sql
 
 from .config import BatchJobConfig
 from .partitions import RANGE_START
 from .warehouse import table_exists
-
 
 
 def partition_check_specs(config: BatchJobConfig) -> list[dg.AssetCheckSpec]:

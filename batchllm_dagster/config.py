@@ -12,11 +12,11 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.machine import Platform, current_platform
 from engine.plan.plan_table import PlanShaping
+from engine.settings import EngineSettings, Policy, SamplingSettings, SchedulerSettings, fingerprint
 from engine.table.dataset import Columns
 from engine.table.fields import PromptFields
-from engine.machine import Platform, current_platform
-from engine.settings import EngineSettings, Policy, SamplingSettings, SchedulerSettings, fingerprint
 
 from .shard_sizing import FIRST_NIGHT_ROWS_PER_SHARD
 

@@ -8,9 +8,9 @@ from contextlib import contextmanager
 import dagster as dg
 from pydantic import Field
 
+from engine.machine import device_name
 from engine.settings import EngineSettings
 from engine.vllm.vllm_engine import VLLMEngine, open_engine
-from engine.machine import device_name
 
 
 class VLLMResource(dg.ConfigurableResource):

@@ -11,12 +11,12 @@ import time
 
 import ray
 
-from engine.table.dataset import load_prompts
 from engine.jobs.distributed import run_on_ray
 from engine.models import resolve_model
 from engine.plan.prepared import prepare_batch
-from engine.settings import EngineSettings, SamplingSettings
 from engine.plan.tokenizing import load_tokenizer
+from engine.settings import EngineSettings, SamplingSettings
+from engine.table.dataset import load_prompts
 
 
 def main(source: str, database: str | None, replicas: int = 2) -> None:

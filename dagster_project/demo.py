@@ -88,11 +88,10 @@ def materialize_all() -> None:
     import dagster as dg
     import duckdb
 
+    from engine.run.console import summary_table
     from engine.sql import quote_identifier
 
     from .definitions import DATABASE, defs
-
-    from engine.run.console import summary_table
 
     instance = dg.DagsterInstance.get()
     code_location = defs()

@@ -200,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON line on stdout (always)")
     parser.add_argument("--phase", choices=["plan", "partition"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    from engine.models import resolve_model
     from engine.machine import CACHE_ROOT
+    from engine.models import resolve_model
 
     args.work = (args.work or CACHE_ROOT / "scale" / str(args.rows)).resolve()
     if args.phase:  # a child process

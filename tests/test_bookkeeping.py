@@ -7,14 +7,14 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from engine.run.checkpoint import Checkpoint
-from engine.plan.prefix_tree import reusable_tokens
 from engine.plan.plan_table import prepared_batch, rows_table
+from engine.plan.prefix_tree import reusable_tokens
 from engine.plan.prepared import PreparedBatch
-from engine.run.progress import Progress, format_eta
-from engine.settings import fingerprint
-from engine.run.results import RowResult, RunStats, merge_stats
 from engine.plan.tokenizing import TokenizedBatch
+from engine.run.checkpoint import Checkpoint
+from engine.run.progress import Progress, format_eta
+from engine.run.results import RowResult, RunStats, merge_stats
+from engine.settings import fingerprint
 
 
 def result(i, fingerprint="fp", status="ok"):
@@ -139,10 +139,9 @@ def test_a_resumable_run_on_a_fake_engine_checkpoints_from_the_first_row_not_fro
     import time
 
     import engine.run.checkpoint as checkpoint_module
+    from engine.bench.sim_engine import FakeEngine
     from engine.jobs.resume import run_resumable
     from engine.settings import EngineSettings, SamplingSettings
-
-    from engine.bench.sim_engine import FakeEngine
 
     rows = [[1, 2, 3, 4, 5, 6, 7, i] for i in range(12)]
     prepared = prepared_of(rows, order=list(range(12)), groups=[0] * 12, prefix=[6] * 12)
@@ -215,11 +214,10 @@ def test_a_changed_chat_template_or_snapshot_makes_the_plan_stale(tmp_path, tiny
 def test_a_model_rewritten_in_place_reruns_every_row_and_says_why(tmp_path):
     """The answer fingerprint holds the model's content, not its path: weights re-exported to the
     same folder (a nightly fine-tune) make every row run again, and the run says why."""
-    from engine.run.checkpoint import NEW_ROW, ROW_CHANGED, SETTINGS_CHANGED
-    from engine.jobs.resume import run_resumable
-    from engine.settings import EngineSettings, SamplingSettings
-
     from engine.bench.sim_engine import FakeEngine
+    from engine.jobs.resume import run_resumable
+    from engine.run.checkpoint import NEW_ROW, ROW_CHANGED, SETTINGS_CHANGED
+    from engine.settings import EngineSettings, SamplingSettings
 
     model = tmp_path / "model"
     model.mkdir()
@@ -273,9 +271,9 @@ def _twelve_rows():
 def test_rows_finished_before_an_engine_error_are_in_the_checkpoint(tmp_path):
     """Nothing finished is lost: the last part is written whatever ends the run (a vLLM error, a stall,
     a terminate), not only when it ends well."""
+    from engine.bench.sim_engine import FakeEngine
     from engine.jobs.resume import run_resumable
     from engine.settings import EngineSettings, SamplingSettings
-    from engine.bench.sim_engine import FakeEngine
 
     class FailingEngine(FakeEngine):  # vLLM dies after some rows finished
         finished = 0
@@ -305,9 +303,9 @@ def test_a_finished_row_is_written_on_time_while_no_other_row_finishes(tmp_path,
     row done and the next minutes later is on disk meanwhile (an engine step here takes a minute of
     a fake clock)."""
     import engine.run.checkpoint as checkpoint_module
+    from engine.bench.sim_engine import FakeEngine
     from engine.jobs.resume import run_resumable
     from engine.settings import EngineSettings, SamplingSettings
-    from engine.bench.sim_engine import FakeEngine
 
     clock = [0.0]
     monkeypatch.setattr(checkpoint_module.time, "monotonic", lambda: clock[0])

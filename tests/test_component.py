@@ -176,8 +176,8 @@ def test_a_job_whose_table_or_fields_do_not_exist_fails_its_plan_in_a_line_that_
                                                                                            message):
     import duckdb
 
-    from batchllm_dagster import BatchJobConfig, DatasetSpec
     from assets import build_batch_defs
+    from batchllm_dagster import BatchJobConfig, DatasetSpec
 
     with duckdb.connect(str(tmp_path / "w.duckdb")) as con:
         con.execute("CREATE TABLE cars AS SELECT i AS id, 'car ' || i AS name FROM range(3) t(i)")

@@ -58,7 +58,7 @@ def test_materializes_prompts_groups_and_one_completion_per_row(job):
         assert len(results) == 2
         groups_meta = planned.asset_materializations_for_node("e2e__prefix_groups")[0].metadata
         assert groups_meta["groups"].value >= 2 and groups_meta["shared_fraction"].value > 0.3
-        for partition, result in results.items():
+        for result in results.values():
             meta = result.asset_materializations_for_node("e2e__completions")[0].metadata
             for name in ("rows", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "wall_s", "tokens_per_s",
                          "output_tokens_per_s", "startup_s", "mean_kv_usage", "rows_per_step", "engine_steps"):

@@ -4,16 +4,15 @@ on the block-accounting fake engine that submits each content once and answers e
 import numpy as np
 import pyarrow as pa
 
-from engine.run.batch_run import BatchRun
-from engine.run.scheduler import InOrder
+from engine.bench.sim_engine import FakeEngine
 from engine.plan.duplicates import NO_SET, answer_sources, count_duplicates, duplicate_sets, token_keys
 from engine.plan.plan_table import prepared_batch, rows_table
 from engine.plan.prepared import plan_tokenized
-from engine.run.requests import RequestKind
-from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
 from engine.plan.tokenizing import TokenizedBatch
-
-from engine.bench.sim_engine import FakeEngine
+from engine.run.batch_run import BatchRun
+from engine.run.requests import RequestKind
+from engine.run.scheduler import InOrder
+from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
 
 BLOCK = 8
 SETTINGS = EngineSettings(model_path="unused", block_size=BLOCK, max_model_len=512)

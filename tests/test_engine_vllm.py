@@ -5,11 +5,11 @@ import random
 import pyarrow as pa
 import pytest
 
+from engine.plan.prepared import prepare_batch
+from engine.plan.tokenizing import load_tokenizer
 from engine.run.batch_run import BatchRun
 from engine.run.scheduler import InOrder, Planned
-from engine.plan.prepared import prepare_batch
 from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
-from engine.plan.tokenizing import load_tokenizer
 from engine.vllm.vllm_engine import open_engine
 
 from .conftest import ROOT, make_prompt_table

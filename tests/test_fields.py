@@ -7,8 +7,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from engine.table.dataset import DatasetError
-from engine.table.fields import (FieldOrder, PromptFields, choose_field_orders, distinct_value_order, field_positions,
-                           greedy_field_orders, render_prompts, with_prompt_column)
+from engine.table.fields import (
+    FieldOrder,
+    PromptFields,
+    choose_field_orders,
+    distinct_value_order,
+    field_positions,
+    greedy_field_orders,
+    render_prompts,
+    with_prompt_column,
+)
 
 
 def reviews(products=4, per_product=5, seed=0) -> pa.Table:

@@ -195,9 +195,8 @@ def test_the_engine_starts_vllm_in_its_offline_usage_context(monkeypatch, tiny_m
 
 @pytest.mark.slow  # imports vLLM
 def test_requests_ask_vllm_for_deltas_only():
-    from vllm.sampling_params import RequestOutputKind
-
     import numpy as np
+    from vllm.sampling_params import RequestOutputKind
 
     from engine.run.requests import RequestKind, Submission
     from engine.settings import SamplingSettings
@@ -272,10 +271,10 @@ def test_shards_of_different_sizes_build_engines_with_one_compile_hash(monkeypat
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from engine.plan.prepared import prepare_batch
     from engine.jobs.resume import run_resumable
-    from engine.settings import SamplingSettings
+    from engine.plan.prepared import prepare_batch
     from engine.plan.tokenizing import load_tokenizer
+    from engine.settings import SamplingSettings
     from engine.vllm.vllm_engine import EngineStartError
 
     from .conftest import make_prompt_table

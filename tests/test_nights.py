@@ -17,18 +17,17 @@ import pytest
 from assets import build_batch_defs
 from batchllm_dagster import BatchJobConfig
 from dagster_project.demo import QUIET, run_planned_shards
-from engine.run.checkpoint import NEW_ROW, ROW_CHANGED, SETTINGS_CHANGED, Checkpoint
 from engine.models import build_tiny_model
-
+from engine.run.checkpoint import NEW_ROW, ROW_CHANGED, SETTINGS_CHANGED, Checkpoint
 
 pytestmark = pytest.mark.slow  # real vLLM
 
 
 def from_scratch(config: BatchJobConfig) -> dict:
     """Every live row answered by a fresh engine: what each answer in the table must equal."""
-    from engine.run.batch_run import BatchRun
     from engine.plan.prepared import prepare_batch
     from engine.plan.tokenizing import load_tokenizer
+    from engine.run.batch_run import BatchRun
     from engine.vllm.vllm_engine import open_engine
 
     with duckdb.connect(config.dataset.database, read_only=True) as con:

@@ -4,6 +4,7 @@ project folder, a job scaffolded and filled in, `dg check defs`, `dg launch` of 
 
 import os
 import subprocess
+
 import duckdb
 import pytest
 

@@ -143,15 +143,12 @@ def test_one_run_per_partition_key_whatever_launches_it_and_in_an_instance_witho
 
 def test_an_instance_without_the_queueing_limits_is_named_with_the_lines_to_add():
     from pathlib import Path
+    from types import SimpleNamespace
 
     import dagster as dg
     import yaml
 
-    from batchllm_dagster.instance_limits import DAGSTER_YAML, missing_limits
-
-    from types import SimpleNamespace
-
-    from batchllm_dagster.instance_limits import warn_if_unlimited
+    from batchllm_dagster.instance_limits import DAGSTER_YAML, missing_limits, warn_if_unlimited
 
     with dg.instance_for_test() as bare:
         assert len(missing_limits(bare)) == 3

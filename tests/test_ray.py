@@ -12,12 +12,12 @@ ray = __import__("ray") if os.environ.get("CI") == "true" else pytest.importorsk
 import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from engine.plan.shards import split_prepared  # noqa: E402
-from engine.run.batch_run import BatchRun  # noqa: E402
 from engine.jobs.distributed import run_on_ray  # noqa: E402
 from engine.plan.prepared import prepare_batch  # noqa: E402
-from engine.settings import EngineSettings, SamplingSettings  # noqa: E402
+from engine.plan.shards import split_prepared  # noqa: E402
 from engine.plan.tokenizing import load_tokenizer  # noqa: E402
+from engine.run.batch_run import BatchRun  # noqa: E402
+from engine.settings import EngineSettings, SamplingSettings  # noqa: E402
 from engine.vllm.vllm_engine import open_engine  # noqa: E402
 
 from .conftest import make_prompt_table  # noqa: E402

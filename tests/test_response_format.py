@@ -3,16 +3,15 @@
 import pyarrow as pa
 import pytest
 
-from engine.run.batch_run import BatchRun
-from engine.run.checkpoint import row_fingerprints
+from engine.bench.sim_engine import FakeEngine
 from engine.plan.plan_table import prepared_batch, rows_table
 from engine.plan.prepared import prepare_batch
-from engine.run.requests import RequestKind
-from engine.response_format import ResponseFormat
-from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
 from engine.plan.tokenizing import load_tokenizer
-
-from engine.bench.sim_engine import FakeEngine
+from engine.response_format import ResponseFormat
+from engine.run.batch_run import BatchRun
+from engine.run.checkpoint import row_fingerprints
+from engine.run.requests import RequestKind
+from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
 
 LABELS = ResponseFormat(choice=["positive", "negative"])
 PERSON = ResponseFormat(json_schema={"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]})

@@ -5,13 +5,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.bench.sim_engine import FakeEngine
+from engine.plan.tokenizing import TokenizedBatch
 from engine.run.drive import Rejected, StepTotals, drive
 from engine.run.requests import RequestKind
 from engine.run.scheduler import GroupScheduler, InOrderScheduler, PlannedGroup, groups_in_run_order
 from engine.settings import ReserveOutput, SamplingSettings, SchedulerSettings
-from engine.plan.tokenizing import TokenizedBatch
-
-from engine.bench.sim_engine import FakeEngine
 
 BLOCK = 4
 SAMPLING = SamplingSettings()
@@ -26,7 +25,7 @@ def nested_batch(documents=6, rows_per_document=4, system_blocks=6, document_blo
     rng = np.random.default_rng(seed)
     system = rng.integers(100, 1000, system_blocks * BLOCK)
     rows, groups = [], []
-    for d in range(documents):
+    for _ in range(documents):
         document = rng.integers(1000, 2000, document_blocks * BLOCK)
         members = []
         for _ in range(rows_per_document):

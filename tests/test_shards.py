@@ -12,7 +12,7 @@ from .conftest import group_rows
 def grouped_batch(groups=12, rows_per_group=5, prefix=16, seed=0):
     rng = np.random.default_rng(seed)
     rows = []
-    for g in range(groups):
+    for _ in range(groups):
         shared = rng.integers(0, 1000, prefix).tolist()
         rows += [shared + rng.integers(0, 1000, rng.integers(1, 6)).tolist() for _ in range(rows_per_group)]
     offsets = np.cumsum([0] + [len(r) for r in rows])

@@ -7,9 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.table.prompt_snapshot import CONTENT_KEY, content_keys
 from engine.plan.token_cache import TokenCache
 from engine.plan.tokenizing import load_tokenizer, tokenize_rows
+from engine.table.prompt_snapshot import CONTENT_KEY, content_keys
 
 BLOCK = 4  # small blocks: the short test rows have several
 

@@ -287,7 +287,7 @@ def measure_fill(rows: int = 20_000, platform: dict = H200, seed: int = 0) -> di
             scheduler = InOrderScheduler(batch, max_tokens, sorted(range(rows), key=batch.row))
         running, batched = [], []
 
-        def record(report) -> None:
+        def record(report, running=running, batched=batched) -> None:  # this loop's lists
             running.append(report.running)
             batched.append(report.prefill_tokens + report.decode_tokens)
 

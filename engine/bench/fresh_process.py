@@ -20,6 +20,7 @@ from ..run.step_profile import StepProfile
 from ..settings import EngineSettings, SamplingSettings, SchedulerSettings
 from .runs import RUNS, input_order, sorted_order
 
+
 def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: SamplingSettings,
              scheduler: SchedulerSettings, each_step: bool = False) -> tuple[dict, dict]:
     """One run in this process: its report and each row's answer by id (``each_step``: with every

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+
 def input_order(prepared) -> list[int]:
     """The rows as the table has them: what plain vLLM gets."""
     return list(range(prepared.num_rows))

@@ -3,10 +3,10 @@ sentence naming the strongest baseline."""
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from .runs import BASELINES, ENGINE_LABELS, ENGINE_RUNS, LABELS, RUNS
+
 
 def rotated(names: list[str], repetition: int) -> list[str]:
     """The runs' order in repetition ``repetition``: each run goes first once every len(names)."""

@@ -70,7 +70,8 @@ def check(settings: EngineSettings, rows: int = 16) -> Report:
             f"GPUs; this process may use {len(visible_gpus())} of the node's {len(gpus())} "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): lower it or give it more"
         )
-    from ..node_checks import problems as node_problems, read_node
+    from ..node_checks import problems as node_problems
+    from ..node_checks import read_node
 
     for problem in node_problems(read_node(), settings.tensor_parallel_size, settings.gpu_memory_utilization):
         report.problem(problem)
