@@ -149,13 +149,6 @@ def models_dir() -> Path:
     return Path(os.environ.get("BATCHLLM_CACHE_DIR", Path.cwd() / ".cache")) / "models"
 
 
-def prepared_model_dir(name_or_path: str) -> Path | None:
-    """The model's checkpoint directory if it is already on this machine (a built-in is not
-    prepared here), else None: what a check that must not build or fetch a model may read."""
-    path = models_dir() / name_or_path if name_or_path in BUILT_IN else Path(name_or_path)
-    return path if (path / "config.json").is_file() else None
-
-
 class ModelNotFound(FileNotFoundError):
     """The model is neither a built-in name nor an existing checkpoint directory."""
 

@@ -3,7 +3,7 @@ on short answers the engine keeps a GPU's batch as full as vLLM alone on sorted 
 
 import pytest
 
-from engine.bench.bench_scheduler import measure, measure_fill, run_scheduler_only
+from engine.bench.bench_scheduler import _median_of, measure, measure_fill, run_scheduler_only
 
 
 def test_the_scheduler_overhead_benchmark_runs_every_row_and_counts_only_our_time(monkeypatch):
@@ -54,8 +54,11 @@ def test_the_vllm_handle_is_measured_over_a_stand_in_and_builds_one_sampling_par
     assert result["rows"] == 512 and result["us_per_step_mean_all"] > 0
     report = run_scheduler_only([256], repeat=3)  # the handle's mean per step: median and range of three runs
     (handle_run,) = report["with_vllm_handle"]
-    low, high = handle_run["us_per_step_mean_all_range"]
-    assert handle_run["runs"] == 3 and low <= handle_run["us_per_step_mean_all"] <= high
+    assert handle_run["runs"] == 3 and len(handle_run["us_per_step_mean_all_range"]) == 2
+    # The report's median and range, on runs whose numbers are known: the middle run, the extremes.
+    runs = [{"us_per_step_mean_all": v, "steps": i} for i, v in enumerate([50.0, 10.0, 30.0])]
+    assert _median_of(runs) == {"us_per_step_mean_all": 30.0, "steps": 2, "us_per_step_mean_all_range": [10.0, 50.0],
+                                "runs": 3}
     stand_in = LLMEngineStandIn()
     sent = []
     stand_in.add_request = lambda request_id, engine_input, params: sent.append(params)
