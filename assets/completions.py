@@ -302,7 +302,10 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
             with Staged(config.completions_parquet_path(key)) as staged:  # published once DuckDB has committed
                 pq.write_table(table, staged.path)
                 written = replace_partition(warehouse, config.output_table, key, table, on_wait=log.info)
-        replace_prompts_view(warehouse, config.output_table, config.prompts_path, config.dataset.columns)
+        try:  # a convenience beside the answers: a database that cannot read the snapshot fails no shard
+            replace_prompts_view(warehouse, config.output_table, config.prompts_path, config.dataset.columns)
+        except Exception as exc:
+            log.warning(f"the view {config.output_table}_with_prompts was not made: {exc}")
         if not len(stale):
             shutil.rmtree(checkpoint, ignore_errors=True)  # the table now holds every row of the shard
         # else kept: the newer plan's shards reuse its still-valid answers by row fingerprint (a row
