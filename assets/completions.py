@@ -33,7 +33,7 @@ from engine.locks import Busy, held_alone
 from engine.machine import Platform
 from engine.plan.plan_table import NotInPlan, StalePlan, load_shard, planned_counts, planned_keys, superseded
 from engine.plan.prepared import PreparedBatch
-from engine.run.console import ProgressBar
+from engine.run.console import LOG_DIR, ProgressBar, library_output_routed
 from engine.settings import EngineSettings, SamplingSettings
 from engine.table.field_order_state import recorded_choice
 from engine.table.prompt_snapshot import CONTENT_KEY
@@ -193,7 +193,11 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
                     )
                 except Busy as busy:
                     raise dg.Failure(f"{busy}: this run stops without touching its checkpoint or output") from None
-            return run_partitions(context, keys)
+            # vLLM's, torch's and the other libraries' own lines (a missing Triton, NUMA binding, vLLM's
+            # start-up report) go to a log file of the run's, not into the run's log: as on the CLI.
+            with library_output_routed(LOG_DIR / f"{config.name}-{context.run.run_id}.log") as log_file:
+                context.log.info(f"vLLM's and the other libraries' own lines: {log_file}")
+                return run_partitions(context, keys)
 
     def run_partitions(context: dg.AssetExecutionContext, keys: list[str]) -> dg.MaterializeResult:
         """The partitions one after another on one vLLM engine, each written and checked on its own."""

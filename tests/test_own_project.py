@@ -4,6 +4,7 @@ project folder, a job scaffolded and filled in, `dg check defs`, `dg launch` of 
 
 import os
 import subprocess
+from pathlib import Path
 
 import duckdb
 import pytest
@@ -64,7 +65,12 @@ def test_a_project_of_ones_own_set_up_from_the_readme_answers_every_row(tmp_path
                                                 f"model_path: {tiny_model}\n    kv_cache_blocks: 64"))
     assert "All definitions loaded successfully" in run(str(BIN / "dg"), "check", "defs")
     run(str(BIN / "dg"), "launch", "--job", "nightly_plan")
-    assert "nightly: 2 shard runs, 2 succeeded" in run(str(BIN / "batchllm-dagster"), "run", "nightly", "--shards-only")
+    said = run(str(BIN / "batchllm-dagster"), "run", "nightly", "--shards-only")
+    assert "nightly: 2 shard runs, 2 succeeded" in said
+    # The run's console is the job's: vLLM's and the other libraries' own lines are in its log file.
+    assert " vllm" not in said.lower().replace("vllm replicas", "") and "ResourceWarning" not in said
+    logs = sorted((Path(os.environ["BATCHLLM_CACHE_DIR"]) / "logs").glob("nightly-*.log"), key=os.path.getmtime)
+    assert "vllm" in logs[-1].read_text().lower()
     with duckdb.connect(str(project / "data" / "my_warehouse.duckdb"), read_only=True) as con:
         answers = con.execute("SELECT count(*), count(DISTINCT id), count(*) FILTER (WHERE status = 'ok') "
                               "FROM nightly_completions").fetchall()[0]

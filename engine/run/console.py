@@ -3,6 +3,7 @@ warnings they cannot act on (those go to a log file)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -57,6 +58,42 @@ def route_library_output(log_file: Path) -> Path:
     py_warnings.propagate = False
     warnings.simplefilter("default")
     return log_file
+
+
+@contextlib.contextmanager
+def library_output_routed(log_file: Path):
+    """``route_library_output`` for a block of a process that is not ours alone (a Dagster run's
+    step, a test): the libraries' lines go to ``log_file`` while it runs, and every logger,
+    environment variable and warnings filter it touched is as it was afterwards. Where output is
+    routed already (the CLI, the demo) it changes nothing. Yields the log file in use."""
+    global _to_file
+    if _to_file is not None:
+        yield Path(_to_file.baseFilename)
+        return
+    names = [*THIRD_PARTY_LOGGERS, "py.warnings"]
+    saved = {name: (logging.getLogger(name).handlers[:], logging.getLogger(name).propagate,
+                    logging.getLogger(name).level) for name in names}
+    env = {key: os.environ.get(key) for key in ("VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_CONFIG_PATH",
+                                                "TORCH_CPP_LOG_LEVEL")}
+    with warnings.catch_warnings():
+        try:
+            yield route_library_output(log_file)
+        finally:
+            logging.captureWarnings(False)
+            if _to_file is not None:
+                _to_file.close()
+            _to_file = None
+            for name, (handlers, propagate, level) in saved.items():
+                logger = logging.getLogger(name)
+                for added in set(logger.handlers) - set(handlers):  # vLLM's own file handler, if it came
+                    added.close()
+                logger.handlers[:], logger.propagate = handlers, propagate
+                logger.setLevel(level)
+            for key, value in env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 def _vllm_logging_config(log_file: Path) -> Path:
