@@ -3,12 +3,13 @@
 iteration stats and its stat loggers), over a stand-in engine core that returns one new token per
 running request per step. The stat loggers as the engine starts them now (its own, a Prometheus one
 by class, vLLM adding none) and as before (a per-engine logger, beside which vLLM added its
-Prometheus one), at ROWS requests decoding.
+Prometheus one), at ROWS requests decoding; and the loggers alone (vLLM's ``StatLoggerManager``
+recording one such step's stats).
 
     python benchmarks/step_host_cost.py [--rows 256 1024] [--steps 200] [--model tiny]
 
-Prints one JSON line per row count: microseconds per step, median of five repetitions alternating
-before and after, and the range."""
+Prints one JSON line per row count: microseconds per step, whole and loggers alone, median of five
+repetitions alternating before and after, and the range."""
 
 import argparse
 import json
@@ -46,6 +47,20 @@ class StandInCore:
 
     def shutdown(self):
         pass
+
+
+def _record_us(manager, rows: int, steps: int) -> float:
+    """The loggers alone: one step's stats of ``rows`` decoding requests (an inter-token latency
+    each, as vLLM's output processor fills them) recorded ``steps`` times."""
+    from vllm.v1.metrics.stats import IterationStats, SchedulerStats
+
+    iteration = IterationStats()
+    iteration.num_generation_tokens, iteration.inter_token_latencies_iter = rows, [0.02] * rows
+    scheduler = SchedulerStats(num_running_reqs=rows, kv_cache_usage=0.5)
+    started = time.perf_counter()
+    for _ in range(steps):
+        manager.record(scheduler, iteration)
+    return (time.perf_counter() - started) / steps * 1e6
 
 
 def main() -> None:
@@ -97,9 +112,14 @@ def main() -> None:
                     for request_id in list(llm.output_processor.request_states):
                         llm.output_processor.request_states.pop(request_id, None)
                     handle._in_flight.clear()
+            loggers = {"before": [], "after": []}
+            for _ in range(5):
+                for name, manager in (("before", before), ("after", now)):
+                    loggers[name].append(_record_us(manager, rows, args.steps * 10))
             medians = {f"{n}_us_per_step": round(statistics.median(v)) for n, v in times.items()}
             ranges = {f"{n}_range": [round(min(v)), round(max(v))] for n, v in times.items()}
-            print(json.dumps({"rows": rows, **medians, **ranges}))
+            alone = {f"loggers_{n}_us_per_step": round(statistics.median(v), 1) for n, v in loggers.items()}
+            print(json.dumps({"rows": rows, **medians, **ranges, **alone}))
     finally:
         llm.engine_core, llm.logger_manager = real_core, now
         handle.close()
