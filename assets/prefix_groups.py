@@ -13,6 +13,7 @@ from batchllm_dagster.metadata import plan_metadata
 from batchllm_dagster.partitions import by_hardware, shard_key, sync_partitions
 from batchllm_dagster.shard_sizing import ShardSize, last_partitions_metadata, measured_by_hardware, shard_size
 from batchllm_dagster.warehouse import answers_not_in, remove_answers_not_in, replace_table
+from engine.models import preparation_notice
 from engine.plan.duplicates import count_duplicates
 from engine.plan.plan_table import plan_content_keys, plan_table, previous_shards, stale_reasons, write_plan
 from engine.plan.prepared import plan_tokenized
@@ -121,6 +122,9 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
 
     def make_plan(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         columns = config.dataset.columns
+        notice = preparation_notice(config.llm.model_path)
+        if notice:
+            context.log.info(notice)
         settings = config.plan_settings()  # counted as the shards' hardware runs, not this machine
         # Lengths and block hashes come from the cache; only new or changed rows are tokenized. The
         # rows' text is not read here otherwise: the plan needs hashes, max_tokens and formats.

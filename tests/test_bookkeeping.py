@@ -480,3 +480,16 @@ def test_a_max_tokens_that_changes_no_rows_budget_reruns_nothing_and_older_answe
     pq.write_table(written, tmp_path / "old" / "part-0.parquet")
     _, _, upgraded = run(4, "old")
     assert upgraded.stats.reused_rows == written.num_rows
+
+
+def test_a_built_in_model_prepared_on_first_use_is_announced_with_where_it_goes(tmp_path, monkeypatch):
+    from engine import models
+
+    monkeypatch.setenv("BATCHLLM_CACHE_DIR", str(tmp_path))
+    notice = models.preparation_notice("smollm2")
+    assert f"into {tmp_path / 'models' / 'smollm2'}" in notice and "about 0.5 GB" in notice
+    assert "batchllm prepare-model" in notice
+    (tmp_path / "models" / "smollm2").mkdir(parents=True)
+    models._mark_prepared(tmp_path / "models" / "smollm2", name="x")
+    assert models.preparation_notice("smollm2") is None  # prepared: nothing to say
+    assert models.preparation_notice(str(tmp_path)) is None  # a checkpoint of one's own: nothing to prepare
