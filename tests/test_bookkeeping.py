@@ -139,7 +139,7 @@ def test_a_resumable_run_on_a_fake_engine_checkpoints_from_the_first_row_not_fro
     import time
 
     import engine.run.checkpoint as checkpoint_module
-    from engine.bench.sim_engine import FakeEngine
+    from engine.run.stand_in import FakeEngine
     from engine.jobs.resume import run_resumable
     from engine.settings import EngineSettings, SamplingSettings
 
@@ -214,7 +214,7 @@ def test_a_changed_chat_template_or_snapshot_makes_the_plan_stale(tmp_path, tiny
 def test_a_model_rewritten_in_place_reruns_every_row_and_says_why(tmp_path):
     """The answer fingerprint holds the model's content, not its path: weights re-exported to the
     same folder (a nightly fine-tune) make every row run again, and the run says why."""
-    from engine.bench.sim_engine import FakeEngine
+    from engine.run.stand_in import FakeEngine
     from engine.jobs.resume import run_resumable
     from engine.run.checkpoint import NEW_ROW, ROW_CHANGED, SETTINGS_CHANGED
     from engine.settings import EngineSettings, SamplingSettings
@@ -271,7 +271,7 @@ def _twelve_rows():
 def test_rows_finished_before_an_engine_error_are_in_the_checkpoint(tmp_path):
     """Nothing finished is lost: the last part is written whatever ends the run (a vLLM error, a stall,
     a terminate), not only when it ends well."""
-    from engine.bench.sim_engine import FakeEngine
+    from engine.run.stand_in import FakeEngine
     from engine.jobs.resume import run_resumable
     from engine.settings import EngineSettings, SamplingSettings
 
@@ -303,7 +303,7 @@ def test_a_finished_row_is_written_on_time_while_no_other_row_finishes(tmp_path,
     row done and the next minutes later is on disk meanwhile (an engine step here takes a minute of
     a fake clock)."""
     import engine.run.checkpoint as checkpoint_module
-    from engine.bench.sim_engine import FakeEngine
+    from engine.run.stand_in import FakeEngine
     from engine.jobs.resume import run_resumable
     from engine.settings import EngineSettings, SamplingSettings
 
@@ -435,7 +435,7 @@ def test_a_max_tokens_that_changes_no_rows_budget_reruns_nothing_and_older_answe
     longest choice puts it: no answer can change, and none is computed again (it reran every row:
     "model or answer settings changed"). Answers written under the fingerprint before this change
     (typed ``max_tokens`` in the settings) are reused too, never recomputed for it."""
-    from engine.bench.sim_engine import FakeEngine
+    from engine.run.stand_in import FakeEngine
     from engine.jobs.resume import run_resumable
     from engine.machine import current_platform
     from engine.plan.prepared import prepare_batch

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from engine.cli.doctor import environment_problems, settings_of_job
+from engine.node_checks import TCMALLOC_GAIN, cpu_preload_advice, cpu_preload_libraries
 from engine.settings import Platform
 
 
@@ -22,6 +23,21 @@ def test_each_environment_problem_of_a_gpu_node_comes_with_its_fix():
     )
     assert any("Unix limit of 107 bytes" in p for p in problems)
     assert environment_problems(Platform.CPU, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}) == []  # right on a CPU
+
+
+def test_a_cpu_node_is_told_how_to_preload_tcmalloc_and_what_it_gains(tmp_path):
+    assert cpu_preload_libraries((str(tmp_path),)) == {"tcmalloc": None, "iomp": None}
+    (tmp_path / "libtcmalloc_minimal.so.4").touch()
+    (tmp_path / "libiomp5.so").touch()
+    found = cpu_preload_libraries((str(tmp_path),))
+    assert found == {"tcmalloc": str(tmp_path / "libtcmalloc_minimal.so.4"), "iomp": str(tmp_path / "libiomp5.so")}
+    [advice] = cpu_preload_advice("", found)
+    assert f"export LD_PRELOAD={tmp_path}/libtcmalloc_minimal.so.4 where" in advice and TCMALLOC_GAIN in advice
+    [advice] = cpu_preload_advice("/opt/libx.so", found)
+    assert "libtcmalloc_minimal.so.4:$LD_PRELOAD" in advice  # what the user preloads already is kept
+    [advice] = cpu_preload_advice("", {"tcmalloc": None, "iomp": None})
+    assert "apt-get install libtcmalloc-minimal4" in advice
+    assert cpu_preload_advice(found["tcmalloc"], found) == []
 
 
 def test_a_jobs_yaml_gives_the_settings_it_runs_with():
@@ -44,6 +60,8 @@ def test_doctor_on_this_node_starts_vllm_answers_16_rows_and_names_each_problem(
     assert healthy["engine"]["dtype"] == "torch.float32" and healthy["engine"]["multiprocessing"] is False
     assert healthy["engine"]["attention_backends"] == ["CPU_ATTN"]  # asked from vLLM's worker
     assert healthy["answers"] == {**healthy["answers"], "rows": 16, "ok": 16}
+    if "libtcmalloc" not in os.environ.get("LD_PRELOAD", ""):  # advice, not a problem: the verdict stays ready
+        assert len(healthy["advice"]) == 1 and "tcmalloc" in healthy["advice"][0]
     code, sick = doctor(VLLMCACHE_ROOT="/tmp/x")
     assert code == 1 and sick["problems"] == [
         "VLLMCACHE_ROOT is set but vLLM reads VLLM_CACHE_ROOT: rename the variable"

@@ -4,7 +4,7 @@ on the block-accounting fake engine that submits each content once and answers e
 import numpy as np
 import pyarrow as pa
 
-from engine.bench.sim_engine import FakeEngine
+from engine.run.stand_in import FakeEngine
 from engine.plan.duplicates import NO_SET, answer_sources, count_duplicates, duplicate_sets, token_keys
 from engine.plan.plan_table import prepared_batch, rows_table
 from engine.plan.prepared import plan_tokenized

@@ -172,7 +172,7 @@ def test_a_killed_shard_whose_key_changed_gives_its_finished_answers_to_the_new_
     import dagster as dg
 
     import batchllm_dagster.resources as resources_module
-    from engine.bench.sim_engine import FakeEngine
+    from engine.run.stand_in import FakeEngine
 
     class DiesAfter(FakeEngine):
         finished = 0

@@ -3,7 +3,7 @@
 import pyarrow as pa
 import pytest
 
-from engine.bench.sim_engine import FakeEngine
+from engine.run.stand_in import FakeEngine
 from engine.plan.plan_table import prepared_batch, rows_table
 from engine.plan.prepared import prepare_batch
 from engine.plan.tokenizing import load_tokenizer

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.bench.sim_engine import FakeEngine
+from engine.run.stand_in import FakeEngine
 from engine.plan.tokenizing import TokenizedBatch
 from engine.run.drive import Rejected, StepTotals, drive
 from engine.run.requests import RequestKind

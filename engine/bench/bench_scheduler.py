@@ -265,12 +265,12 @@ def short_shape_tokens(rows: int = 20_000, seed: int = 0) -> tuple[TokenizedBatc
 
 def measure_fill(rows: int = 20_000, platform: dict = H200, seed: int = 0) -> dict:
     """How full the engine's batch runs on the ``short`` shape at a GPU's settings, on the
-    block-accounting stand-in (``engine.bench.sim_engine``): rows in flight and batched tokens per
+    block-accounting stand-in (``engine.run.stand_in``): rows in flight and batched tokens per
     step in steady state (the middle half of the steps), for this engine and for vLLM alone on
     sorted rows (every row submitted at once, as ``LLM.generate`` does)."""
     from ..plan.prefix_tree import build_plan
     from ..run.scheduler import InOrderScheduler, groups_in_run_order
-    from .sim_engine import FakeEngine
+    from ..run.stand_in import FakeEngine
 
     batch, max_tokens = short_shape_tokens(rows, seed)
     plan = build_plan(batch.tokens, batch.offsets, max_tokens, BLOCK)

@@ -22,6 +22,7 @@ from ..vllm.vllm_env import REQUIRED_ON_CUDA, SOCKET_PATH_LIMIT, socket_paths_fi
 class Report:
     facts: dict = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)  # each: what is wrong, then the fix
+    advice: list[str] = field(default_factory=list)  # what would make a job faster here: not a problem
 
     def problem(self, text: str) -> None:
         self.problems.append(text)
@@ -78,6 +79,10 @@ def check(settings: EngineSettings, rows: int = 16) -> Report:
     env = {**process_env(settings, platform), **os.environ}  # what the engine will see: the user's values win
     for problem in environment_problems(platform, env):
         report.problem(problem)
+    if platform is Platform.CPU:
+        from ..node_checks import cpu_preload_advice, cpu_preload_libraries
+
+        report.advice.extend(cpu_preload_advice(os.environ.get("LD_PRELOAD", ""), cpu_preload_libraries()))
     report.facts["engine_args"] = engine_args(settings, platform)
     report.facts["environment"] = {k: env[k] for k in sorted(process_env(settings, platform))}
     _start_and_answer(settings, rows, report)
@@ -165,12 +170,15 @@ def cmd_doctor(args) -> int:
     report = check(settings)
     verdict = "ready" if not report.problems else f"{len(report.problems)} problem(s): fix them before a job runs here"
     if args.json:
-        print(json.dumps({**report.facts, "problems": report.problems, "verdict": verdict}, indent=2, default=str))
+        print(json.dumps({**report.facts, "problems": report.problems, "advice": report.advice, "verdict": verdict},
+                         indent=2, default=str))
     else:
         for key, value in report.facts.items():
             print(f"{key:>16}: {json.dumps(value, default=str) if isinstance(value, (dict, list)) else value}")
         for problem in report.problems:
             print(f"  problem: {problem}", file=sys.stderr)
+        for advice in report.advice:
+            print(f"  advice: {advice}", file=sys.stderr)
         print(f"verdict: {verdict}")
     return 0 if not report.problems else 1
 
