@@ -49,6 +49,8 @@ def run_metadata(stats: RunStats, device: str, hardware_partition: str, engine_i
         "recomputed_tokens": stats.recomputed_tokens,  # computed again after vLLM preempted their rows
         "engine_steps": stats.engine_steps,  # steps that ran rows
         "idle_steps": stats.idle_steps,  # steps vLLM ran nothing (requests waiting for a grammar compile)
+        # who admitted the rows into vLLM (group-wise, or vLLM itself in plan order) and why
+        **({"admission": stats.admission, "admission_reason": stats.admission_reason} if stats.admission else {}),
         "device": device,  # the GPU or CPU model it ran on
         "hardware_partition": hardware_partition,  # the job's hardware partition (the output's ``hardware`` column)
         "engine": dg.MetadataValue.json(engine_info),

@@ -20,6 +20,14 @@ class ReserveOutput(Policy):
     LOOKAHEAD = "lookahead"  # the next lookahead_tokens (vLLM allocates output blocks lazily)
 
 
+class Admission(Policy):
+    """Who admits a batch's rows into vLLM (engine/run/admission.py)."""
+
+    AUTO = "auto"  # decided per batch: group-wise only where vLLM alone would compute tokens twice
+    GROUP_WISE = "group_wise"  # the engine's group-wise scheduler, always
+    VLLM = "vllm"  # every row submitted in plan order, vLLM admits them
+
+
 # KV block sizes (tokens) a plan may count in. vLLM's GPU attention backends (FlashAttention, Triton)
 # take multiples of 16, its CPU one multiples of 32 (refused at engine start: ``check_runs_on``).
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
@@ -170,6 +178,9 @@ class SchedulerSettings(BaseModel):
     lookahead_tokens: int = Field(
         1, description="output tokens reserved per running row with 'lookahead' (>= 0; 1: the token its next step "
         "writes; 0: none, as vLLM admits)")
+    admission: Admission = Field(
+        Admission.AUTO, description="who admits rows into vLLM: 'auto' (group-wise only where vLLM alone would "
+        "compute prompt tokens twice, judged on a model of vLLM's scheduler), 'group_wise' or 'vllm'")
     prefix_requests: bool = Field(
         False, description="compute a group's prefix by a request of its own before its rows enter, where they cannot "
         "all enter at once (off: the group's first row computes it, and the others find it cached)")

@@ -139,8 +139,8 @@ def test_a_resumable_run_on_a_fake_engine_checkpoints_from_the_first_row_not_fro
     import time
 
     import engine.run.checkpoint as checkpoint_module
-    from engine.run.stand_in import FakeEngine
     from engine.jobs.resume import run_resumable
+    from engine.run.stand_in import FakeEngine
     from engine.settings import EngineSettings, SamplingSettings
 
     rows = [[1, 2, 3, 4, 5, 6, 7, i] for i in range(12)]
@@ -214,9 +214,9 @@ def test_a_changed_chat_template_or_snapshot_makes_the_plan_stale(tmp_path, tiny
 def test_a_model_rewritten_in_place_reruns_every_row_and_says_why(tmp_path):
     """The answer fingerprint holds the model's content, not its path: weights re-exported to the
     same folder (a nightly fine-tune) make every row run again, and the run says why."""
-    from engine.run.stand_in import FakeEngine
     from engine.jobs.resume import run_resumable
     from engine.run.checkpoint import NEW_ROW, ROW_CHANGED, SETTINGS_CHANGED
+    from engine.run.stand_in import FakeEngine
     from engine.settings import EngineSettings, SamplingSettings
 
     model = tmp_path / "model"
@@ -271,8 +271,8 @@ def _twelve_rows():
 def test_rows_finished_before_an_engine_error_are_in_the_checkpoint(tmp_path):
     """Nothing finished is lost: the last part is written whatever ends the run (a vLLM error, a stall,
     a terminate), not only when it ends well."""
-    from engine.run.stand_in import FakeEngine
     from engine.jobs.resume import run_resumable
+    from engine.run.stand_in import FakeEngine
     from engine.settings import EngineSettings, SamplingSettings
 
     class FailingEngine(FakeEngine):  # vLLM dies after some rows finished
@@ -303,8 +303,8 @@ def test_a_finished_row_is_written_on_time_while_no_other_row_finishes(tmp_path,
     row done and the next minutes later is on disk meanwhile (an engine step here takes a minute of
     a fake clock)."""
     import engine.run.checkpoint as checkpoint_module
-    from engine.run.stand_in import FakeEngine
     from engine.jobs.resume import run_resumable
+    from engine.run.stand_in import FakeEngine
     from engine.settings import EngineSettings, SamplingSettings
 
     clock = [0.0]
@@ -435,13 +435,13 @@ def test_a_max_tokens_that_changes_no_rows_budget_reruns_nothing_and_older_answe
     longest choice puts it: no answer can change, and none is computed again (it reran every row:
     "model or answer settings changed"). Answers written under the fingerprint before this change
     (typed ``max_tokens`` in the settings) are reused too, never recomputed for it."""
-    from engine.run.stand_in import FakeEngine
     from engine.jobs.resume import run_resumable
     from engine.machine import current_platform
     from engine.plan.prepared import prepare_batch
     from engine.plan.tokenizing import load_tokenizer
     from engine.response_format import ResponseFormat
     from engine.run.checkpoint import legacy_settings_fingerprint, row_fingerprints
+    from engine.run.stand_in import FakeEngine
     from engine.settings import EngineSettings, SamplingSettings
 
     table = pa.table({"id": [f"r{i}" for i in range(6)], "prompt": [f"Review {i}: fine" for i in range(6)]})

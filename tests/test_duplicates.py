@@ -4,7 +4,6 @@ on the block-accounting fake engine that submits each content once and answers e
 import numpy as np
 import pyarrow as pa
 
-from engine.run.stand_in import FakeEngine
 from engine.plan.duplicates import NO_SET, answer_sources, count_duplicates, duplicate_sets, token_keys
 from engine.plan.plan_table import prepared_batch, rows_table
 from engine.plan.prepared import plan_tokenized
@@ -12,6 +11,7 @@ from engine.plan.tokenizing import TokenizedBatch
 from engine.run.batch_run import BatchRun
 from engine.run.requests import RequestKind
 from engine.run.scheduler import InOrder
+from engine.run.stand_in import FakeEngine
 from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
 
 BLOCK = 8

@@ -3,7 +3,6 @@
 import pyarrow as pa
 import pytest
 
-from engine.run.stand_in import FakeEngine
 from engine.plan.plan_table import prepared_batch, rows_table
 from engine.plan.prepared import prepare_batch
 from engine.plan.tokenizing import load_tokenizer
@@ -11,6 +10,7 @@ from engine.response_format import ResponseFormat
 from engine.run.batch_run import BatchRun
 from engine.run.checkpoint import row_fingerprints
 from engine.run.requests import RequestKind
+from engine.run.stand_in import FakeEngine
 from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
 
 LABELS = ResponseFormat(choice=["positive", "negative"])

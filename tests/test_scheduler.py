@@ -5,11 +5,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.run.stand_in import FakeEngine
 from engine.plan.tokenizing import TokenizedBatch
 from engine.run.drive import Rejected, StepTotals, drive
 from engine.run.requests import RequestKind
 from engine.run.scheduler import GroupScheduler, InOrderScheduler, PlannedGroup, groups_in_run_order
+from engine.run.stand_in import FakeEngine
 from engine.settings import ReserveOutput, SamplingSettings, SchedulerSettings
 
 BLOCK = 4

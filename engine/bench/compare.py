@@ -28,7 +28,9 @@ without batchllm's planning time charged to it, and the verdict names the strong
   (review, description, category, brand, stars), answers of 2-8 tokens;
 * ``short``     - support tickets joined to a small customer table (the customer, then the ticket):
   many groups of 1-3 rows beyond a shared instruction, answers of 1-8 tokens, 40% of them
-  constrained to a choice (stop at EOS, not ``ignore_eos``).
+  constrained to a choice (stop at EOS, not ``ignore_eos``);
+* ``kv_bound``  - rows that share little beyond an instruction, answers of one small length (8 tokens),
+  a KV cache that holds ~140 of them: the regime where KV binds and vLLM's own admission is hard to beat.
 
 With prompts from fields (``fields``, ``short``, or ``--fields`` on a user's table: ``batchllm
 bench PROMPTS --fields a,b --field-order optimize``) the baselines and ``batchllm`` run the

@@ -22,6 +22,7 @@ from .shapes import (
     Workload,
     duplicates_tokens,
     fields_table,
+    kv_bound_tokens,
     nested_tokens,
     short_table,
     synthetic_tokens,
@@ -173,6 +174,9 @@ def bench_prompt_sets(args, tokenizer, model_path: str, block_size: int) -> Benc
     elif args.shape == "templates":
         batches["declared"], max_tokens = templates_tokens(vocab, args.seed)
         described = {"shape": "templates", "seed": args.seed}
+    elif args.shape == "kv_bound":
+        batches["declared"], max_tokens = kv_bound_tokens(vocab, args.seed)
+        described = {"shape": "kv_bound", "seed": args.seed}
     elif args.shape == "duplicates":
         batches["declared"], max_tokens = duplicates_tokens(vocab, args.seed)
         described = {"shape": "duplicates", "seed": args.seed}

@@ -11,7 +11,7 @@ import pyarrow as pa
 from ..plan.tokenizing import TokenizedBatch
 from ..table.fields import FieldOrder, PromptFields
 
-SHAPES = ("groups", "nested", "templates", "duplicates", "fields", "short")
+SHAPES = ("groups", "nested", "templates", "duplicates", "fields", "short", "kv_bound")
 
 
 @dataclass
@@ -84,6 +84,18 @@ def templates_tokens(vocab: tuple[int, int], seed: int = 0, rows: int = 200, tem
         else:
             out.append(np.concatenate([blocks[rng.integers(templates)], rng.integers(lo, hi, rng.integers(24, 97))]))
     return TokenizedBatch.from_rows(out), rng.integers(8, 49, rows).astype(np.int64)
+
+
+def kv_bound_tokens(vocab: tuple[int, int], seed: int = 0, rows: int = 480, instruction_tokens: int = 40,
+                    output_tokens: int = 8):
+    """Rows sharing only an instruction of ``instruction_tokens`` (one whole block of 32), each with
+    64-160 tokens of its own, answers of ``output_tokens`` each: at the bench's KV size (a third of
+    the working set) ~140 rows fit, so KV binds and rows admitted together finish together."""
+    rng = np.random.default_rng(seed)
+    lo, hi = vocab
+    instruction = rng.integers(lo, hi, instruction_tokens)
+    out = [np.concatenate([instruction, rng.integers(lo, hi, rng.integers(64, 161))]) for _ in range(rows)]
+    return TokenizedBatch.from_rows(out), np.full(rows, output_tokens, dtype=np.int64)
 
 
 def duplicates_tokens(vocab: tuple[int, int], seed: int = 0, share: float = 0.2):

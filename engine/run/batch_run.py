@@ -19,6 +19,7 @@ from ..plan.prefix_tree import reusable_tokens
 from ..plan.prepared import PreparedBatch
 from ..response_format import cut_off_reason
 from ..settings import SamplingSettings, SchedulerSettings
+from .admission import EngineLimits
 from .drive import Rejected, StepTotals, drive, row_sampling
 from .progress import Display, Progress
 from .requests import Engine
@@ -119,8 +120,7 @@ class BatchRun:
                   if self.scheduling.shares_answers and answers_are_shared(self.sampling) else {})
         copied = {row for rows in copies.values() for row in rows}
         scheduler = self.scheduling.scheduler(prepared, [r for r in in_plan_order if r not in copied],
-                                              self.scheduler_settings, self.engine.block_size,
-                                              self.engine.kv_capacity_blocks, self.engine.steps_ahead)
+                                              self.scheduler_settings, EngineLimits.of(self.engine))
         # The minimum, whatever order the rows run in: the plan's order shares every prefix it can.
         stats.reusable_tokens = reusable_tokens(prepared.batch, in_plan_order, prepared.block_size)
         totals = StepTotals()
@@ -163,6 +163,7 @@ class BatchRun:
         stats.mean_kv_usage, stats.rows_per_step = totals.mean_kv_usage, totals.rows_per_step
         scheduled = scheduler.stats
         stats.prefix_requests = scheduled.prefix_requests
+        stats.admission, stats.admission_reason = scheduled.admission, scheduled.admission_reason
         stats.prefix_prompt_tokens, stats.prefix_cached_tokens = (
             scheduled.prefix_prompt_tokens,
             scheduled.prefix_cached_tokens,

@@ -196,4 +196,4 @@ def run_summary(stats: dict) -> list[tuple[str, str]]:
             + (f" ({stats['recomputed_tokens']:,} tokens computed again)" if stats.get("recomputed_tokens") else ""),
         ),
         ("time", f"{format_eta(stats['wall_s'])} running, {format_eta(stats['startup_s'])} starting vLLM"),
-    ]
+    ] + ([("admission", f"{stats['admission']}: {stats['admission_reason']}")] if stats.get("admission") else [])

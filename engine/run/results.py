@@ -84,6 +84,8 @@ class RunStats:
     engine_start_s: float = 0.0  # of startup_s, the time vLLM itself took to start
     engine_stop_s: float = 0.0  # shutting vLLM down after the last row (after wall_s)
     wall_s: float = 0.0  # the rows' run on the started engine: start-up (startup_s) and stop apart
+    admission: str = ""  # who admitted the rows into vLLM: group_wise or vllm (run/admission.py)
+    admission_reason: str = ""  # why, in one sentence
 
     @property
     def prefill_tokens(self) -> int:
@@ -137,6 +139,9 @@ def merge_stats(parts: list[RunStats]) -> RunStats:
     if merged.engine_steps:
         merged.mean_kv_usage = sum(p.mean_kv_usage * p.engine_steps for p in parts) / merged.engine_steps
         merged.rows_per_step = sum(p.rows_per_step * p.engine_steps for p in parts) / merged.engine_steps
+    choices = sorted({p.admission for p in parts if p.admission})
+    merged.admission = "/".join(choices)
+    merged.admission_reason = "; ".join(dict.fromkeys(p.admission_reason for p in parts if p.admission_reason))
     return merged
 
 

@@ -56,7 +56,8 @@ from ..plan.block_hashes import RowBlocks
 from ..plan.prefix_tree import common_tokens
 from ..plan.prepared import PreparedBatch
 from ..plan.tokenizing import TokenizedBatch
-from ..settings import ReserveOutput, SchedulerSettings
+from ..settings import Admission, ReserveOutput, SchedulerSettings
+from .admission import AdmissionChoice, EngineLimits, choose_admission
 from .requests import Finished, RequestKey, RequestKind, Submission
 
 
@@ -98,6 +99,8 @@ class SchedulerStats:
     prefix_cached_tokens: int = 0
     budget_blocks: int = 0
     max_planned_blocks: int = 0  # the most blocks the scheduler counted in flight at once
+    admission: str = "vllm"  # who admitted the rows (settings.Admission), and why
+    admission_reason: str = "a baseline: vLLM admits every row"
 
 
 def group_prefix_keys(batch: TokenizedBatch, groups: list[PlannedGroup], block_size: int) -> RowBlocks:
@@ -433,8 +436,7 @@ class GroupScheduler:
             row = planned.rows[group.next_row]
             alone = self._too_large.get(row)
             if alone is not None:
-                decision.reject.append((row, f"needs {alone} KV blocks with its output; the KV cache has "
-                                             f"{self._capacity} (block size {self._block})"))
+                decision.reject.append((row, too_large_reason(alone, self._capacity, self._block)))
                 group.next_row += 1
                 continue
             hit_blocks = (self._shared_len(row, group) // self._block if row in self._shares_deeper
@@ -485,13 +487,21 @@ class GroupScheduler:
         )
 
 
+def too_large_reason(blocks: int, capacity: int, block_size: int) -> str:
+    return f"needs {blocks} KV blocks with its output; the KV cache has {capacity} (block size {block_size})"
+
+
 class InOrderScheduler:
-    """The plain baseline: every row at once, in the given order; vLLM schedules the rest."""
+    """Every row at once, in the given order; vLLM admits them (the baselines', and the engine's where
+    group-wise admission cannot gain). ``rejected``: rows that can never run, with the reason."""
 
     counts_blocks = False
 
-    def __init__(self, batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[int]):
-        self._pending = [Submission(RequestKind.ROW, r, batch.tokens_of(r), int(max_tokens[r])) for r in rows]
+    def __init__(self, batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[int],
+                 rejected: dict[int, str] | None = None):
+        self._rejected = dict(rejected or {})
+        self._pending = [Submission(RequestKind.ROW, r, batch.tokens_of(r), int(max_tokens[r]))
+                         for r in rows if r not in self._rejected]
         self._unfinished = len(self._pending)
         self.stats = SchedulerStats()
 
@@ -500,7 +510,8 @@ class InOrderScheduler:
         return self._unfinished == 0
 
     def schedule(self) -> Decision:
-        decision, self._pending = Decision(submit=self._pending), []
+        decision = Decision(submit=self._pending, reject=list(self._rejected.items()))
+        self._pending, self._rejected = [], {}
         return decision
 
     def after_step(self, started) -> None:
@@ -510,19 +521,42 @@ class InOrderScheduler:
         self._unfinished -= 1
 
 
+def rows_too_large(batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[int],
+                   limits: EngineLimits) -> dict[int, str]:
+    """Rows that need more KV blocks than the whole cache even alone, with the reason."""
+    capacity = limits.capacity_blocks - 1  # vLLM keeps one block as its null block
+    ends = batch.lengths[rows].astype(np.int64) + np.asarray(max_tokens)[rows]
+    blocks = -(-ends // limits.block_size)
+    return {int(rows[i]): too_large_reason(int(blocks[i]), capacity, limits.block_size)
+            for i in np.flatnonzero(blocks > capacity)}
+
+
 # -- how a run schedules its rows: injected into ``BatchRun`` -----------------------------------
 @dataclass(frozen=True)
 class Planned:
-    """BatchLLM: the plan's groups in run order, admitted under the KV budget; rows identical to
-    another run once and share its answer (where sampling makes answers shareable)."""
+    """BatchLLM: the plan's groups in run order, admitted group-wise under the KV budget where that
+    can gain, else by vLLM in plan order (``admission``); rows identical to another run once and
+    share its answer (where sampling makes answers shareable)."""
 
     shares_answers = True
 
     def scheduler(self, prepared: PreparedBatch, rows_in_plan_order: list[int], settings: SchedulerSettings,
-                  block_size: int, capacity_blocks: int, steps_ahead: int = 0) -> GroupScheduler:
-        groups = groups_in_run_order(rows_in_plan_order, prepared.group_of_row, prepared.prefix_tokens_of_row)
-        return GroupScheduler(prepared.batch, prepared.max_tokens, groups, settings, block_size, capacity_blocks,
-                              steps_ahead)
+                  limits: EngineLimits) -> GroupScheduler | InOrderScheduler:
+        batch, max_tokens = prepared.batch, prepared.max_tokens
+        too_large = rows_too_large(batch, max_tokens, rows_in_plan_order, limits)
+        if settings.admission is Admission.AUTO:
+            choice = choose_admission(batch, max_tokens, [r for r in rows_in_plan_order if r not in too_large],
+                                      limits, settings.prefix_requests)
+        else:
+            choice = AdmissionChoice(settings.admission, f"scheduler.admission: {settings.admission.value}")
+        if choice.admission is Admission.VLLM:
+            scheduler = InOrderScheduler(batch, max_tokens, rows_in_plan_order, too_large)
+        else:
+            groups = groups_in_run_order(rows_in_plan_order, prepared.group_of_row, prepared.prefix_tokens_of_row)
+            scheduler = GroupScheduler(batch, max_tokens, groups, settings, limits.block_size,
+                                       limits.capacity_blocks, limits.steps_ahead)
+        scheduler.stats.admission, scheduler.stats.admission_reason = choice.admission.value, choice.reason
+        return scheduler
 
 
 @dataclass(frozen=True)
@@ -534,7 +568,7 @@ class InOrder:
     shares_answers = False
 
     def scheduler(self, prepared: PreparedBatch, rows_in_plan_order: list[int], settings: SchedulerSettings,
-                  block_size: int, capacity_blocks: int, steps_ahead: int = 0) -> InOrderScheduler:
+                  limits: EngineLimits) -> InOrderScheduler:
         return InOrderScheduler(
             prepared.batch, prepared.max_tokens, [r for r in self.order if r not in prepared.errors]
         )

@@ -1,0 +1,91 @@
+"""Who admits a batch's rows (engine/run/admission.py): vLLM itself in plan order where group-wise
+admission cannot gain, the engine's scheduler where vLLM alone would compute tokens twice. On the
+stand-in for vLLM's scheduler; real vLLM runs either path in the end-to-end tests."""
+
+import numpy as np
+
+from engine.bench.prompt_sets import planned_prompt_set
+from engine.bench.runs import sorted_order
+from engine.bench.shapes import Workload, nested_tokens, synthetic_tokens
+from engine.plan.tokenizing import TokenizedBatch
+from engine.run.admission import EngineLimits, choose_admission
+from engine.run.batch_run import BatchRun
+from engine.run.console import run_summary
+from engine.run.scheduler import InOrder, Planned
+from engine.run.stand_in import FakeEngine
+from engine.settings import Admission, SamplingSettings, SchedulerSettings
+
+BLOCK = 32
+VOCAB = (10, 30000)
+
+
+def prepared_of(batch: TokenizedBatch, max_tokens: np.ndarray):
+    return planned_prompt_set(batch, max_tokens, BLOCK)[1]
+
+
+def run_on_stand_in(prepared, kv_blocks: int, scheduling=Planned(), **scheduler):
+    engine = FakeEngine(kv_blocks, BLOCK, max_num_seqs=64, max_num_batched_tokens=2048)
+    sampling = SamplingSettings(max_tokens=int(prepared.max_tokens.max()), ignore_eos=True)
+    run = BatchRun(prepared, engine, sampling, SchedulerSettings(**scheduler), scheduling=scheduling)
+    answers = {r.id: r.text for r in run}
+    return engine, run.stats, answers
+
+
+def shares_nothing(rows: int = 150, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    batch = TokenizedBatch.from_rows([np.concatenate([[10 + i], rng.integers(*VOCAB, rng.integers(40, 120))])
+                                      for i in range(rows)])  # every row's first token its own
+    return batch, np.full(rows, 6, dtype=np.int64)
+
+
+def test_a_batch_that_shares_nothing_runs_step_for_step_as_vllm_alone_runs_it_in_the_same_order():
+    prepared = prepared_of(*shares_nothing())
+    kv_blocks = 120  # ~40 of the 150 rows at once: KV binds
+    engine, stats, answers = run_on_stand_in(prepared, kv_blocks)
+    assert stats.admission == "vllm" and "nothing for group-wise admission to gain" in stats.admission_reason
+    alone, alone_stats, alone_answers = run_on_stand_in(prepared, kv_blocks, InOrder([int(r) for r in prepared.order]))
+    steps = [(step, s.key) for step, s in engine.submitted]
+    assert steps == [(step, s.key) for step, s in alone.submitted]  # every request entered at the same step
+    assert engine.finished_at == alone.finished_at and engine.step_count == alone.step_count
+    assert answers == alone_answers and stats.engine_steps == alone_stats.engine_steps
+    assert ("admission", f"vllm: {stats.admission_reason}") in run_summary(stats.to_dict())
+
+
+def test_a_batch_that_fits_the_cache_is_left_to_vllm_without_a_simulation():
+    batch, max_tokens = shares_nothing(rows=20)
+    prepared = prepared_of(batch, max_tokens)
+    choice = choose_admission(batch, max_tokens, [int(r) for r in prepared.order], EngineLimits(BLOCK, 400, 64, 2048))
+    assert choice.admission is Admission.VLLM and choice.reason.startswith("the whole batch fits the KV cache")
+
+
+def test_where_vllm_alone_computes_prefixes_twice_group_wise_admission_keeps_its_gain():
+    """The bench's groups and nested shapes at the bench's KV size (a third of the working set):
+    vLLM alone in plan order preempts rows whose first output finds no block and computes them again."""
+    for batch, max_tokens in (synthetic_tokens(Workload(), VOCAB), nested_tokens(VOCAB)):
+        planned, prepared = planned_prompt_set(batch, max_tokens, BLOCK)
+        kv_blocks = max(64, int(planned.plan.unique_tokens // BLOCK) // 3)
+        engine, stats, answers = run_on_stand_in(prepared, kv_blocks)
+        assert stats.admission == "group_wise" and "over the minimum" in stats.admission_reason
+        alone, _, alone_answers = run_on_stand_in(prepared, kv_blocks, InOrder(sorted_order(prepared)))
+        assert answers == alone_answers
+        assert engine.prefill_tokens < alone.prefill_tokens and engine.preemptions < alone.preemptions
+
+
+def test_the_admission_can_be_set_and_prefix_requests_need_the_group_wise_scheduler():
+    prepared = prepared_of(*shares_nothing())
+    _, forced, _ = run_on_stand_in(prepared, 120, admission="group_wise")
+    assert forced.admission == "group_wise" and forced.admission_reason == "scheduler.admission: group_wise"
+    batch, max_tokens = synthetic_tokens(Workload(), VOCAB)
+    rows = [int(r) for r in prepared_of(batch, max_tokens).order]
+    choice = choose_admission(batch, max_tokens, rows, EngineLimits(BLOCK, 100, 64, 2048), prefix_requests=True)
+    assert choice.admission is Admission.GROUP_WISE and "prefix requests" in choice.reason
+
+
+def test_under_vllms_admission_a_row_larger_than_the_cache_is_an_error_row_and_the_others_run():
+    batch, max_tokens = shares_nothing(rows=30)
+    rows = [batch.row(i) for i in range(30)]
+    rows[7] = np.arange(1000, 1000 + 40 * BLOCK)  # 40 blocks, the cache has 39
+    prepared = prepared_of(TokenizedBatch.from_rows(rows), max_tokens)
+    _, stats, answers = run_on_stand_in(prepared, 40)
+    assert stats.admission == "vllm" and stats.error_rows == 1 and stats.ok_rows == 29
+    assert answers[prepared.ids[7]] is None
