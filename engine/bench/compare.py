@@ -75,7 +75,7 @@ from ..jobs.job_options import (
 from ..machine import current_platform
 from ..plan.duplicates import count_duplicates
 from ..plan.prefix_tree import build_plan
-from ..settings import BLOCK_SIZES, EngineSettings, ReserveOutput, SamplingSettings, SchedulerSettings
+from ..settings import BLOCK_SIZES, Admission, EngineSettings, ReserveOutput, SamplingSettings, SchedulerSettings
 from .fresh_process import in_fresh_process
 from .prompt_sets import bench_prompt_sets, prefill_by_block_size
 from .runs import FIELD_RUNS, RUNS
@@ -113,7 +113,7 @@ def run_bench(args) -> dict:
     sampling = SamplingSettings(max_tokens=int(max_tokens.max()), ignore_eos=not constrained,
                                 response_format=response_format)
     scheduler = SchedulerSettings(
-        kv_budget_fraction=args.kv_budget_fraction, prefix_requests=args.prefix_requests,
+        kv_budget_fraction=args.kv_budget_fraction, prefix_requests=args.prefix_requests, admission=args.admission,
         reserve_output=args.reserve_output, lookahead_tokens=args.lookahead_tokens,
     )
     names = args.runs.split(",") if args.runs else [n for n, run in RUNS.items() if run.prompts in prompt_sets]
@@ -291,6 +291,8 @@ def add_bench_parser(sub) -> None:
                        help="run the vLLM baselines at this KV block size (vLLM's own default: 128 on CPU, 16 on a "
                        "GPU), with the same KV memory; batchllm keeps --block-size (default: the same)")
     bench.add_argument("--kv-budget-fraction", type=float, default=SchedulerSettings().kv_budget_fraction)
+    bench.add_argument("--admission", choices=[a.value for a in Admission], default=SchedulerSettings().admission.value,
+                       help="who admits batchllm's rows: decided per batch (auto), group_wise, or vllm in plan order")
     bench.add_argument("--prefix-requests", action="store_true",
                        help="compute a group's prefix by a request of its own where its rows cannot all enter at once")
     bench.add_argument("--reserve-output", choices=[r.value for r in ReserveOutput],

@@ -86,7 +86,8 @@ def _report(stats: RunStats, max_num_seqs: int, kv_capacity_blocks: int) -> dict
     out = {**stats.to_dict(), "max_num_seqs": max_num_seqs, "kv_capacity_blocks": kv_capacity_blocks}
     keep = ["tokens_per_s", "output_tokens_per_s", "wall_s", "prompt_tokens", "cached_tokens", "reusable_tokens",
             "prefill_tokens", "saving_vs_ideal", "output_tokens", "preemptions", "recomputed_tokens",
-            "prefix_requests", "max_num_seqs", "kv_capacity_blocks", "engine_steps", "rows_per_step", "mean_kv_usage"]
+            "prefix_requests", "max_num_seqs", "kv_capacity_blocks", "engine_steps", "rows_per_step", "mean_kv_usage",
+            "admission"]
     return {k: out[k] for k in keep}
 
 
