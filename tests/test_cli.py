@@ -205,11 +205,12 @@ def test_bench_on_a_table_with_fields_reports_both_orders_and_their_agreement(tm
     path = reviews_parquet(tmp_path)
     done = subprocess.run([sys.executable, "-m", "engine.cli.main", "bench", str(path), "--model", tiny_model,
                            "--fields", "review,description,category", "--instruction", "Rate.", "--field-order",
-                           "optimize", "--runs", "vllm_apc_sorted,vllm_hand_order,batchllm,batchllm_field_order",
+                           "optimize", "--runs",
+                           "vllm_apc_sorted,vllm_hand_order,vllm_hand_order_defaults,batchllm,batchllm_field_order",
                            "--repeat", "2", "--max-tokens", "3", "--each-step", "--json"],
                           capture_output=True, text=True, check=True)
     report = json.loads(done.stdout)
-    runs = ["vllm_apc_sorted", "vllm_hand_order", "batchllm", "batchllm_field_order"]
+    runs = ["vllm_apc_sorted", "vllm_hand_order", "vllm_hand_order_defaults", "batchllm", "batchllm_field_order"]
     assert report["repeat"] == 2 and report["run_order"] == [runs, runs[1:] + runs[:1]]
     assert len(set(report["runs"]["batchllm_field_order"]["pids"])) == 2  # every run in a process of its own
     assert report["workload"]["batchllm_unique_tokens"] < report["workload"]["unique_tokens"]
@@ -229,6 +230,13 @@ def test_bench_on_a_table_with_fields_reports_both_orders_and_their_agreement(tm
         assert ratio["min"] <= ratio["median"] <= ratio["max"]
     assert "vs_vllm_hand_order" in report["ratios"]["batchllm_field_order"]
     assert "field order gave the same answer" in report["verdict"] and "by hand" in report["verdict"]
+    # The by-hand recipe as a user runs it: vLLM's own block size on this platform (128 on CPU), the same KV memory.
+    assert report["workload"]["vllm_defaults_block_size"] == 128
+    assert report["runs"]["vllm_hand_order_defaults"]["kv_capacity_blocks"] == \
+        report["workload"]["vllm_defaults_kv_cache_blocks"] == report["workload"]["kv_cache_blocks"] // 4
+    assert "vs_vllm_hand_order_defaults" in report["ratios"]["batchllm_field_order"]
+    assert "vs_vllm_hand_order_defaults" not in report["ratios"]["batchllm"]  # other prompts than the engine's own
+    assert "vLLM's own block size" in report["verdict"]
     profiles = report["runs"]["batchllm"]["per_step"]
     assert len(profiles) == 2 and all(p["steps"] > 0 and p["outside_steps_s"] >= 0 for p in profiles)
     # --each-step: every step's seconds, prompt tokens, output tokens, rows and groups, summing to the profile

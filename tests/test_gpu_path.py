@@ -349,3 +349,18 @@ def test_a_gpu_captures_cuda_graphs_for_every_decode_batch_it_runs(monkeypatch, 
     eager = engine_args(EngineSettings(model_path=tiny_model, enforce_eager=True), Platform.CUDA, max_num_seqs=seqs)
     assert "compilation_config" not in eager
     assert "compilation_config" not in engine_args(EngineSettings(model_path=tiny_model), Platform.CPU)
+
+
+def test_vllms_own_block_size_is_the_one_vllm_sets_on_each_platform():
+    """What the bench's by-hand recipe at vLLM's defaults runs with: read from vLLM 0.32 itself."""
+    import inspect
+
+    from vllm.config.cache import CacheConfig
+    from vllm.platforms.cpu import CpuPlatform
+
+    from engine.vllm.vllm_env import VLLM_DEFAULT_BLOCK_SIZE
+
+    assert VLLM_DEFAULT_BLOCK_SIZE[Platform.CUDA] == CacheConfig.DEFAULT_BLOCK_SIZE
+    source = inspect.getsource(CpuPlatform.check_and_update_config)
+    assert "not cache_config.user_specified_block_size:\n            cache_config.block_size = 128" in source
+    assert VLLM_DEFAULT_BLOCK_SIZE[Platform.CPU] == 128

@@ -76,6 +76,7 @@ from ..machine import current_platform
 from ..plan.duplicates import count_duplicates
 from ..plan.prefix_tree import build_plan
 from ..settings import BLOCK_SIZES, Admission, EngineSettings, ReserveOutput, SamplingSettings, SchedulerSettings
+from ..vllm.vllm_env import VLLM_DEFAULT_BLOCK_SIZE
 from .fresh_process import in_fresh_process
 from .prompt_sets import bench_prompt_sets, prefill_by_block_size
 from .runs import FIELD_RUNS, RUNS
@@ -106,6 +107,9 @@ def run_bench(args) -> dict:
     baseline_block = args.baseline_block_size or block_size
     baseline_settings = engine_settings.model_copy(update={
         "block_size": baseline_block, "kv_cache_blocks": max(2, kv_blocks * block_size // baseline_block)})
+    defaults_block = VLLM_DEFAULT_BLOCK_SIZE[current_platform()]
+    defaults_settings = engine_settings.model_copy(update={
+        "block_size": defaults_block, "kv_cache_blocks": max(2, kv_blocks * block_size // defaults_block)})
     # Fixed output lengths (ignore_eos) make the runs' token counts equal; a constrained answer ends
     # where its format does, in every run alike.
     response_format = response_format_from(args)
@@ -129,7 +133,8 @@ def run_bench(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="batchllm-bench-") as folder:
         job = Path(folder) / "job.pickle"
         with open(job, "wb") as f:  # the batch as planned, without the plan's tree: what every run gets
-            settings = {"engine": engine_settings, "baseline": baseline_settings, "each_step": args.each_step}
+            settings = {"engine": engine_settings, "baseline": baseline_settings, "vllm_defaults": defaults_settings,
+                        "each_step": args.each_step}
             pickle.dump((prompt_sets, settings, sampling, scheduler), f)
         for repetition in range(args.repeat):
             runs = {}
@@ -163,6 +168,8 @@ def run_bench(args) -> dict:
             "dtype": engine_settings.for_platform(current_platform()).dtype,
             "block_size": block_size,
             "kv_cache_blocks": kv_blocks,
+            **({"vllm_defaults_block_size": defaults_block, "vllm_defaults_kv_cache_blocks":
+                defaults_settings.kv_cache_blocks} if "vllm_hand_order_defaults" in names else {}),
             **({"baseline_block_size": baseline_block, "baseline_kv_cache_blocks": baseline_settings.kv_cache_blocks}
                if baseline_block != block_size else {}),
             "prefix_working_set_blocks": working_set,

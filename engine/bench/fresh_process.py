@@ -109,7 +109,9 @@ def _child(job: str, name: str, out: str, log_file: str) -> None:
     with open(job, "rb") as f:
         prompt_sets, settings, sampling, scheduler = pickle.load(f)
     run = RUNS[name]
-    engine_settings = settings["baseline" if run.order is not None else "engine"]  # a baseline has an order
+    # a baseline has an order; the by-hand recipe as a user runs it has vLLM's own block size
+    engine_settings = settings["vllm_defaults" if run.vllm_defaults else "baseline" if run.order is not None
+                               else "engine"]
     report, outputs = _one_run(name, prompt_sets[run.prompts], engine_settings, sampling, scheduler,
                                settings["each_step"])
     report["pid"] = os.getpid()

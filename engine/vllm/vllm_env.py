@@ -17,6 +17,11 @@ from ..settings import EngineSettings, Platform
 VLLM_SERIES = "0.32"
 
 
+# vLLM's own KV block size where none is given: its CPU platform sets 128
+# (``CpuPlatform.check_and_update_config``), every other platform takes ``CacheConfig.DEFAULT_BLOCK_SIZE``.
+VLLM_DEFAULT_BLOCK_SIZE = {Platform.CPU: 128, Platform.CUDA: 16}
+
+
 SOCKET_PATH_LIMIT = 107  # bytes of a Unix socket path (sun_path is 108 with the NUL)
 
 
