@@ -74,11 +74,15 @@ class BatchJobComponent(JobSpec, dg.Component, dg.Resolvable, dg.Model):
     def to_config(self, component_dir: Path) -> BatchJobConfig:
         data = default_data_dir()
         spec = self.dataset
+        # Known without running, so `dg check defs` names it: a SQL file, and a database unless it is
+        # made after the definitions load (then the prompts step names it).
         if spec.sql_file and not (component_dir / spec.sql_file).is_file():
-            # Known without running: `dg check defs` names it (a database is made by whatever fills
-            # it, maybe after the definitions load: it is checked when prompts runs).
             raise ValueError(f"job {self.name!r}: dataset.sql_file {spec.sql_file!r} does not exist in "
                              f"{component_dir} (the folder of its defs.yaml)")
+        if spec.database and not spec.database_built_later and not (data / spec.database).is_file():
+            raise ValueError(f"job {self.name!r}: dataset.database {spec.database!r} does not exist in {data} "
+                             "(BATCHLLM_DATA_DIR, else ./data); if another asset or job makes it after the "
+                             "definitions load, add database_built_later: true under dataset")
         resolved = spec.model_copy(update={
             "sql_file": str(component_dir / spec.sql_file) if spec.sql_file else None,
             "parquet": str(data / spec.parquet) if spec.parquet else None,

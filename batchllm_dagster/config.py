@@ -74,6 +74,9 @@ class DatasetSpec(BaseModel):
     table: str | None = None
     parquet: str | None = None
     database: str | None = Field(None, description="DuckDB database the SQL or table reads (opened read-only)")
+    database_built_later: bool = Field(
+        False, description="the database is made after the definitions load (by another asset, job or script): "
+        "a YAML job does not require it to exist when they load")
     allowed_paths: list[str] = Field(
         default_factory=list,
         description="more folders the dataset SQL may read (the database's folder and a Parquet source's are allowed)")
@@ -273,7 +276,8 @@ class BatchJobConfig(JobSpec):
     def prompts_code_version(self) -> str:
         sql_file = Path(self.dataset.sql_file) if self.dataset.sql_file else None
         sql_text = sql_file.read_text() if sql_file is not None and sql_file.is_file() else None
-        return fingerprint(self.dataset, sql_text)
+        # Whether the database is made after load cannot change a prompt: not in the version.
+        return fingerprint(self.dataset.model_dump(mode="json", exclude={"database_built_later"}), sql_text)
 
     def plan_shaping(self, settings: EngineSettings | None = None) -> PlanShaping:
         """The settings that shape this job's plan: with ``settings`` (the job's, model resolved) as

@@ -5,6 +5,7 @@ import subprocess
 from pathlib import Path
 
 import dagster as dg
+import duckdb
 import pytest
 import yaml
 
@@ -44,7 +45,7 @@ def test_project_declares_yaml_and_python_jobs(tmp_path, monkeypatch):
         assert {f"{job}/prompts", f"{job}/prefix_groups", f"{job}/completions"} <= keys
 
 
-def test_scaffolded_job_resolves_to_a_config(tmp_path):
+def test_scaffolded_job_resolves_to_a_config(tmp_path, monkeypatch):
     target = tmp_path / "nightly_reviews"
     target.mkdir()
     request = dg.ScaffoldRequest(type_name="assets.BatchJobComponent", target_path=target,
@@ -54,7 +55,18 @@ def test_scaffolded_job_resolves_to_a_config(tmp_path):
     assert written["type"] == "assets.BatchJobComponent"
     assert (target / "prompts.sql").exists()
     component = BatchJobComponent.resolve_from_yaml(yaml.safe_dump(written["attributes"]))
+    # A database that is not there is named when the definitions load, with the way out for one made later.
+    data = tmp_path / "data"
+    monkeypatch.setenv("BATCHLLM_DATA_DIR", str(data))
+    with pytest.raises(ValueError, match="database 'my_warehouse.duckdb' does not exist in .*database_built_later"):
+        component.to_config(target)
+    built_later = component.dataset.model_copy(update={"database_built_later": True})
+    later = component.model_copy(update={"dataset": built_later})
+    assert later.to_config(target).dataset.database == str(data / "my_warehouse.duckdb")
+    data.mkdir()
+    duckdb.connect(str(data / "my_warehouse.duckdb")).close()
     config = component.to_config(target)
+    assert later.to_config(target).prompts_code_version() == config.prompts_code_version()  # no prompt changes
     assert config.name == "nightly_reviews"
     assert Path(config.dataset.sql_file) == target / "prompts.sql"
     assert config.output_database == config.dataset.database
@@ -140,7 +152,7 @@ def test_the_component_and_the_python_factory_take_one_job_model(tmp_path):
     from batchllm_dagster.config import BatchJobConfig, JobSpec
 
     component = BatchJobComponent.resolve_from_yaml(
-        "name: x\ndataset: {sql: select 1, database: d.duckdb}\n"
+        "name: x\ndataset: {sql: select 1, database: d.duckdb, database_built_later: true}\n"
         "scheduler: {reserve_output: full, lookahead_tokens: 8}\n"
     )
     config = component.to_config(tmp_path)
