@@ -147,7 +147,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         shard_count = config.shard_count(plan.num_rows, *([size.rows_per_shard] if size else []))
         shards = assign_shards(plan, shard_count, previous=previous_shards(config.plan_path, meta.column(columns.id)))
         ids_by_shard = _ids_by_shard(prepared, shards.shard_of_row, shard_count)
-        keys = [shard_key(config.hardware_of_shard(s).name, s, ids) for s, ids in enumerate(ids_by_shard)]
+        keys = [shard_key(config.hardware_of_shard(s), s, ids) for s, ids in enumerate(ids_by_shard)]
         used = [k for k, ids in zip(keys, ids_by_shard) if ids]  # fewer groups than shards: no empty partitions
 
         # The plan is the contract: every row with its group, shard, run position and content key

@@ -54,7 +54,13 @@ class HardwarePartition(BaseModel):
 
     @property
     def slug(self) -> str:
+        """Its name in Dagster's names (jobs, pools), which take letters, digits and '_' only."""
         return re.sub(r"[^a-z0-9_]+", "_", self.name.lower()).strip("_")
+
+    @property
+    def key_prefix(self) -> str:
+        """How its shards' partition keys begin (``<key_prefix>-<shard>-<digest>``; keys keep '.' and '-')."""
+        return re.sub(r"[^a-z0-9_.]+", "-", self.name.lower()).strip("-") or "hw"
 
     @property
     def run_pool(self) -> str:

@@ -6,8 +6,6 @@ shard's row ids: the same groups give the same keys, and a changed shard gets a 
 
 from __future__ import annotations
 
-import re
-
 import dagster as dg
 
 from engine.digests import short_digest
@@ -22,19 +20,15 @@ def shard_partitions(name: str) -> dg.DynamicPartitionsDefinition:
     return dg.DynamicPartitionsDefinition(name=name)
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9_.]+", "-", text.lower()).strip("-") or "hw"
-
-
-def shard_key(hardware: str, shard: int, ids: list) -> str:
+def shard_key(hardware: HardwarePartition, shard: int, ids: list) -> str:
     digest = short_digest("\x1f".join(sorted(map(str, ids))))
-    return f"{_slug(hardware)}-{shard:02d}-{digest}"
+    return f"{hardware.key_prefix}-{shard:02d}-{digest}"
 
 
 def hardware_of_key(config: BatchJobConfig, key: str) -> HardwarePartition:
     """The hardware partition of a shard key (``<hardware>-<shard>-<digest>``)."""
     hardware = config.hardware_of_shard(int(key.rsplit("-", 2)[1]))
-    if not key.startswith(_slug(hardware.name) + "-"):
+    if not key.startswith(hardware.key_prefix + "-"):
         raise ValueError(f"partition key {key!r} is not a shard of hardware {hardware.name!r}: plan the job again")
     return hardware
 

@@ -19,7 +19,14 @@ class Platform(Policy):
     CUDA = "cuda"
 
 
-CACHE_ROOT = Path(os.environ.get("BATCHLLM_CACHE_DIR", Path.cwd() / ".cache"))
+def cache_root() -> Path:
+    """Where models, logs and vLLM's caches go: ``BATCHLLM_CACHE_DIR``, else ``./.cache`` (the one
+    place it is read; ``CACHE_ROOT`` is its value when the package was imported)."""
+    return Path(os.environ.get("BATCHLLM_CACHE_DIR", Path.cwd() / ".cache"))
+
+
+CACHE_ROOT = cache_root()
+
 
 def _installed(distribution: str) -> bool:
     from importlib.metadata import PackageNotFoundError, version

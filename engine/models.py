@@ -163,7 +163,9 @@ BUILT_IN = {"smollm2": prepare_smollm2, "tiny": build_tiny_model}
 
 
 def models_dir() -> Path:
-    return Path(os.environ.get("BATCHLLM_CACHE_DIR", Path.cwd() / ".cache")) / "models"
+    from .machine import cache_root
+
+    return cache_root() / "models"
 
 
 class ModelNotFound(FileNotFoundError):

@@ -122,14 +122,17 @@ def test_a_plan_table_round_trips_and_a_subset_keeps_the_plan_order():
 def test_partition_sync_adds_new_keys_and_removes_stale_ones():
     import dagster as dg
 
+    from batchllm_dagster.config import HardwarePartition
     from batchllm_dagster.partitions import shard_key, sync_partitions
 
     with dg.instance_for_test() as instance:
         assert sync_partitions(instance, "jobs", ["a", "b"]) == (["a", "b"], [])
         assert sync_partitions(instance, "jobs", ["b", "c"]) == (["c"], ["a"])
         assert sorted(instance.get_dynamic_partitions("jobs")) == ["b", "c"]
-    assert shard_key("GPU A100", 3, ["x", "y"]) == shard_key("GPU A100", 3, ["y", "x"])  # same rows, same key
-    assert shard_key("GPU A100", 3, ["x"]).startswith("gpu-a100-03-")
+    a100 = HardwarePartition(name="GPU.A100-")
+    assert shard_key(a100, 3, ["x", "y"]) == shard_key(a100, 3, ["y", "x"])  # same rows, same key
+    assert shard_key(a100, 3, ["x"]).startswith("gpu.a100-03-")  # keys keep '.', Dagster's names do not
+    assert a100.slug == "gpu_a100"
 
 
 def test_a_resumable_run_on_a_fake_engine_checkpoints_from_the_first_row_not_from_start_up(tmp_path, monkeypatch):

@@ -19,7 +19,7 @@ def config(hardware, per_run):
 
 
 def keys_of(job, shards):
-    return [shard_key(job.hardware_of_shard(s).name, s, [s]) for s in range(shards)]
+    return [shard_key(job.hardware_of_shard(s), s, [s]) for s in range(shards)]
 
 
 def test_each_hardware_partitions_shards_are_neighbours_and_runs_never_mix_hardware():
