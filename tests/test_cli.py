@@ -225,17 +225,15 @@ def test_bench_on_a_table_with_fields_reports_both_orders_and_their_agreement(tm
         assert by_size["32"] == report["prompt_set_prefill"][name]
         assert by_size["16"] <= by_size["32"] <= by_size["128"]
     assert 0 <= report["field_order_agreement"] <= 1
-    for ours in ("batchllm", "batchllm_field_order"):
-        ratio = report["ratios"][ours]["vs_vllm_apc_sorted"]
-        assert ratio["min"] <= ratio["median"] <= ratio["max"]
+    # The engine on the declared prompts is held against the run of those prompts only; its field order against all.
+    assert set(report["ratios"]["batchllm"]) == {"vs_vllm_apc_sorted"}
+    assert set(report["ratios"]["batchllm_field_order"]) == {f"vs_{name}" for name in runs[:3]}
     assert "vs_vllm_hand_order" in report["ratios"]["batchllm_field_order"]
     assert "field order gave the same answer" in report["verdict"] and "by hand" in report["verdict"]
     # The by-hand recipe as a user runs it: vLLM's own block size on this platform (128 on CPU), the same KV memory.
     assert report["workload"]["vllm_defaults_block_size"] == 128
     assert report["runs"]["vllm_hand_order_defaults"]["kv_capacity_blocks"] == \
         report["workload"]["vllm_defaults_kv_cache_blocks"] == report["workload"]["kv_cache_blocks"] // 4
-    assert "vs_vllm_hand_order_defaults" in report["ratios"]["batchllm_field_order"]
-    assert "vs_vllm_hand_order_defaults" not in report["ratios"]["batchllm"]  # other prompts than the engine's own
     assert "vLLM's own block size" in report["verdict"]
     profiles = report["runs"]["batchllm"]["per_step"]
     assert len(profiles) == 2 and all(p["steps"] > 0 and p["outside_steps_s"] >= 0 for p in profiles)

@@ -24,7 +24,7 @@ from .drive import Rejected, StepTotals, drive, row_sampling
 from .progress import Display, Progress
 from .requests import Engine
 from .results import RowResult, RunStats
-from .scheduler import InOrder, Planned
+from .scheduler import Planned, Scheduling
 from .step_profile import StepProfile
 
 
@@ -38,7 +38,7 @@ class BatchRun:
         sampling: SamplingSettings,
         scheduler_settings: SchedulerSettings = SchedulerSettings(),
         rows: list[int] | None = None,
-        scheduling: Planned | InOrder = Planned(),
+        scheduling: Scheduling = Planned(),
         progress_sink: Callable[[str], None] | None = None,
         row_fingerprints: list[str] | None = None,
         started_at: float | None = None,
@@ -138,7 +138,7 @@ class BatchRun:
                 self.after_step()
             progress.update(stats.rows, stats.prompt_tokens + stats.output_tokens, saved(),
                             report.running, report.kv_usage, totals.preemptions,
-                            planned_blocks=(lambda: scheduler.blocks_in_flight) if scheduler.counts_blocks else None)
+                            planned_blocks=lambda: scheduler.blocks_in_flight)
 
         for item in drive(scheduler, self.engine, self.sampling, totals, on_step, prepared.response_formats):
             if isinstance(item, Rejected):

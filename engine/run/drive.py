@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ..response_format import ResponseFormat
 from ..settings import SamplingSettings
 from .requests import Engine, Finished, RequestKind, StepReport, Submission
-from .scheduler import GroupScheduler, InOrderScheduler
+from .scheduler import Scheduler
 
 
 @dataclass
@@ -65,7 +65,7 @@ def row_sampling(sampling: SamplingSettings, own_format: ResponseFormat | None) 
 
 
 def drive(
-    scheduler: GroupScheduler | InOrderScheduler,
+    scheduler: Scheduler,
     engine: Engine,
     sampling: SamplingSettings,
     totals: StepTotals,

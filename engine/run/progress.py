@@ -82,7 +82,7 @@ class Progress:
                         (now or time.perf_counter()) - self.started, planned_blocks)
 
     def update(self, done: int, tokens: int, saved: int, in_flight: int, kv_usage: float, preemptions: int,
-               planned_blocks: Callable[[], int] | None = None, force: bool = False) -> None:
+               planned_blocks: Callable[[], int | None] | None = None, force: bool = False) -> None:
         """After a step: the display always, a line when one is due (``planned_blocks`` is only
         counted then)."""
         now = time.perf_counter()

@@ -49,6 +49,7 @@ import enum
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -114,6 +115,34 @@ def group_prefix_keys(batch: TokenizedBatch, groups: list[PlannedGroup], block_s
     return RowBlocks.of_tokens(tokens, offsets, block_size)
 
 
+class Scheduler(Protocol):
+    """What the drive loop asks of a scheduler, as vLLM's ``SchedulerInterface`` is asked by its engine core."""
+
+    stats: SchedulerStats
+
+    @property
+    def done(self) -> bool:
+        """Every row submitted (or rejected) and finished."""
+        ...
+
+    def schedule(self) -> Decision:
+        """What to submit before the next engine step, and the rows that can never run."""
+        ...
+
+    def after_step(self, started: list[RequestKey]) -> None:
+        """An engine step ran; ``started``: the requests that got their first output token in it."""
+        ...
+
+    def finish(self, finished: Finished) -> None:
+        """The engine finished a request."""
+        ...
+
+    @property
+    def blocks_in_flight(self) -> int | None:
+        """The KV blocks it counts in flight (the progress line shows them); None: it counts none."""
+        ...
+
+
 class _PrefixState(enum.Enum):
     PENDING = "pending"  # not admitted yet
     RUNNING = "running"  # its prefix request is in the engine
@@ -151,8 +180,6 @@ class _RowAccount:
 
 class GroupScheduler:
     """BatchLLM admission: groups in plan order, prefix first, rows under a KV budget (see module doc)."""
-
-    counts_blocks = True  # ``blocks_in_flight`` is its own count (the progress line shows it)
 
     def __init__(
         self,
@@ -495,8 +522,6 @@ class InOrderScheduler:
     """Every row at once, in the given order; vLLM admits them (the baselines', and the engine's where
     group-wise admission cannot gain). ``rejected``: rows that can never run, with the reason."""
 
-    counts_blocks = False
-
     def __init__(self, batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[int],
                  rejected: dict[int, str] | None = None):
         self._rejected = dict(rejected or {})
@@ -520,6 +545,10 @@ class InOrderScheduler:
     def finish(self, finished: Finished) -> None:
         self._unfinished -= 1
 
+    @property
+    def blocks_in_flight(self) -> None:
+        return None  # vLLM admits: only vLLM counts
+
 
 def rows_too_large(batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[int],
                    limits: EngineLimits) -> dict[int, str]:
@@ -532,6 +561,15 @@ def rows_too_large(batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[int
 
 
 # -- how a run schedules its rows: injected into ``BatchRun`` -----------------------------------
+class Scheduling(Protocol):
+    """How a run schedules its rows: it builds the run's scheduler (``Planned``, or a baseline's ``InOrder``)."""
+
+    shares_answers: bool  # rows identical to another run once and take its answer
+
+    def scheduler(self, prepared: PreparedBatch, rows_in_plan_order: list[int], settings: SchedulerSettings,
+                  limits: EngineLimits) -> Scheduler: ...
+
+
 @dataclass(frozen=True)
 class Planned:
     """BatchLLM: the plan's groups in run order, admitted group-wise under the KV budget where that
@@ -541,7 +579,7 @@ class Planned:
     shares_answers = True
 
     def scheduler(self, prepared: PreparedBatch, rows_in_plan_order: list[int], settings: SchedulerSettings,
-                  limits: EngineLimits) -> GroupScheduler | InOrderScheduler:
+                  limits: EngineLimits) -> Scheduler:
         batch, max_tokens = prepared.batch, prepared.max_tokens
         too_large = rows_too_large(batch, max_tokens, rows_in_plan_order, limits)
         if settings.admission is Admission.AUTO:
@@ -568,7 +606,7 @@ class InOrder:
     shares_answers = False
 
     def scheduler(self, prepared: PreparedBatch, rows_in_plan_order: list[int], settings: SchedulerSettings,
-                  limits: EngineLimits) -> InOrderScheduler:
+                  limits: EngineLimits) -> Scheduler:
         return InOrderScheduler(
             prepared.batch, prepared.max_tokens, [r for r in self.order if r not in prepared.errors]
         )
