@@ -39,7 +39,7 @@ from engine.table.field_order_state import recorded_choice
 from engine.table.prompt_snapshot import CONTENT_KEY
 
 from .checkpoints import other_checkpoints, prune_checkpoints
-from .snapshots import PLAN_RUN_TAG, plan_stamp_of
+from .plan_stamp import PLAN_RUN_TAG, plan_stamp_of
 
 
 def load_planned_shard(config: BatchJobConfig, key: str, settings: EngineSettings, queued_for: str | None):

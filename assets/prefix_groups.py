@@ -24,7 +24,7 @@ from engine.settings import fingerprint
 from engine.table.prompt_snapshot import CONTENT_KEY, columns_without_text, read_snapshot
 
 from .checkpoints import prune_checkpoints
-from .snapshots import plan_stamp_of
+from .plan_stamp import plan_stamp_of
 
 
 def groups_table(prepared, shards, keys: list[str], config: BatchJobConfig) -> pa.Table:

@@ -15,7 +15,7 @@ from batchllm_dagster.checks import shards_outstanding
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.partitions import RANGE_END, RANGE_START, hardware_of_key, shard_runs
 
-from .snapshots import PLAN_RUN_TAG
+from .plan_stamp import PLAN_RUN_TAG
 
 SHARDS_TAG = "batchllm/shards"  # the shard keys a sensor's run answers (``first..last`` for a range)
 IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,

@@ -186,7 +186,7 @@ def test_a_changed_chat_template_or_snapshot_makes_the_plan_stale(tmp_path, tiny
 
     import pyarrow.parquet as pq
 
-    from assets.snapshots import plan_stamp_of
+    from assets.plan_stamp import plan_stamp_of
     from batchllm_dagster.config import BatchJobConfig, DatasetSpec
     from engine.plan.plan_table import stale_reasons
     from engine.settings import EngineSettings

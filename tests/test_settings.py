@@ -159,7 +159,7 @@ def _plan_on(monkeypatch, config, platform) -> dict:
     import pyarrow.parquet as pq
 
     import engine.settings as settings_module
-    from assets.snapshots import plan_stamp_of
+    from assets.plan_stamp import plan_stamp_of
     from engine.plan.plan_table import BLOCK_SIZE, MAX_MODEL_LEN
 
     monkeypatch.setattr(settings_module, "current_platform", lambda: platform)
@@ -195,7 +195,7 @@ def test_a_shard_runs_at_what_its_plan_counts_in_whatever_machine_made_it(monkey
     """A plan job on a CPU machine and shard runs on GPUs (a Kubernetes deployment's usual split),
     no max_model_len set: the shards run at the plan's 32 and 2,048, not the GPU's own 16 and the
     model's 4,096, which would make every plan stale (and a rematerialized one stale again)."""
-    from assets.snapshots import plan_stamp_of
+    from assets.plan_stamp import plan_stamp_of
     from engine.plan.plan_table import planned_counts, stale_reasons
 
     config = _job(tmp_path, tiny_model)
@@ -220,7 +220,7 @@ def test_a_plan_for_gpu_partitions_counts_in_the_gpus_settings_wherever_it_is_ma
     """A hardware partition that says it is a GPU's: its plan counts in 16-token blocks and the
     model's own context (4,096), also when the plan step runs on a CPU pod, and its shards find it
     current on the GPU. No max_model_len set."""
-    from assets.snapshots import plan_stamp_of
+    from assets.plan_stamp import plan_stamp_of
     from batchllm_dagster.config import HardwarePartition
     from engine.plan.plan_table import planned_counts, stale_reasons
 

@@ -109,9 +109,9 @@ def table_sample(args, tokenizer, model_path: str, fields: PromptFields | None =
         rendered, field_order_s = field_prompt_tables(read_source(args.prompts, args.database), fields, tokenizer,
                                                       engine_settings.block_size)
         tables = {name: validate(t) for name, t in rendered.items()}
-    planned = {name: prepare_batch(t, tokenizer, engine_settings, sampling) for name, t in tables.items()}
-    whole = planned.get("chosen", planned["declared"])  # the groups of the order batchllm runs
-    ok = np.asarray([all(r not in p.errors for p in planned.values()) for r in range(whole.num_rows)])
+    prepared_sets = {name: prepare_batch(t, tokenizer, engine_settings, sampling) for name, t in tables.items()}
+    whole = prepared_sets.get("chosen", prepared_sets["declared"])  # the groups of the order batchllm runs
+    ok = np.asarray([all(r not in p.errors for p in prepared_sets.values()) for r in range(whole.num_rows)])
     groups = np.unique(whole.group_of_row[ok])
     rng = np.random.default_rng(args.seed)
     picked, rows = set(), 0
@@ -126,7 +126,7 @@ def table_sample(args, tokenizer, model_path: str, fields: PromptFields | None =
                  "error_rows_left_out": int((~ok).sum()), "sampled_groups": len(picked), "seed": args.seed}
     if fields is not None:
         described.update(fields=fields.fields, field_order=fields.field_order.value)
-    return {name: p.subset(chosen) for name, p in planned.items()}, described, field_order_s
+    return {name: p.subset(chosen) for name, p in prepared_sets.items()}, described, field_order_s
 
 
 @dataclass

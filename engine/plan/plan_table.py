@@ -135,13 +135,13 @@ def rows_table(prepared: PlannedBatch | PreparedBatch) -> pa.Table:
     }, metadata={BLOCK_SIZE: str(prepared.block_size)})
 
 
-def plan_table(prepared: PlannedBatch, content_keys: pa.ChunkedArray | pa.Array, token_cache: TokenCache,
+def plan_table(planned: PlannedBatch, content_keys: pa.ChunkedArray | pa.Array, token_cache: TokenCache,
                shard_of_row: np.ndarray, partition_keys: list[str], stamp: dict[str, str], plan_run: str,
                max_model_len: int) -> pa.Table:
     """The whole plan table of a planned batch: its rows, their content keys in ``token_cache``,
     their shards and partition keys (``partition_keys[shard]``), stamped, with the context length
     it checked rows against (``max_model_len``; the block size is ``rows_table``'s)."""
-    table = (rows_table(prepared)
+    table = (rows_table(planned)
              .append_column(CONTENT_KEY, content_keys)
              .append_column("shard", pa.array(shard_of_row, pa.int64()))
              .append_column("partition_key", pa.array([partition_keys[s] for s in shard_of_row], pa.string())))
