@@ -519,24 +519,40 @@ def too_large_reason(blocks: int, capacity: int, block_size: int) -> str:
 
 
 class InOrderScheduler:
-    """Every row at once, in the given order; vLLM admits them (the baselines', and the engine's where
-    group-wise admission cannot gain). ``rejected``: rows that can never run, with the reason."""
+    """The rows in the given order; vLLM admits them (the baselines', and the engine's where group-wise
+    admission cannot gain). ``rejected``: rows that can never run, with the reason.
+
+    ``window``: at most this many rows submitted and unfinished at once (None: every row at once, as
+    ``LLM.generate``). vLLM admits from the head of its waiting queue, at most ``max_num_seqs`` running,
+    so a window that keeps that many waiting beyond the running ones, for every step it may plan ahead,
+    gives vLLM's schedule of all rows at once (``window_for``) without a shard's every prompt in its queue."""
 
     def __init__(self, batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[int],
-                 rejected: dict[int, str] | None = None):
+                 rejected: dict[int, str] | None = None, window: int | None = None):
+        self._batch, self._max_tokens = batch, max_tokens
         self._rejected = dict(rejected or {})
-        self._pending = [Submission(RequestKind.ROW, r, batch.tokens_of(r), int(max_tokens[r]))
-                         for r in rows if r not in self._rejected]
+        self._pending = deque(r for r in rows if r not in self._rejected)
         self._unfinished = len(self._pending)
+        self._in_flight = 0
+        self._window = window or len(self._pending)
         self.stats = SchedulerStats()
+
+    @staticmethod
+    def window_for(limits: EngineLimits) -> int:
+        return (2 + limits.steps_ahead) * limits.max_num_seqs
 
     @property
     def done(self) -> bool:
         return self._unfinished == 0
 
     def schedule(self) -> Decision:
-        decision = Decision(submit=self._pending, reject=list(self._rejected.items()))
-        self._pending, self._rejected = [], {}
+        decision = Decision(reject=list(self._rejected.items()))
+        self._rejected = {}
+        while self._pending and self._in_flight < self._window:
+            row = self._pending.popleft()
+            decision.submit.append(Submission(RequestKind.ROW, row, self._batch.tokens_of(row),
+                                              int(self._max_tokens[row])))
+            self._in_flight += 1
         return decision
 
     def after_step(self, started) -> None:
@@ -544,6 +560,7 @@ class InOrderScheduler:
 
     def finish(self, finished: Finished) -> None:
         self._unfinished -= 1
+        self._in_flight -= 1
 
     @property
     def blocks_in_flight(self) -> None:
@@ -588,7 +605,8 @@ class Planned:
         else:
             choice = AdmissionChoice(settings.admission, f"scheduler.admission: {settings.admission.value}")
         if choice.admission is Admission.VLLM:
-            scheduler = InOrderScheduler(batch, max_tokens, rows_in_plan_order, too_large)
+            scheduler = InOrderScheduler(batch, max_tokens, rows_in_plan_order, too_large,
+                                         InOrderScheduler.window_for(limits))
         else:
             groups = groups_in_run_order(rows_in_plan_order, prepared.group_of_row, prepared.prefix_tokens_of_row)
             scheduler = GroupScheduler(batch, max_tokens, groups, settings, limits.block_size,

@@ -72,6 +72,7 @@ class FakeEngine:
         self.submitted: list[tuple[int, Submission]] = []  # (step, submission) in submission order
         self.sampling_of: dict = {}  # the sampling each request was submitted with
         self.finished_at: dict[tuple, int] = {}  # request key -> step it finished
+        self.admitted_at: dict[tuple, int] = {}  # request key -> step it first left the waiting queue
         self.generated: dict[tuple, int] = {}  # request key -> output tokens so far, while unfinished
         self.peak_referenced = 0
         self.preemptions = 0
@@ -239,6 +240,7 @@ class FakeEngine:
                     raise RuntimeError(f"{request.submission.request_id} can never fit the KV cache")
                 break
             self._waiting.pop(0)
+            self.admitted_at.setdefault(request.submission.key, self.step_count)
             for block in hits:
                 if block.refs == 0:
                     del self._evictable[id(block)]
