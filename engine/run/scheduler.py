@@ -1,46 +1,23 @@
-"""Decide what enters the engine and when: BatchLLM's group-wise admission under a KV budget.
+"""Decide what enters the engine and when, in the manner of vLLM V1's scheduler interface
+(``Scheduler``: ``schedule``, ``after_step``, ``finish``, ``done``, ``stats``).
 
-A scheduler, in the manner of vLLM V1's scheduler interface:
+``Planned`` (the engine's) asks ``admission.choose_admission`` who admits a batch: vLLM itself, in
+plan order (``InOrderScheduler`` with a window), where group-wise admission cannot gain; else
+``GroupScheduler``, BatchLLM's policy on an unmodified vLLM:
 
-* it is built from the **planned groups** (rows in run order, each group's shared prefix);
-* ``schedule()``: what to submit next, and which rows can never run (a row that needs more KV
-  than the whole cache is rejected, never a stall);
-* ``after_step(started)``: an engine step ran, these requests got their first token in it;
-* ``finish(finished)``: account a request the engine finished;
-* ``stats``: what it did (prefix requests, the budget, the most blocks it planned to use).
+* groups enter in plan order, as many per step as the KV budget allows (vLLM's own batch limits
+  cap a step); a group's prefix is computed once, by its first row (vLLM caches a block when it
+  allocates it, so rows scheduled after it find the prefix), or by a prefix request of its own
+  (``prefix_requests``) while later groups go on;
+* rows are admitted while the KV blocks in flight stay under a share of the engine's capacity,
+  counted as vLLM holds them: a prefix block by the chained hash of its tokens, once however many
+  groups share it, held from the group's first row until its last finishes (explicit retention);
+  each row by what it holds plus its reserved output (all of it with ``ReserveOutput.FULL``: no
+  preemption; else the next ``lookahead_tokens``, vLLM growing output blocks lazily). The count is
+  the tree's identity, not vLLM's KV gauge, which lags a step and counts a finished group's cached
+  prefix as free; the gauge is still reported (``mean_kv_usage``).
 
-``GroupScheduler`` is BatchLLM's policy on an unmodified vLLM:
-
-* groups enter in plan order, as many per step as the KV budget allows (vLLM's own batch limits,
-  never smaller ones of ours, cap a step); a group's shared prefix is computed once: by its first
-  row when all its rows enter together (vLLM caches a block when it allocates it, so the rows
-  scheduled after the first in the same step find the prefix in the cache), else by a prefix
-  request (the prefix alone, one output token) before its rows enter;
-* a group whose prefix request is running holds back only its own rows: later groups enter
-  meanwhile (many small groups per step), and its rows follow once the prefix is cached;
-* rows are admitted while the KV blocks of everything in flight stay under a share of the
-  engine's capacity (read after start-up), counted **as vLLM holds them**: a prefix block is
-  identified by the chained hash of its tokens, as vLLM's prefix cache identifies it, so a block
-  that several groups share (a system prompt above every document) counts once, however many
-  groups are in flight. A group holds its prefix blocks from its prefix request until its last
-  row finishes (explicit retention: a prefix is not evicted while rows still need it). Each row
-  adds its own blocks beyond its group's prefix: what it holds now, plus what it is reserved for
-  its coming output (all of it with ``ReserveOutput.FULL``: no preemption ever; the next
-  ``lookahead_tokens`` with ``ReserveOutput.LOOKAHEAD``: vLLM allocates output blocks lazily, so
-  more rows fit, and a rare preemption is the price; the default, 1, is the slot every row's next
-  step writes: 0 admits as vLLM itself does, filling the cache with prompts whose first decode
-  then finds no block, so vLLM preempts and later recomputes them).
-
-  Why the tree's identity and not vLLM's own KV gauge: the gauge lags a step, counts rows waiting
-  in vLLM's queue as holding nothing, and counts a finished group's cached prefix as free; the
-  block identity is exact for what is retained and known before a row is submitted. vLLM's gauge
-  is still read every step and reported (``mean_kv_usage``) to show how full the cache really ran.
-  A row that shares more than its group's prefix with the row before it (a document asked two
-  questions inside a larger group) counts those blocks once while both are in flight: vLLM caches
-  a block when it allocates it, so rows admitted in the same step share it too.
-
-``InOrderScheduler`` is the plain baseline: every row submitted at once in the given order, which
-is what ``LLM.generate`` does.
+``InOrder`` is a baseline's: every row at once in a given order, as ``LLM.generate`` does.
 """
 
 from __future__ import annotations
