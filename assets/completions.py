@@ -33,10 +33,11 @@ from engine.locks import Busy, held_alone
 from engine.machine import Platform
 from engine.plan.plan_table import NotInPlan, StalePlan, load_shard, planned_counts, planned_keys, superseded
 from engine.plan.prepared import PreparedBatch
-from engine.run.console import LOG_DIR, ProgressBar, library_output_routed
+from engine.run.console import ProgressBar
 from engine.settings import EngineSettings, SamplingSettings
 from engine.table.field_order_state import recorded_choice
 from engine.table.prompt_snapshot import CONTENT_KEY
+from engine.vllm.library_output import LOG_DIR, library_output_routed
 
 from .checkpoints import other_checkpoints, prune_checkpoints
 from .plan_stamp import PLAN_RUN_TAG, plan_stamp_of

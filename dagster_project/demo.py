@@ -135,7 +135,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prepare-only", action="store_true", help="build the data and model, materialize nothing")
     args = parser.parse_args()
-    from engine.run.console import LOG_DIR, is_terminal, route_library_output
+    from engine.run.console import is_terminal
+    from engine.vllm.library_output import LOG_DIR, route_library_output
 
     log_file = route_library_output(LOG_DIR / "demo.log")  # before vLLM is imported
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from ..machine import current_platform
 from ..plan.prefix_tree import reusable_tokens
-from ..run.console import route_library_output
 from ..run.results import RunStats
 from ..run.step_profile import StepProfile
 from ..settings import EngineSettings, SamplingSettings, SchedulerSettings
+from ..vllm.library_output import route_library_output
 from .runs import RUNS, input_order, sorted_order
 
 

@@ -32,10 +32,11 @@ from ..jobs.job_options import (
     response_format_from,
 )
 from ..plan.duplicates import count_duplicates
-from ..run.console import LOG_DIR, ProgressBar, file_logger, route_library_output, run_summary, summary_table
+from ..run.console import ProgressBar, run_summary, summary_table
 from ..settings import EngineSettings, SamplingSettings, SchedulerSettings
 from ..table.dataset import Columns, DatasetError, load_prompts, read_source, validate
 from ..table.fields import FieldOrder, PromptFields, choose_field_orders, field_positions
+from ..vllm.library_output import LOG_DIR, file_logger, route_library_output
 
 log = logging.getLogger("batchllm")
 

@@ -16,11 +16,11 @@ from ..machine import current_platform, vllm_version
 from ..models import model_context_len
 from ..node_checks import problems as node_problems
 from ..node_checks import read_node
-from ..run.console import tidy_library_loggers
 from ..run.requests import EngineGauges, Finished, StepReport, Submission
 from ..run.results import EngineInfo
 from ..settings import EngineSettings, Platform, SamplingSettings
 from .core_watch import watch_core
+from .library_output import tidy_library_loggers
 from .vllm_env import check_vllm_version, configure, engine_args, offline_max_num_seqs, offline_usage_context
 
 log = logging.getLogger(__name__)
