@@ -70,6 +70,8 @@ def test_materializes_prompts_groups_and_one_completion_per_row(job):
             assert 0 < meta["mean_kv_usage"].value <= 1 and meta["rows_per_step"].value >= 1
             assert meta["rows"].value > 0 and meta["tokens_per_s"].value > 0
             assert meta["device"].value and meta["hardware_partition"].value == "cpu"
+            # who admitted the rows, and why: a small shard fits the KV cache, so vLLM itself
+            assert meta["admission"].value == "vllm" and "fits the KV cache" in meta["admission_reason"].value
             assert "vllm" in meta["engine"].value["vllm"]
             checks = result.get_asset_check_evaluations()
             assert {c.check_name for c in checks if c.passed} >= {"one_completion_per_row", "no_silent_empties"}
