@@ -91,6 +91,6 @@ def test_under_vllms_admission_a_row_larger_than_the_cache_is_an_error_row_and_t
     rows = [batch.row(i) for i in range(30)]
     rows[7] = np.arange(1000, 1000 + 40 * BLOCK)  # 40 blocks, the cache has 39
     prepared = prepared_of(TokenizedBatch.from_rows(rows), max_tokens)
-    _, stats, answers = run_on_stand_in(prepared, 40)
+    _, stats, answers = run_on_stand_in(prepared, 40, admission="vllm")
     assert stats.admission == "vllm" and stats.error_rows == 1 and stats.ok_rows == 29
     assert answers[prepared.ids[7]] is None
