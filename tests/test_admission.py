@@ -94,3 +94,16 @@ def test_under_vllms_admission_a_row_larger_than_the_cache_is_an_error_row_and_t
     _, stats, answers = run_on_stand_in(prepared, 40, admission="vllm")
     assert stats.admission == "vllm" and stats.error_rows == 1 and stats.ok_rows == 29
     assert answers[prepared.ids[7]] is None
+
+
+def test_answers_too_long_to_simulate_two_caches_worth_are_admitted_group_wise():
+    """A large cache and long answers: the simulation's cost cap stops before the cache fills twice,
+    which tells nothing of preemptions; such a batch runs group-wise, as BatchLLM runs it."""
+    rng = np.random.default_rng(1)
+    batch = TokenizedBatch.from_rows([rng.integers(*VOCAB, 100) for _ in range(300)])
+    max_tokens = np.full(300, 2000)
+    rows = list(range(300))
+    choice = choose_admission(batch, max_tokens, rows, EngineLimits(16, 15_001, 1024, 16384))
+    assert choice.admission is Admission.GROUP_WISE and "too long to simulate" in choice.reason
+    short = choose_admission(batch, np.full(300, 8), rows, EngineLimits(16, 1_001, 1024, 16384))
+    assert short.admission is Admission.VLLM  # short answers on a small cache: simulated, nothing to gain

@@ -58,7 +58,8 @@ def test_a_project_of_ones_own_set_up_from_the_readme_answers_every_row(tmp_path
     # Before the database exists, `dg check defs` names it (and the way out for one made later).
     early = subprocess.run([str(BIN / "dg"), "check", "defs"], cwd=project, env=env, capture_output=True, text=True,
                            timeout=600)
-    assert early.returncode != 0 and "dataset.database 'my_warehouse.duckdb' does not exist" in early.stderr
+    assert early.returncode != 0
+    assert "dataset.database 'my_warehouse.duckdb' does not exist" in early.stdout + early.stderr
     # Filled in as the template says: the database, the SQL, the model.
     (project / "data").mkdir()
     with duckdb.connect(str(project / "data" / "my_warehouse.duckdb")) as con:

@@ -32,9 +32,11 @@ from .stand_in import FakeEngine
 # fewer steps (README, docs/benchmark-history.md); short, fields and kv_bound 0%.
 MIN_RECOMPUTED_SHARE = 0.02
 # The simulation covers the first rows in plan order up to this many times the KV capacity (the
-# regime shows within a few fills) and this many row-steps (its cost: ~1 s).
+# regime shows within a few fills) and this many row-steps (its cost: 2-3 s at a GPU's sizes, 1,500-3,000
+# rows of ~600 tokens on 20,000 blocks of 16 with 1,024 sequences; 0.1 s at the bench's).
 SIMULATED_FILLS = 4
 SIMULATED_ROW_STEPS = 400_000
+MIN_SIMULATED_FILLS = 2  # fewer (long answers, a large cache) tell nothing: group-wise, as BatchLLM runs them
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,11 @@ def choose_admission(batch: TokenizedBatch, max_tokens: np.ndarray, rows_in_plan
     if demand <= usable:
         return AdmissionChoice(Admission.VLLM, f"the whole batch fits the KV cache ({demand} of {usable} blocks): "
                                                "nothing is evicted or preempted")
-    sample = _simulated_rows(batch, max_tokens, rows_in_plan_order, block, usable)
+    sample, sample_blocks = _simulated_rows(batch, max_tokens, rows_in_plan_order, block, usable)
+    if sample_blocks < MIN_SIMULATED_FILLS * usable:  # long answers: the cost cap cut it before the cache filled twice
+        return AdmissionChoice(Admission.GROUP_WISE, f"the first {len(sample)} rows' answers are too long to "
+                               f"simulate vLLM alone on more than {sample_blocks / usable:.1f} caches' worth of "
+                               "rows: group-wise admission, which never preempts for want of a row's next block")
     prefill, minimum, preemptions = simulate_vllm_admission(batch, max_tokens, sample, limits)
     extra = prefill - minimum
     measured = (f"vLLM admitting the first {len(sample)} rows in plan order computes {prefill} prompt tokens, "
@@ -90,9 +96,9 @@ def kv_demand_blocks(batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[i
 
 
 def _simulated_rows(batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[int], block_size: int,
-                    usable: int) -> list[int]:
+                    usable: int) -> tuple[list[int], int]:
     """The first rows in plan order up to ``SIMULATED_FILLS`` caches' worth of blocks (counted as
-    ``kv_demand_blocks`` counts them) and ``SIMULATED_ROW_STEPS`` output tokens."""
+    ``kv_demand_blocks`` counts them) and ``SIMULATED_ROW_STEPS`` output tokens, with their blocks."""
     blocks = steps = 0
     previous = None
     for count, row in enumerate(rows, 1):
@@ -103,8 +109,8 @@ def _simulated_rows(batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[in
         previous = tokens
         steps += int(max_tokens[row])
         if blocks >= SIMULATED_FILLS * usable or steps >= SIMULATED_ROW_STEPS:
-            return rows[:count]
-    return rows
+            return rows[:count], blocks
+    return rows, max(blocks, SIMULATED_FILLS * usable)  # the whole batch: nothing left out
 
 
 def simulate_vllm_admission(batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[int],
