@@ -131,9 +131,9 @@ def cpu_preload_libraries(search: tuple[str, ...] | None = None) -> dict[str, st
     return found
 
 
-# What tcmalloc gained vLLM's CPU build, measured: ``python benchmarks/cpu_allocator.py`` (the bench's
-# short shape, three rotated rounds, 2 cores; the README's "On CPUs"). Intel OpenMP alone gained nothing.
-TCMALLOC_GAIN = "1.19x the tokens per second (1.09-1.34x) on the bench's short shape"
+# What tcmalloc gained vLLM's CPU build, measured: ``python benchmarks/cpu_allocator.py --shape short
+# --repeat 3`` (2 cores; the README's configuration notes). Intel OpenMP gained nothing there (0.98x).
+TCMALLOC_GAIN = "1.22x the tokens per second (1.20-1.35x) on the bench's short shape"
 
 
 def cpu_preload_advice(ld_preload: str, found: dict[str, str | None]) -> list[str]:
