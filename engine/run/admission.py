@@ -27,9 +27,9 @@ from .requests import RequestKind, Submission
 from .stand_in import FakeEngine
 
 # Group-wise admission is chosen where vLLM alone would compute more than this share of prompt tokens
-# over the minimum. The bench's shapes at its KV size, on the stand-in: groups 12.7% and nested 10.9%
-# over, where group-wise runs 1.04-1.14x sorted vLLM; templates 2.6%, where it ran 1.03-1.12x with 9-10
-# fewer steps (README, docs/benchmark-history.md); short, fields and kv_bound 0%.
+# over the minimum: below it, a fuller batch gains more than is computed twice. The bench's shapes
+# (README, Benchmark): groups, nested and duplicates 11-21% over, where group-wise runs ahead of sorted
+# vLLM; templates, kv_bound, fields and short 0-1.9%, where vLLM's own admission runs even or ahead.
 MIN_RECOMPUTED_SHARE = 0.02
 # The simulation covers the first rows in plan order up to this many times the KV capacity (the
 # regime shows within a few fills) and this many row-steps (its cost: 2-3 s at a GPU's sizes, 1,500-3,000
