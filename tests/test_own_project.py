@@ -14,27 +14,19 @@ from .conftest import ROOT
 pytestmark = pytest.mark.slow  # the dg CLI and real vLLM
 
 BIN = ROOT / ".venv" / "bin"
-PYPROJECT = """[project]
-name = "my-batches"
-version = "0.1.0"
-dependencies = ["batchllm-dagster"]
-
-[tool.dg]
-directory_type = "project"
-
-[tool.dg.project]
-root_module = "my_batches"
-code_location_target_module = "my_batches.definitions"
-"""
-DEFINITIONS = """from pathlib import Path
-
-import dagster as dg
 
 
-@dg.definitions
-def defs() -> dg.Definitions:
-    return dg.load_from_defs_folder(path_within_project=Path(__file__).parent)
-"""
+def readme_file(marker: str) -> str:
+    """A file the README's "In your own project" writes with ``cat > FILE <<'MARKER'``: the test
+    builds the project from the README's own text, so the two cannot drift apart."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## In your own project"):]
+    start = section.index(f"<<'{marker}'\n") + len(f"<<'{marker}'\n")
+    return section[start:section.index(f"\n{marker}\n", start) + 1]
+
+
+PYPROJECT = readme_file("TOML")
+DEFINITIONS = readme_file("PY")
 
 
 def test_a_project_of_ones_own_set_up_from_the_readme_answers_every_row(tmp_path, tiny_model):
