@@ -10,6 +10,10 @@ rerun, partitions renamed), so each stays what it is:
 * ``short_digest``: the part of a partition key that names its rows: sha1, 32 bits of hex, short for
   the UI (a key also holds its hardware and shard number).
 
+* DuckDB's ``hash()``: a source's version, the sum of its rows' 64-bit hashes with the row count
+  (``assets.prompts.source_version``): computed inside DuckDB over the source without reading it
+  out; it only decides whether the source sensor asks for a plan, never whose answer a row gets.
+
 KV block hashes are vLLM-compatible chains of their own (``plan.block_hashes``); Python's ``hash``
 is never used for anything that outlives a process.
 """
