@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..plan.prefix_tree import common_whole_blocks, reusable_tokens
+from ..plan.prefix_tree import common_whole_blocks
 from ..plan.tokenizing import TokenizedBatch
 from ..settings import Admission
 from .requests import RequestKind, Submission
@@ -67,18 +67,20 @@ def choose_admission(batch: TokenizedBatch, max_tokens: np.ndarray, rows_in_plan
     """Group-wise where it can gain over vLLM admitting ``rows_in_plan_order`` itself, else vLLM."""
     if prefix_requests:
         return AdmissionChoice(Admission.GROUP_WISE, "prefix requests are on (scheduler.prefix_requests)")
-    block = limits.block_size
-    demand = kv_demand_blocks(batch, max_tokens, rows_in_plan_order, block)
+    blocks, shared = _row_blocks(batch, max_tokens, rows_in_plan_order, limits.block_size)
+    demand = int(blocks.sum())
     usable = limits.capacity_blocks - 1  # vLLM keeps one block as its null block
     if demand <= usable:
         return AdmissionChoice(Admission.VLLM, f"the whole batch fits the KV cache ({demand} of {usable} blocks): "
                                                "nothing is evicted or preempted")
-    sample, sample_blocks = _simulated_rows(batch, max_tokens, rows_in_plan_order, block, usable)
+    count, sample_blocks = _simulated_count(blocks, max_tokens[rows_in_plan_order], usable)
+    sample = rows_in_plan_order[:count]
     if sample_blocks < MIN_SIMULATED_FILLS * usable:  # long answers: the cost cap cut it before the cache filled twice
         return AdmissionChoice(Admission.GROUP_WISE, f"the first {len(sample)} rows' answers are too long to "
                                f"simulate vLLM alone on more than {sample_blocks / usable:.1f} caches' worth of "
                                "rows: group-wise admission, which never preempts for want of a row's next block")
-    prefill, minimum, preemptions = simulate_vllm_admission(batch, max_tokens, sample, limits)
+    prefill, preemptions = simulate_vllm_admission(batch, max_tokens, sample, limits)
+    minimum = int(batch.lengths[sample].sum()) - int(shared[:count].sum()) * limits.block_size
     extra = prefill - minimum
     measured = (f"vLLM admitting the first {len(sample)} rows in plan order computes {prefill} prompt tokens, "
                 f"{extra} ({extra / max(minimum, 1):.1%}) over the minimum, with {preemptions} preemptions, "
@@ -88,41 +90,39 @@ def choose_admission(batch: TokenizedBatch, max_tokens: np.ndarray, rows_in_plan
     return AdmissionChoice(Admission.VLLM, measured + ": nothing for group-wise admission to gain")
 
 
-def kv_demand_blocks(batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[int], block_size: int) -> int:
-    """KV blocks the rows hold if all are in flight at the end of their output, each whole prompt
-    block shared with the row before it (plan order) counted once."""
-    ends = batch.lengths[rows].astype(np.int64) + np.asarray(max_tokens)[rows]
-    return int((-(-ends // block_size)).sum()) - reusable_tokens(batch, rows, block_size) // block_size
-
-
-def _simulated_rows(batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[int], block_size: int,
-                    usable: int) -> tuple[list[int], int]:
-    """The first rows in plan order up to ``SIMULATED_FILLS`` caches' worth of blocks (counted as
-    ``kv_demand_blocks`` counts them) and ``SIMULATED_ROW_STEPS`` output tokens, with their blocks."""
-    blocks = steps = 0
+def _row_blocks(batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[int],
+                block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row in plan order: the KV blocks it adds when all are in flight at the end of their output
+    (each whole prompt block shared with the row before it counted once), and those shared blocks."""
+    shared = np.zeros(len(rows), dtype=np.int64)
     previous = None
-    for count, row in enumerate(rows, 1):
+    for i, row in enumerate(rows):
         tokens = batch.tokens_of(row)
-        blocks += -(-(int(batch.lengths[row]) + int(max_tokens[row])) // block_size)
         if previous is not None:
-            blocks -= common_whole_blocks(tokens, previous, block_size)
+            shared[i] = common_whole_blocks(tokens, previous, block_size)
         previous = tokens
-        steps += int(max_tokens[row])
-        if blocks >= SIMULATED_FILLS * usable or steps >= SIMULATED_ROW_STEPS:
-            return rows[:count], blocks
-    return rows, max(blocks, SIMULATED_FILLS * usable)  # the whole batch: nothing left out
+    ends = batch.lengths[rows].astype(np.int64) + np.asarray(max_tokens)[rows]
+    return -(-ends // block_size) - shared, shared
+
+
+def _simulated_count(blocks: np.ndarray, max_tokens: np.ndarray, usable: int) -> tuple[int, int]:
+    """How many of the first rows are simulated: up to ``SIMULATED_FILLS`` caches' worth of blocks and
+    ``SIMULATED_ROW_STEPS`` output tokens; and their blocks (the whole batch counts as enough)."""
+    cut = np.flatnonzero((np.cumsum(blocks) >= SIMULATED_FILLS * usable)
+                         | (np.cumsum(np.asarray(max_tokens, dtype=np.int64)) >= SIMULATED_ROW_STEPS))
+    if cut.size == 0:
+        return blocks.size, max(int(blocks.sum()), SIMULATED_FILLS * usable)  # the whole batch: nothing left out
+    return int(cut[0]) + 1, int(blocks[: cut[0] + 1].sum())
 
 
 def simulate_vllm_admission(batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[int],
-                            limits: EngineLimits) -> tuple[int, int, int]:
-    """Prompt tokens vLLM computes for ``rows`` submitted at once in this order, the minimum (each
-    whole block shared with the row before computed once), and its preemptions: on the stand-in."""
-
+                            limits: EngineLimits) -> tuple[int, int]:
+    """Prompt tokens vLLM computes for ``rows`` submitted at once in this order, and its
+    preemptions: on the stand-in."""
     engine = FakeEngine(limits.capacity_blocks, limits.block_size, limits.max_num_seqs,
                         limits.max_num_batched_tokens, limits.steps_ahead)
     for row in rows:
         engine.submit(Submission(RequestKind.ROW, row, batch.tokens_of(row), int(max_tokens[row])), None)
     while engine.has_unfinished():
         engine.step()
-    minimum = int(batch.lengths[rows].sum()) - reusable_tokens(batch, rows, limits.block_size)
-    return engine.prefill_tokens, minimum, engine.preemptions
+    return engine.prefill_tokens, engine.preemptions

@@ -1,5 +1,6 @@
-"""A stand-in for vLLM with its KV block accounting in miniature: for the scheduler's unit tests and
-``batchllm bench --scheduler-only`` (how full a GPU's batch runs). Never an end-to-end engine.
+"""A stand-in for vLLM with its KV block accounting in miniature: for the scheduler's unit tests,
+``batchllm bench --scheduler-only`` (how full a GPU's batch runs) and the admission decision
+(``run.admission``: would vLLM alone compute tokens twice). Never an end-to-end engine.
 
 What it models, as vLLM's ``KVCacheManager`` does: a pool of ``num_blocks`` blocks (one kept as
 the null block); full prompt blocks cached by the chained hash of their tokens and shared by
