@@ -22,7 +22,7 @@ from batchllm_dagster.checks import merged_check_results, partition_check_result
 from batchllm_dagster.config import Backend, BatchJobConfig
 from batchllm_dagster.instance_limits import warn_if_unlimited
 from batchllm_dagster.metadata import run_metadata
-from batchllm_dagster.output_table import answers_table
+from batchllm_dagster.output_table import answers_table, review_metadata
 from batchllm_dagster.resources import VLLMResource
 from batchllm_dagster.shard_sizing import TimeLimit, last_partitions_metadata, measured_by_hardware, shard_time_limit
 from batchllm_dagster.warehouse import existing_rows, replace_partition, replace_prompts_view
@@ -268,7 +268,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         for result in outcome.results:
             result.shard = shard
         table = answers_table(outcome.results, prepared.id_type, key, hardware_partition, config.llm.model_path,
-                              planned.select(["id", CONTENT_KEY]))
+                              planned.select(["id", CONTENT_KEY]), config.review_below)
         # The check against the plan on disk and the write are one step: no plan lands between them
         # (a plan holds this lock exclusively from reading the snapshot to its last delete), else
         # this shard could delete a newer shard's answers, bring back deleted ids or a removed key's file.
@@ -282,6 +282,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         return PartitionDone(key, outcome, info, hardware_partition, checks, {
             "not_reused_rows": dg.MetadataValue.json(outcome.not_reused),  # why rows ran again
             "superseded_rows": len(stale),  # answers a newer plan wanted from elsewhere: not written
+            **review_metadata(table, config.review_below),
             "write_s": float(round(time.perf_counter() - writing, 3)),  # writing and checks (shard sizing reads it)
             "dagster/row_count": written,
         })

@@ -194,6 +194,9 @@ class JobSpec(BaseModel):
     lock_timeout_s: Annotated[float, *described(
         "how long a plan, a prompt snapshot or a shard's write waits for the job's plan lock (held while a plan "
         "is made) before failing with the holder's name (> 0)")] = 3600.0
+    review_below: Annotated[float | None, *described(
+        "with sampling.score_choices: a scored answer whose probability is under this is marked in the output's "
+        "needs_review column and counted in the partition's rows_for_review (0..1; None: none marked)")] = None
     min_saving_vs_ideal: Annotated[float, *described("prefix_saving check warns below this share of the ideal")] = 0.9
     schedule: Annotated[str | None, *described("cron of the nightly run (None: no schedule)")] = "0 2 * * *"
 
@@ -226,8 +229,8 @@ class JobSpec(BaseModel):
             raise ValueError(f"shard_attempts must be at least 1 (got {self.shard_attempts})")
         if self.lock_timeout_s <= 0:
             raise ValueError(f"lock_timeout_s must be > 0 (got {self.lock_timeout_s})")
-        for label in ("max_error_share", "max_removed_share"):
-            if not 0 <= getattr(self, label) <= 1:
+        for label in ("max_error_share", "max_removed_share", "review_below"):
+            if getattr(self, label) is not None and not 0 <= getattr(self, label) <= 1:
                 raise ValueError(f"{label} must be between 0 and 1 (got {getattr(self, label)})")
         return self
 
@@ -298,8 +301,9 @@ class BatchJobConfig(JobSpec):
                            self.hardware)
 
     def completions_code_version(self) -> str:
+        # review_below only where set: versions made before it existed still hold.
         return fingerprint(self.llm, self.sampling, self.scheduler, self.backend, self.ray_replicas,
-                           self.keep_deleted_answers)
+                           self.keep_deleted_answers, *([self.review_below] if self.review_below is not None else []))
 
     @property
     def plan_pool(self) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from .digests import text_fingerprint
 from .machine import Platform, current_platform
@@ -149,6 +149,23 @@ class SamplingSettings(BaseModel):
     stop: list[str] = Field(default_factory=list, description="strings that end an answer")
     response_format: ResponseFormat | None = Field(
         None, description="constrain every answer: {json_schema: ...}, {choice: [...]} or {regex: ...}")
+    score_choices: bool = Field(
+        False, description="answer choice rows by scoring each choice in one forward pass (engine/choice_scoring.py), "
+        "not by decoding under a grammar: the most probable choice, with its probability")
+
+    @model_serializer(mode="wrap")
+    def _without_switches_off(self, handler):
+        # A switch newer than the answers on disk is left out while off: their fingerprints (and
+        # the code versions made of these settings) stay what they were before it existed.
+        data = handler(self)
+        if not self.score_choices:
+            data.pop("score_choices", None)
+        return data
+
+    @property
+    def scores_choice(self) -> bool:
+        """Whether rows of these settings are choice rows answered by scoring (score_choices)."""
+        return self.score_choices and self.response_format is not None and self.response_format.choice is not None
 
     @model_validator(mode="after")
     def _in_range(self) -> "SamplingSettings":

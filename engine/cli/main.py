@@ -58,7 +58,8 @@ def _settings(args) -> tuple[EngineSettings, SamplingSettings, Columns]:
 
     engine = engine_settings_from(args, resolve_model(args.model or DEFAULT_MODEL))
     sampling = SamplingSettings(max_tokens=args.max_tokens, temperature=getattr(args, "temperature", 0.0),
-                                response_format=response_format_from(args))
+                                response_format=response_format_from(args),
+                                score_choices=getattr(args, "score_choices", False))
     columns = Columns(id=args.id_column, prompt=args.prompt_column, messages=args.messages_column)
     return engine, sampling, columns
 

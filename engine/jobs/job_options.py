@@ -10,7 +10,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ..response_format import ResponseFormat
-from ..settings import BLOCK_SIZES, EngineSettings
+from ..settings import BLOCK_SIZES, EngineSettings, SamplingSettings
 from ..table.fields import FieldOrder, PromptFields
 from ..validation import one_line
 
@@ -65,6 +65,8 @@ def add_response_format_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--choice", action="append", help="an allowed answer (repeat for each)")
     group.add_argument("--json-schema", metavar="FILE", help="answers are JSON valid against this schema file")
     group.add_argument("--regex", metavar="PATTERN", help="answers match this regular expression")
+    group.add_argument("--score-choices", action="store_true",
+                       help=SamplingSettings.model_fields["score_choices"].description)
 
 
 def response_format_from(args: argparse.Namespace) -> ResponseFormat | None:

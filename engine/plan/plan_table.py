@@ -55,6 +55,7 @@ class PlanShaping:
     min_group_rows: int  # rows a prefix needs to become a group
     columns: Columns  # which columns the plan reads
     response_format: ResponseFormat | None = None  # the job's: a choice raises the budgets of its rows
+    score_choices: bool | None = None  # choice rows scored: a budget of one token (None: off)
 
     @classmethod
     def of(cls, llm: EngineSettings, sampling: SamplingSettings, scheduler: SchedulerSettings, columns: Columns,
@@ -62,7 +63,7 @@ class PlanShaping:
         if resolved:  # the block size this machine plans in where the job sets none
             llm = llm.with_block_size()
         return cls(llm.block_size, llm.context_len if resolved else None, sampling.max_tokens,
-                   scheduler.min_group_rows, columns, sampling.response_format)
+                   scheduler.min_group_rows, columns, sampling.response_format, sampling.score_choices or None)
 
     def fingerprint(self) -> str:
         # In field order, values pinned; a setting that is None is left out, so that the plans made

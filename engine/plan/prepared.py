@@ -178,7 +178,7 @@ def plan_tokenized(
     hash_s = time.perf_counter() - started
     formats = row_response_formats(_column(table, columns.response_format), errors)
     max_tokens = output_budgets(_column(table, columns.max_tokens), sampling.max_tokens, blocks.lengths,
-                                engine_settings, errors, formats, sampling.response_format)
+                                engine_settings, errors, formats, sampling.response_format, sampling.score_choices)
     dropped = set(errors) - set(rows.errors)  # rows that tokenized but cannot run: planned as empty
     blocks = blocks.without(dropped)
     decode = np.where(blocks.lengths > 0, max_tokens, 0)

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..choice_scoring import SCORED_ANSWER_TOKENS
 from ..response_format import ResponseFormat
 from ..settings import EngineSettings
 
 
 def output_budgets(row_max_tokens: list | None, default: int, lengths: np.ndarray, settings: EngineSettings,
                    errors: dict[int, str], formats: dict[int, ResponseFormat] | None = None,
-                   job_format: ResponseFormat | None = None) -> np.ndarray:
+                   job_format: ResponseFormat | None = None, score_choices: bool = False) -> np.ndarray:
     """Each row's ``max_tokens`` (its own, else ``default``), raised where its answer format (its own
-    in ``formats``, else ``job_format``) bounds an answer above it (``answer_floors``); rows whose
-    budget is invalid or does not fit the context beside their prompt get a reason in ``errors``."""
+    in ``formats``, else ``job_format``) bounds an answer above it (``answer_floors``); with
+    ``score_choices``, a choice row's is the one token a scoring request generates (and throws away:
+    engine/choice_scoring.py). Rows whose budget is invalid or does not fit the context beside their
+    prompt get a reason in ``errors``."""
     limit = settings.context_len
     max_tokens = np.full(lengths.size, default, dtype=np.int64)
     for i, value in enumerate(row_max_tokens or []):
@@ -25,6 +28,8 @@ def output_budgets(row_max_tokens: list | None, default: int, lengths: np.ndarra
         else:
             max_tokens[i] = value
     max_tokens = np.maximum(max_tokens, answer_floors(lengths.size, formats or {}, job_format))
+    if score_choices:
+        max_tokens[choice_rows(lengths.size, formats or {}, job_format)] = SCORED_ANSWER_TOKENS
     for i in np.flatnonzero(max_tokens > limit - lengths):
         errors.setdefault(
             int(i),
@@ -49,6 +54,14 @@ def answer_floors(n: int, formats: dict[int, ResponseFormat], job_format: Respon
             floor = of_format[id(own)] = own.most_answer_tokens() or 0
         floors[row] = floor
     return floors
+
+
+def choice_rows(n: int, formats: dict[int, ResponseFormat], job_format: ResponseFormat | None) -> np.ndarray:
+    """Whether each row's answer is a choice (its own format, else the job's)."""
+    rows = np.full(n, job_format is not None and job_format.choice is not None)
+    for row, own in formats.items():
+        rows[row] = own.choice is not None
+    return rows
 
 
 def row_response_formats(texts: list[str | None] | None, errors: dict[int, str]) -> dict[int, ResponseFormat]:

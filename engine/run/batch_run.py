@@ -76,9 +76,12 @@ class BatchRun:
             stats.error_rows += 1
         else:
             stats.ok_rows += 1
+        scored = item.scored
         return self._result(row, status="error" if cut else "ok", text=item.text, error=cut,
                             prompt_tokens=item.prompt_tokens, cached_tokens=cached_tokens,
-                            output_tokens=len(item.token_ids), finish_reason=item.finish_reason)
+                            output_tokens=len(item.token_ids), finish_reason=item.finish_reason,
+                            choice_probability=None if scored is None else scored.probability,
+                            choice_probabilities=None if scored is None else scored.probabilities_json())
 
     def _error(self, row: int, reason: str) -> RowResult:
         self.stats.rows += 1

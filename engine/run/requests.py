@@ -13,6 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..choice_scoring import ScoredAnswer
 from ..settings import SamplingSettings
 
 
@@ -79,6 +80,7 @@ class Finished:
     finish_reason: str | None
     stop_reason: int | str | None = None  # the stop string that ended it (vLLM's; None: end of sequence)
     error: str | None = None  # why the engine refused it (see ``Engine.submit``)
+    scored: ScoredAnswer | None = None  # a choice row scored, not decoded (engine/choice_scoring.py)
 
     @property
     def failure(self) -> str | None:

@@ -23,6 +23,8 @@ class RowResult:
     row_fingerprint: str | None = None  # model + settings + prompt: what a rerun may reuse
     settings_fingerprint: str | None = None  # model + answer settings alone: why a row was not reused
     computed_at: dt.datetime | None = None  # when the engine answered it (kept when a later run reuses it)
+    choice_probability: float | None = None  # a scored choice row: its answer's probability among the choices
+    choice_probabilities: str | None = None  # and every choice's, as JSON {"choice": probability}
 
 
 RESULT_SCHEMA_FIELDS = [
@@ -38,6 +40,8 @@ RESULT_SCHEMA_FIELDS = [
     ("row_fingerprint", pa.string()),
     ("settings_fingerprint", pa.string()),
     ("computed_at", pa.timestamp("us", tz="UTC")),
+    ("choice_probability", pa.float64()),
+    ("choice_probabilities", pa.string()),
 ]
 
 

@@ -19,6 +19,7 @@ from ..node_checks import read_node
 from ..run.requests import EngineGauges, Finished, StepReport, Submission
 from ..run.results import EngineInfo
 from ..settings import EngineSettings, Platform, SamplingSettings
+from .choice_reads import ChoiceReads, ScoreRead
 from .core_watch import watch_core
 from .library_output import tidy_library_loggers
 from .vllm_env import check_vllm_version, configure, engine_args, offline_max_num_seqs, offline_usage_context
@@ -195,6 +196,7 @@ class VLLMEngine:
         except Exception as exc:
             raise EngineStartError(f"vLLM failed to start for {settings.model_path!r}: {exc}") from exc
         self._core_watch = watch_core(self._engine)  # the core dies with this process, however it dies
+        self._choice_reads = ChoiceReads(self._engine.get_tokenizer())
         try:
             check_kv_cache_layout(self._engine, self.settings.block_size)
         except EngineStartError:
@@ -225,11 +227,14 @@ class VLLMEngine:
         self.block_size = block_size
         self.steps_ahead = 0
         self._gauges = EngineGauges()
-        self._in_flight: dict[str, _InFlight] = {}  # unfinished requests by vLLM request id
+        self._in_flight: dict[str, _InFlight | ScoreRead] = {}  # unfinished requests by vLLM request id
         self._params: dict[tuple[int, int], tuple] = {}  # (id of sampling, max_tokens) -> (sampling, params)
         self._grammars_submitted = False  # a constrained request entered since the last step
         self._refusals: dict[str, str | None] = {}  # a response format's text -> why vLLM refuses it
-        self._refused: list[Finished] = []  # requests vLLM refused at submission, reported by the next step
+        # Requests finished at submission (vLLM refused them; a scored row with nothing to read),
+        # reported by the next step.
+        self._done_at_submit: list[Finished] = []
+        self._choice_reads: ChoiceReads | None = None  # set once vLLM (and its tokenizer) started
 
     @classmethod
     def over(cls, llm_engine, block_size: int, kv_capacity_blocks: int) -> "VLLMEngine":
@@ -267,6 +272,8 @@ class VLLMEngine:
         response_format = sampling.response_format
         if response_format is None:
             return None
+        if sampling.scores_choice:
+            return self._choice_reads.refusal(response_format)
         text = response_format.to_text()
         if text not in self._refusals:
             self._refusals[text] = self._verify(sampling_params(sampling, 1))
@@ -284,6 +291,9 @@ class VLLMEngine:
         return None
 
     def submit(self, submission: Submission, sampling: SamplingSettings) -> None:
+        if sampling.scores_choice:
+            self._submit_scored(submission, sampling.response_format)
+            return
         request_id = submission.request_id
         engine_input = self._engine.renderer.render_cmpl([{"prompt_token_ids": submission.prompt_ids()}])[0]
         # Only what is new each step: CUMULATIVE rebuilds every running row's whole output per step.
@@ -299,15 +309,30 @@ class VLLMEngine:
         except _request_errors() as exc:
             # vLLM refused this request (it checks each one as it arrives): the row becomes an error
             # row with vLLM's reason at the next step, and the shard goes on.
-            self._refused.append(Finished(
+            self._done_at_submit.append(Finished(
                 submission=submission, text="", token_ids=[], prompt_tokens=len(submission.token_ids),
                 cached_tokens=0, finish_reason="error", error=f"vLLM refused the request: {one_line_text(exc)}"))
             return
         self._grammars_submitted |= params.structured_outputs is not None
         self._in_flight[request_id] = _InFlight(submission)
 
+    def _submit_scored(self, submission: Submission, response_format) -> None:
+        """A choice row's scoring requests (``choice_reads``), all at once: they share its prompt."""
+        reads, row = self._choice_reads.requests(submission, response_format)
+        for request_id, prompt_ids, params, read in reads:
+            engine_input = self._engine.renderer.render_cmpl([{"prompt_token_ids": prompt_ids}])[0]
+            try:
+                self._engine.add_request(request_id, engine_input, params)
+            except _request_errors() as exc:
+                row.error = f"vLLM refused the request: {one_line_text(exc)}"
+                break
+            row.pending += 1
+            self._in_flight[request_id] = read
+        if row.pending == 0:  # nothing in vLLM: refused, or a single choice
+            self._done_at_submit.append(row.finished())
+
     def has_unfinished(self) -> bool:
-        return bool(self._refused) or self._engine.has_unfinished_requests()
+        return bool(self._done_at_submit) or self._engine.has_unfinished_requests()
 
     def step(self) -> StepReport:
         """One engine step: what finished, what started, and vLLM's own gauges. Costs what vLLM
@@ -326,9 +351,15 @@ class VLLMEngine:
             self._grammars_submitted = False
         outputs = self._engine.step() if self._engine.has_unfinished_requests() else []
         report = StepReport(**vars(self._gauges))  # what vLLM's stat logger recorded of this step
-        report.finished, self._refused = self._refused, []
+        report.finished, self._done_at_submit = self._done_at_submit, []
         for out in outputs:
             request = self._in_flight[out.request_id]
+            if type(request) is ScoreRead:  # one output, the last (FINAL_ONLY)
+                del self._in_flight[out.request_id]
+                request.take(out.outputs[0], int(out.num_cached_tokens or 0))
+                if request.row.pending == 0:
+                    report.finished.append(request.row.finished())
+                continue
             completion = out.outputs[0]  # the step's new tokens and text (DELTA)
             request.token_ids += completion.token_ids
             request.texts.append(completion.text)
