@@ -23,7 +23,8 @@ from dataclasses import dataclass
 SCORED_ANSWER_TOKENS = 1  # a scoring request's output: one token, sampled and thrown away
 
 # vLLM 0.32's bound on ``SamplingParams.logprob_token_ids`` (``MAX_LOGPROB_TOKEN_IDS``): the most
-# tokens one branch point may ask for (tests/test_gpu_path.py checks it against vLLM's).
+# tokens one branch point may ask for, below the engine's ``max_logprobs`` (20 unless set), which
+# bounds the ``logprobs`` a request sets with them (tests/test_gpu_path.py checks both against vLLM's).
 MAX_BRANCHES = 128
 
 
@@ -46,11 +47,11 @@ class ChoiceTree:
     paths: tuple[tuple[tuple[int, int], ...], ...]
 
     @classmethod
-    def build(cls, choices: Sequence[str], encode: Callable[[str], list[int]],
-              eos_token_id: int | None) -> "ChoiceTree":
+    def build(cls, choices: Sequence[str], encode: Callable[[str], list[int]], eos_token_id: int | None,
+              max_branches: int = MAX_BRANCHES) -> "ChoiceTree":
         """Raises ValueError where the choices cannot be scored (a choice of no tokens, two choices
         spelled alike, one choice the start of another and no end-of-sequence token, a branch point
-        of more than ``MAX_BRANCHES`` tokens)."""
+        of more than ``max_branches`` tokens: what one request may read)."""
         choices = tuple(dict.fromkeys(choices))  # a choice listed twice is one choice
         spelled = [tuple(encode(c)) for c in choices]
         if any(not tokens for tokens in spelled):
@@ -68,8 +69,9 @@ class ChoiceTree:
             for m in members:
                 by_next.setdefault(ends_here[m][depth], []).append(m)
             if len(by_next) > 1:
-                if len(by_next) > MAX_BRANCHES:
-                    raise ValueError(f"{len(by_next)} choices part at one token; vLLM reads at most {MAX_BRANCHES}")
+                if len(by_next) > max_branches:
+                    raise ValueError(f"{len(by_next)} choices part at one token, and one vLLM request reads at most "
+                                     f"{max_branches} (vLLM's max_logprobs): decode them (score_choices: false)")
                 tokens = tuple(eos_token_id if t is None else t for t in by_next)
                 points.append(BranchPoint(spelled[members[0]][:depth], tokens))
                 for index, group in enumerate(by_next.values()):

@@ -52,11 +52,13 @@ def test_a_single_choice_needs_no_read_and_a_repeated_one_counts_once():
     (["yes", ""], lambda c: SPELLING.get(c, []), EOS, "no tokens"),
     (["yes", "oui"], lambda c: [1], EOS, "same tokens"),
     (["not", "not sure"], SPELLING.__getitem__, None, "no end-of-sequence token"),
-    ([f"c{i}" for i in range(MAX_BRANCHES + 1)], lambda c: [int(c[1:]) + 10], EOS, "vLLM reads at most"),
+    ([f"c{i}" for i in range(MAX_BRANCHES + 1)], lambda c: [int(c[1:]) + 10], EOS, "reads at most 128"),
 ])
 def test_choices_that_cannot_be_scored_say_why(choices, encode, eos, reason):
     with pytest.raises(ValueError, match=reason):
         ChoiceTree.build(choices, encode, eos)
+    with pytest.raises(ValueError, match="reads at most 2 "):  # the engine's own bound (vLLM's max_logprobs)
+        ChoiceTree.build(["yes", "no", "maybe"], SPELLING.__getitem__, EOS, max_branches=2)
 
 
 def test_the_answer_is_the_most_probable_choice_the_first_listed_of_equals():

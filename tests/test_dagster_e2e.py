@@ -8,6 +8,7 @@ import pytest
 
 from assets import build_batch_defs
 from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings, SamplingSettings
+from engine.response_format import ResponseFormat
 
 from .conftest import make_prompt_table
 
@@ -270,9 +271,10 @@ def test_a_rerun_tokenizes_only_changed_rows_and_keeps_the_shard_keys(job):
 
 
 def test_a_job_whose_prompt_is_built_from_a_joins_fields_runs_end_to_end(tmp_path, tiny_model):
-    """The demo's tickets job (a join of tickets and customers, prompt from fields, optimized order)
-    on the tiny model: every ticket answered, the order chosen and its saving in the metadata, each
-    row's prompt readable from the snapshot."""
+    """The demo's tickets job (a join of tickets and customers, prompt from fields, optimized order,
+    teams scored as choices) on the tiny model: every ticket answered, the order chosen and its saving
+    in the metadata, each row's prompt readable from the snapshot, each answer's probability stored
+    and the answers under ``review_below`` marked and counted."""
     import random
 
     from batchllm_dagster.config import PromptFields
@@ -290,8 +292,11 @@ def test_a_job_whose_prompt_is_built_from_a_joins_fields_runs_end_to_end(tmp_pat
                           fields=["customer", "profile", "plan", "region", "ticket", "priority"])
     config = BatchJobConfig(name="tickets", dataset=DatasetSpec(sql=sql, database=str(database), prompt=fields),
                             llm=EngineSettings(model_path=tiny_model, kv_cache_blocks=64),
-                            sampling=SamplingSettings(max_tokens=3), output_database=str(database),
-                            output_table="ticket_teams", storage_dir=str(tmp_path / "jobs"))
+                            sampling=SamplingSettings(max_tokens=3, score_choices=True, response_format=ResponseFormat(
+                                choice=["billing", "technical", "account", "other"])), review_below=0.5,
+                            output_database=str(database), output_table="ticket_teams",
+                            storage_dir=str(tmp_path / "jobs"))
+    marked = 0
     with dg.instance_for_test() as instance:
         planned, results = materialize_graph(build_batch_defs(config), config, instance)
         prompts = planned.asset_materializations_for_node("tickets__prompts")[0].metadata
@@ -302,11 +307,17 @@ def test_a_job_whose_prompt_is_built_from_a_joins_fields_runs_end_to_end(tmp_pat
         for result in results.values():  # each partition says which order its prompts were built in, and its saving
             meta = result.asset_materializations_for_node("tickets__completions")[0].metadata
             assert meta["field_order"].value == chosen and meta["field_order_saved_prompt_tokens"].value == saved
+            assert meta["scored_rows"].value == meta["dagster/row_count"].value and meta["review_below"].value == 0.5
+            marked += meta["rows_for_review"].value
     with duckdb.connect(str(database), read_only=True) as con:
         answered = con.execute("SELECT count(*) FROM ticket_teams WHERE status = 'ok'").fetchone()[0]
+        scored = con.execute("SELECT count(*) FILTER (WHERE finish_reason = 'scored' AND choice_probability >= 0.25 "
+                             "AND needs_review = (choice_probability < 0.5)), count(*) FILTER (WHERE needs_review) "
+                             "FROM ticket_teams_with_prompts").fetchone()
         # The prompt each row ran with: the snapshot, as the README's query reads it.
         ran_with = dict(con.execute(f"SELECT id, prompt FROM read_parquet('{config.prompts_path}')").fetchall())
     assert answered == tickets.num_rows and set(ran_with) == set(tickets.column("id").to_pylist())
+    assert scored == (tickets.num_rows, marked)
     assert all(p.startswith("Route the support ticket.\n\n") and p.endswith("\n\nTeam:") for p in ran_with.values())
 
 

@@ -364,3 +364,29 @@ def test_vllms_own_block_size_is_the_one_vllm_sets_on_each_platform():
     source = inspect.getsource(CpuPlatform.check_and_update_config)
     assert "not cache_config.user_specified_block_size:\n            cache_config.block_size = 128" in source
     assert VLLM_DEFAULT_BLOCK_SIZE[Platform.CPU] == 128
+
+
+@pytest.mark.slow  # imports vLLM
+def test_choice_reads_are_what_both_of_vllms_model_runners_read():
+    """A scored choice row's read (engine/vllm/choice_reads.py) is vLLM's ``logprob_token_ids`` with
+    ``logprobs`` set to their count, as vLLM's own generative scoring sends it. The CPU (and a GPU
+    without Triton) runs vLLM's V1 model runner, whose sampler gathers them (run end to end by
+    tests/test_choice_scoring.py); CUDA with Triton runs the V2 runner by default, which cannot run
+    here: its sampler takes each request's tokens into ``LogprobTokenIdsState``, bounded alike."""
+    import inspect
+
+    from vllm.sampling_params import MAX_LOGPROB_TOKEN_IDS
+    from vllm.v1.sample.sampler import Sampler as V1Sampler
+    from vllm.v1.worker.gpu.sample.logprob import LogprobTokenIdsState
+    from vllm.v1.worker.gpu.sample.sampler import Sampler as V2Sampler
+
+    from engine.choice_scoring import MAX_BRANCHES
+    from engine.vllm.choice_reads import ChoiceReads
+
+    assert MAX_BRANCHES == MAX_LOGPROB_TOKEN_IDS
+    assert "logprob_token_ids" in inspect.getsource(V1Sampler.forward)
+    assert "self.logprob_token_ids_state.add_request(req_idx, sampling_params)" in inspect.getsource(
+        V2Sampler.add_request)
+    assert "sampling_params.logprob_token_ids" in inspect.getsource(LogprobTokenIdsState.add_request)
+    params = ChoiceReads(tokenizer=None, max_logprobs=20)._read_params((7, 8, 9))
+    assert (params.max_tokens, params.logprobs, params.logprob_token_ids) == (1, 3, [7, 8, 9])
