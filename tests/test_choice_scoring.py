@@ -4,7 +4,6 @@ tokens, the probabilities read off it, the plan's budget, and the rows on real v
 import json
 import math
 
-import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -20,19 +19,25 @@ SPELLING = {"yes": [1], "no": [2], "not": [3], "not sure": [3, 4], "ab": [5, 6],
 EOS = 0
 
 
+def encode(text: str) -> list[int]:
+    """The test's tokenizer: a choice after a space is spelled in tokens of its own (100 + ...)."""
+    return [100 + t for t in SPELLING[text[1:]]] if text.startswith(" ") else SPELLING[text]
+
+
 def tree(choices, eos=EOS) -> ChoiceTree:
-    return ChoiceTree.build(choices, SPELLING.__getitem__, eos)
+    return ChoiceTree.build(choices, encode, eos)
 
 
-def test_choices_that_start_with_their_own_tokens_are_read_at_the_prompt_alone():
+def test_choices_that_start_with_their_own_tokens_are_read_at_the_prompt_alone_in_both_spellings():
     labels = tree(["yes", "no", "maybe"])
-    assert [(p.prefix, p.tokens) for p in labels.branch_points] == [((), (1, 2, 8))]  # maybe's 9 is never asked
-    probabilities = labels.probabilities([[math.log(0.5), math.log(0.2), math.log(0.05)]])
+    # maybe's second tokens (9, 109) are never asked: its first token alone tells it apart
+    assert [(p.prefix, p.tokens) for p in labels.branch_points] == [((), (1, 2, 8, 101, 102, 108))]
+    probabilities = labels.probabilities([[math.log(v) if v else -math.inf for v in (0.1, 0.1, 0.05, 0.4, 0.1, 0.0)]])
     assert probabilities == pytest.approx({"yes": 0.5 / 0.75, "no": 0.2 / 0.75, "maybe": 0.05 / 0.75})
 
 
 def test_a_choice_that_ends_where_a_longer_one_goes_on_is_read_against_the_end_of_the_answer():
-    labels = tree(["no", "not", "not sure"])
+    labels = ChoiceTree.build(["no", "not", "not sure"], lambda t: SPELLING[t.strip()], EOS)  # one spelling only
     assert [(p.prefix, p.tokens) for p in labels.branch_points] == [((), (2, 3)), ((3,), (EOS, 4))]
     p = labels.probabilities([[math.log(0.3), math.log(0.1)], [math.log(0.2), math.log(0.6)]])
     assert p["no"] == pytest.approx(0.75) and p["not"] == pytest.approx(0.25 * 0.25)
@@ -40,25 +45,31 @@ def test_a_choice_that_ends_where_a_longer_one_goes_on_is_read_against_the_end_o
 
 
 def test_choices_sharing_their_first_token_are_read_after_it():
-    assert [(p.prefix, p.tokens) for p in tree(["ab", "ac"]).branch_points] == [((5,), (6, 7))]
+    points = [(p.prefix, p.tokens) for p in tree(["ab", "ac"]).branch_points]
+    assert points == [((), (5, 105)), ((5,), (6, 7)), ((105,), (106, 107))]
+    p = tree(["ab", "ac"]).probabilities([[0.0, 0.0], [math.log(0.9), math.log(0.1)], [0.0, 0.0]])
+    assert p == pytest.approx({"ab": 0.5 * 0.9 + 0.5 * 0.5, "ac": 0.5 * 0.1 + 0.5 * 0.5})
 
 
 def test_a_single_choice_needs_no_read_and_a_repeated_one_counts_once():
-    assert tree(["yes"]).branch_points == () and tree(["yes"]).probabilities([]) == {"yes": 1.0}
+    single = ChoiceTree.build(["yes"], lambda t: SPELLING[t.strip()], EOS)
+    assert single.branch_points == () and single.probabilities([]) == {"yes": 1.0}
     assert tree(["yes", "no", "yes"]).choices == ("yes", "no")
+    # a choice that is another's spelling after a space is read as itself only
+    both = ChoiceTree.build(["yes", " yes"], lambda t: {"yes": [1], " yes": [101]}[t], EOS)
+    assert [choice for choice, _ in both.paths] == [0, 1]
 
 
-@pytest.mark.parametrize("choices, encode, eos, reason", [
+@pytest.mark.parametrize("choices, spell, eos, reason", [
     (["yes", ""], lambda c: SPELLING.get(c, []), EOS, "no tokens"),
     (["yes", "oui"], lambda c: [1], EOS, "same tokens"),
-    (["not", "not sure"], SPELLING.__getitem__, None, "no end-of-sequence token"),
-    ([f"c{i}" for i in range(MAX_BRANCHES + 1)], lambda c: [int(c[1:]) + 10], EOS, "reads at most 128"),
+    (["not", "not sure"], encode, None, "no end-of-sequence token"),
+    ([f"c{i}" for i in range(MAX_BRANCHES + 1)], lambda c: [len(c) * 1000 + int(c.strip()[1:])], EOS,
+     "reads at most 128"),
 ])
-def test_choices_that_cannot_be_scored_say_why(choices, encode, eos, reason):
+def test_choices_that_cannot_be_scored_say_why(choices, spell, eos, reason):
     with pytest.raises(ValueError, match=reason):
-        ChoiceTree.build(choices, encode, eos)
-    with pytest.raises(ValueError, match="reads at most 2 "):  # the engine's own bound (vLLM's max_logprobs)
-        ChoiceTree.build(["yes", "no", "maybe"], SPELLING.__getitem__, EOS, max_branches=2)
+        ChoiceTree.build(choices, spell, eos)
 
 
 def test_the_answer_is_the_most_probable_choice_the_first_listed_of_equals():
@@ -94,11 +105,12 @@ def test_the_switch_left_off_changes_no_fingerprint_and_on_it_changes_the_plan_a
 
 
 @pytest.mark.slow  # runs vLLM
-def test_scored_rows_on_real_vllm_answer_the_choice_vllm_itself_ranks_first(tiny_model):
-    """Each row's answer is a choice, its probabilities sum to 1, and where every choice starts with
-    its own token the answer's first token is the one vLLM samples greedily when only the choices'
-    first tokens are allowed (``allowed_token_ids``: another mechanism of vLLM's). Choices where one
-    is the start of another are read at two branch points and still sum to 1."""
+def test_scored_rows_on_real_vllm_carry_the_probabilities_vllm_gives_the_choices_tokens(tiny_model):
+    """Each row's answer is the most probable choice, and every choice's probability is what vLLM's
+    prompt log probabilities (another of its paths: the prompt followed by a choice's token, read
+    at its last position) give the tokens at each branch point of its spellings. One list of
+    choices starts each with its own token; in the other, ``not`` ends where ``not sure`` goes on
+    (read at a second branch point, against the end of the answer)."""
     from vllm import SamplingParams
 
     from engine.run.batch_run import BatchRun
@@ -106,34 +118,40 @@ def test_scored_rows_on_real_vllm_answer_the_choice_vllm_itself_ranks_first(tiny
     from engine.vllm.vllm_engine import open_engine
 
     tokenizer = load_tokenizer(tiny_model)
-    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     distinct = ResponseFormat(choice=["positive", "negative", "neutral"])
     nested = ResponseFormat(choice=["no", "not", "not sure"])
-    assert len({encode(c)[0] for c in distinct.choice}) == 3
-    assert encode("not sure")[:len(encode("not"))] == encode("not")  # "not" ends where "not sure" goes on
-    n = 12
-    table = pa.table({"id": [f"r{i}" for i in range(n)],
-                      "prompt": [f"Review {i}: it {'broke' * (i % 3)}." for i in range(n)],
-                      "response_format": [(distinct if i % 2 else nested).to_text() for i in range(n)]})
+    trees = {f.to_text(): ChoiceTree.build(f.choice, lambda t: tokenizer.encode(t, add_special_tokens=False),
+                                           tokenizer.eos_token_id) for f in (distinct, nested)}
+    assert [len(t.branch_points) for t in trees.values()] == [1, 3]  # at the prompt; after "not" and " not"
+    n = 8
+    formats = [(distinct if i % 2 else nested).to_text() for i in range(n)]
+    table = pa.table({"id": [f"r{i}" for i in range(n)], "response_format": formats,
+                      "prompt": [f"Review {i}: it {'broke' * (i % 3)}." for i in range(n)]})
     settings = EngineSettings(model_path=tiny_model, kv_cache_blocks=64)
     sampling = SamplingSettings(max_tokens=4, score_choices=True)
     prepared = prepare_batch(table, tokenizer, settings, sampling)
+    expected = {}
     with open_engine(settings) as engine:
         results = {r.id: r for r in BatchRun(prepared, engine, sampling, SchedulerSettings(log_every_s=60))}
-        first_tokens = [encode(c)[0] for c in distinct.choice]
-        allowed = SamplingParams(max_tokens=1, temperature=0.0, allowed_token_ids=first_tokens)
-        prompts = [{"prompt_token_ids": prepared.batch.tokens_of(i).tolist()} for i in range(1, n, 2)]
-        greedy = {}
-        for i, prompt in zip(range(1, n, 2), prompts):
-            engine._engine.add_request(f"check-{i}", engine._engine.renderer.render_cmpl([prompt])[0], allowed)
-        while engine._engine.has_unfinished_requests():
-            greedy.update({o.request_id: o.outputs[0].token_ids[0] for o in engine._engine.step() if o.finished})
+        vllm, read = engine._engine, SamplingParams(max_tokens=1, prompt_logprobs=0)
+        for i in range(n):
+            prompt = prepared.batch.tokens_of(i).tolist()
+            for k, point in enumerate(trees[formats[i]].branch_points):
+                for j, token in enumerate(point.tokens):
+                    tokens = prompt + list(point.prefix) + [token]
+                    vllm.add_request(f"{i}/{k}/{j}", vllm.renderer.render_cmpl([{"prompt_token_ids": tokens}])[0],
+                                     read)
+        while vllm.has_unfinished_requests():
+            for out in vllm.step():
+                if out.finished:
+                    expected[tuple(map(int, out.request_id.split("/")))] = out.prompt_logprobs[-1][
+                        out.prompt_token_ids[-1]].logprob
     for i in range(n):
-        result, choices = results[f"r{i}"], (distinct if i % 2 else nested).choice
-        probabilities = json.loads(result.choice_probabilities)
-        assert result.status == "ok" and result.finish_reason == SCORED and result.text in choices
-        assert sum(probabilities.values()) == pytest.approx(1, abs=1e-4) and set(probabilities) == set(choices)
-        assert result.choice_probability == pytest.approx(max(probabilities.values()), abs=1e-6)
-        if i % 2:
-            assert encode(result.text)[0] == greedy[f"check-{i}"]
-    assert np.mean([len(json.loads(r.choice_probabilities)) for r in results.values()]) == 3
+        tree, result = trees[formats[i]], results[f"r{i}"]
+        logprobs = [[expected[i, k, j] for j in range(len(p.tokens))] for k, p in enumerate(tree.branch_points)]
+        want = tree.probabilities(logprobs)
+        got = json.loads(result.choice_probabilities)
+        assert result.status == "ok" and result.finish_reason == SCORED
+        assert got == pytest.approx(want, abs=1e-4) and sum(got.values()) == pytest.approx(1, abs=1e-4)
+        assert result.text == max(want, key=want.get)
+        assert result.choice_probability == pytest.approx(want[result.text], abs=1e-4)

@@ -368,11 +368,11 @@ def test_vllms_own_block_size_is_the_one_vllm_sets_on_each_platform():
 
 @pytest.mark.slow  # imports vLLM
 def test_choice_reads_are_what_both_of_vllms_model_runners_read():
-    """A scored choice row's read (engine/vllm/choice_reads.py) is vLLM's ``logprob_token_ids`` with
-    ``logprobs`` set to their count, as vLLM's own generative scoring sends it. The CPU (and a GPU
-    without Triton) runs vLLM's V1 model runner, whose sampler gathers them (run end to end by
-    tests/test_choice_scoring.py); CUDA with Triton runs the V2 runner by default, which cannot run
-    here: its sampler takes each request's tokens into ``LogprobTokenIdsState``, bounded alike."""
+    """A scored choice row's read (engine/vllm/choice_reads.py) is vLLM's ``logprob_token_ids``, with
+    ``logprobs`` unset. The CPU (and a GPU without Triton) runs vLLM's V1 model runner, whose sampler
+    gathers them (run end to end by tests/test_choice_scoring.py); CUDA with Triton runs the V2
+    runner by default, which cannot run here: its sampler takes each request's tokens into
+    ``LogprobTokenIdsState`` and reads them where a request sets no ``logprobs`` (0 top tokens)."""
     import inspect
 
     from vllm.sampling_params import MAX_LOGPROB_TOKEN_IDS
@@ -388,5 +388,8 @@ def test_choice_reads_are_what_both_of_vllms_model_runners_read():
     assert "self.logprob_token_ids_state.add_request(req_idx, sampling_params)" in inspect.getsource(
         V2Sampler.add_request)
     assert "sampling_params.logprob_token_ids" in inspect.getsource(LogprobTokenIdsState.add_request)
-    params = ChoiceReads(tokenizer=None, max_logprobs=20)._read_params((7, 8, 9))
-    assert (params.max_tokens, params.logprobs, params.logprob_token_ids) == (1, 3, [7, 8, 9])
+    assert "num_logprobs = max_num_logprobs if max_num_logprobs != NO_LOGPROBS else 0" in inspect.getsource(
+        V2Sampler.get_logprobs_dims)
+    params = ChoiceReads(tokenizer=None)._read_params((7, 8, 9))
+    assert (params.max_tokens, params.logprobs, params.logprob_token_ids) == (1, None, [7, 8, 9])
+    assert params.num_logprobs == 3  # what vLLM's output processor returns for it

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..choice_scoring import MAX_BRANCHES, SCORED_ANSWER_TOKENS, ChoiceTree, ScoredAnswer
+from ..choice_scoring import SCORED_ANSWER_TOKENS, ChoiceTree, ScoredAnswer
 from ..response_format import ResponseFormat
 from ..run.requests import Finished, Submission
 
@@ -66,12 +66,8 @@ class ScoreRead:
 class ChoiceReads:
     """Turns scored rows into vLLM requests; each distinct list of choices is tokenized once."""
 
-    def __init__(self, tokenizer, max_logprobs: int):
+    def __init__(self, tokenizer):
         self._tokenizer = tokenizer
-        # A read sets ``logprobs`` to its tokens' count, as vLLM's generative scoring does (its V2
-        # model runner reads the tokens' log probabilities where ``logprobs`` is set), which the
-        # engine's ``max_logprobs`` bounds (-1: the vocabulary).
-        self._max_branches = MAX_BRANCHES if max_logprobs < 0 else min(MAX_BRANCHES, max_logprobs)
         self._trees: dict[tuple[str, ...], ChoiceTree | str] = {}  # choices -> tree, or why not scorable
         self._params: dict[tuple[int, ...], object] = {}  # the tokens read -> SamplingParams
 
@@ -85,7 +81,7 @@ class ChoiceReads:
             try:
                 self._trees[key] = ChoiceTree.build(
                     key, lambda text: self._tokenizer.encode(text, add_special_tokens=False),
-                    self._tokenizer.eos_token_id, self._max_branches)
+                    self._tokenizer.eos_token_id)
             except ValueError as exc:
                 self._trees[key] = f"cannot score the choices: {exc}"
         return self._trees[key]
@@ -108,7 +104,9 @@ class ChoiceReads:
             from vllm import SamplingParams
             from vllm.sampling_params import RequestOutputKind
 
+            # ``logprobs`` unset: vLLM then returns these tokens' log probabilities alone
+            # (``SamplingParams.num_logprobs``), bounded by MAX_LOGPROB_TOKEN_IDS, not max_logprobs.
             params = self._params[tokens] = SamplingParams(
-                max_tokens=SCORED_ANSWER_TOKENS, temperature=0.0, logprobs=len(tokens), logprob_token_ids=list(tokens),
+                max_tokens=SCORED_ANSWER_TOKENS, temperature=0.0, logprob_token_ids=list(tokens),
                 output_kind=RequestOutputKind.FINAL_ONLY)
         return params

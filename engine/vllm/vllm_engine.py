@@ -196,8 +196,7 @@ class VLLMEngine:
         except Exception as exc:
             raise EngineStartError(f"vLLM failed to start for {settings.model_path!r}: {exc}") from exc
         self._core_watch = watch_core(self._engine)  # the core dies with this process, however it dies
-        self._choice_reads = ChoiceReads(self._engine.get_tokenizer(),
-                                         self._engine.vllm_config.model_config.max_logprobs)
+        self._choice_reads = ChoiceReads(self._engine.get_tokenizer())
         try:
             check_kv_cache_layout(self._engine, self.settings.block_size)
         except EngineStartError:
