@@ -2,9 +2,12 @@
 vLLM's grammar, on the same prompts: the bench's choice rows (the ``short`` shape's constrained rows)
 and the demo's two choice jobs (``reviews``, ``tickets``: read from their defs.yaml and the demo's
 database, so run ``make demo`` first). Each variant is a fresh ``batchllm run`` process; the
-variants' order alternates each round.
+variants' order alternates each round. ``--scale N``: the same generators, N times the rows (the
+demo's tables from dagster_project/sample_data.py in a scratch database, the short shape with N times
+the customers): vLLM compiles an operator of its own the first time a step reads log
+probabilities (``batched_count_greater_than``), once per process, which a few dozen rows do not repay.
 
-    python benchmarks/choice_scoring.py [--repeat 3] [--workloads bench,reviews,tickets]
+    python benchmarks/choice_scoring.py [--repeat 3] [--scale 1] [--workloads bench,reviews,tickets]
 
 Prints one JSON object: per workload, each variant's rows per second over the rows' run (vLLM's
 start and stop apart; median and range), the ratio scored / decoded (the median of the rounds'
@@ -28,14 +31,35 @@ ROOT = Path(__file__).resolve().parent.parent
 DEMO_DATABASE = ROOT / "data" / "batchllm.duckdb"
 
 
-def demo_job(folder: str) -> tuple[list[str], list[str]]:
-    """A demo job's `batchllm run` arguments (its SQL on the demo database, prompt fields, choices,
+def scaled_demo_database(folder: Path, scale: int) -> Path:
+    """The demo's database (``scale`` 1), or its choice jobs' tables with ``scale`` times the rows."""
+    if scale == 1:
+        return DEMO_DATABASE
+    import random
+
+    import duckdb
+
+    from dagster_project.sample_data import SEED, customers_and_tickets, review_labels
+
+    path = folder / f"demo_x{scale}.duckdb"
+    rng = random.Random(SEED)
+    tables = {"review_labels": review_labels(rng, rows=120 * scale)}
+    tables["customers"], tables["support_tickets"] = customers_and_tickets(rng, customers=24 * scale)
+    with duckdb.connect(str(path)) as con:
+        for name, table in tables.items():
+            con.register("incoming", table)
+            con.execute(f"CREATE TABLE {name} AS SELECT * FROM incoming")
+    return path
+
+
+def demo_job(folder: str, database: Path) -> tuple[list[str], list[str]]:
+    """A demo job's `batchllm run` arguments (its SQL on ``database``, prompt fields, choices,
     max_tokens), from its defs.yaml, and its choices."""
     defs = ROOT / "dagster_project" / "defs" / folder
     job = yaml.safe_load((defs / "defs.yaml").read_text())["attributes"]
     dataset, sampling = job["dataset"], job["sampling"]
     choices = sampling["response_format"]["choice"]
-    args = [str(defs / dataset["sql_file"]), "--database", str(DEMO_DATABASE), "--max-tokens",
+    args = [str(defs / dataset["sql_file"]), "--database", str(database), "--max-tokens",
             str(sampling["max_tokens"])]
     fields = dataset.get("prompt")
     if fields:
@@ -44,11 +68,11 @@ def demo_job(folder: str) -> tuple[list[str], list[str]]:
     return args, choices
 
 
-def bench_choice_rows(folder: Path) -> tuple[list[str], list[str]]:
+def bench_choice_rows(folder: Path, scale: int) -> tuple[list[str], list[str]]:
     """The short shape's constrained rows, as a Parquet file with the shape's prompt fields."""
     from engine.bench.shapes import SHORT_CHOICES, SHORT_SHAPE, short_table
 
-    table, _, choices = short_table(0)
+    table, _, choices = short_table(0, customers=100 * scale)
     path = folder / "bench_choice_rows.parquet"
     pq.write_table(table.take(sorted(choices)), path)
     return [str(path), "--instruction", SHORT_SHAPE.instruction, "--fields", ",".join(SHORT_SHAPE.fields),
@@ -89,13 +113,16 @@ def agreement(scored: Path, decoded: Path, choices: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--scale", type=int, default=1)
     parser.add_argument("--workloads", default="bench,reviews,tickets")
     options = parser.parse_args()
-    report = {"repeat": options.repeat, "workloads": {}}
+    report = {"repeat": options.repeat, "scale": options.scale, "workloads": {}}
     with tempfile.TemporaryDirectory(prefix="choice-scoring-") as tmp:
         folder = Path(tmp)
-        makers = {"bench": lambda: bench_choice_rows(folder), "reviews": lambda: demo_job("review_labels"),
-                  "tickets": lambda: demo_job("ticket_teams")}
+        database = scaled_demo_database(folder, options.scale) if options.workloads != "bench" else None
+        makers = {"bench": lambda: bench_choice_rows(folder, options.scale),
+                  "reviews": lambda: demo_job("review_labels", database),
+                  "tickets": lambda: demo_job("ticket_teams", database)}
         for name in options.workloads.split(","):
             args, choices = makers[name]()
             seen = {"scored": [], "decoded": []}
