@@ -128,7 +128,7 @@ def run_shard_on_ray(config, key, prepared, settings, sampling, checkpoint, reus
         gpu_wait_s=config.ray_gpu_wait_s,
     )
     info = {
-        "vllm": "on Ray replicas",
+        "build": "on Ray replicas",
         "replica_of_sub_shard": {str(s): r for s, r in outcome.replica_of_sub_shard.items()},
         "reassigned_sub_shards": outcome.reassigned_sub_shards,
     }
@@ -255,7 +255,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
             outcome = run_shard_locally(config, key, prepared, settings, sampling, checkpoint, engine_opener,
                                         reuse, context.log.info, started_at)
             info = (
-                asdict(outcome.engine) if outcome.engine else {"vllm": "not started: every row was reused or invalid"}
+                asdict(outcome.engine) if outcome.engine else {"build": "not started: every row was reused or invalid"}
             )
         info.update(
             settings=settings.model_dump(mode="json"),

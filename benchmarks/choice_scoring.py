@@ -128,7 +128,9 @@ def main() -> None:
             seen = {"scored": [], "decoded": []}
             for round_ in range(options.repeat):
                 for variant in (["scored", "decoded"] if round_ % 2 == 0 else ["decoded", "scored"]):
-                    stats = run(args, choices, folder / f"{name}-{variant}.parquet", variant == "scored")
+                    # A new output each time: `batchllm run` reuses the answers an output already holds.
+                    output = folder / f"{name}-{variant}-{round_}.parquet"
+                    stats = run(args, choices, output, variant == "scored")
                     seen[variant].append(stats)
                     print(f"{name} round {round_ + 1} {variant}: {stats['rows'] / stats['wall_s']:.1f} rows/s, "
                           f"{stats['engine_steps']} steps", file=sys.stderr)
@@ -141,7 +143,8 @@ def main() -> None:
                    for v, r in rates.items()},
                 "scored_vs_decoded": round(statistics.median(ratios), 3),
                 "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
-                "agreement": agreement(folder / f"{name}-scored.parquet", folder / f"{name}-decoded.parquet", choices),
+                "agreement": agreement(folder / f"{name}-scored-0.parquet", folder / f"{name}-decoded-0.parquet",
+                                       choices),
             }
     print(json.dumps(report, indent=1))
 

@@ -439,7 +439,7 @@ def test_a_max_tokens_that_changes_no_rows_budget_reruns_nothing_and_older_answe
     "model or answer settings changed"). Answers written under the fingerprint before this change
     (typed ``max_tokens`` in the settings) are reused too, never recomputed for it."""
     from engine.jobs.resume import run_resumable
-    from engine.machine import current_platform
+    from engine.machine import current_platform, vllm_version
     from engine.plan.prepared import prepare_batch
     from engine.plan.tokenizing import load_tokenizer
     from engine.response_format import ResponseFormat
@@ -473,7 +473,8 @@ def test_a_max_tokens_that_changes_no_rows_budget_reruns_nothing_and_older_answe
     assert higher.stats.reused_rows == 0
 
     # An answer written before: its row fingerprint made of the settings with the typed max_tokens.
-    old = row_fingerprints(prepared, legacy_settings_fingerprint(settings.for_platform(current_platform()), sampling))
+    old = row_fingerprints(prepared, legacy_settings_fingerprint(settings.for_platform(current_platform()), sampling,
+                                                                 vllm_version()))
     import pyarrow.parquet as pq
 
     written = pq.read_table(sorted((tmp_path / "ckpt").glob("part-*.parquet"))[0])

@@ -73,7 +73,7 @@ def test_materializes_prompts_groups_and_one_completion_per_row(job):
             assert meta["device"].value and meta["hardware_partition"].value == "cpu"
             # who admitted the rows, and why: a small shard fits the KV cache, so vLLM itself
             assert meta["admission"].value == "vllm" and "fits the KV cache" in meta["admission_reason"].value
-            assert "vllm" in meta["engine"].value["vllm"]
+            assert "vllm" in meta["engine"].value["build"]
             checks = result.get_asset_check_evaluations()
             assert {c.check_name for c in checks if c.passed} >= {"one_completion_per_row", "no_silent_empties"}
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from ..machine import current_platform
+from ..machine import current_platform, vllm_version
 from ..plan.prepared import PreparedBatch
 from ..run.batch_run import BatchRun
 from ..run.checkpoint import Checkpoint, legacy_settings_fingerprint, row_fingerprints, settings_fingerprint
@@ -58,9 +58,9 @@ def run_resumable(
     started_at = time.perf_counter() if started_at is None else started_at
     rows = [int(r) for r in prepared.order] if rows is None else list(rows)
     resolved = engine_settings.for_platform(current_platform())
-    settings_fp = settings_fingerprint(resolved, sampling)
+    settings_fp = settings_fingerprint(resolved, sampling, vllm_version())
     fingerprints = row_fingerprints(prepared, settings_fp)
-    legacy_settings_fp = legacy_settings_fingerprint(resolved, sampling)
+    legacy_settings_fp = legacy_settings_fingerprint(resolved, sampling, vllm_version())
     legacy = row_fingerprints(prepared, legacy_settings_fp)
     checkpoint = Checkpoint(
         checkpoint_dir, prepared.id_type, every_rows=checkpoint_every_rows, every_s=checkpoint_every_s

