@@ -17,7 +17,6 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchllm_dagster.config import BatchJobConfig
-from batchllm_dagster.warehouse import answered_ids
 
 
 def other_checkpoints(config: BatchJobConfig, key: str) -> list[Path]:
@@ -48,7 +47,7 @@ def prune_checkpoints(config: BatchJobConfig, warehouse, live_keys: set[str], li
         if len(ids):
             ids = ids.cast(live_ids.type)
             wanted = pc.filter(ids, pc.is_in(ids, value_set=live_ids))
-            if len(wanted) and len(answered_ids(warehouse, config.output_table, wanted, live_keys)) < len(
+            if len(wanted) and len(config.output(warehouse).answered_ids(wanted, live_keys)) < len(
                     pc.unique(wanted)):
                 continue  # a row of the plan whose answer is only here
         shutil.rmtree(folder, ignore_errors=True)

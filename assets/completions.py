@@ -25,7 +25,6 @@ from batchllm_dagster.metadata import run_metadata
 from batchllm_dagster.output_table import answers_table, review_metadata
 from batchllm_dagster.resources import VLLMResource
 from batchllm_dagster.shard_sizing import TimeLimit, last_partitions_metadata, measured_by_hardware, shard_time_limit
-from batchllm_dagster.warehouse import existing_rows, replace_partition, replace_prompts_view
 from engine.atomic import Staged
 from engine.jobs.resume import RunOutcome, run_resumable
 from engine.jobs.shared_engine import SharedEngine
@@ -84,7 +83,7 @@ def reuse_sources(config: BatchJobConfig, key: str, prepared: PreparedBatch, war
     its rows already in the output table (a nightly rerun of unchanged rows), and the answers other
     shards of this job finished and did not write (a shard killed before a new plan gave its rows
     other keys)."""
-    previous = existing_rows(warehouse, config.output_table, pa.array(prepared.ids, prepared.id_type))
+    previous = config.output(warehouse).rows_of(pa.array(prepared.ids, prepared.id_type))
     reuse = [previous] if previous is not None and previous.num_rows else []
     return reuse + other_checkpoints(config, key)
 
@@ -300,16 +299,16 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
                                 "(moved to another shard, edited, deleted, or another model): their answers are not "
                                 "written; the newer plan's shards answer them")
             table = table.filter(pc.invert(pc.is_in(table.column("id"), value_set=stale)))
-            written = replace_partition(warehouse, config.output_table, key, table, whole_partition=False,
-                                        on_wait=log.info)
+            written = config.output(warehouse).replace_partition(key, table, whole_partition=False,
+                                                                 on_wait=log.info)
         else:
             # Parquet staged, DuckDB committed, then Parquet renamed into place: a failure at any point
             # (a DuckDB lock timeout, say) leaves both as they were and keeps the checkpoint for the rerun.
             with Staged(config.completions_parquet_path(key)) as staged:  # published once DuckDB has committed
                 pq.write_table(table, staged.path)
-                written = replace_partition(warehouse, config.output_table, key, table, on_wait=log.info)
+                written = config.output(warehouse).replace_partition(key, table, on_wait=log.info)
         try:  # a convenience beside the answers: a database that cannot read the snapshot fails no shard
-            replace_prompts_view(warehouse, config.output_table, config.prompts_path, config.dataset.columns)
+            config.output(warehouse).replace_prompts_view(config.prompts_path, config.dataset.columns)
         except Exception as exc:
             log.warning(f"the view {config.output_table}_with_prompts was not made: {exc}")
         if not len(stale):

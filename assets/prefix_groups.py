@@ -12,7 +12,7 @@ from batchllm_dagster.instance_limits import warn_if_unlimited
 from batchllm_dagster.metadata import plan_metadata
 from batchllm_dagster.partitions import by_hardware, shard_key, sync_partitions
 from batchllm_dagster.shard_sizing import ShardSize, last_partitions_metadata, measured_by_hardware, shard_size
-from batchllm_dagster.warehouse import answers_not_in, remove_answers_not_in, replace_table
+from batchllm_dagster.warehouse import replace_table
 from engine.models import preparation_notice
 from engine.plan.duplicates import count_duplicates
 from engine.plan.plan_table import plan_content_keys, plan_table, previous_shards, stale_reasons, write_plan
@@ -65,7 +65,7 @@ def remove_deleted_answers(config: BatchJobConfig, warehouse, ids: pa.ChunkedArr
     removed partition's Parquet file goes (a kept partition key has the same ids, so its file holds
     no deleted id; the live rows of a removed one stay in DuckDB for their new shard to reuse).
     Returns the answers removed from the table."""
-    removed = remove_answers_not_in(warehouse, config.output_table, ids.combine_chunks())
+    removed = config.output(warehouse).remove_answers_not_in(ids.combine_chunks())
     live = set(keys)
     for path in config.completions_dir.glob("*.parquet"):
         if path.stem not in live:
@@ -81,7 +81,7 @@ def refuse_mass_removal(config: BatchJobConfig, warehouse, ids: pa.ChunkedArray)
     ``keep_deleted_answers`` a plan removes no answer (the table keeps deleted rows' as history)."""
     if config.keep_deleted_answers:
         return
-    gone, answered = answers_not_in(warehouse, config.output_table, ids.combine_chunks())
+    gone, answered = config.output(warehouse).answers_not_in(ids.combine_chunks())
     if gone and gone > config.max_removed_share * answered:
         raise dg.Failure(
             f"{config.name}: refused to plan: the source has {len(ids):,} rows, and a plan of them would remove the "

@@ -22,12 +22,10 @@ from dagster_duckdb import DuckDBResource
 
 from engine.response_format import ResponseFormat
 from engine.run.results import RunStats
-from engine.sql import quote_identifier
 from engine.table.prompt_snapshot import ids_sql
 
 from .config import BatchJobConfig
 from .partitions import RANGE_START
-from .warehouse import table_exists
 
 
 def partition_check_specs(config: BatchJobConfig) -> list[dg.AssetCheckSpec]:
@@ -60,42 +58,18 @@ def partition_check_results(config: BatchJobConfig, warehouse: DuckDBResource, p
     """``shard_ids``: the rows this run wrote; ``constrained``: (id, answer, format) of the shard's
     ok rows that have a response format; ``superseded_ids``: rows a newer plan took over while it
     ran, not written (an older answer of theirs in this partition is that plan's to replace)."""
-    table = quote_identifier(config.output_table)
-    with warehouse.get_connection() as con:
-        con.register("expected", _ids_table(shard_ids))
-        con.register("superseded", _ids_table(list(superseded_ids)))
-        missing, extra = con.execute(
-            f"""
-            WITH mine AS (SELECT DISTINCT id FROM {table} WHERE partition_key = ?
-                          AND id NOT IN (SELECT id FROM superseded))
-            SELECT (SELECT count(*) FROM expected WHERE id NOT IN (SELECT id FROM mine)),
-                   (SELECT count(*) FROM mine WHERE id NOT IN (SELECT id FROM expected))
-            """,
-            [partition_key],
-        ).fetchall()[0]
-        duplicated = con.execute(
-            f"SELECT count(*) FROM (SELECT id FROM {table} WHERE id IN (SELECT id FROM expected) "
-            "GROUP BY id HAVING count(*) > 1)"
-        ).fetchall()[0][0]
-        silent, errors, rows = con.execute(
-            f"""SELECT count(*) FILTER (WHERE (status = 'ok' AND coalesce(text, '') = '')
-                                       OR (status = 'error' AND coalesce(error, '') = '')),
-                       count(*) FILTER (WHERE status = 'error'), count(*)
-                FROM {table} WHERE partition_key = ?""",
-            [partition_key],
-        ).fetchall()[0]
-        con.unregister("expected")
-        con.unregister("superseded")
+    held = config.output(warehouse).partition_counts(partition_key, shard_ids, superseded_ids)
+    errors, rows = held.errors, held.rows
     saving = stats.saving_vs_ideal
     return [
         dg.AssetCheckResult(
             check_name="one_completion_per_row", asset_key=config.asset_key("completions"),
-            passed=missing == 0 and duplicated == 0 and extra == 0,
-            metadata={"missing": int(missing), "duplicated": int(duplicated), "unexpected": int(extra or 0)},
+            passed=held.missing == 0 and held.duplicated == 0 and held.unexpected == 0,
+            metadata={"missing": held.missing, "duplicated": held.duplicated, "unexpected": held.unexpected},
         ),
         dg.AssetCheckResult(
             check_name="no_silent_empties", asset_key=config.asset_key("completions"),
-            passed=silent == 0, metadata={"silent_empty_rows": int(silent), "error_rows": int(errors)},
+            passed=held.silent == 0, metadata={"silent_empty_rows": held.silent, "error_rows": errors},
         ),
         dg.AssetCheckResult(
             check_name="prefix_saving", asset_key=config.asset_key("completions"),
@@ -106,7 +80,7 @@ def partition_check_results(config: BatchJobConfig, warehouse: DuckDBResource, p
         dg.AssetCheckResult(
             check_name="error_rows_within_bound", asset_key=config.asset_key("completions"),
             passed=errors <= config.max_error_share * rows,
-            metadata={"error_rows": int(errors), "rows": int(rows),
+            metadata={"error_rows": errors, "rows": rows,
                       "error_share": float(round(errors / rows, 4)) if rows else 0.0,
                       "max_error_share": config.max_error_share},
         ),
@@ -142,12 +116,6 @@ def merged_check_results(by_partition: dict[str, list[dg.AssetCheckResult]]) -> 
     return merged
 
 
-def _ids_table(ids: list):
-    import pyarrow as pa
-
-    return pa.table({"id": ids})
-
-
 def shards_outstanding(instance: dg.DagsterInstance, config: BatchJobConfig) -> list[str]:
     """Partitions of the current plan not landed since the plan was made: no materialization since,
     or only ones that left rows to the plan (a run of an earlier plan that finished after it and did
@@ -181,7 +149,6 @@ def build_table_checks(config: BatchJobConfig) -> list[dg.AssetChecksDefinition]
     (``outstanding_rows``), so a healthy night has no red check, and the run of the shard that lands
     last checks every row. Selected alone, it checks every row whatever the shards."""
     key = config.asset_key("completions")
-    table = quote_identifier(config.output_table)
 
     @dg.multi_asset_check(
         specs=[dg.AssetCheckSpec("all_prompts_answered", asset=key, blocking=False,
@@ -196,35 +163,19 @@ def build_table_checks(config: BatchJobConfig) -> list[dg.AssetChecksDefinition]
         outstanding = []
         if {"dagster/partition", RANGE_START} & set(context.run.tags):
             outstanding = shards_outstanding(context.instance, config)
-        with getattr(context.resources, config.warehouse_key).get_connection() as con:
-            if not table_exists(con, config.output_table):
-                yield dg.AssetCheckResult(check_name="all_prompts_answered", asset_key=key, passed=False,
-                                          metadata={"reason": "no completions table yet"})
-                return
-            waiting, parameters = "SELECT NULL::VARCHAR AS id WHERE false", [str(config.prompts_path)]
-            if outstanding:
-                waiting = ("SELECT id::VARCHAR AS id FROM read_parquet(?) "
-                           "WHERE partition_key IN (SELECT unnest(?::VARCHAR[]))")
-                parameters += [str(config.plan_path), outstanding]
-            missing, duplicated, orphaned, waiting_rows = con.execute(
-                f"""
-                WITH prompts AS ({ids_sql(config.dataset.id_column)}),
-                     waiting AS ({waiting}),
-                     answers AS (SELECT id::VARCHAR AS id, count(*) AS n FROM {table} GROUP BY 1)
-                SELECT (SELECT count(*) FROM prompts LEFT JOIN answers USING (id)
-                        WHERE answers.n IS NULL AND prompts.id NOT IN (SELECT id FROM waiting)),
-                       (SELECT count(*) FROM answers WHERE n > 1),
-                       (SELECT count(*) FROM answers WHERE id NOT IN (SELECT id FROM prompts)),
-                       (SELECT count(*) FROM waiting)
-                """,
-                parameters,
-            ).fetchall()[0]
+        counts = config.output(getattr(context.resources, config.warehouse_key)).answer_counts(
+            ids_sql(config.dataset.id_column), config.prompts_path, config.plan_path, outstanding)
+        if counts is None:
+            yield dg.AssetCheckResult(check_name="all_prompts_answered", asset_key=key, passed=False,
+                                      metadata={"reason": "no completions table yet"})
+            return
         # With keep_deleted_answers the answers of deleted rows are history, kept on purpose.
         yield dg.AssetCheckResult(
             check_name="all_prompts_answered", asset_key=key,
-            passed=missing == 0 and duplicated == 0 and (orphaned == 0 or config.keep_deleted_answers),
-            metadata={"missing": int(missing), "duplicated": int(duplicated), "orphaned": int(orphaned),
-                      "outstanding_shards": len(outstanding), "outstanding_rows": int(waiting_rows)},
+            passed=counts.missing == 0 and counts.duplicated == 0 and (
+                counts.orphaned == 0 or config.keep_deleted_answers),
+            metadata={"missing": counts.missing, "duplicated": counts.duplicated, "orphaned": counts.orphaned,
+                      "outstanding_shards": len(outstanding), "outstanding_rows": counts.outstanding},
         )
 
     return [all_prompts_answered]

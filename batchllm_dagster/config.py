@@ -18,6 +18,7 @@ from engine.settings import EngineSettings, Policy, SamplingSettings, SchedulerS
 from engine.table.dataset import Columns
 from engine.table.fields import PromptFields
 
+from .output_table import OutputTable
 from .shard_sizing import FIRST_NIGHT_ROWS_PER_SHARD
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -304,6 +305,10 @@ class BatchJobConfig(JobSpec):
         # review_below only where set: versions made before it existed still hold.
         return fingerprint(self.llm, self.sampling, self.scheduler, self.backend, self.ray_replicas,
                            self.keep_deleted_answers, *([self.review_below] if self.review_below is not None else []))
+
+    def output(self, warehouse) -> OutputTable:
+        """The job's output table in ``warehouse`` (its output database: ``warehouse_key``'s resource)."""
+        return OutputTable(warehouse, self.output_table)
 
     @property
     def plan_pool(self) -> str:

@@ -1,18 +1,27 @@
 """The job's output table, its one owner: each row is the engine's result for one id (the columns
-of ``engine.run.results``) and then the columns of the partition that answered it. The checks and
-the README's queries read it by these names; ``warehouse.replace_partition`` adds a column a newer
-version writes to a table an older one made (its old rows get NULL there).
+of ``engine.run.results``) and then the columns of the partition that answered it. ``OutputTable``
+is the only code that reads or writes it in SQL (the assets, checks and pruning call its methods):
+its transactions, the names of its columns, and the columns a newer version adds to a table an
+older one made (its old rows get NULL there). The README's queries read it by these names.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from dagster_duckdb import DuckDBResource
 
 from engine.choice_scoring import needs_review
 from engine.run.results import RowResult, results_to_table
+from engine.sql import quote_identifier, quote_literal
+
+from .warehouse import connection, registered, table_exists, transaction
 
 # After the result columns (``computed_at`` among them: when the engine answered the row, kept when
 # a later night reuses the answer): the partition each row was last written in.
@@ -51,3 +60,183 @@ def review_metadata(table: pa.Table, review_below: float | None) -> dict:
         return {}
     marked = {"review_below": review_below, "rows_for_review": pc.sum(table.column(NEEDS_REVIEW_COLUMN)).as_py() or 0}
     return {"scored_rows": scored, **(marked if review_below is not None else {})}
+
+
+@dataclass(frozen=True)
+class PartitionCounts:
+    """What the output table holds of one partition, as its checks read it."""
+
+    missing: int  # rows the shard wrote that the partition does not hold
+    unexpected: int  # ids the partition holds that the shard did not write (superseded ones apart)
+    duplicated: int  # ids of the shard held more than once
+    silent: int  # ok rows without text, error rows without a reason
+    errors: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class AnswerCounts:
+    """The table against the job's prompt snapshot (``all_prompts_answered``)."""
+
+    missing: int  # prompt rows of landed shards with no answer
+    duplicated: int  # ids answered more than once
+    orphaned: int  # answers of ids the snapshot no longer has
+    outstanding: int  # prompt rows of shards still to land
+
+
+class OutputTable:
+    """``OutputTable(warehouse, name)``: the job's answers in its output database (see the module doc)."""
+
+    def __init__(self, warehouse: DuckDBResource, name: str):
+        self.warehouse, self.name = warehouse, name
+        self._sql_name = quote_identifier(name)
+
+    def replace_partition(self, partition_key: str, rows: pa.Table, whole_partition: bool = True,
+                          on_wait: Callable[[str], None] | None = None) -> int:
+        """Make ``rows`` the partition's rows: one row per id, whatever ran before (idempotent). With
+        ``whole_partition=False`` only these ids' rows are replaced (a shard that a newer plan
+        superseded in part: the partition's other rows may be that plan's fresh answers).
+        ``on_wait``: see ``warehouse.connection``. Returns the rows the partition holds now."""
+        target = self._sql_name
+        with connection(self.warehouse, on_wait) as con, registered(con, incoming=rows):
+            with transaction(con):
+                con.execute(f"CREATE TABLE IF NOT EXISTS {target} AS SELECT * FROM incoming WITH NO DATA")
+                self._add_new_columns(con)
+                # An id that moved to another shard since its last run must not stay twice.
+                con.execute(
+                    f"DELETE FROM {target} WHERE (? AND partition_key = ?) OR id IN (SELECT id FROM incoming)",
+                    [whole_partition, partition_key])
+                con.execute(f"INSERT INTO {target} BY NAME SELECT * FROM incoming")
+            return con.execute(f"SELECT count(*) FROM {target} WHERE partition_key = ?",
+                               [partition_key]).fetchall()[0][0]
+
+    def _add_new_columns(self, con) -> None:
+        """A table made by an older version lacks the columns a newer one writes: they are added (its
+        old rows NULL there) instead of failing the insert. A column only the table has stays NULL."""
+        have = {row[0] for row in con.execute(f"DESCRIBE {self._sql_name}").fetchall()}
+        for name, type_, *_ in con.execute("DESCRIBE incoming").fetchall():
+            if name not in have:
+                con.execute(f"ALTER TABLE {self._sql_name} ADD COLUMN {quote_identifier(name)} {type_}")
+
+    def replace_prompts_view(self, snapshot: Path, columns) -> str:
+        """The view ``<table>_with_prompts``: every answer with its row's prompt (and chat messages) from
+        the job's prompt snapshot, and ``prompt_current``: whether that is the prompt the answer is of
+        (false for a row edited at the source since it was answered, until its shard runs again; NULL
+        for an answer kept of a deleted row or one written before answers recorded their prompt).
+        Returns the view's name."""
+        from engine.table.prompt_snapshot import CONTENT_KEY
+
+        view = f"{self.name}_with_prompts"
+        present = set(pq.read_schema(snapshot).names) if snapshot.exists() else set()
+        texts = "".join(f", p.{quote_identifier(c)}" for c in (columns.prompt, columns.messages) if c in present)
+        with connection(self.warehouse) as con:
+            con.execute(
+                f"CREATE OR REPLACE VIEW {quote_identifier(view)} AS SELECT a.*{texts}, "
+                f"a.{CONTENT_KEY_COLUMN} = lower(hex(p.{quote_identifier(CONTENT_KEY)})) AS prompt_current "
+                f"FROM {self._sql_name} a LEFT JOIN read_parquet({quote_literal(str(snapshot.resolve()))}) p "
+                f"ON a.id::VARCHAR = p.{quote_identifier(columns.id)}::VARCHAR")
+        return view
+
+    def rows_of(self, ids: pa.Array) -> pa.Table | None:
+        """The table's rows for these ids (None if the table does not exist yet)."""
+        with connection(self.warehouse) as con:
+            if not table_exists(con, self.name):
+                return None
+            with registered(con, wanted=pa.table({"id": ids})):
+                return con.sql(f"SELECT * FROM {self._sql_name} WHERE id IN (SELECT id FROM wanted)").to_arrow_table()
+
+    def answered_ids(self, ids: pa.Array, keys: set[str]) -> set:
+        """Of ``ids``, those the table holds under one of the partition ``keys``."""
+        with connection(self.warehouse) as con:
+            if not table_exists(con, self.name):
+                return set()
+            live = pa.table({"key": pa.array(sorted(keys), pa.string())})
+            with registered(con, wanted=pa.table({"id": ids}), live_keys=live):
+                found = con.execute(f"SELECT DISTINCT id FROM {self._sql_name} WHERE id IN (SELECT id FROM wanted) "
+                                    "AND partition_key IN (SELECT key FROM live_keys)").fetchall()
+        return {row[0] for row in found}
+
+    def answers_not_in(self, live_ids: pa.Array) -> tuple[int, int]:
+        """How many of the table's answers are of ids not in ``live_ids``, and how many it holds: what
+        ``remove_answers_not_in`` would delete, counted before anything is."""
+        with connection(self.warehouse) as con:
+            if not table_exists(con, self.name):
+                return 0, 0
+            with registered(con, live=pa.table({"id": live_ids})):
+                gone, answered = con.execute(
+                    f"SELECT count(*) FILTER (WHERE id NOT IN (SELECT id FROM live)), count(*) "
+                    f"FROM {self._sql_name}").fetchall()[0]
+        return int(gone), int(answered)
+
+    def remove_answers_not_in(self, live_ids: pa.Array) -> int:
+        """Delete the answers of ids that are no longer prompt rows (deleted at the source); returns
+        how many. One transaction: readers see the table before or after, never half of it."""
+        with connection(self.warehouse) as con:
+            if not table_exists(con, self.name):
+                return 0
+            with registered(con, live=pa.table({"id": live_ids})), transaction(con):
+                removed = con.execute(
+                    f"DELETE FROM {self._sql_name} WHERE id NOT IN (SELECT id FROM live)").fetchall()[0][0]
+        return int(removed)
+
+    def status_counts(self) -> tuple[int, int, int]:
+        """Rows, ok rows and error rows the table holds."""
+        with connection(self.warehouse) as con:
+            rows, ok, errors = con.execute(
+                f"SELECT count(*), count(*) FILTER (WHERE status = 'ok'), count(*) FILTER (WHERE status = 'error') "
+                f"FROM {self._sql_name}").fetchall()[0]
+        return int(rows), int(ok), int(errors)
+
+    def first_answer(self) -> tuple[object, str | None]:
+        """The id and text of the table's first row by id (an example to show)."""
+        with connection(self.warehouse) as con:
+            return con.execute(f"SELECT id, text FROM {self._sql_name} ORDER BY id LIMIT 1").fetchall()[0]
+
+    def partition_counts(self, partition_key: str, shard_ids: list, superseded_ids: list = ()) -> PartitionCounts:
+        """``shard_ids``: the rows a shard's run wrote; ``superseded_ids``: rows a newer plan took over
+        while it ran, not written (an older answer of theirs in this partition is that plan's)."""
+        table = self._sql_name
+        with connection(self.warehouse) as con, registered(con, expected=pa.table({"id": list(shard_ids)}),
+                                                           superseded=pa.table({"id": list(superseded_ids)})):
+            missing, unexpected = con.execute(
+                f"""
+                WITH mine AS (SELECT DISTINCT id FROM {table} WHERE partition_key = ?
+                              AND id NOT IN (SELECT id FROM superseded))
+                SELECT (SELECT count(*) FROM expected WHERE id NOT IN (SELECT id FROM mine)),
+                       (SELECT count(*) FROM mine WHERE id NOT IN (SELECT id FROM expected))
+                """, [partition_key]).fetchall()[0]
+            duplicated = con.execute(
+                f"SELECT count(*) FROM (SELECT id FROM {table} WHERE id IN (SELECT id FROM expected) "
+                "GROUP BY id HAVING count(*) > 1)").fetchall()[0][0]
+            silent, errors, rows = con.execute(
+                f"""SELECT count(*) FILTER (WHERE (status = 'ok' AND coalesce(text, '') = '')
+                                           OR (status = 'error' AND coalesce(error, '') = '')),
+                           count(*) FILTER (WHERE status = 'error'), count(*)
+                    FROM {table} WHERE partition_key = ?""", [partition_key]).fetchall()[0]
+        return PartitionCounts(int(missing), int(unexpected or 0), int(duplicated), int(silent), int(errors), int(rows))
+
+    def answer_counts(self, prompt_ids_sql: str, snapshot: Path, plan: Path, outstanding_keys: list[str]
+                      ) -> AnswerCounts | None:
+        """The table against the prompt snapshot's ids (``prompt_ids_sql``: a query of them, reading
+        the snapshot as its parameter); the rows of the plan's ``outstanding_keys`` (shards still to
+        land) are not missing yet. None: no table yet."""
+        with connection(self.warehouse) as con:
+            if not table_exists(con, self.name):
+                return None
+            waiting, parameters = "SELECT NULL::VARCHAR AS id WHERE false", [str(snapshot)]
+            if outstanding_keys:
+                waiting = ("SELECT id::VARCHAR AS id FROM read_parquet(?) "
+                           "WHERE partition_key IN (SELECT unnest(?::VARCHAR[]))")
+                parameters += [str(plan), outstanding_keys]
+            missing, duplicated, orphaned, outstanding = con.execute(
+                f"""
+                WITH prompts AS ({prompt_ids_sql}),
+                     waiting AS ({waiting}),
+                     answers AS (SELECT id::VARCHAR AS id, count(*) AS n FROM {self._sql_name} GROUP BY 1)
+                SELECT (SELECT count(*) FROM prompts LEFT JOIN answers USING (id)
+                        WHERE answers.n IS NULL AND prompts.id NOT IN (SELECT id FROM waiting)),
+                       (SELECT count(*) FROM answers WHERE n > 1),
+                       (SELECT count(*) FROM answers WHERE id NOT IN (SELECT id FROM prompts)),
+                       (SELECT count(*) FROM waiting)
+                """, parameters).fetchall()[0]
+        return AnswerCounts(int(missing), int(duplicated), int(orphaned), int(outstanding))

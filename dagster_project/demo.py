@@ -86,10 +86,10 @@ def materialize_job(instance, defs, name: str) -> dict:
 
 def materialize_all() -> None:
     import dagster as dg
-    import duckdb
+    from dagster_duckdb import DuckDBResource
 
+    from batchllm_dagster.output_table import OutputTable
     from engine.run.console import summary_table
-    from engine.sql import quote_identifier
 
     from .definitions import DATABASE, defs
 
@@ -102,29 +102,25 @@ def materialize_all() -> None:
         tables[name] = completions.op.tags.get("batchllm/output_table")
 
     rows, examples = [], []
-    with duckdb.connect(str(DATABASE), read_only=True) as con:
-        for name, table in tables.items():
-            total, ok, errors = con.execute(
-                f'SELECT count(*), count(*) FILTER (WHERE status = \'ok\'), count(*) FILTER (WHERE status = \'error\') '
-                f'FROM {quote_identifier(table)}').fetchall()[0]
-            row_id, text = con.execute(
-                f"SELECT id, text FROM {quote_identifier(table)} ORDER BY id LIMIT 1"
-            ).fetchall()[0]
-            done = outcomes[name]
-            checks = (f"{done['checks']} checks passed" if not done["failed_checks"]
-                      else f"FAILED checks: {', '.join(done['failed_checks'])}")
-            ran = (f"{done['tokens_per_s']:,.0f} tok/s, cache {100 * done['saving_vs_ideal']:.0f}% of the ideal"
-                   if done["computed_shards"] else "every row reused from the last run")
-            order = (f"; field order {done['field_order']}: {done['field_order_saved_tokens']:,} prompt tokens fewer "
-                     f"than as declared" if done["field_order"] else "")
-            rows.append(
-                (
-                    name,
-                    f"{total} rows ({ok} ok, {errors} errors) in {table}; {len(done['partitions'])} shard(s) in "
-                    f"{done['runs']} run(s), {ran}; {checks}{order}",
-                )
+    warehouse = DuckDBResource(database=str(DATABASE))
+    for name, table in tables.items():
+        total, ok, errors = OutputTable(warehouse, table).status_counts()
+        row_id, text = OutputTable(warehouse, table).first_answer()
+        done = outcomes[name]
+        checks = (f"{done['checks']} checks passed" if not done["failed_checks"]
+                  else f"FAILED checks: {', '.join(done['failed_checks'])}")
+        ran = (f"{done['tokens_per_s']:,.0f} tok/s, cache {100 * done['saving_vs_ideal']:.0f}% of the ideal"
+               if done["computed_shards"] else "every row reused from the last run")
+        order = (f"; field order {done['field_order']}: {done['field_order_saved_tokens']:,} prompt tokens fewer "
+                 f"than as declared" if done["field_order"] else "")
+        rows.append(
+            (
+                name,
+                f"{total} rows ({ok} ok, {errors} errors) in {table}; {len(done['partitions'])} shard(s) in "
+                f"{done['runs']} run(s), {ran}; {checks}{order}",
             )
-            examples.append((row_id, repr(text.strip()[:90])))
+        )
+        examples.append((row_id, repr(text.strip()[:90])))
     print("\nSummary\n" + summary_table(rows) + "\n\nFirst answers\n" + summary_table(examples))
     print(f"\nAll in {DATABASE}. Query them:\n  .venv/bin/python -c \"import duckdb; "
           f"print(duckdb.connect('{DATABASE}', read_only=True).sql('SELECT id, status, text FROM {table} LIMIT 5'))\"")

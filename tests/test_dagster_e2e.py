@@ -197,7 +197,7 @@ def test_a_partition_runs_the_materialized_plan_without_tokenizer_or_planner(job
 
 
 def test_a_failed_duckdb_write_leaves_parquet_and_duckdb_agreeing_and_keeps_the_checkpoint(job, monkeypatch):
-    import assets.completions
+    from batchllm_dagster.output_table import OutputTable
 
     assets_by_name = job_assets(job)
     with dg.instance_for_test() as instance:
@@ -207,7 +207,7 @@ def test_a_failed_duckdb_write_leaves_parquet_and_duckdb_agreeing_and_keeps_the_
         def lock_timeout(*args, **kwargs):
             raise TimeoutError("simulated: another process held the DuckDB lock for too long")
 
-        monkeypatch.setattr(assets.completions, "replace_partition", lock_timeout)
+        monkeypatch.setattr(OutputTable, "replace_partition", lock_timeout)
         failed = dg.materialize([assets_by_name["completions"]], partition_key=partition, instance=instance,
                                 raise_on_error=False)
         assert not failed.success
