@@ -21,7 +21,7 @@ from batchllm_dagster.config import BatchJobConfig
 
 def other_checkpoints(config: BatchJobConfig, key: str) -> list[Path]:
     """The part files of the job's other shards' checkpoints."""
-    return sorted(part for folder in config.checkpoints_dir.glob("*") if folder.name != key
+    return sorted(part for folder in config.files.checkpoints_dir.glob("*") if folder.name != key
                   for part in folder.glob("part-*.parquet"))
 
 
@@ -40,7 +40,7 @@ def prune_checkpoints(config: BatchJobConfig, warehouse, live_keys: set[str], li
     import shutil
 
     removed = 0
-    for folder in config.checkpoints_dir.glob("*"):
+    for folder in config.files.checkpoints_dir.glob("*"):
         if folder.name in live_keys:
             continue
         ids = _ids_in(folder)

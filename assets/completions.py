@@ -21,6 +21,7 @@ from dagster_duckdb import DuckDBResource
 from batchllm_dagster.checks import merged_check_results, partition_check_results, partition_check_specs
 from batchllm_dagster.config import Backend, BatchJobConfig
 from batchllm_dagster.instance_limits import warn_if_unlimited
+from batchllm_dagster.layout import OUTPUT_TABLE_TAG, PLAN_RUN_TAG
 from batchllm_dagster.metadata import run_metadata
 from batchllm_dagster.output_table import answers_table, review_metadata
 from batchllm_dagster.resources import VLLMResource
@@ -39,7 +40,7 @@ from engine.table.prompt_snapshot import CONTENT_KEY
 from engine.vllm.library_output import LOG_DIR, library_output_routed
 
 from .checkpoints import other_checkpoints, prune_checkpoints
-from .plan_stamp import PLAN_RUN_TAG, plan_stamp_of
+from .plan_stamp import plan_stamp_of
 
 
 def load_planned_shard(config: BatchJobConfig, key: str, settings: EngineSettings, queued_for: str | None):
@@ -47,13 +48,13 @@ def load_planned_shard(config: BatchJobConfig, key: str, settings: EngineSetting
     failure that says what to do) if the plan no longer has it or no longer holds.
     ``queued_for``: the plan run whose shards this run was queued for (the shard sensor's tag)."""
     try:
-        return load_shard(config.plan_path, key, plan_stamp_of(config, settings), config.token_cache_dir)
+        return load_shard(config.files.plan_path, key, plan_stamp_of(config, settings), config.files.token_cache_dir)
     except NotInPlan as missing:
         if queued_for and missing.planned_by != queued_for:
             raise dg.Failure(
                 f"the plan changed since this run was queued: partition {key!r} is not in the "
                 f"current plan of {config.name!r} (made by run {missing.planned_by}); the new plan's shards are "
-                f"queued by the {config.name}_run_shards sensor") from None
+                f"queued by the {config.names.run_shards_sensor_name} sensor") from None
         raise dg.Failure(f"partition {key!r} is not in the current plan of {config.name!r}: "
                          "rematerialize prefix_groups and run the partitions it lists") from None
     except StalePlan as stale:
@@ -157,8 +158,8 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", dg.BetaWarning)
         asset = dg.asset(
-            key=config.asset_key("completions"),
-            deps=[config.asset_key("prefix_groups")],
+            key=config.names.asset_key("completions"),
+            deps=[config.names.asset_key("prefix_groups")],
             partitions_def=partitions,
             backfill_policy=backfill_policy,
             group_name=config.name,
@@ -170,8 +171,8 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
             kinds={"vllm", "duckdb"},
             code_version=config.completions_code_version(),
             check_specs=partition_check_specs(config),
-            op_tags={"batchllm/output_table": config.output_table},
-            required_resource_keys={"llm", config.warehouse_key},
+            op_tags={OUTPUT_TABLE_TAG: config.output_table},
+            required_resource_keys={"llm", config.names.warehouse_key},
         )
 
     @asset
@@ -186,7 +187,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
                 try:
                     held.enter_context(
                         held_alone(
-                            config.lock_path(f"partition-{key}"),
+                            config.files.lock_path(f"partition-{key}"),
                             f"run {context.run.run_id}, pid {os.getpid()}",
                             f"partition {key} of {config.name}",
                         )
@@ -203,7 +204,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         """The partitions one after another on one vLLM engine, each written and checked on its own."""
         started_at = time.perf_counter()
         llm: VLLMResource = context.resources.llm
-        settings = config.engine_settings(planned_counts(config.plan_path))  # the stamp holds them too
+        settings = config.engine_settings(planned_counts(config.files.plan_path))  # the stamp holds them too
         queued_for = context.run.tags.get(PLAN_RUN_TAG)
         # Every shard is read and held against the plan before vLLM starts: a stale plan refuses the run whole.
         shards = [(key, *load_planned_shard(config, key, settings, queued_for)) for key in keys]
@@ -234,16 +235,16 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
     def ray_time_limit(instance: dg.DagsterInstance, hardware_partition: str, rows: int) -> TimeLimit | None:
         if config.ray_shard_timeout_s is not None:
             return TimeLimit(config.ray_shard_timeout_s, f"{config.ray_shard_timeout_s:g} s (ray_shard_timeout_s)")
-        measured = measured_by_hardware(last_partitions_metadata(instance, config.asset_key("completions")))
+        measured = measured_by_hardware(last_partitions_metadata(instance, config.names.asset_key("completions")))
         return shard_time_limit(measured.get(hardware_partition), rows)
 
     def run_partition(context: dg.AssetExecutionContext, key: str, prepared: PreparedBatch, shard: int, planned,
                       settings: EngineSettings, engine_opener, started_at: float) -> PartitionDone:
-        warehouse: DuckDBResource = getattr(context.resources, config.warehouse_key)
+        warehouse: DuckDBResource = getattr(context.resources, config.names.warehouse_key)
         hardware = config.hardware_of_shard(shard)
         hardware_partition = hardware.name
         sampling = config.sampling
-        checkpoint = config.checkpoint_path(key)
+        checkpoint = config.files.checkpoint_path(key)
         context.log.info(f"shard {key}: {prepared.num_rows} planned rows ({hardware_partition})")
         reuse = reuse_sources(config, key, prepared, warehouse)
         if config.backend is Backend.RAY:
@@ -293,7 +294,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         deleted, another model): those are not written, the newer plan's shards answer them. Then
         only the rest is written, by id, and no Parquet file: the newer plan's run of this key (if it
         has one) writes its file whole, and a key it dropped never comes back."""
-        stale = superseded(config.plan_path, key, planned)
+        stale = superseded(config.files.plan_path, key, planned)
         if len(stale):
             log.warning(f"{len(stale)} of this shard's rows were superseded by a newer plan while it ran "
                                 "(moved to another shard, edited, deleted, or another model): their answers are not "
@@ -304,18 +305,18 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         else:
             # Parquet staged, DuckDB committed, then Parquet renamed into place: a failure at any point
             # (a DuckDB lock timeout, say) leaves both as they were and keeps the checkpoint for the rerun.
-            with Staged(config.completions_parquet_path(key)) as staged:  # published once DuckDB has committed
+            with Staged(config.files.completions_parquet_path(key)) as staged:  # published once DuckDB has committed
                 pq.write_table(table, staged.path)
                 written = config.output(warehouse).replace_partition(key, table, on_wait=log.info)
         try:  # a convenience beside the answers: a database that cannot read the snapshot fails no shard
-            config.output(warehouse).replace_prompts_view(config.prompts_path, config.dataset.columns)
+            config.output(warehouse).replace_prompts_view(config.files.prompts_path, config.dataset.columns)
         except Exception as exc:
             log.warning(f"the view {config.output_table}_with_prompts was not made: {exc}")
         if not len(stale):
             shutil.rmtree(checkpoint, ignore_errors=True)  # the table now holds every row of the shard
         # else kept: the newer plan's shards reuse its still-valid answers by row fingerprint (a row
         # that only moved to another key), and prune_checkpoints removes it once none is wanted.
-        live = planned_keys(config.plan_path)  # other shards' checkpoints this write made useless
+        live = planned_keys(config.files.plan_path)  # other shards' checkpoints this write made useless
         prune_checkpoints(config, warehouse, set(live.column("partition_key").to_pylist()),
                           live.column("id").combine_chunks())
         return table, written, stale
@@ -327,7 +328,7 @@ def field_order_metadata(config: BatchJobConfig) -> dict:
     """With ``field_order: optimize``: the order the rows' prompts were built in and the prompt tokens
     it saves against the declared order, over the whole table when it was chosen (sorted, at the
     job's block size: the minimum prefill), as the job keeps it."""
-    choice = recorded_choice(config.field_order_path) if config.dataset.prompt is not None else None
+    choice = recorded_choice(config.files.field_order_path) if config.dataset.prompt is not None else None
     if choice is None or "declared" not in choice["candidates"]:
         return {}
     candidates = choice["candidates"]

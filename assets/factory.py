@@ -4,7 +4,8 @@ import dagster as dg
 from dagster_duckdb import DuckDBResource
 
 from batchllm_dagster.checks import build_table_checks
-from batchllm_dagster.config import PLAN_TAG, BatchJobConfig
+from batchllm_dagster.config import BatchJobConfig
+from batchllm_dagster.layout import PLAN_TAG
 from batchllm_dagster.partitions import shard_partitions
 from batchllm_dagster.resources import DEFAULT_LLM
 from engine.digests import text_fingerprint
@@ -16,7 +17,7 @@ from .shard_sensor import build_run_shards_sensor
 
 
 def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
-    partitions = shard_partitions(config.partitions_name)
+    partitions = shard_partitions(config.names.partitions_name)
     prompts = build_prompts(config)
     prefix_groups = build_prefix_groups(config, partitions)
     completions = build_completions(config, partitions)
@@ -25,7 +26,7 @@ def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
     # behind this tag (dagster.yaml limits each of its values to one run; prefix_groups' op pool
     # covers a UI materialization outside the job).
     plan_job = dg.define_asset_job(
-        f"{config.name}_plan",
+        config.names.plan_job_name,
         selection=dg.AssetSelection.assets(prompts, prefix_groups),
         description="Snapshot the prompts and plan the shards; the shard sensor then runs every shard.",
         tags={PLAN_TAG: config.name},
@@ -36,7 +37,8 @@ def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
     table_checks = build_table_checks(config)
     shards_jobs = {
         hardware.name: dg.define_asset_job(
-            config.shards_job_name(hardware), selection=dg.AssetSelection.assets(completions), tags=hardware.tags(),
+            config.names.shards_job_name(hardware.slug), selection=dg.AssetSelection.assets(completions),
+            tags=hardware.tags(),
             description=f"Run shards bound to hardware partition {hardware.name!r} (backfill its partitions here).")
         for hardware in config.hardware
     }
@@ -45,7 +47,7 @@ def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
 
     @dg.sensor(
         job=plan_job,
-        name=f"{config.name}_source_changed",
+        name=config.names.source_sensor_name,
         minimum_interval_seconds=300,
         default_status=dg.DefaultSensorStatus.STOPPED,
         description="Plan the batch again when the rows of the prompt dataset change.",
@@ -60,7 +62,7 @@ def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
     schedules = []
     if config.schedule:
         schedules.append(dg.ScheduleDefinition(
-            name=f"{config.name}_nightly", job=plan_job, cron_schedule=config.schedule,
+            name=config.names.schedule_name, job=plan_job, cron_schedule=config.schedule,
             default_status=dg.DefaultScheduleStatus.STOPPED,
         ))
     return dg.Definitions(
@@ -70,5 +72,5 @@ def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
         sensors=[run_shards, source_changed],
         schedules=schedules,
         # The output database is a resource: a deployment binds another one to <name>_warehouse.
-        resources={"llm": DEFAULT_LLM, config.warehouse_key: DuckDBResource(database=config.output_database)},
+        resources={"llm": DEFAULT_LLM, config.names.warehouse_key: DuckDBResource(database=config.output_database)},
     )

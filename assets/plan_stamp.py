@@ -8,10 +8,8 @@ from engine.plan.plan_table import plan_stamp
 from engine.settings import EngineSettings
 from engine.table.prompt_snapshot import snapshot_digest
 
-PLAN_RUN_TAG = "batchllm/plan_run"  # tag of a shard's run: the plan run whose shards it was queued for
-
 
 def plan_stamp_of(config: BatchJobConfig, settings: EngineSettings) -> dict[str, str]:
     """The job's plan stamp as it is now (``settings``: the job's, model resolved): the model's
     content, the prompt snapshot, and the settings that shape a plan."""
-    return plan_stamp(settings.model_path, snapshot_digest(config.prompts_path), config.plan_shaping(settings))
+    return plan_stamp(settings.model_path, snapshot_digest(config.files.prompts_path), config.plan_shaping(settings))

@@ -67,7 +67,7 @@ def remove_deleted_answers(config: BatchJobConfig, warehouse, ids: pa.ChunkedArr
     Returns the answers removed from the table."""
     removed = config.output(warehouse).remove_answers_not_in(ids.combine_chunks())
     live = set(keys)
-    for path in config.completions_dir.glob("*.parquet"):
+    for path in config.files.completions_dir.glob("*.parquet"):
         if path.stem not in live:
             path.unlink(missing_ok=True)
     return removed
@@ -99,18 +99,18 @@ def measured_shard_size(instance: dg.DagsterInstance, config: BatchJobConfig) ->
     """The shard size the last nights' partitions measured (``shard_sizing``), unless the job sets one."""
     if config.shards is not None or config.rows_per_shard is not None:
         return None
-    return shard_size(measured_by_hardware(last_partitions_metadata(instance, config.asset_key("completions"))))
+    return shard_size(measured_by_hardware(last_partitions_metadata(instance, config.names.asset_key("completions"))))
 
 
 def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitionsDefinition) -> dg.AssetsDefinition:
     @dg.asset(
-        key=config.asset_key("prefix_groups"),
-        deps=[config.asset_key("prompts")],
+        key=config.names.asset_key("prefix_groups"),
+        deps=[config.names.asset_key("prompts")],
         group_name=config.name,
         description="Prefix groups found over the whole batch, and the shard (partition) each belongs to.",
         kinds={"duckdb"},
-        required_resource_keys={config.warehouse_key},
-        pool=config.plan_pool,  # one plan step of this job at a time, also outside its plan job
+        required_resource_keys={config.names.warehouse_key},
+        pool=config.names.plan_pool,  # one plan step of this job at a time, also outside its plan job
         code_version=config.plan_code_version(),
     )
     def prefix_groups(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
@@ -129,23 +129,24 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         # Lengths and block hashes come from the cache; only new or changed rows are tokenized. The
         # rows' text is not read here otherwise: the plan needs hashes, max_tokens and formats.
         tokenizer = LazyTokenizer(settings.model_path)
-        cache = TokenCache(config.token_cache_dir, tokenizer_fingerprint(settings.model_path))
-        snapshot = config.prompts_path
+        cache = TokenCache(config.files.token_cache_dir, tokenizer_fingerprint(settings.model_path))
+        snapshot = config.files.prompts_path
         # What the plan is made from, read before the rows and checked again before the plan is
         # written: a prompts materialization landing meanwhile (from the UI, say) would otherwise
         # give a plan of old rows under the new snapshot's stamp.
         stamp = plan_stamp_of(config, settings)
         meta = read_snapshot(snapshot, columns=columns_without_text(snapshot, columns.prompt, columns.messages))
-        refuse_mass_removal(config, getattr(context.resources, config.warehouse_key), meta.column(columns.id))
+        refuse_mass_removal(config, getattr(context.resources, config.names.warehouse_key), meta.column(columns.id))
         rows = cache.rows_for(snapshot, tokenizer, columns.prompt, columns.messages, settings.block_size,
-                              progress=context.log.info, still_needed=lambda: plan_content_keys(config.plan_path))
+                              progress=context.log.info, still_needed=lambda: plan_content_keys(config.files.plan_path))
         prepared = plan_tokenized(meta, rows, settings, config.sampling, columns, config.scheduler)
         plan = prepared.plan
         size = measured_shard_size(context.instance, config)
         if size is not None:
             context.log.info(f"shard size: {size.why}")
         shard_count = config.shard_count(plan.num_rows, *([size.rows_per_shard] if size else []))
-        shards = assign_shards(plan, shard_count, previous=previous_shards(config.plan_path, meta.column(columns.id)))
+        previous = previous_shards(config.files.plan_path, meta.column(columns.id))
+        shards = assign_shards(plan, shard_count, previous=previous)
         ids_by_shard = _ids_by_shard(prepared, shards.shard_of_row, shard_count)
         keys = [shard_key(config.hardware_of_shard(s), s, ids) for s, ids in enumerate(ids_by_shard)]
         used = [k for k, ids in zip(keys, ids_by_shard) if ids]  # fewer groups than shards: no empty partitions
@@ -158,11 +159,12 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
             raise dg.Failure(f"{config.name}: {', '.join(changed)} changed while this plan was being made (prompts "
                              "materialized meanwhile?): no plan written; materialize prefix_groups again")
         plan_bytes = write_plan(plan_table(prepared, meta.column(CONTENT_KEY), cache, shards.shard_of_row, keys, stamp,
-                                           context.run.run_id, settings.max_model_len), config.plan_path)
+                                           context.run.run_id, settings.max_model_len), config.files.plan_path)
         groups = groups_table(prepared, shards, keys, config)
-        replace_table(getattr(context.resources, config.warehouse_key), f"{config.output_table}_prefix_groups", groups)
-        added, removed = sync_partitions(context.instance, config.partitions_name, by_hardware(config, used))
-        warehouse = getattr(context.resources, config.warehouse_key)
+        replace_table(getattr(context.resources, config.names.warehouse_key), f"{config.output_table}_prefix_groups",
+                      groups)
+        added, removed = sync_partitions(context.instance, config.names.partitions_name, by_hardware(config, used))
+        warehouse = getattr(context.resources, config.names.warehouse_key)
         removed_answers = 0 if config.keep_deleted_answers else remove_deleted_answers(
             config, warehouse, meta.column(columns.id), used)
         # A removed key's checkpoint stays while it holds answers the new plan's shards can reuse.

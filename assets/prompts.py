@@ -44,7 +44,7 @@ def snapshot_dataset(config: BatchJobConfig, path: Path, log=None) -> tuple[int,
     with Staged(path) as staged, stream_sql(*dataset_sql(config)) as (schema, batches):
         if fields is not None:
             batches, schema, choice = rendered_batches(batches, schema, fields, columns, _prefill_counter(config, log),
-                                                       config.field_order_path)
+                                                       config.files.field_order_path)
         writer = SnapshotWriter(staged.path, columns.prompt, columns.messages)
         for batch in batches:
             written = writer.write(
@@ -85,14 +85,14 @@ def source_version(config: BatchJobConfig) -> str:
 
 def build_prompts(config: BatchJobConfig) -> dg.AssetsDefinition:
     @dg.asset(
-        key=config.asset_key("prompts"),
+        key=config.names.asset_key("prompts"),
         group_name=config.name,
         description=f"Prompt rows of batch job {config.name!r} ({config.dataset.describe()}), snapshotted to Parquet.",
         kinds={"duckdb", "parquet"},
         code_version=config.prompts_code_version(),
     )
     def prompts(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
-        path, spec = config.prompts_path, config.dataset
+        path, spec = config.files.prompts_path, config.dataset
         # The job's plan lock: a snapshot never lands while a plan is being made from the last one
         # (that plan finishes first; this run then waits), in any instance, whatever launched it.
         with config.plan_lock(f"a prompt snapshot being taken (run {context.run.run_id}, pid {os.getpid()})"):

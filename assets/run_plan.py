@@ -22,6 +22,8 @@ from pathlib import Path
 
 import dagster as dg
 
+from batchllm_dagster.layout import SHARDS_TAG, JobNames
+
 
 def run_planned_shards(instance: dg.DagsterInstance, defs: dg.Definitions, name: str, run_config: dict | None = None,
                        check: bool = True) -> list:
@@ -33,14 +35,14 @@ def run_planned_shards(instance: dg.DagsterInstance, defs: dg.Definitions, name:
         results.append(defs.resolve_job_def(request.job_name).execute_in_process(
             partition_key=request.partition_key, instance=instance, run_config=run_config, tags=request.tags,
             raise_on_error=False))
-    failed = [r.dagster_run.tags.get("batchllm/shards") for r in results if not r.success]
+    failed = [r.dagster_run.tags.get(SHARDS_TAG) for r in results if not r.success]
     if check and failed:
         raise RuntimeError(f"{name}: the runs of {failed} failed (see their logs in the instance)")
     return results
 
 
 def _requests(instance: dg.DagsterInstance, defs: dg.Definitions, name: str) -> list[dg.RunRequest]:
-    sensor = defs.resolve_sensor_def(f"{name}_run_shards")
+    sensor = defs.resolve_sensor_def(JobNames(name).run_shards_sensor_name)
     with dg.partition_loading_context(dynamic_partitions_store=instance):  # the shard keys live in the instance
         result = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, definitions=defs))
     return list(result.run_requests or [])
@@ -80,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     defs = load_definitions(args.definitions)
     instance = dg.DagsterInstance.get()
     if not args.shards_only:
-        planned = defs.resolve_job_def(f"{args.job}_plan").execute_in_process(instance=instance, run_config=quiet,
-                                                                              raise_on_error=False)
+        planned = defs.resolve_job_def(JobNames(args.job).plan_job_name).execute_in_process(
+            instance=instance, run_config=quiet, raise_on_error=False)
         if not planned.success:
             print(f"batchllm-dagster: the plan of {args.job!r} failed (run {planned.run_id}): see its log",
                   file=sys.stderr)

@@ -13,11 +13,9 @@ import dagster as dg
 
 from batchllm_dagster.checks import shards_outstanding
 from batchllm_dagster.config import BatchJobConfig
+from batchllm_dagster.layout import PLAN_RUN_TAG, SHARDS_TAG
 from batchllm_dagster.partitions import RANGE_END, RANGE_START, hardware_of_key, shard_runs
 
-from .plan_stamp import PLAN_RUN_TAG
-
-SHARDS_TAG = "batchllm/shards"  # the shard keys a sensor's run answers (``first..last`` for a range)
 IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
              dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
 FINISHED = [dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]
@@ -29,7 +27,8 @@ def keys_in_flight(instance: dg.DagsterInstance, config: BatchJobConfig, keys: l
     position = {key: i for i, key in enumerate(keys)}
     busy: set[str] = set()
     for hardware in config.hardware:
-        runs = instance.get_runs(filters=dg.RunsFilter(job_name=config.shards_job_name(hardware), statuses=IN_FLIGHT))
+        runs = instance.get_runs(filters=dg.RunsFilter(job_name=config.names.shards_job_name(hardware.slug),
+                                                       statuses=IN_FLIGHT))
         for run in runs:
             tags = run.tags
             if "dagster/partition" in tags:
@@ -42,11 +41,11 @@ def keys_in_flight(instance: dg.DagsterInstance, config: BatchJobConfig, keys: l
 def shard_requests(instance: dg.DagsterInstance, config: BatchJobConfig, job_of_hardware: dict[str, str],
                    log=None) -> list[dg.RunRequest]:
     """The runs to ask for now (see the module doc)."""
-    plan = instance.fetch_materializations(config.asset_key("prefix_groups"), limit=1).records
+    plan = instance.fetch_materializations(config.names.asset_key("prefix_groups"), limit=1).records
     if not plan:
         return []
     plan_run = plan[0].run_id
-    keys = instance.get_dynamic_partitions(config.partitions_name)
+    keys = instance.get_dynamic_partitions(config.names.partitions_name)
     outstanding = set(shards_outstanding(instance, config))
     busy = keys_in_flight(instance, config, keys) if outstanding else set()
     requests = []
@@ -74,7 +73,7 @@ def build_run_shards_sensor(config: BatchJobConfig, shards_jobs: dict[str, dg.Un
 
     @dg.sensor(
         jobs=list(shards_jobs.values()),
-        name=f"{config.name}_run_shards",
+        name=config.names.run_shards_sensor_name,
         minimum_interval_seconds=30,
         default_status=dg.DefaultSensorStatus.STOPPED,
         description="Run each shard of the current plan until it lands (one run per shard partition, or per "

@@ -29,7 +29,7 @@ from .partitions import RANGE_START
 
 
 def partition_check_specs(config: BatchJobConfig) -> list[dg.AssetCheckSpec]:
-    key = config.asset_key("completions")
+    key = config.names.asset_key("completions")
     return [
         dg.AssetCheckSpec(
             "one_completion_per_row", asset=key, description="Each row of the shard has exactly one completion."
@@ -63,22 +63,22 @@ def partition_check_results(config: BatchJobConfig, warehouse: DuckDBResource, p
     saving = stats.saving_vs_ideal
     return [
         dg.AssetCheckResult(
-            check_name="one_completion_per_row", asset_key=config.asset_key("completions"),
+            check_name="one_completion_per_row", asset_key=config.names.asset_key("completions"),
             passed=held.missing == 0 and held.duplicated == 0 and held.unexpected == 0,
             metadata={"missing": held.missing, "duplicated": held.duplicated, "unexpected": held.unexpected},
         ),
         dg.AssetCheckResult(
-            check_name="no_silent_empties", asset_key=config.asset_key("completions"),
+            check_name="no_silent_empties", asset_key=config.names.asset_key("completions"),
             passed=held.silent == 0, metadata={"silent_empty_rows": held.silent, "error_rows": errors},
         ),
         dg.AssetCheckResult(
-            check_name="prefix_saving", asset_key=config.asset_key("completions"),
+            check_name="prefix_saving", asset_key=config.names.asset_key("completions"),
             passed=saving >= config.min_saving_vs_ideal, severity=dg.AssetCheckSeverity.WARN,
             metadata={"saving_vs_ideal": float(round(saving, 4)), "floor": config.min_saving_vs_ideal},
         ),
         _format_check(config, constrained),
         dg.AssetCheckResult(
-            check_name="error_rows_within_bound", asset_key=config.asset_key("completions"),
+            check_name="error_rows_within_bound", asset_key=config.names.asset_key("completions"),
             passed=errors <= config.max_error_share * rows,
             metadata={"error_rows": errors, "rows": rows,
                       "error_share": float(round(errors / rows, 4)) if rows else 0.0,
@@ -90,7 +90,7 @@ def partition_check_results(config: BatchJobConfig, warehouse: DuckDBResource, p
 def _format_check(config: BatchJobConfig, constrained: list[tuple[object, str, ResponseFormat]]) -> dg.AssetCheckResult:
     violations = [(row_id, why) for row_id, text, fmt in constrained if (why := fmt.violation(text or ""))]
     return dg.AssetCheckResult(
-        check_name="answers_follow_response_format", asset_key=config.asset_key("completions"),
+        check_name="answers_follow_response_format", asset_key=config.names.asset_key("completions"),
         passed=not violations,
         metadata={"rows_checked": len(constrained), "violations": len(violations),
                   "examples": dg.MetadataValue.json([{"id": str(i), "why": w} for i, w in violations[:5]])},
@@ -120,14 +120,14 @@ def shards_outstanding(instance: dg.DagsterInstance, config: BatchJobConfig) -> 
     """Partitions of the current plan not landed since the plan was made: no materialization since,
     or only ones that left rows to the plan (a run of an earlier plan that finished after it and did
     not write the rows it superseded: the key's run for this plan still has to answer them)."""
-    plan = instance.fetch_materializations(config.asset_key("prefix_groups"), limit=1).records
-    current = instance.get_dynamic_partitions(config.partitions_name)
+    plan = instance.fetch_materializations(config.names.asset_key("prefix_groups"), limit=1).records
+    current = instance.get_dynamic_partitions(config.names.partitions_name)
     if not plan:
         return list(current)
     landed, cursor = set(), None
     while True:
         page = instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=config.asset_key("completions"),
+            dg.AssetRecordsFilter(asset_key=config.names.asset_key("completions"),
                                   after_storage_id=plan[0].storage_id), limit=1000, cursor=cursor)
         landed.update(r.partition_key for r in page.records if _wrote_every_row(r.asset_materialization))
         if not page.has_more:
@@ -148,23 +148,23 @@ def build_table_checks(config: BatchJobConfig) -> list[dg.AssetChecksDefinition]
     id the snapshot no longer has; the rows of shards still outstanding are counted apart
     (``outstanding_rows``), so a healthy night has no red check, and the run of the shard that lands
     last checks every row. Selected alone, it checks every row whatever the shards."""
-    key = config.asset_key("completions")
+    key = config.names.asset_key("completions")
 
     @dg.multi_asset_check(
         specs=[dg.AssetCheckSpec("all_prompts_answered", asset=key, blocking=False,
                                  description="Every prompt row of the snapshot whose shard has landed has exactly one "
                                  "completion (every row once every shard of the current plan has landed); no "
                                  "completion is orphaned.")],
-        can_subset=True, name=f"{config.name}_all_prompts_answered",
-        required_resource_keys={config.warehouse_key})
+        can_subset=True, name=config.names.table_checks_name,
+        required_resource_keys={config.names.warehouse_key})
     def all_prompts_answered(context):
         # A run with a partition materializes a shard (the check itself has none): the rows of the
         # shards still to land are not missing yet.
         outstanding = []
         if {"dagster/partition", RANGE_START} & set(context.run.tags):
             outstanding = shards_outstanding(context.instance, config)
-        counts = config.output(getattr(context.resources, config.warehouse_key)).answer_counts(
-            ids_sql(config.dataset.id_column), config.prompts_path, config.plan_path, outstanding)
+        counts = config.output(getattr(context.resources, config.names.warehouse_key)).answer_counts(
+            ids_sql(config.dataset.id_column), config.files.prompts_path, config.files.plan_path, outstanding)
         if counts is None:
             yield dg.AssetCheckResult(check_name="all_prompts_answered", asset_key=key, passed=False,
                                       metadata={"reason": "no completions table yet"})

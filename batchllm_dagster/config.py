@@ -18,12 +18,12 @@ from engine.settings import EngineSettings, Policy, SamplingSettings, SchedulerS
 from engine.table.dataset import Columns
 from engine.table.fields import PromptFields
 
+from .layout import HARDWARE_TAG, POOL_TAG, JobFiles, JobNames
 from .output_table import OutputTable
 from .shard_sizing import FIRST_NIGHT_ROWS_PER_SHARD
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_PARTITIONS = 100_000  # Dagster's guidance: at most this many partitions per asset
-PLAN_TAG = "batchllm/plan"  # runs that plan a job carry its name; dagster.yaml runs one per value at a time
 
 
 class Backend(Policy):
@@ -68,7 +68,7 @@ class HardwarePartition(BaseModel):
         return self.pool or f"inference_{self.slug}"
 
     def tags(self) -> dict[str, str]:
-        return {**self.run_tags, "batchllm/hardware": self.name, "batchllm/pool": self.run_pool}
+        return {**self.run_tags, HARDWARE_TAG: self.name, POOL_TAG: self.run_pool}
 
 
 class DatasetSpec(BaseModel):
@@ -252,14 +252,14 @@ class BatchJobConfig(JobSpec):
     storage_dir: str = Field(description="where prompt snapshots and plans are kept")
 
     @property
-    def job_dir(self) -> Path:
-        return Path(self.storage_dir) / self.name
+    def files(self) -> JobFiles:
+        """Where the job's files and locks live (under ``storage_dir``)."""
+        return JobFiles(self.name, self.storage_dir)
 
-    def asset_key(self, asset: str):
-        """The key of one of the job's assets: ``prompts``, ``prefix_groups`` or ``completions``."""
-        import dagster as dg
-
-        return dg.AssetKey([self.name, asset])
+    @property
+    def names(self) -> JobNames:
+        """The job's names in Dagster: asset keys, partitions, jobs, sensors, pools, resource keys."""
+        return JobNames(self.name)
 
     @property
     def inference_pool(self) -> str | None:
@@ -277,9 +277,6 @@ class BatchJobConfig(JobSpec):
     def hardware_of_shard(self, shard: int) -> HardwarePartition:
         """Shards are bound to hardware partitions round-robin."""
         return self.hardware[shard % len(self.hardware)]
-
-    def shards_job_name(self, hardware: HardwarePartition) -> str:
-        return f"{self.name}_shards_{hardware.slug}"
 
     # Code versions: where each asset's settings live, so that Dagster marks what is downstream of a
     # changed setting stale in the UI (with the data versions prompts and prefix_groups report).
@@ -307,31 +304,8 @@ class BatchJobConfig(JobSpec):
                            self.keep_deleted_answers, *([self.review_below] if self.review_below is not None else []))
 
     def output(self, warehouse) -> OutputTable:
-        """The job's output table in ``warehouse`` (its output database: ``warehouse_key``'s resource)."""
+        """The job's output table in ``warehouse`` (its output database: ``names.warehouse_key``'s resource)."""
         return OutputTable(warehouse, self.output_table)
-
-    @property
-    def plan_pool(self) -> str:
-        """The op pool of ``prefix_groups``: one plan step of this job at a time, in any run."""
-        return f"batchllm_plan_{self.name}"
-
-    @property
-    def partitions_name(self) -> str:
-        return f"{self.name}_shards"
-
-    @property
-    def warehouse_key(self) -> str:
-        """Resource key of the job's output database (a dagster-duckdb ``DuckDBResource``)."""
-        return f"{self.name}_warehouse"
-
-    # Files the job's assets hand to each other, under its storage folder.
-    @property
-    def prompts_path(self) -> Path:
-        return self.job_dir / "prompts.parquet"
-
-    def lock_path(self, name: str) -> Path:
-        """A lock the job's runs take whatever launched them (``engine.locks``)."""
-        return self.job_dir / "locks" / f"{name}.lock"
 
     def plan_lock(self, holder: str, shared: bool = False):
         """The job's plan lock: held exclusively while a plan is made and while a prompt snapshot
@@ -339,35 +313,8 @@ class BatchJobConfig(JobSpec):
         past ``lock_timeout_s`` fails naming the exclusive holder."""
         from engine.locks import locked
 
-        return locked(self.lock_path("plan"), shared=shared, holder=holder, timeout_s=self.lock_timeout_s,
+        return locked(self.files.lock_path("plan"), shared=shared, holder=holder, timeout_s=self.lock_timeout_s,
                       what=f"the plan lock of job {self.name!r}")
-
-    @property
-    def field_order_path(self) -> Path:
-        """The job's field order, kept from night to night (``engine.table.field_order_state``)."""
-        return self.job_dir / "field_order.parquet"
-
-    @property
-    def plan_path(self) -> Path:
-        return self.job_dir / "plan.parquet"
-
-    @property
-    def token_cache_dir(self) -> Path:
-        return self.job_dir / "token_cache"
-
-    @property
-    def checkpoints_dir(self) -> Path:
-        return self.job_dir / "checkpoints"
-
-    @property
-    def completions_dir(self) -> Path:
-        return self.job_dir / "completions"
-
-    def checkpoint_path(self, partition_key: str) -> Path:
-        return self.checkpoints_dir / partition_key
-
-    def completions_parquet_path(self, partition_key: str) -> Path:
-        return self.completions_dir / f"{partition_key}.parquet"
 
     def plan_settings(self) -> EngineSettings:
         """What the job's plan counts in: ``llm`` with its model resolved (``engine_settings``) and

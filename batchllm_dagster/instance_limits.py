@@ -6,7 +6,9 @@ so once, with the lines to add."""
 
 from __future__ import annotations
 
-RUN_TAGS = ("batchllm/pool", "batchllm/plan")
+from .layout import PLAN_TAG, POOL_TAG
+
+RUN_TAGS = (POOL_TAG, PLAN_TAG)
 
 DAGSTER_YAML = """concurrency:
   pools:

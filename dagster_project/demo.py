@@ -88,6 +88,7 @@ def materialize_all() -> None:
     import dagster as dg
     from dagster_duckdb import DuckDBResource
 
+    from batchllm_dagster.layout import OUTPUT_TABLE_TAG
     from batchllm_dagster.output_table import OutputTable
     from engine.run.console import summary_table
 
@@ -99,7 +100,7 @@ def materialize_all() -> None:
     for name, completions in batch_jobs(code_location):
         print(f"{name}: planning, then its shards")
         outcomes[name] = materialize_job(instance, code_location, name)
-        tables[name] = completions.op.tags.get("batchllm/output_table")
+        tables[name] = completions.op.tags.get(OUTPUT_TABLE_TAG)
 
     rows, examples = [], []
     warehouse = DuckDBResource(database=str(DATABASE))

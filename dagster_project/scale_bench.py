@@ -134,7 +134,7 @@ def phase_partition(work: Path, model: str, partition_rows: int, partitions_per_
     config = _config(work, model, partition_rows, partitions_per_run)
     graph = build_batch_defs(config).resolve_asset_graph()
     instance = _instance(work)
-    keys = instance.get_dynamic_partitions(config.partitions_name)[:partitions_per_run]  # a range: neighbours
+    keys = instance.get_dynamic_partitions(config.names.partitions_name)[:partitions_per_run]  # a range: neighbours
     started = time.perf_counter()
     result = dg.materialize([graph.assets_def_for_key(dg.AssetKey(["scale", "completions"]))], instance=instance,
                             tags={RANGE_START: keys[0], RANGE_END: keys[-1]})

@@ -26,7 +26,7 @@ def main(path: str) -> None:
     assets = completions_and_plan(config)
     instance = dg.DagsterInstance.get()
     assert dg.materialize(assets[:2], instance=instance).success
-    (partition,) = instance.get_dynamic_partitions(config.partitions_name)
+    (partition,) = instance.get_dynamic_partitions(config.names.partitions_name)
     print(f"partition {partition}", flush=True)
     dg.materialize([assets[2]], partition_key=partition, instance=instance)
 

@@ -18,10 +18,10 @@ def what_a_night_left(config, instance) -> dict:
     with duckdb.connect(config.output_database, read_only=True) as con:
         answers = sorted(con.execute("SELECT id, text FROM answers").fetchall())
     return {"answers": answers,
-            "files": sorted(p.name for p in config.completions_dir.glob("*.parquet")),
-            "partitions": sorted(instance.get_dynamic_partitions(config.partitions_name)),
-            "checkpoints": sorted(p.name for p in config.checkpoints_dir.glob("*")),
-            "plan": config.plan_path.read_bytes()}
+            "files": sorted(p.name for p in config.files.completions_dir.glob("*.parquet")),
+            "partitions": sorted(instance.get_dynamic_partitions(config.names.partitions_name)),
+            "checkpoints": sorted(p.name for p in config.files.checkpoints_dir.glob("*")),
+            "plan": config.files.plan_path.read_bytes()}
 
 
 def first_night(config):
@@ -110,7 +110,7 @@ def test_no_plan_lands_between_a_shards_check_against_the_plan_and_its_write(nig
 
     def check_then_try_to_plan(path, key, ran):
         stale = checked(path, key, ran)
-        with open(config.lock_path("plan"), "a+b") as handle:
+        with open(config.files.lock_path("plan"), "a+b") as handle:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -173,7 +173,7 @@ def test_with_rows_arriving_while_shards_wait_every_shard_lands_and_a_refused_ru
         outcomes = [start(defs, instance, q).success for q in queued]
         assert not all(outcomes)
         # Another run holds a key of the current plan: its run is refused (not queued behind it).
-        keys = instance.get_dynamic_partitions(config.partitions_name)
+        keys = instance.get_dynamic_partitions(config.names.partitions_name)
         retried = 0
         for tick in range(6):
             requests = sensor_requests(defs, instance)
@@ -182,7 +182,7 @@ def test_with_rows_arriving_while_shards_wait_every_shard_lands_and_a_refused_ru
             for request in requests:
                 run = queue(defs, instance, request)
                 if tick == 0:
-                    with held_alone(config.lock_path(f"partition-{request.partition_key}"), "another run", "x"):
+                    with held_alone(config.files.lock_path(f"partition-{request.partition_key}"), "another run", "x"):
                         assert not start(defs, instance, run).success
                 else:
                     retried += ":attempt-" in request.run_key

@@ -196,8 +196,8 @@ def test_a_changed_chat_template_or_snapshot_makes_the_plan_stale(tmp_path, tiny
     config = BatchJobConfig(name="j", dataset=DatasetSpec(parquet=str(tmp_path / "p.parquet")),
                             llm=EngineSettings(model_path=str(model)), output_database=str(tmp_path / "o.duckdb"),
                             storage_dir=str(tmp_path / "jobs"))
-    config.prompts_path.parent.mkdir(parents=True)
-    pq.write_table(pa.table({"id": [1], "prompt": ["a"]}), config.prompts_path)
+    config.files.prompts_path.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"id": [1], "prompt": ["a"]}), config.files.prompts_path)
     stamp = plan_stamp_of(config, config.engine_settings())
     recorded = {k.encode(): v.encode() for k, v in stamp.items()}
     assert stale_reasons(recorded, plan_stamp_of(config, config.engine_settings())) == []
@@ -209,7 +209,7 @@ def test_a_changed_chat_template_or_snapshot_makes_the_plan_stale(tmp_path, tiny
         "the model, tokenizer or chat template"
     ]
 
-    pq.write_table(pa.table({"id": [1], "prompt": ["b"]}), config.prompts_path)
+    pq.write_table(pa.table({"id": [1], "prompt": ["b"]}), config.files.prompts_path)
     assert "the prompt snapshot" in stale_reasons(recorded, plan_stamp_of(config, config.engine_settings()))
     assert stale_reasons(None, stamp)  # a plan without a stamp is stale too
 

@@ -43,7 +43,7 @@ def materialize_graph(defs, config, instance):
     assets = [graph.assets_def_for_key(key(n)) for n in ("prompts", "prefix_groups", "completions")]
     planned = dg.materialize(assets[:2], instance=instance)
     assert planned.success
-    partitions = instance.get_dynamic_partitions(config.partitions_name)
+    partitions = instance.get_dynamic_partitions(config.names.partitions_name)
     results = {}
     for partition in partitions:
         result = dg.materialize(assets, selection=[key("completions")], partition_key=partition, instance=instance)
@@ -86,7 +86,7 @@ def test_materializes_prompts_groups_and_one_completion_per_row(job):
         first_meta = results[first].asset_materializations_for_node("e2e__completions")[0].metadata
         assert meta["reused_rows"].value == first_meta["dagster/row_count"].value
         assert meta["rows"].value == 0  # nothing recomputed
-        assert (job.job_dir / "completions" / f"{first}.parquet").exists()
+        assert (job.files.job_dir / "completions" / f"{first}.parquet").exists()
 
     ids = make_prompt_table().column("id").to_pylist()
     with duckdb.connect(job.output_database, read_only=True) as con:
@@ -95,7 +95,7 @@ def test_materializes_prompts_groups_and_one_completion_per_row(job):
     assert sorted(r[0] for r in rows) == sorted(ids)
     assert all(count == 1 and text and status == "ok" for _, count, text, status in rows)
     assert groups[1] == len(ids)
-    assert pq.read_table(job.job_dir / "plan.parquet").num_rows == len(ids)
+    assert pq.read_table(job.files.job_dir / "plan.parquet").num_rows == len(ids)
 
 
 def test_whole_table_check_finds_missing_rows(job):
@@ -107,7 +107,7 @@ def test_whole_table_check_finds_missing_rows(job):
             [graph.assets_def_for_key(dg.AssetKey(["e2e", n])) for n in ("prompts", "prefix_groups")], instance=instance
         )
         assert planned.success
-        partition = instance.get_dynamic_partitions(job.partitions_name)[0]
+        partition = instance.get_dynamic_partitions(job.names.partitions_name)[0]
         completions = graph.assets_def_for_key(dg.AssetKey(["e2e", "completions"]))
         # One partition materialized with its asset's checks, as the UI or `dg launch --partition`
         # does: the table check checks the landed shard's rows, the other shard's are outstanding.
@@ -151,7 +151,7 @@ def test_a_partition_runs_the_materialized_plan_without_tokenizer_or_planner(job
     assets = job_assets(job)
     with dg.instance_for_test() as instance:
         assert dg.materialize([assets["prompts"], assets["prefix_groups"]], instance=instance).success
-        plan = pq.read_table(job.job_dir / "plan.parquet")
+        plan = pq.read_table(job.files.job_dir / "plan.parquet")
 
         def forbidden(*args, **kwargs):
             raise AssertionError("a completions partition must not tokenize or plan")
@@ -175,7 +175,7 @@ def test_a_partition_runs_the_materialized_plan_without_tokenizer_or_planner(job
 
         with pytest.raises(AssertionError, match="must not tokenize"):  # names bound before the patch call it too
             engine.plan.token_cache.tokenize_rows(None, ["x"])
-        partition = instance.get_dynamic_partitions(job.partitions_name)[0]
+        partition = instance.get_dynamic_partitions(job.names.partitions_name)[0]
         assert dg.materialize([assets["completions"]], partition_key=partition, instance=instance).success
         monkeypatch.undo()
 
@@ -202,7 +202,7 @@ def test_a_failed_duckdb_write_leaves_parquet_and_duckdb_agreeing_and_keeps_the_
     assets_by_name = job_assets(job)
     with dg.instance_for_test() as instance:
         assert dg.materialize([assets_by_name["prompts"], assets_by_name["prefix_groups"]], instance=instance).success
-        partition = instance.get_dynamic_partitions(job.partitions_name)[0]
+        partition = instance.get_dynamic_partitions(job.names.partitions_name)[0]
 
         def lock_timeout(*args, **kwargs):
             raise TimeoutError("simulated: another process held the DuckDB lock for too long")
@@ -211,14 +211,14 @@ def test_a_failed_duckdb_write_leaves_parquet_and_duckdb_agreeing_and_keeps_the_
         failed = dg.materialize([assets_by_name["completions"]], partition_key=partition, instance=instance,
                                 raise_on_error=False)
         assert not failed.success
-        assert not job.completions_parquet_path(partition).exists()  # not published without the table rows
-        assert not list(job.completions_parquet_path(partition).parent.glob("*.partial"))
-        assert list(job.checkpoint_path(partition).glob("part-*.parquet"))  # the rerun will reuse them
+        assert not job.files.completions_parquet_path(partition).exists()  # not published without the table rows
+        assert not list(job.files.completions_parquet_path(partition).parent.glob("*.partial"))
+        assert list(job.files.checkpoint_path(partition).glob("part-*.parquet"))  # the rerun will reuse them
         monkeypatch.undo()
         rerun = dg.materialize([assets_by_name["completions"]], partition_key=partition, instance=instance)
     meta = rerun.asset_materializations_for_node("e2e__completions")[0].metadata
     assert meta["reused_rows"].value == meta["dagster/row_count"].value > 0 and meta["rows"].value == 0
-    assert job.completions_parquet_path(partition).exists()
+    assert job.files.completions_parquet_path(partition).exists()
 
 
 def test_every_run_of_a_hardware_partition_carries_its_tags_and_pool(job):
@@ -259,11 +259,11 @@ def test_a_rerun_tokenizes_only_changed_rows_and_keeps_the_shard_keys(job):
     rows = make_prompt_table().num_rows
     with dg.instance_for_test() as instance:
         first = dg.materialize(plan, instance=instance)
-        keys = sorted(instance.get_dynamic_partitions(job.partitions_name))
+        keys = sorted(instance.get_dynamic_partitions(job.names.partitions_name))
         with duckdb.connect(job.dataset.database) as con:
             con.execute("UPDATE prompt_rows SET prompt = prompt || ' (edited)' WHERE id = 'doc0-q0'")
         second = dg.materialize(plan, instance=instance)
-        assert sorted(instance.get_dynamic_partitions(job.partitions_name)) == keys
+        assert sorted(instance.get_dynamic_partitions(job.names.partitions_name)) == keys
     before = first.asset_materializations_for_node("e2e__prefix_groups")[0].metadata
     after = second.asset_materializations_for_node("e2e__prefix_groups")[0].metadata
     assert before["token_cache_rows"].value == 0 and before["tokenized_rows"].value == rows
@@ -315,7 +315,7 @@ def test_a_job_whose_prompt_is_built_from_a_joins_fields_runs_end_to_end(tmp_pat
                              "AND needs_review = (choice_probability < 0.5)), count(*) FILTER (WHERE needs_review) "
                              "FROM ticket_teams_with_prompts").fetchone()
         # The prompt each row ran with: the snapshot, as the README's query reads it.
-        ran_with = dict(con.execute(f"SELECT id, prompt FROM read_parquet('{config.prompts_path}')").fetchall())
+        ran_with = dict(con.execute(f"SELECT id, prompt FROM read_parquet('{config.files.prompts_path}')").fetchall())
     assert answered == tickets.num_rows and set(ran_with) == set(tickets.column("id").to_pylist())
     assert scored == (tickets.num_rows, marked)
     assert all(p.startswith("Route the support ticket.\n\n") and p.endswith("\n\nTeam:") for p in ran_with.values())
@@ -346,20 +346,20 @@ def test_a_shard_that_finishes_after_a_newer_plan_writes_nothing_stale(job, monk
                 con.execute("UPDATE prompt_rows SET prompt = prompt || ' Answer in French.' WHERE id = ?", [edited])
                 con.execute("DELETE FROM prompt_rows WHERE id = ?", [deleted])
             assert dg.materialize(upstream, instance=instance).success
-            assert key not in instance.get_dynamic_partitions(job.partitions_name)  # the shard's key is gone
+            assert key not in instance.get_dynamic_partitions(job.names.partitions_name)  # the shard's key is gone
             run_planned_shards(instance, defs, "e2e")
         return outcome
 
     with dg.instance_for_test() as instance:
         assert dg.materialize(upstream, instance=instance).success
-        first_key = instance.get_dynamic_partitions(job.partitions_name)[0]
+        first_key = instance.get_dynamic_partitions(job.names.partitions_name)[0]
         monkeypatch.setattr(completions_module, "run_shard_locally", shard_overtaken_by_a_newer_plan)
         # Its key is gone from the dynamic partitions, so Dagster fails the run when it records the
         # materialization; what matters is what it wrote before: nothing.
         dg.materialize([completions], partition_key=first_key, instance=instance, raise_on_error=False)
         monkeypatch.setattr(completions_module, "run_shard_locally", run_shard)
         assert landed
-        new_keys = set(instance.get_dynamic_partitions(job.partitions_name))
+        new_keys = set(instance.get_dynamic_partitions(job.names.partitions_name))
         # Every answer in DuckDB is the newer plan's: its shards, run again, reuse every row.
         again = [dg.materialize([completions], partition_key=k, instance=instance) for k in sorted(new_keys)]
         for run in again:
@@ -369,9 +369,9 @@ def test_a_shard_that_finishes_after_a_newer_plan_writes_nothing_stale(job, monk
         ids = [r[0] for r in con.execute("SELECT id FROM answers").fetchall()]
         total = con.execute("SELECT count(*) FROM prompt_rows").fetchone()[0]
     assert len(ids) == len(set(ids)) == total
-    parquet_keys = {p.stem for p in job.completions_dir.glob("*.parquet")}
+    parquet_keys = {p.stem for p in job.files.completions_dir.glob("*.parquet")}
     assert parquet_keys <= new_keys  # no superseded key's file came back
-    in_parquet = pq.read_table(job.completions_dir).column("id").to_pylist() if parquet_keys else []
+    in_parquet = pq.read_table(job.files.completions_dir).column("id").to_pylist() if parquet_keys else []
     assert len(in_parquet) == len(set(in_parquet))
 
 
@@ -390,7 +390,7 @@ def test_one_run_answers_a_range_of_shards_on_one_vllm_start(job, tmp_path):
         with dg.instance_for_test() as instance:
             upstream = [graph.assets_def_for_key(dg.AssetKey(["e2e", n])) for n in ("prompts", "prefix_groups")]
             assert dg.materialize(upstream, instance=instance).success
-            keys = instance.get_dynamic_partitions(config.partitions_name)
+            keys = instance.get_dynamic_partitions(config.names.partitions_name)
             runs = run_planned_shards(instance, defs, "e2e")
         with duckdb.connect(config.output_database, read_only=True) as con:
             rows = con.execute(f"SELECT id, partition_key, text FROM {config.output_table}").fetchall()
@@ -410,7 +410,7 @@ def test_one_run_answers_a_range_of_shards_on_one_vllm_start(job, tmp_path):
         assert meta["ok_rows"].value + meta["error_rows"].value == rows_of[key] > 0
         assert (meta["engine_start_s"].value > 0) == (i == 0)  # one vLLM start, in the first partition
         assert (meta["engine_stop_s"].value > 0) == (i == 2)  # one stop, after the last
-        assert ranged.completions_parquet_path(key).exists()
+        assert ranged.files.completions_parquet_path(key).exists()
     checks = {e.check_name: e for e in runs[0].get_asset_check_evaluations()}
     assert set(checks) == {"one_completion_per_row", "no_silent_empties", "prefix_saving",
                            "answers_follow_response_format", "error_rows_within_bound", "all_prompts_answered"}
@@ -446,12 +446,12 @@ def test_a_range_run_queued_for_a_superseded_plan_says_so_before_starting_vllm(j
             shard_job, tags={**shard_job.tags, **request.tags},
             run_config={"execution": {"config": {"in_process": {}}}})
         last = request.tags["dagster/asset_partition_range_end"]
-        plan_rows = pq.read_table(ranged.plan_path)
+        plan_rows = pq.read_table(ranged.files.plan_path)
         gone = plan_rows.filter(pc.equal(plan_rows["partition_key"], last))["id"].to_pylist()[:1]
         with duckdb.connect(job.dataset.database) as con:  # a row of the last shard deleted: its key changes
             con.execute("DELETE FROM prompt_rows WHERE id = ?", gone)
         assert defs.resolve_job_def("e2e_plan").execute_in_process(instance=instance, run_config=QUIET).success
-        assert last not in instance.get_dynamic_partitions(ranged.partitions_name)
+        assert last not in instance.get_dynamic_partitions(ranged.names.partitions_name)
         late = execute_run(InMemoryJob(shard_job), instance.get_run_by_id(queued.run_id), instance)
     assert not late.success
     message = "\n".join(str(e.event_specific_data.error) for e in late.all_events if e.is_failure)

@@ -151,7 +151,7 @@ def test_dagster_run_terminated_keeps_every_finished_row(big_prompts, tmp_path, 
         lines.append(line)
         done = re.search(r"(\d+)/(\d+) rows \(", line)
         if done and 0 < int(done.group(1)) < int(done.group(2)):
-            folders = list((config.job_dir / "checkpoints").glob("*"))
+            folders = list((config.files.job_dir / "checkpoints").glob("*"))
             written_before = rows_in_parts(folders[0]) if folders else 0
             if written_before < int(done.group(1)):
                 break
@@ -161,7 +161,7 @@ def test_dagster_run_terminated_keeps_every_finished_row(big_prompts, tmp_path, 
     child.send_signal(signal.SIGTERM)
     rest, _ = child.communicate(timeout=120)
     assert child.returncode != 0, rest
-    (folder,) = list((config.job_dir / "checkpoints").glob("*"))
+    (folder,) = list((config.files.job_dir / "checkpoints").glob("*"))
     written = rows_in_parts(folder)
     total = make_prompt_table(seed=3, **ROWS).num_rows
     assert written_before < int(done.group(1)) <= written < total  # the rows in memory at the signal too
@@ -194,7 +194,7 @@ def test_dagster_partition_killed_midway_resumes(big_prompts, tmp_path, tiny_mod
     config_file = tmp_path / "job.json"
     config_file.write_text(config.model_dump_json())
     child = start_fault_job(config_file, home)
-    checkpoints = config.job_dir / "checkpoints"
+    checkpoints = config.files.job_dir / "checkpoints"
     deadline = time.monotonic() + 240
     while not (checkpoints.exists() and any(checkpoints.iterdir())) and time.monotonic() < deadline:
         assert child.poll() is None, child.stdout.read()
@@ -221,6 +221,6 @@ def test_dagster_partition_killed_midway_resumes(big_prompts, tmp_path, tiny_mod
                        MAX_TOKENS, "--kv-cache-blocks", "256"), capture_output=True, check=True, cwd=ROOT)
     assert answers == {a["id"]: a["text"] for a in pq.read_table(reference).to_pylist()}
     # The shard's Parquet file holds the same rows, each once: the killed run left nothing half there.
-    (published,) = list(config.completions_dir.glob("*.parquet"))
+    (published,) = list(config.files.completions_dir.glob("*.parquet"))
     in_parquet = pq.read_table(published, columns=["id", "text"]).to_pylist()
     assert len(in_parquet) == total and {a["id"]: a["text"] for a in in_parquet} == answers

@@ -90,7 +90,7 @@ def test_through_dagster_a_night_that_adds_rows_changes_no_old_rows_prompt(tmp_p
     def night() -> tuple[dict, dict]:
         result = dg.materialize([prompts], instance=instance)
         assert result.success
-        snapshot = pq.read_table(config.prompts_path)
+        snapshot = pq.read_table(config.files.prompts_path)
         metadata = result.asset_materializations_for_node(prompts.node_def.name)[0].metadata
         return dict(zip(snapshot.column("id").to_pylist(), snapshot.column("prompt").to_pylist())), metadata
 

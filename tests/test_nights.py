@@ -66,7 +66,7 @@ def check_the_night(config, plans, shards, expected: dict) -> dict:
     assert set(ids) == set(expected), "every live id answered, no deleted id"
     assert all(status == "ok" for _, _, status in answers)
     assert {row_id: text for row_id, text, _ in answers} == expected, "the current model's answer to the current prompt"
-    files = [pq.read_table(p, columns=["id"]) for p in sorted(config.completions_dir.glob("*.parquet"))]
+    files = [pq.read_table(p, columns=["id"]) for p in sorted(config.files.completions_dir.glob("*.parquet"))]
     parquet_ids = pa.concat_tables(files).column("id").to_pylist()
     assert sorted(parquet_ids) == sorted(expected), "the shard Parquet files hold the same rows"
     evaluations = [e for run in [*plans, *shards] for e in run.get_asset_check_evaluations()]
@@ -126,7 +126,7 @@ def start_queued(defs, instance, request, queued):
 
 
 def shard_ids(config: BatchJobConfig, key: str) -> list:
-    plan = pq.read_table(config.plan_path, columns=["id", "partition_key"]).to_pylist()
+    plan = pq.read_table(config.files.plan_path, columns=["id", "partition_key"]).to_pylist()
     return [row["id"] for row in plan if row["partition_key"] == key]
 
 
@@ -215,7 +215,7 @@ def test_seven_nights_never_a_stale_answer_an_orphan_or_a_red_check(nightly, tmp
         assert not b.success  # queued for the old plan: its key is gone
         assert "the plan changed since this run was queued" in "\n".join(
             str(e.event_specific_data.error) for e in b.all_events if e.is_failure)
-        assert second.partition_key not in instance.get_dynamic_partitions(config.partitions_name)
+        assert second.partition_key not in instance.get_dynamic_partitions(config.names.partitions_name)
         shards = run_planned_shards(instance, defs, "nightly")
         reasons = check_the_night(config, [old_plan], [a, *shards], from_scratch(config))
         # A's rows once on the new weights, the edited row again (its checkpointed answer was of the
@@ -241,7 +241,7 @@ def test_seven_nights_never_a_stale_answer_an_orphan_or_a_red_check(nightly, tmp
         with duckdb.connect(source) as con:
             con.execute("DELETE FROM prompt_rows WHERE id = ?", [unfinished[0]])
         plans, shards, cursor = night(defs, config, instance, cursor)
-        assert first.partition_key not in instance.get_dynamic_partitions(config.partitions_name)
+        assert first.partition_key not in instance.get_dynamic_partitions(config.names.partitions_name)
         reasons = check_the_night(config, plans, shards, from_scratch(config))
         rerun_of_a = [
             completions_metadata(run)
@@ -250,7 +250,7 @@ def test_seven_nights_never_a_stale_answer_an_orphan_or_a_red_check(nightly, tmp
         ]
         assert [m["reused_rows"] for m in rerun_of_a] == [len(finished)]
         assert reasons == {SETTINGS_CHANGED: len(unfinished) - 1}  # only what the dead run had not finished
-        assert not config.checkpoint_path(first.partition_key).exists()  # its answers are in the table now
+        assert not config.files.checkpoint_path(first.partition_key).exists()  # its answers are in the table now
         counts.append(
             (
                 7,
@@ -280,7 +280,7 @@ def test_a_shard_run_queued_for_a_superseded_plan_says_so(nightly):
         with duckdb.connect(config.dataset.database) as con:
             con.execute("DELETE FROM prompt_rows WHERE id LIKE 'doc%-q0'")  # every shard changes
         assert defs.resolve_job_def("nightly_plan").execute_in_process(instance=instance).success
-        assert stale.partition_key not in instance.get_dynamic_partitions(config.partitions_name)
+        assert stale.partition_key not in instance.get_dynamic_partitions(config.names.partitions_name)
         from dagster._core.definitions.job_base import InMemoryJob
         from dagster._core.execution.api import execute_run
 

@@ -87,25 +87,26 @@ def test_prompts_wait_for_a_plan_being_made_and_a_plan_is_made_from_one_snapshot
                                        "class": "NoOpComputeLogManager"}}
     with dg.instance_for_test(overrides=no_log_capture) as instance:
         assert dg.materialize([prompts], instance=instance).success
-        before = config.prompts_path.stat().st_mtime_ns
+        before = config.files.prompts_path.stat().st_mtime_ns
         pq.write_table(pa.table({"id": [1, 2, 3], "prompt": ["edited", "a shared start, then two", "x"]}), source)
         landed = []
-        with locked(config.lock_path("plan")):  # a plan is being made
+        with locked(config.files.lock_path("plan")):  # a plan is being made
             again = threading.Thread(target=lambda: landed.append(dg.materialize([prompts], instance=instance).success))
             again.start()
             time.sleep(2)
-            assert again.is_alive() and config.prompts_path.stat().st_mtime_ns == before  # waiting, nothing written
+            # waiting, nothing written
+            assert again.is_alive() and config.files.prompts_path.stat().st_mtime_ns == before
         again.join(60)
-        assert landed == [True] and config.prompts_path.stat().st_mtime_ns != before
+        assert landed == [True] and config.files.prompts_path.stat().st_mtime_ns != before
 
         plan_tokenized = prefix_groups_module.plan_tokenized
         old_snapshot = tmp_path / "old.parquet"
-        old_snapshot.write_bytes(config.prompts_path.read_bytes())
+        old_snapshot.write_bytes(config.files.prompts_path.read_bytes())
         pq.write_table(pa.table({"id": [1, 2, 3], "prompt": ["again", "b", "c"]}), source)
         assert dg.materialize([prompts], instance=instance).success
 
         def replaced_meanwhile(*args, **kwargs):  # by something that takes no lock (a hand-made copy)
-            config.prompts_path.write_bytes(old_snapshot.read_bytes())
+            config.files.prompts_path.write_bytes(old_snapshot.read_bytes())
             return plan_tokenized(*args, **kwargs)
 
         monkeypatch.setattr(prefix_groups_module, "plan_tokenized", replaced_meanwhile)
@@ -113,9 +114,9 @@ def test_prompts_wait_for_a_plan_being_made_and_a_plan_is_made_from_one_snapshot
         assert not result.success
         failure = result.get_step_failure_events()[0].step_failure_data.error.message
         assert "the prompt snapshot changed while this plan was being made" in failure
-        assert not config.plan_path.exists()
+        assert not config.files.plan_path.exists()
         monkeypatch.setattr(prefix_groups_module, "plan_tokenized", plan_tokenized)
-        assert dg.materialize([groups], instance=instance).success and config.plan_path.exists()
+        assert dg.materialize([groups], instance=instance).success and config.files.plan_path.exists()
 
 
 def test_one_run_per_partition_key_whatever_launches_it_and_in_an_instance_without_limits(tmp_path, tiny_model):
@@ -132,13 +133,15 @@ def test_one_run_per_partition_key_whatever_launches_it_and_in_an_instance_witho
     with dg.instance_for_test() as instance:
         assert not (instance.get_settings("run_queue") or {}).get("tag_concurrency_limits")
         assert dg.materialize(upstream, instance=instance).success
-        key = instance.get_dynamic_partitions(config.partitions_name)[0]
-        with held_alone(config.lock_path(f"partition-{key}"), f"run first-run, pid {os.getpid()}", "the first run"):
+        key = instance.get_dynamic_partitions(config.names.partitions_name)[0]
+        with held_alone(config.files.lock_path(f"partition-{key}"), f"run first-run, pid {os.getpid()}",
+                        "the first run"):
             second = dg.materialize([completions], partition_key=key, instance=instance, raise_on_error=False)
         assert not second.success
         message = second.get_step_failure_events()[0].step_failure_data.error.message
         assert f"partition {key} of once is already running (run first-run, pid {os.getpid()})" in message
-        assert not config.checkpoint_path(key).exists() and not config.completions_parquet_path(key).exists()
+        assert not config.files.checkpoint_path(key).exists()
+        assert not config.files.completions_parquet_path(key).exists()
 
 
 def test_an_instance_without_the_queueing_limits_is_named_with_the_lines_to_add():
@@ -197,16 +200,16 @@ def test_a_killed_shard_whose_key_changed_gives_its_finished_answers_to_the_new_
     config, source, upstream, completions = parquet_job(tmp_path, tiny_model, "kill", rows)
     with dg.instance_for_test() as instance:
         assert dg.materialize(upstream, instance=instance).success
-        [first_key] = instance.get_dynamic_partitions(config.partitions_name)
+        [first_key] = instance.get_dynamic_partitions(config.names.partitions_name)
         died = dg.materialize([completions], partition_key=first_key, instance=instance, raise_on_error=False)
-        assert not died.success and len(list(config.checkpoint_path(first_key).glob("part-*.parquet"))) >= 1
+        assert not died.success and len(list(config.files.checkpoint_path(first_key).glob("part-*.parquet"))) >= 1
         pq.write_table(
             pa.Table.from_pylist(rows + [{"id": 20, "prompt": f"{prompt}Question 20?", "max_tokens": 4}]), source
         )
         assert dg.materialize(upstream, instance=instance).success
-        [new_key] = instance.get_dynamic_partitions(config.partitions_name)
-        assert new_key != first_key and config.checkpoint_path(first_key).exists()  # kept: it holds answers
+        [new_key] = instance.get_dynamic_partitions(config.names.partitions_name)
+        assert new_key != first_key and config.files.checkpoint_path(first_key).exists()  # kept: it holds answers
         rerun = dg.materialize([completions], partition_key=new_key, instance=instance)
         meta = rerun.asset_materializations_for_node("kill__completions")[0].metadata
         assert meta["reused_rows"].value == 18 and meta["rows"].value == 3  # 2 unfinished + the new row
-        assert not config.checkpoint_path(first_key).exists()  # its answers are in the table now
+        assert not config.files.checkpoint_path(first_key).exists()  # its answers are in the table now

@@ -144,7 +144,7 @@ def test_completions_partition_runs_on_ray_when_configured(cluster, tiny_model, 
     assets = [graph.assets_def_for_key(dg.AssetKey(["on_ray", n])) for n in ("prompts", "prefix_groups", "completions")]
     with dg.instance_for_test() as instance:
         assert dg.materialize(assets[:2], instance=instance).success
-        (partition,) = instance.get_dynamic_partitions(config.partitions_name)
+        (partition,) = instance.get_dynamic_partitions(config.names.partitions_name)
         result = dg.materialize([assets[2]], partition_key=partition, instance=instance)
     assert result.success
     meta = result.asset_materializations_for_node("on_ray__completions")[0].metadata
@@ -220,7 +220,7 @@ def test_a_job_for_gpu_hardware_never_runs_its_replicas_on_cpu_actors(cluster, t
     assets = completions_and_plan(config)  # prompts, prefix_groups, completions
     with dg.instance_for_test() as instance:
         assert dg.materialize(assets[:2], instance=instance).success
-        (partition,) = instance.get_dynamic_partitions(config.partitions_name)
+        (partition,) = instance.get_dynamic_partitions(config.names.partitions_name)
         result = dg.materialize([assets[2]], partition_key=partition, instance=instance, raise_on_error=False)
     assert not result.success
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
@@ -247,10 +247,10 @@ def test_a_night_on_ray_with_a_replica_killed_loses_nothing(cluster, tiny_model,
     assets = completions_and_plan(config)  # prompts, prefix_groups, completions
     with dg.instance_for_test() as instance:
         assert dg.materialize(assets[:2], instance=instance).success
-        (key,) = instance.get_dynamic_partitions(config.partitions_name)
+        (key,) = instance.get_dynamic_partitions(config.names.partitions_name)
         planned = prepared_batch(tiny_model, table, sampling)
         first_sub_shard = {planned.ids[i] for i in np.flatnonzero(split_prepared(planned, 2) == 0)}
-        folder = config.checkpoint_path(key)
+        folder = config.files.checkpoint_path(key)
         killed = []
 
         def kill_replica_once_it_checkpoints():
@@ -274,5 +274,5 @@ def test_a_night_on_ray_with_a_replica_killed_loses_nothing(cluster, tiny_model,
         rows = con.execute("SELECT id, text FROM answers").fetchall()
     expected = local_answers(tiny_model, table, sampling)
     assert len(rows) == len(expected) and dict(rows) == expected
-    in_parquet = pq.read_table(config.completions_parquet_path(key), columns=["id", "text"]).to_pylist()
+    in_parquet = pq.read_table(config.files.completions_parquet_path(key), columns=["id", "text"]).to_pylist()
     assert len(in_parquet) == len(expected) and {r["id"]: r["text"] for r in in_parquet} == expected

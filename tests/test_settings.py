@@ -164,12 +164,13 @@ def _plan_on(monkeypatch, config, platform) -> dict:
 
     monkeypatch.setattr(settings_module, "current_platform", lambda: platform)
     monkeypatch.setattr("batchllm_dagster.config.current_platform", lambda: platform)
-    config.prompts_path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table({"id": [1], "prompt": ["a"]}), config.prompts_path)
+    config.files.prompts_path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"id": [1], "prompt": ["a"]}), config.files.prompts_path)
     planned = config.plan_settings()
     stamp = plan_stamp_of(config, planned)
     pq.write_table(pa.table({"id": [1]}).replace_schema_metadata(
-        {BLOCK_SIZE: str(planned.block_size), MAX_MODEL_LEN: str(planned.max_model_len), **stamp}), config.plan_path)
+        {BLOCK_SIZE: str(planned.block_size), MAX_MODEL_LEN: str(planned.max_model_len), **stamp}),
+        config.files.plan_path)
     return {k.encode(): v.encode() for k, v in stamp.items()}
 
 
@@ -180,7 +181,7 @@ def _shard_on(monkeypatch, config, platform) -> EngineSettings:
 
     monkeypatch.setattr(settings_module, "current_platform", lambda: platform)
     monkeypatch.setattr("batchllm_dagster.config.current_platform", lambda: platform)
-    return config.engine_settings(planned_counts(config.plan_path))
+    return config.engine_settings(planned_counts(config.files.plan_path))
 
 
 def _job(tmp_path, model, hardware=("cpu",), **llm):
@@ -199,9 +200,9 @@ def test_a_shard_runs_at_what_its_plan_counts_in_whatever_machine_made_it(monkey
     from engine.plan.plan_table import planned_counts, stale_reasons
 
     config = _job(tmp_path, tiny_model)
-    assert planned_counts(config.plan_path) == {}  # no plan yet
+    assert planned_counts(config.files.plan_path) == {}  # no plan yet
     recorded = _plan_on(monkeypatch, config, Platform.CPU)
-    assert planned_counts(config.plan_path) == {"block_size": 32, "max_model_len": 2048}
+    assert planned_counts(config.files.plan_path) == {"block_size": 32, "max_model_len": 2048}
 
     shard = _shard_on(monkeypatch, config, Platform.CUDA)
     assert (shard.block_size, shard.max_model_len) == (32, 2048)
@@ -226,7 +227,7 @@ def test_a_plan_for_gpu_partitions_counts_in_the_gpus_settings_wherever_it_is_ma
 
     config = _job(tmp_path, tiny_model, hardware=[HardwarePartition(name="h200", platform="cuda")])
     recorded = _plan_on(monkeypatch, config, Platform.CPU)
-    assert planned_counts(config.plan_path) == {"block_size": 16, "max_model_len": 4096}
+    assert planned_counts(config.files.plan_path) == {"block_size": 16, "max_model_len": 4096}
     shard = _shard_on(monkeypatch, config, Platform.CUDA)
     assert (shard.block_size, shard.max_model_len) == (16, 4096)
     assert stale_reasons(recorded, plan_stamp_of(config, shard)) == []
