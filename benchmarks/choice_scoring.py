@@ -89,10 +89,27 @@ def run(args: list[str], choices: list[str], output: Path, scored: bool) -> dict
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def agreement(scored: Path, decoded: Path, choices: list[str]) -> dict:
+def review_sentiments(database: Path) -> dict[str, str]:
+    """The sentiment each demo review was written with: the phrase list its last review's phrase is
+    from (dagster_project/sample_data.py), what a right label is."""
+    import duckdb
+
+    from dagster_project.sample_data import _BAD, _GOOD, _MEH
+
+    lists = {"positive": _GOOD, "negative": _BAD, "neutral": _MEH}
+    with duckdb.connect(str(database), read_only=True) as con:
+        rows = con.execute("SELECT id, prompt FROM review_labels").fetchall()
+    out = {}
+    for row_id, prompt in rows:
+        last = prompt.rsplit("Review: ", 1)[1]
+        out[row_id] = next(label for label, phrases in lists.items() if any(p in last for p in phrases))
+    return out
+
+
+def agreement(scored: Path, decoded: Path, choices: list[str], truth: dict[str, str] | None = None) -> dict:
     """How many scored answers equal the decoded ones, and of the others how many the grammar spelled
     in other tokens than the tokenizer's own (its output tokens, less the end of the answer, more
-    than the choice's own)."""
+    than the choice's own); with ``truth`` (each row's right answer), how many each got right."""
     from engine.models import resolve_model
     from engine.plan.tokenizing import load_tokenizer
 
@@ -106,6 +123,8 @@ def agreement(scored: Path, decoded: Path, choices: list[str]) -> dict:
             "differ_decoded_in_other_tokens": len(respelled),
             "first_tokens_distinct": len({tuple(tokenizer.encode(c, add_special_tokens=False)[:1]) for c in choices})
             == len(choices),
+            **({"right_scored": sum(a[i]["text"] == truth[i] for i in a),
+                "right_decoded": sum(b[i]["text"] == truth[i] for i in b)} if truth else {}),
             "examples": [{"id": i, "scored": a[i]["text"], "probability": round(a[i]["choice_probability"], 3),
                           "decoded": b[i]["text"], "decoded_tokens": b[i]["output_tokens"]} for i in differ[:3]]}
 
@@ -144,7 +163,7 @@ def main() -> None:
                 "scored_vs_decoded": round(statistics.median(ratios), 3),
                 "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
                 "agreement": agreement(folder / f"{name}-scored-0.parquet", folder / f"{name}-decoded-0.parquet",
-                                       choices),
+                                       choices, review_sentiments(database) if name == "reviews" else None),
             }
     print(json.dumps(report, indent=1))
 
