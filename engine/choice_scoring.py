@@ -1,22 +1,16 @@
 """Choice answers scored, not decoded: each choice's probability from one forward pass of the prompt.
 
 A row constrained to a list of choices is answered by reading, after its prompt, the model's
-probability of each choice's tokens instead of decoding one token at a time under a grammar. A
-choice is read in the tokenizer's own spelling of it and in that of the choice after a space
-(``Label: positive`` is the model's ``Label:`` then `` positive``: after a prompt that ends in a
-colon, a model puts its probability there, which vLLM's grammar, holding the answer to the exact
-string, cannot follow); the answer is stored as the choice itself.
+probability of each choice's tokens (the tokenizer's own spelling of the choice: the answer is the
+exact string, as under vLLM's grammar) instead of decoding one token at a time under a grammar. The choices' tokens form a tree; only where it branches is the
+model asked, once per branch point, for the log probabilities of the tokens that continue there (the
+end of the answer among them where one choice ends and a longer one goes on). Where every choice
+starts with its own token, that is the prompt alone: one request of one output token, no decode step.
 
-The spellings form a tree of tokens; only where it branches is the model asked, once per branch
-point, for the log probabilities of the tokens that continue there (the end of the answer among
-them where one spelling ends and a longer one goes on). Where every spelling starts with its own
-token, that is the prompt alone: one request of one output token, no decode step.
-
-A spelling's probability is the product, along its path, of each branch's probability among the
-branches there; a choice's is the sum of its spellings': the probability that decoding restricted to
-the choices' spellings yields that choice. The answer is the most probable choice. vLLM's own
-``generative_scoring`` reads label probabilities the same way (``max_tokens=1``,
-``logprob_token_ids``, a softmax over the labels).
+A choice's probability is the product, along its path, of each branch's probability among the
+branches there: the probability that decoding restricted to the choices' own spellings yields that
+choice. The answer is the most probable choice. vLLM's own ``generative_scoring`` reads label
+probabilities the same way (``max_tokens=1``, ``logprob_token_ids``, a softmax over the labels).
 """
 
 from __future__ import annotations
@@ -33,14 +27,9 @@ SCORED_ANSWER_TOKENS = 1  # a scoring request's output: one token, sampled and t
 MAX_BRANCHES = 128
 
 
-def spellings(choice: str) -> list[str]:
-    """The texts a choice is read as: itself, and after a space (unless it starts with one)."""
-    return [choice] if choice[:1].isspace() else [choice, " " + choice]
-
-
 @dataclass(frozen=True)
 class BranchPoint:
-    """Where the spellings' token paths part: after ``prefix`` (tokens following the prompt), the
+    """Where the choices' token paths part: after ``prefix`` (tokens following the prompt), the
     next token is one of ``tokens``."""
 
     prefix: tuple[int, ...]
@@ -53,31 +42,26 @@ class ChoiceTree:
 
     choices: tuple[str, ...]
     branch_points: tuple[BranchPoint, ...]
-    # Each spelling's choice and path: (branch point, the index of its token there) at every branch.
-    paths: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]
+    # Each choice's path: (branch point, the index of its token there) at every branch it passes.
+    paths: tuple[tuple[tuple[int, int], ...], ...]
 
     @classmethod
     def build(cls, choices: Sequence[str], encode: Callable[[str], list[int]],
               eos_token_id: int | None) -> "ChoiceTree":
         """Raises ValueError where the choices cannot be scored (a choice of no tokens, two choices
-        spelled alike, one spelling the start of another and no end-of-sequence token, a branch
-        point of more than ``MAX_BRANCHES`` tokens: what one request reads)."""
+        spelled alike, one choice the start of another and no end-of-sequence token, a branch point
+        of more than ``MAX_BRANCHES`` tokens: what one request reads)."""
         choices = tuple(dict.fromkeys(choices))  # a choice listed twice is one choice
-        own = [tuple(encode(c)) for c in choices]
-        if any(not tokens for tokens in own):
+        spelled = [tuple(encode(c)) for c in choices]
+        if any(not tokens for tokens in spelled):
             raise ValueError("a choice has no tokens")
-        if len(set(own)) != len(own):
+        if len(set(spelled)) != len(spelled):
             raise ValueError("two choices are spelled with the same tokens")
-        spelled: dict[tuple[int, ...], int] = {tokens: i for i, tokens in enumerate(own)}
-        for i, choice in enumerate(choices):  # a variant another choice spells as its own is not read
-            for text in spellings(choice)[1:]:
-                spelled.setdefault(tuple(encode(text)), i)
-        paths_of = list(spelled)
-        if eos_token_id is None and any(a != b and b[:len(a)] == a for a in paths_of for b in paths_of):
+        ends_here = [(*tokens, None) for tokens in spelled]  # None: the answer ends (EOS)
+        if eos_token_id is None and any(a != b and b[:len(a)] == a for a in spelled for b in spelled):
             raise ValueError("one choice is the start of another and the tokenizer has no end-of-sequence token")
-        ends_here = [(*tokens, None) for tokens in paths_of]  # None: the answer ends (EOS)
         points: list[BranchPoint] = []
-        paths: list[list[tuple[int, int]]] = [[] for _ in paths_of]
+        paths: list[list[tuple[int, int]]] = [[] for _ in choices]
 
         def split(members: list[int], depth: int) -> None:
             by_next: dict[int | None, list[int]] = {}
@@ -85,29 +69,27 @@ class ChoiceTree:
                 by_next.setdefault(ends_here[m][depth], []).append(m)
             if len(by_next) > 1:
                 if len(by_next) > MAX_BRANCHES:
-                    raise ValueError(f"{len(by_next)} spellings part at one token, and one vLLM request reads at "
-                                     f"most {MAX_BRANCHES}: decode them (score_choices: false)")
+                    raise ValueError(f"{len(by_next)} choices part at one token, and one vLLM request reads at most "
+                                     f"{MAX_BRANCHES}: decode them (score_choices: false)")
                 tokens = tuple(eos_token_id if t is None else t for t in by_next)
-                points.append(BranchPoint(paths_of[members[0]][:depth], tokens))
+                points.append(BranchPoint(spelled[members[0]][:depth], tokens))
                 for index, group in enumerate(by_next.values()):
                     for m in group:
                         paths[m].append((len(points) - 1, index))
             for token, group in by_next.items():
-                if token is not None and len(group) > 1:  # one spelling alone has nothing left to part
+                if token is not None and len(group) > 1:  # one choice alone has nothing left to part
                     split(group, depth + 1)
 
-        if len(paths_of) > 1:
-            split(list(range(len(paths_of))), 0)
-        return cls(choices, tuple(points), tuple((spelled[t], tuple(p)) for t, p in zip(paths_of, paths)))
+        if len(choices) > 1:
+            split(list(range(len(choices))), 0)
+        return cls(choices, tuple(points), tuple(tuple(p) for p in paths))
 
     def probabilities(self, logprobs: Sequence[Sequence[float]]) -> dict[str, float]:
         """Each choice's probability, from the log probabilities the model gave each branch point's
         tokens (``logprobs[i][j]``: point i, token j)."""
         shares = [_softmax(values) for values in logprobs]
-        total = dict.fromkeys(self.choices, 0.0)
-        for choice, path in self.paths:
-            total[self.choices[choice]] += math.prod(shares[point][index] for point, index in path)
-        return total
+        return {choice: math.prod(shares[point][index] for point, index in path)
+                for choice, path in zip(self.choices, self.paths)}
 
 
 def _softmax(logprobs: Sequence[float]) -> list[float]:
