@@ -2,10 +2,11 @@
 
 A row constrained to a list of choices is answered by reading, after its prompt, the model's
 probability of each choice's tokens (the tokenizer's own spelling of the choice: the answer is the
-exact string, as under vLLM's grammar) instead of decoding one token at a time under a grammar. The choices' tokens form a tree; only where it branches is the
-model asked, once per branch point, for the log probabilities of the tokens that continue there (the
-end of the answer among them where one choice ends and a longer one goes on). Where every choice
-starts with its own token, that is the prompt alone: one request of one output token, no decode step.
+exact string, as under vLLM's grammar) instead of decoding one token at a time under a grammar. The
+choices' tokens form a tree; only where it branches is the model asked, once per branch point, for
+the log probabilities of the tokens that continue there (the end of the answer among them where one
+choice ends and a longer one goes on). Where every choice starts with its own token, that is the
+prompt alone: one request of one output token, no decode step.
 
 A choice's probability is the product, along its path, of each branch's probability among the
 branches there: the probability that decoding restricted to the choices' own spellings yields that
