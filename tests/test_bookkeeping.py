@@ -355,6 +355,8 @@ def test_every_setting_that_shapes_a_plan_makes_it_stale_and_changes_the_plan_as
         "columns": PlanShaping.of(llm, SamplingSettings(max_tokens=8), SchedulerSettings(), Columns(prompt="text")),
         "response_format": PlanShaping.of(llm, SamplingSettings(max_tokens=8, response_format={"choice": ["a", "b"]}),
                                           SchedulerSettings(), Columns()),
+        "score_choices": PlanShaping.of(llm, SamplingSettings(max_tokens=8, score_choices=True), SchedulerSettings(),
+                                        Columns()),
     }
     assert set(changed) == {f for f in PlanShaping.__dataclass_fields__}
     assert all(s.fingerprint() != base.fingerprint() for s in changed.values())
@@ -371,6 +373,8 @@ def test_every_setting_that_shapes_a_plan_makes_it_stale_and_changes_the_plan_as
     assert job(sampling=SamplingSettings(max_tokens=8, temperature=0.7)).plan_code_version() == version
     choice = SamplingSettings(max_tokens=8, response_format={"choice": ["a"]})
     assert job(sampling=choice).plan_code_version() != version
+    scored = SamplingSettings(max_tokens=8, response_format={"choice": ["a"]}, score_choices=True)
+    assert job(sampling=scored).plan_code_version() != job(sampling=choice).plan_code_version()
 
 
 def test_a_lock_wait_past_its_timeout_fails_naming_the_holder(tmp_path):
