@@ -17,17 +17,18 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchllm_dagster.config import BatchJobConfig
+from engine.run.checkpoint import checkpoint_parts
 
 
 def other_checkpoints(config: BatchJobConfig, key: str) -> list[Path]:
     """The part files of the job's other shards' checkpoints."""
     return sorted(part for folder in config.files.checkpoints_dir.glob("*") if folder.name != key
-                  for part in folder.glob("part-*.parquet"))
+                  for part in checkpoint_parts(folder))
 
 
 def _ids_in(folder: Path) -> pa.Array:
     ids = []
-    for part in folder.glob("part-*.parquet"):
+    for part in checkpoint_parts(folder):
         try:
             ids.append(pq.read_table(part, columns=["id"]).column("id").combine_chunks())
         except Exception:  # unreadable: it gives nothing to reuse either

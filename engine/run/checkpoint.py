@@ -97,6 +97,16 @@ def _why_not_reused(previous: tuple[str, str | None] | None, settings_fps: set[s
     return FAILED_BEFORE if status != "ok" else ROW_CHANGED
 
 
+def checkpoint_parts(folder: Path) -> list[Path]:
+    """A checkpoint folder's part files, oldest first (none: no folder yet); the one reader of the
+    layout ``Checkpoint.flush`` writes."""
+    return sorted(folder.glob("part-*.parquet")) if folder.exists() else []
+
+
+def is_checkpoint_part(path: Path) -> bool:
+    return path.name.startswith("part-") and path.suffix == ".parquet"
+
+
 class Checkpoint:
     """Collects results and writes them as Parquet parts every ``every_rows`` rows or ``every_s`` s."""
 
@@ -121,7 +131,7 @@ class Checkpoint:
         other rows were not reused. Each source is read by its ids and fingerprints first; the
         answers' text only of the rows reused (after a night of failed writes every shard reads
         every other shard's checkpoint: the job's answers must not pass through each shard)."""
-        parts = sorted(self.folder.glob("part-*.parquet")) if self.folder.exists() else []
+        parts = checkpoint_parts(self.folder)
         wanted_ids = pa.array(list(expected), self.id_type)
         wanted_fps = pa.array(list(expected.values()), pa.string())
         legacy_fps = pa.array([(legacy or {}).get(i) for i in expected], pa.string())
@@ -131,7 +141,7 @@ class Checkpoint:
         for part in [*also, *parts]:
             source = "the output table" if isinstance(part, pa.Table) else (
                 "checkpoint" if part in parts else f"the checkpoint {part.parent}"
-                if part.name.startswith("part-") and part.suffix == ".parquet" else str(part))
+                if is_checkpoint_part(part) else str(part))
             found = self._identities(part, wanted_ids)
             if found is None:
                 continue
