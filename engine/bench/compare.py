@@ -253,7 +253,9 @@ def cmd_bench(args) -> int:
             raise SystemExit(f"batchllm bench: --batch-invariant needs a CUDA GPU (vLLM's Triton kernels); "
                              f"this platform is {current_platform()}, where fp32 answers do not depend on "
                              f"the batch: leave the option out")
-        os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by vLLM when its engines start
+        from ..vllm.vllm_env import run_batch_invariant
+
+        run_batch_invariant()  # read by vLLM when its engines start
     if args.scheduler_only:
         from .bench_scheduler import measure_fill, run_scheduler_only
 

@@ -45,7 +45,9 @@ class ReplicaWorker:
     def __init__(self, replica: int, cpu_core: int | None = None):
         self.replica = replica
         if cpu_core is not None:  # replicas on one CPU machine must not bind the same cores
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core)
+            from ..vllm.vllm_env import bind_cpu_threads
+
+            bind_cpu_threads(str(cpu_core))
         from ..machine import device_name
 
         self.device = device_name()

@@ -85,6 +85,18 @@ def configure(settings: EngineSettings, platform: Platform) -> None:
     Path(os.environ["VLLM_RPC_BASE_PATH"]).mkdir(parents=True, exist_ok=True, mode=0o700)
 
 
+def bind_cpu_threads(cores: str) -> None:
+    """Bind the CPU build's threads of the engines this process starts to ``cores`` (``"3"``,
+    ``"0-7"``): replicas on one CPU machine must not bind the same ones (``configure`` keeps it)."""
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores
+
+
+def run_batch_invariant() -> None:
+    """The engines this process starts run vLLM's batch-invariant kernels (CUDA's Triton kernels):
+    an answer then does not depend on the rows it shared a step with."""
+    os.environ["VLLM_BATCH_INVARIANT"] = "1"
+
+
 def engine_args(
     settings: EngineSettings, platform: Platform, *, enable_prefix_caching: bool = True, max_num_seqs: int | None = None
 ) -> dict:
