@@ -15,22 +15,7 @@ All get the same token ids and greedy sampling with ``ignore_eos`` (fixed output
 ``--repeat N`` runs them all N times, the order rotated each time; every ratio is reported with
 its median and range over the repetitions ("on par" when the range crosses 1.0), with and
 without batchllm's planning time charged to it, and the verdict names the strongest baseline.
-``--shape`` picks the synthetic table:
-
-* ``groups``    - groups x rows: a system prompt shared by all, a prefix per group, a suffix per row;
-* ``nested``    - one long instruction block shared by every row, documents each asked 2-6
-  questions, a question per row, outputs of 16-96 tokens;
-* ``templates`` - a dozen few-shot blocks each shared by many rows, unique row text, 15% of the
-  rows sharing nothing, outputs of 8-48 tokens;
-* ``duplicates`` - the nested shape with 20% of the rows copies of another row under other ids
-  (this engine computes each content once; vLLM computes every row);
-* ``fields``    - reviews joined to products, each prompt built from fields declared unique first
-  (review, description, category, brand, stars), answers of 2-8 tokens;
-* ``short``     - support tickets joined to a small customer table (the customer, then the ticket):
-  many groups of 1-3 rows beyond a shared instruction, answers of 1-8 tokens, 40% of them
-  constrained to a choice (stop at EOS, not ``ignore_eos``);
-* ``kv_bound``  - rows that share little beyond an instruction, answers of one small length (8 tokens),
-  a KV cache that holds ~140 of them: the regime where KV binds and vLLM's own admission is hard to beat.
+``--shape`` picks the synthetic table (``engine/bench/shapes.py`` describes each).
 
 With prompts from fields (``fields``, ``short``, or ``--fields`` on a user's table: ``batchllm
 bench PROMPTS --fields a,b --field-order optimize``) the baselines and ``batchllm`` run the

@@ -1,5 +1,21 @@
 """The bench's synthetic workloads (``--shape``): token ids, or tables whose prompts come from
-fields; the scale of ``--analysis`` too. Each is seeded: the same shape is the same rows every run."""
+fields; the scale of ``--analysis`` too. Each is seeded: the same shape is the same rows every run.
+
+* ``groups``    - groups x rows: a system prompt shared by all, a prefix per group, a suffix per row;
+* ``nested``    - one long instruction block shared by every row, documents each asked 2-6
+  questions, a question per row, outputs of 16-96 tokens;
+* ``templates`` - a dozen few-shot blocks each shared by many rows, unique row text, 15% of the
+  rows sharing nothing, outputs of 8-48 tokens;
+* ``duplicates`` - the nested shape with 20% of the rows copies of another row under other ids
+  (this engine computes each content once; vLLM computes every row);
+* ``fields``    - reviews joined to products, each prompt built from fields declared unique first
+  (review, description, category, brand, stars), answers of 2-8 tokens;
+* ``short``     - support tickets joined to a small customer table (the customer, then the ticket):
+  many groups of 1-3 rows beyond a shared instruction, answers of 1-8 tokens, 40% of them
+  constrained to a choice (stop at EOS, not ``ignore_eos``);
+* ``kv_bound``  - rows that share little beyond an instruction, answers of one small length (8 tokens),
+  a KV cache that holds ~140 of them: the regime where KV binds and vLLM's own admission is hard to beat.
+"""
 
 from __future__ import annotations
 
