@@ -152,6 +152,8 @@ class PartitionDone:
 
 
 def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDefinition) -> dg.AssetsDefinition:
+    """The completions asset. Over 60 lines because its step functions are closures over ``config``
+    inside it (Dagster's decorator), each short: a run of partitions, one partition, its write."""
     # A backfill's runs take up to partitions_per_run partitions each, one vLLM start per run.
     # (Dagster 1.13 marks backfill_policy beta; it is its one way to run partition ranges.)
     backfill_policy = dg.BackfillPolicy.multi_run(config.partitions_per_run) if config.partitions_per_run > 1 else None

@@ -188,6 +188,7 @@ def _child(phase: str, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Options, then the phases in their own processes (over 60 lines: a list of options)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--tokens-per-row", type=int, default=500)

@@ -71,7 +71,58 @@ from .verdict import median_run, prefill_ratios, ratios_over_repetitions, rotate
 log = logging.getLogger(__name__)
 
 
+def _run_names(runs: str | None, prompt_sets: dict) -> list[str]:
+    """The runs asked for (``--runs``), else every run these prompt sets allow; refused with the reason."""
+    names = runs.split(",") if runs else [n for n, run in RUNS.items() if run.prompts in prompt_sets]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        raise ValueError(f"unknown run(s) {unknown}: choose from {', '.join(RUNS)}")
+    lacking = [n for n in names if RUNS[n].prompts not in prompt_sets]
+    if lacking:
+        raise ValueError(f"run(s) {lacking} need prompts from fields (--fields, or the fields and short shapes)"
+                         + ("; batchllm_field_order needs --field-order optimize"
+                            if "batchllm_field_order" in lacking else ""))
+    return names
+
+
+def _repeat_runs(job: tuple, names: list[str], repeat: int, log_file) -> tuple[list[dict], dict]:
+    """Every run ``repeat`` times, each in a fresh process, the order rotated: each repetition's
+    results by run, and each run's answers per repetition. ``job``: (prompt sets, settings,
+    sampling, scheduler), the batch as planned (without the plan's tree): what every run gets."""
+    repetitions, outputs = [], {}
+    with tempfile.TemporaryDirectory(prefix="batchllm-bench-") as folder:
+        path = Path(folder) / "job.pickle"
+        with open(path, "wb") as f:
+            pickle.dump(job, f)
+        for repetition in range(repeat):
+            runs = {}
+            for name in rotated(names, repetition):
+                log.info("bench: %s (repetition %d of %d)", name, repetition + 1, repeat)
+                runs[name], answers = in_fresh_process(path, name, log_file)
+                outputs.setdefault(name, []).append(answers)
+                log.info("bench: %s -> %s", name, runs[name])
+            repetitions.append(runs)
+    return repetitions, outputs
+
+
+def _answer_agreement(outputs: dict) -> tuple[list, float, float | None]:
+    """The rows whose answer differed between runs of the same prompts, the share that agreed, and
+    with reordered fields the share of rows whose answer is the same in both orders (answers of
+    another prompt are compared apart: a different prompt may change an answer)."""
+    same_prompts = {n: runs for n, runs in outputs.items() if RUNS[n].prompts == "declared"} or outputs
+    reference = (same_prompts.get("vllm_apc") or next(iter(same_prompts.values())))[0]
+    every = [answers for runs in same_prompts.values() for answers in runs]
+    mismatched = [i for i in reference if any(answers.get(i) != reference[i] for answers in every)]
+    field_order_agreement = None
+    if "batchllm_field_order" in outputs and len(same_prompts) < len(outputs):
+        ours = outputs["batchllm_field_order"][0]
+        field_order_agreement = round(sum(ours.get(i) == reference[i] for i in reference) / max(len(reference), 1), 4)
+    return mismatched, 1 - len(mismatched) / max(len(reference), 1), field_order_agreement
+
+
 def run_bench(args) -> dict:
+    """The bench (see the module doc): its settings, its runs, and its report (over 60 lines: the
+    report is one dict of everything a reader holds the verdict against)."""
     from ..models import resolve_model
     from ..plan.tokenizing import load_tokenizer
 
@@ -105,42 +156,12 @@ def run_bench(args) -> dict:
         kv_budget_fraction=args.kv_budget_fraction, prefix_requests=args.prefix_requests, admission=args.admission,
         reserve_output=args.reserve_output, lookahead_tokens=args.lookahead_tokens,
     )
-    names = args.runs.split(",") if args.runs else [n for n, run in RUNS.items() if run.prompts in prompt_sets]
-    unknown = [n for n in names if n not in RUNS]
-    if unknown:
-        raise ValueError(f"unknown run(s) {unknown}: choose from {', '.join(RUNS)}")
-    lacking = [n for n in names if RUNS[n].prompts not in prompt_sets]
-    if lacking:
-        raise ValueError(f"run(s) {lacking} need prompts from fields (--fields, or the fields and short shapes)"
-                         + ("; batchllm_field_order needs --field-order optimize"
-                            if "batchllm_field_order" in lacking else ""))
-    repetitions, outputs = [], {}
-    with tempfile.TemporaryDirectory(prefix="batchllm-bench-") as folder:
-        job = Path(folder) / "job.pickle"
-        with open(job, "wb") as f:  # the batch as planned, without the plan's tree: what every run gets
-            settings = {"engine": engine_settings, "baseline": baseline_settings, "vllm_defaults": defaults_settings,
-                        "each_step": args.each_step}
-            pickle.dump((prompt_sets, settings, sampling, scheduler), f)
-        for repetition in range(args.repeat):
-            runs = {}
-            for name in rotated(names, repetition):
-                log.info("bench: %s (repetition %d of %d)", name, repetition + 1, args.repeat)
-                runs[name], answers = in_fresh_process(job, name, args.log_file)
-                outputs.setdefault(name, []).append(answers)
-                log.info("bench: %s -> %s", name, runs[name])
-            repetitions.append(runs)
-
-    # Answers are compared among runs of the same prompts; answers in another field order are
-    # compared with them apart (a different prompt may change an answer).
-    same_prompts = {n: runs for n, runs in outputs.items() if RUNS[n].prompts == "declared"} or outputs
-    reference = (same_prompts.get("vllm_apc") or next(iter(same_prompts.values())))[0]
-    every = [answers for runs in same_prompts.values() for answers in runs]
-    mismatched = [i for i in reference if any(answers.get(i) != reference[i] for answers in every)]
-    agreement = 1 - len(mismatched) / max(len(reference), 1)
-    field_order_agreement = None
-    if "batchllm_field_order" in outputs and len(same_prompts) < len(outputs):
-        ours = outputs["batchllm_field_order"][0]
-        field_order_agreement = round(sum(ours.get(i) == reference[i] for i in reference) / max(len(reference), 1), 4)
+    names = _run_names(args.runs, prompt_sets)
+    settings = {"engine": engine_settings, "baseline": baseline_settings, "vllm_defaults": defaults_settings,
+                "each_step": args.each_step}
+    repetitions, outputs = _repeat_runs((prompt_sets, settings, sampling, scheduler), names, args.repeat,
+                                        args.log_file)
+    mismatched, agreement, field_order_agreement = _answer_agreement(outputs)
     # Charged to each engine run: the plan of the prompts it ran, and choosing their field order.
     planning_s = {"batchllm": prepared.plan_s,
                   "batchllm_field_order": (reordered.plan_s + field_order_s) if reordered else 0.0}
@@ -257,6 +278,7 @@ def cmd_bench(args) -> int:
 
 
 def add_bench_parser(sub) -> None:
+    """``batchllm bench``'s options (over 60 lines: a list of them)."""
     bench = sub.add_parser("bench", help="compare this engine with plain vLLM in one run")
     bench.add_argument("prompts", nargs="?", help="a prompt table (Parquet, .sql, or a table of --database): bench a "
                        "sample of its rows instead of a synthetic --shape")

@@ -238,6 +238,7 @@ def cmd_prepare_model(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line: its parsers, then the command (over 60 lines: a list of options)."""
     parser = argparse.ArgumentParser(
         prog="batchllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -35,6 +35,15 @@ class RunOutcome:
     not_reused: dict[str, int] = field(default_factory=dict)  # rows run again, by why they were not reused
 
 
+def answer_fingerprints(prepared: PreparedBatch, engine_settings: EngineSettings, sampling: SamplingSettings):
+    """The settings fingerprint of this engine (its build, the settings as this platform resolves
+    them) and each row's, today's and the legacy one (``legacy_settings_fingerprint``)."""
+    resolved = engine_settings.for_platform(current_platform())
+    settings_fp = settings_fingerprint(resolved, sampling, vllm_version())
+    legacy_fp = legacy_settings_fingerprint(resolved, sampling, vllm_version())
+    return settings_fp, row_fingerprints(prepared, settings_fp), legacy_fp, row_fingerprints(prepared, legacy_fp)
+
+
 def run_resumable(
     prepared: PreparedBatch,
     engine_settings: EngineSettings,
@@ -57,11 +66,7 @@ def run_resumable(
     leaves it."""
     started_at = time.perf_counter() if started_at is None else started_at
     rows = [int(r) for r in prepared.order] if rows is None else list(rows)
-    resolved = engine_settings.for_platform(current_platform())
-    settings_fp = settings_fingerprint(resolved, sampling, vllm_version())
-    fingerprints = row_fingerprints(prepared, settings_fp)
-    legacy_settings_fp = legacy_settings_fingerprint(resolved, sampling, vllm_version())
-    legacy = row_fingerprints(prepared, legacy_settings_fp)
+    settings_fp, fingerprints, legacy_settings_fp, legacy = answer_fingerprints(prepared, engine_settings, sampling)
     checkpoint = Checkpoint(
         checkpoint_dir, prepared.id_type, every_rows=checkpoint_every_rows, every_s=checkpoint_every_s
     )

@@ -105,6 +105,19 @@ class BatchRun:
                 refused[row] = asked[key]
         return refused
 
+    def _record_run(self, started: float, totals: StepTotals, scheduled) -> None:
+        """The run's times, the engine's gauges over its steps, and what the scheduler did."""
+        stats = self.stats
+        stats.wall_s = time.perf_counter() - started
+        stats.startup_s = (totals.first_submit_at or started) - (self.started_at or started)
+        stats.preemptions, stats.engine_steps, stats.idle_steps = totals.preemptions, totals.steps, totals.idle_steps
+        stats.recomputed_tokens = totals.recomputed_tokens
+        stats.mean_kv_usage, stats.rows_per_step = totals.mean_kv_usage, totals.rows_per_step
+        stats.prefix_requests = scheduled.prefix_requests
+        stats.admission, stats.admission_reason = scheduled.admission, scheduled.admission_reason
+        stats.prefix_prompt_tokens, stats.prefix_cached_tokens = scheduled.prefix_prompt_tokens, \
+            scheduled.prefix_cached_tokens
+
     def __iter__(self) -> Iterator[RowResult]:
         prepared, stats = self.prepared, self.stats
         started = time.perf_counter()
@@ -159,17 +172,6 @@ class BatchRun:
             for copy in copies.get(row, []):  # its identical rows: the same answer, their own ids, nothing computed
                 stats.duplicate_rows += 1
                 yield self._answer(copy, item, cut, item.prompt_tokens)
-        stats.wall_s = time.perf_counter() - started
-        stats.startup_s = (totals.first_submit_at or started) - (self.started_at or started)
-        stats.preemptions, stats.engine_steps, stats.idle_steps = totals.preemptions, totals.steps, totals.idle_steps
-        stats.recomputed_tokens = totals.recomputed_tokens
-        stats.mean_kv_usage, stats.rows_per_step = totals.mean_kv_usage, totals.rows_per_step
-        scheduled = scheduler.stats
-        stats.prefix_requests = scheduled.prefix_requests
-        stats.admission, stats.admission_reason = scheduled.admission, scheduled.admission_reason
-        stats.prefix_prompt_tokens, stats.prefix_cached_tokens = (
-            scheduled.prefix_prompt_tokens,
-            scheduled.prefix_cached_tokens,
-        )
+        self._record_run(started, totals, scheduler.stats)
         progress.update(stats.rows, stats.prompt_tokens + stats.output_tokens, stats.saved_tokens, 0,
                         stats.mean_kv_usage, stats.preemptions, force=True)

@@ -202,6 +202,15 @@ class VLLMEngine:
         except EngineStartError:
             self.close()
             raise
+        self._read_started_engine()
+        if settings.max_model_len is None and platform is Platform.CPU:
+            own = model_context_len(self.settings.model_path)
+            if own and own > self.settings.max_model_len:
+                log.info("max_model_len %d: the CPU's bound when the job sets none (the model allows %d; set "
+                         "llm.max_model_len for longer rows)", self.settings.max_model_len, own)
+
+    def _read_started_engine(self) -> None:
+        """What vLLM decided at start-up: its KV capacity and batch limits, and whether it plans ahead."""
         config = self._engine.vllm_config
         self.kv_capacity_blocks: int = int(config.cache_config.num_gpu_blocks)
         # With async scheduling (vLLM's default on CUDA, off on CPU) the core plans step s + 1
@@ -216,11 +225,6 @@ class VLLMEngine:
             "max_model_len=%d", self.version, self.kv_capacity_blocks, self.settings.block_size, self.max_num_seqs,
             self.max_num_batched_tokens, config.model_config.max_model_len,
         )
-        if settings.max_model_len is None and platform is Platform.CPU:
-            own = model_context_len(self.settings.model_path)
-            if own and own > self.settings.max_model_len:
-                log.info("max_model_len %d: the CPU's bound when the job sets none (the model allows %d; set "
-                         "llm.max_model_len for longer rows)", self.settings.max_model_len, own)
 
     def _track(self, block_size: int) -> None:
         """The handle's own bookkeeping of the requests it submitted."""
