@@ -10,7 +10,8 @@ probabilities (``batched_count_greater_than``), once per process, which a few do
     python benchmarks/choice_scoring.py [--repeat 3] [--scale 1] [--workloads bench,reviews,tickets]
 
 Prints one JSON object: per workload, each variant's rows per second over the rows' run (vLLM's
-start and stop apart; median and range), the ratio scored / decoded (the median of the rounds'
+start and stop apart, and the one-time compile a scored job does at start: ``startup_s``; median
+and range), the ratio scored / decoded (the median of the rounds'
 ratios, and their range), and how many scored answers equal greedy constrained decoding's; where
 they differ, why: the grammar lets the model spell a choice in tokens other than the tokenizer's own
 (``billing`` as ``b`` + ``illing``), and a scored answer reads the tokenizer's own spelling only.
@@ -157,6 +158,8 @@ def main() -> None:
             ratios = [s / d for s, d in zip(rates["scored"], rates["decoded"])]
             report["workloads"][name] = {
                 **{v: {"rows_per_s": round(statistics.median(r), 2), "range": [round(min(r), 2), round(max(r), 2)],
+                       # before the rows: vLLM's start, the formats' checks and a scored job's compile
+                       "startup_s": round(statistics.median(s["startup_s"] for s in seen[v]), 2),
                        "engine_steps": seen[v][-1]["engine_steps"], "output_tokens": seen[v][-1]["output_tokens"],
                        "prompt_tokens": seen[v][-1]["prompt_tokens"], "prefill_tokens": seen[v][-1]["prefill_tokens"]}
                    for v, r in rates.items()},

@@ -98,6 +98,10 @@ class ChoiceReads:
                   ScoreRead(row, k)) for k, point in enumerate(tree.branch_points)]
         return reads, row
 
+    def warm_params(self):
+        """A read of token 0: what a scored row's request asks of vLLM, on any prompt."""
+        return self._read_params((0,))
+
     def _read_params(self, tokens: tuple[int, ...]):
         params = self._params.get(tokens)
         if params is None:
