@@ -44,6 +44,14 @@ def answer_fingerprints(prepared: PreparedBatch, engine_settings: EngineSettings
     return settings_fp, row_fingerprints(prepared, settings_fp), legacy_fp, row_fingerprints(prepared, legacy_fp)
 
 
+def scores_choices(prepared: PreparedBatch, sampling: SamplingSettings, rows: list[int]) -> bool:
+    """Whether any of ``rows`` is a choice row answered by scoring (``score_choices``)."""
+    if not sampling.score_choices:
+        return False
+    formats = (prepared.response_formats.get(r, sampling.response_format) for r in rows)
+    return any(f is not None and f.choice is not None for f in formats)
+
+
 def run_resumable(
     prepared: PreparedBatch,
     engine_settings: EngineSettings,
@@ -83,6 +91,8 @@ def run_resumable(
     with contextlib.ExitStack() as opened:
         starting = time.perf_counter()
         engine = opened.enter_context(engine_opener(engine_settings)) if needs_engine else None
+        if engine is not None and scores_choices(prepared, sampling, todo):
+            engine.warm_choice_reads()
         engine_start_s = time.perf_counter() - starting
         info = engine.info if engine is not None else None
         checkpoint.restart_timer()  # a kill early in the run keeps what finished after start-up

@@ -105,11 +105,11 @@ class BatchRun:
                 refused[row] = asked[key]
         return refused
 
-    def _record_run(self, began: float, started: float, totals: StepTotals, scheduled) -> None:
+    def _record_run(self, started: float, totals: StepTotals, scheduled) -> None:
         """The run's times, the engine's gauges over its steps, and what the scheduler did."""
         stats = self.stats
         stats.wall_s = time.perf_counter() - started
-        stats.startup_s = (totals.first_submit_at or started) - (self.started_at or began)
+        stats.startup_s = (totals.first_submit_at or started) - (self.started_at or started)
         stats.preemptions, stats.engine_steps, stats.idle_steps = totals.preemptions, totals.steps, totals.idle_steps
         stats.recomputed_tokens = totals.recomputed_tokens
         stats.mean_kv_usage, stats.rows_per_step = totals.mean_kv_usage, totals.rows_per_step
@@ -120,11 +120,8 @@ class BatchRun:
 
     def __iter__(self) -> Iterator[RowResult]:
         prepared, stats = self.prepared, self.stats
-        began = time.perf_counter()
-        # The engine's answer per format is its preparation (a format's check, a compile it needs
-        # once): start-up, before the rows' run is timed.
-        refused = self._refused_by_engine([r for r in self.rows if r not in prepared.errors])
         started = time.perf_counter()
+        refused = self._refused_by_engine([r for r in self.rows if r not in prepared.errors])
         for row in self.rows:
             if row in prepared.errors or row in refused:
                 yield self._error(row, prepared.errors.get(row) or refused[row])
@@ -175,6 +172,6 @@ class BatchRun:
             for copy in copies.get(row, []):  # its identical rows: the same answer, their own ids, nothing computed
                 stats.duplicate_rows += 1
                 yield self._answer(copy, item, cut, item.prompt_tokens)
-        self._record_run(began, started, totals, scheduler.stats)
+        self._record_run(started, totals, scheduler.stats)
         progress.update(stats.rows, stats.prompt_tokens + stats.output_tokens, stats.saved_tokens, 0,
                         stats.mean_kv_usage, stats.preemptions, force=True)

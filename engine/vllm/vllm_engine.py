@@ -239,7 +239,7 @@ class VLLMEngine:
         # reported by the next step.
         self._done_at_submit: list[Finished] = []
         self._choice_reads: ChoiceReads | None = None  # set once vLLM (and its tokenizer) started
-        self._choice_reads_warm = False  # vLLM's log-probability operator compiled (``_warm_choice_reads``)
+        self._choice_reads_warm = False  # vLLM's log-probability operator compiled (``warm_choice_reads``)
 
     @classmethod
     def over(cls, llm_engine, block_size: int, kv_capacity_blocks: int) -> "VLLMEngine":
@@ -278,10 +278,7 @@ class VLLMEngine:
         if response_format is None:
             return None
         if sampling.scores_choice:
-            refused = self._choice_reads.refusal(response_format)
-            if refused is None and not self._choice_reads_warm:
-                self._warm_choice_reads()
-            return refused
+            return self._choice_reads.refusal(response_format)
         text = response_format.to_text()
         if text not in self._refusals:
             self._refusals[text] = self._verify(sampling_params(sampling, 1))
@@ -324,11 +321,14 @@ class VLLMEngine:
         self._grammars_submitted |= params.structured_outputs is not None
         self._in_flight[request_id] = _InFlight(submission)
 
-    def _warm_choice_reads(self) -> None:
+    def warm_choice_reads(self) -> None:
         """vLLM compiles an operator of its own (``batched_count_greater_than``, torch.compile) the
-        first time a step reads log probabilities, seconds on a CPU: a read of one token is run
-        here, before any row, so the compile is the engine's start-up (with vLLM's own warm-up),
-        not a share of the first rows' time, and shard sizing counts it as a start's cost."""
+        first time a step reads log probabilities, seconds on a CPU: called as the engine starts
+        for rows that are scored (``run_resumable``), a read of one token makes the compile the
+        engine's start-up, with vLLM's own warm-up, not a share of the first rows' time (shard
+        sizing counts it as a start's cost). Once per engine."""
+        if self._choice_reads_warm:
+            return
         request_id = "warm-choice-reads"
         prompt = self._engine.renderer.render_cmpl([{"prompt_token_ids": [0]}])[0]
         self._engine.add_request(request_id, prompt, self._choice_reads.warm_params())
