@@ -12,9 +12,10 @@ probabilities (``batched_count_greater_than``), once per process, which a few do
 Prints one JSON object: per workload, each variant's rows per second over the rows' run (vLLM's
 start and stop apart, and the one-time compile a scored job does at start: ``startup_s``; median
 and range), the ratio scored / decoded (the median of the rounds' ratios, and their range), the
-same over start-up and run together (``with_startup``: what a process spends), and how many scored answers equal greedy constrained decoding's; where
-they differ, why: the grammar lets the model spell a choice in tokens other than the tokenizer's own
-(``billing`` as ``b`` + ``illing``), and a scored answer reads the tokenizer's own spelling only.
+same over start-up and run together (``with_startup``: what a process spends), and how many
+scored answers equal greedy constrained decoding's; where they differ, why: the grammar lets the
+model spell a choice in tokens other than the tokenizer's own (``billing`` as ``b`` + ``illing``),
+and a scored answer reads the tokenizer's own spelling only.
 """
 
 import argparse
