@@ -14,8 +14,8 @@ start and stop apart, and the one-time compile a scored job does at start: ``sta
 and range), the ratio scored / decoded (the median of the rounds' ratios, and their range), the
 same over start-up and run together (``with_startup``: what a process spends), and how many
 scored answers equal greedy constrained decoding's; where they differ, why: the grammar lets the
-model spell a choice in tokens other than the tokenizer's own (``billing`` as ``b`` + ``illing``),
-and a scored answer reads the tokenizer's own spelling only.
+model spell a choice in tokens other than the tokenizer's own (SmolLM2's ``account``, one token of
+its own, in five), and a scored answer reads the tokenizer's own spelling only.
 """
 
 import argparse

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ..choice_scoring import SCORED_ANSWER_TOKENS, ChoiceTree, ScoredAnswer
 from ..response_format import ResponseFormat
-from ..run.requests import Finished, Submission
+from ..run.requests import ENGINE_FAILURES, Finished, Submission
 
 SCORED = "scored"  # a scored row's finish reason: answered from its choices' probabilities, not decoded
 
@@ -52,7 +52,7 @@ class ScoreRead:
         row.sampled += completion.token_ids
         if self.point == 0:
             row.cached_tokens = cached_tokens
-        if completion.finish_reason in ("error", "abort"):
+        if completion.finish_reason in ENGINE_FAILURES:
             row.error = f"vLLM ended a scoring request with finish_reason {completion.finish_reason!r}"
             return
         read = completion.logprobs[0] if completion.logprobs else {}
