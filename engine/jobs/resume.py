@@ -15,6 +15,7 @@ import pyarrow as pa
 
 from ..machine import current_platform, vllm_version
 from ..plan.prepared import PreparedBatch
+from ..plan.row_checks import choice_rows
 from ..run.batch_run import BatchRun
 from ..run.checkpoint import Checkpoint, legacy_settings_fingerprint, row_fingerprints, settings_fingerprint
 from ..run.progress import Display
@@ -48,8 +49,7 @@ def scores_choices(prepared: PreparedBatch, sampling: SamplingSettings, rows: li
     """Whether any of ``rows`` is a choice row answered by scoring (``score_choices``)."""
     if not sampling.score_choices:
         return False
-    formats = (prepared.response_formats.get(r, sampling.response_format) for r in rows)
-    return any(f is not None and f.choice is not None for f in formats)
+    return bool(choice_rows(prepared.num_rows, prepared.response_formats, sampling.response_format)[rows].any())
 
 
 def run_resumable(
