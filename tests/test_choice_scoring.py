@@ -4,6 +4,7 @@ tokens, the probabilities read off it, the plan's budget, and the rows on real v
 import json
 import math
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -142,3 +143,24 @@ def test_scored_rows_on_real_vllm_carry_the_probabilities_vllm_gives_the_choices
         assert got == pytest.approx(want, abs=1e-4) and sum(got.values()) == pytest.approx(1, abs=1e-4)
         assert result.text == max(want, key=want.get)
         assert result.choice_probability == pytest.approx(want[result.text], abs=1e-4)
+
+
+@pytest.mark.parametrize("finish_reason, logprobs, reason", [
+    ("error", None, "finish_reason 'error'"),
+    ("abort", None, "finish_reason 'abort'"),
+    ("length", [{}], "no log probability"),
+])
+def test_a_scoring_request_vllm_ended_or_left_unread_makes_an_error_row_never_an_answer(finish_reason, logprobs,
+                                                                                       reason):
+    """A row is an answer only when every read came back whole: a read vLLM ended itself, or one
+    without the tokens' log probabilities, makes the row an error row (never reused, never ok)."""
+    from types import SimpleNamespace
+
+    from engine.run.requests import RequestKind, Submission
+    from engine.vllm.choice_reads import ScoredRow, ScoreRead
+
+    labels = tree(["yes", "no"])
+    row = ScoredRow(Submission(RequestKind.ROW, 0, np.array([7, 8]), 1), labels, [None], pending=1)
+    ScoreRead(row, 0).take(SimpleNamespace(token_ids=[5], finish_reason=finish_reason, logprobs=logprobs), 0)
+    finished = row.finished()
+    assert row.pending == 0 and finished.scored is None and reason in finished.failure
