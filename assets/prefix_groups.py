@@ -7,6 +7,7 @@ import dagster as dg
 import numpy as np
 import pyarrow as pa
 
+from batchllm_dagster.answer_store import OutputTableStore
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.instance_limits import warn_if_unlimited
 from batchllm_dagster.metadata import plan_metadata
@@ -22,9 +23,6 @@ from engine.plan.token_cache import TokenCache
 from engine.plan.tokenizing import LazyTokenizer, tokenizer_fingerprint
 from engine.settings import fingerprint
 from engine.table.prompt_snapshot import CONTENT_KEY, columns_without_text, read_snapshot
-
-from .checkpoints import prune_checkpoints
-from .plan_stamp import plan_stamp_of
 
 
 def groups_table(prepared, shards, keys: list[str], config: BatchJobConfig) -> pa.Table:
@@ -139,7 +137,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         # What the plan is made from, read before the rows and checked again before the plan is
         # written: a prompts materialization landing meanwhile (from the UI, say) would otherwise
         # give a plan of old rows under the new snapshot's stamp.
-        stamp = plan_stamp_of(config, settings)
+        stamp = config.plan_stamp(settings)
         meta = read_snapshot(snapshot, columns=columns_without_text(snapshot, columns.prompt, columns.messages))
         refuse_mass_removal(config, getattr(context.resources, config.names.warehouse_key), meta.column(columns.id))
         rows = cache.rows_for(snapshot, tokenizer, columns.prompt, columns.messages, settings.block_size,
@@ -159,7 +157,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         # The plan is the contract: every row with its group, shard, run position and content key
         # (its token ids are in the content-addressed token cache the plan names), stamped with what
         # it was made from. completions runs it as written.
-        changed = stale_reasons({k.encode(): v.encode() for k, v in stamp.items()}, plan_stamp_of(config, settings))
+        changed = stale_reasons({k.encode(): v.encode() for k, v in stamp.items()}, config.plan_stamp(settings))
         if changed:
             raise dg.Failure(f"{config.name}: {', '.join(changed)} changed while this plan was being made (prompts "
                              "materialized meanwhile?): no plan written; materialize prefix_groups again")
@@ -173,7 +171,8 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         removed_answers = 0 if config.keep_deleted_answers else remove_deleted_answers(
             config, warehouse, meta.column(columns.id), used)
         # A removed key's checkpoint stays while it holds answers the new plan's shards can reuse.
-        prune_checkpoints(config, warehouse, set(used), meta.column(columns.id).combine_chunks())
+        config.files.checkpoints.prune(OutputTableStore(config, warehouse, context.log), set(used),
+                                       meta.column(columns.id).combine_chunks())
         context.log.info(
             f"{plan.num_groups} groups in {len(used)} shards; partitions added {added}, removed {removed}; "
             f"plan {plan_bytes} bytes ({plan_bytes / max(plan.prompt_tokens, 1):.2f} per prompt token)"

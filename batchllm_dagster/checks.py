@@ -52,6 +52,14 @@ def partition_check_specs(config: BatchJobConfig) -> list[dg.AssetCheckSpec]:
     ]
 
 
+def constrained_answers(prepared, results: list, sampling) -> list[tuple]:
+    """(id, answer, format) of each ok row of ``prepared`` (a ``PreparedBatch``) with a response
+    format: its own, else the job's (``sampling.response_format``)."""
+    row_of = {row_id: i for i, row_id in enumerate(prepared.ids)}
+    return [(r.id, r.text, fmt) for r in results if r.status == "ok"
+            and (fmt := prepared.response_formats.get(row_of[r.id], sampling.response_format)) is not None]
+
+
 def partition_check_results(config: BatchJobConfig, warehouse: DuckDBResource, partition_key: str, shard_ids: list,
                             stats: RunStats, constrained: list[tuple[object, str, ResponseFormat]],
                             superseded_ids: list = ()) -> list[dg.AssetCheckResult]:

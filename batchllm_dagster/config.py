@@ -54,6 +54,11 @@ class HardwarePartition(BaseModel):
         return self
 
     @property
+    def is_gpu(self) -> bool:
+        """Whether the partition's machines are GPUs (Ray then places replicas on GPU nodes only)."""
+        return self.platform is Platform.CUDA
+
+    @property
     def slug(self) -> str:
         """Its name in Dagster's names (jobs, pools), which take letters, digits and '_' only."""
         return re.sub(r"[^a-z0-9_]+", "_", self.name.lower()).strip("_")
@@ -291,6 +296,14 @@ class BatchJobConfig(JobSpec):
         its stamp records them, else as declared (the model's context length not yet known)."""
         return PlanShaping.of(settings or self.llm, self.sampling, self.scheduler, self.dataset.columns,
                               resolved=settings is not None)
+
+    def plan_stamp(self, settings: EngineSettings) -> dict[str, str]:
+        """The job's plan stamp as it is now (``settings``: the job's, model resolved): the model's
+        content, the prompt snapshot (``engine.table.prompt_snapshot``), and the settings that shape a plan."""
+        from engine.plan.plan_table import plan_stamp
+        from engine.table.prompt_snapshot import snapshot_digest
+
+        return plan_stamp(settings.model_path, snapshot_digest(self.files.prompts_path), self.plan_shaping(settings))
 
     def plan_code_version(self) -> str:
         # The model settings whole (their context length is resolved only with the model), what

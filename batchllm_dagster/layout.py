@@ -51,11 +51,18 @@ class JobFiles:
         return self.job_dir / "checkpoints"
 
     @property
+    def checkpoints(self):
+        """The shards' checkpoints, one folder per partition key (``engine.jobs.shard_job.JobCheckpoints``)."""
+        from engine.jobs.shard_job import JobCheckpoints
+
+        return JobCheckpoints(self.checkpoints_dir)
+
+    @property
     def completions_dir(self) -> Path:
         return self.job_dir / "completions"
 
     def checkpoint_path(self, partition_key: str) -> Path:
-        return self.checkpoints_dir / partition_key
+        return self.checkpoints.of(partition_key)
 
     def completions_parquet_path(self, partition_key: str) -> Path:
         return self.completions_dir / f"{partition_key}.parquet"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dagster as dg
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from engine.plan.prefix_tree import PrefixPlan
 from engine.run.results import RunStats
@@ -68,3 +69,29 @@ def run_metadata(stats: RunStats, device: str, hardware_partition: str, engine_i
             output_tokens_per_s=float(round(stats.output_tokens_per_s, 2)),
         )
     return metadata
+
+
+def review_metadata(table: pa.Table, review_below: float | None) -> dict:
+    """What a partition says of its scored choice answers (``table``: the rows it wrote): how many
+    were scored, and how many are marked for review under ``review_below``."""
+    from .output_table import NEEDS_REVIEW_COLUMN
+
+    scored = table.num_rows - table.column("choice_probability").null_count
+    if not scored:
+        return {}
+    marked = {"review_below": review_below, "rows_for_review": pc.sum(table.column(NEEDS_REVIEW_COLUMN)).as_py() or 0}
+    return {"scored_rows": scored, **(marked if review_below is not None else {})}
+
+
+def field_order_metadata(config) -> dict:
+    """With ``field_order: optimize``: the order the rows' prompts were built in and the prompt tokens
+    it saves against the declared order, over the whole table when it was chosen (sorted, at the
+    job's block size: the minimum prefill), as the job keeps it."""
+    from engine.table.field_order_state import recorded_choice
+
+    choice = recorded_choice(config.files.field_order_path) if config.dataset.prompt is not None else None
+    if choice is None or "declared" not in choice["candidates"]:
+        return {}
+    candidates = choice["candidates"]
+    return {"field_order": choice["chosen"],
+            "field_order_saved_prompt_tokens": candidates["declared"] - candidates[choice["chosen"]]}

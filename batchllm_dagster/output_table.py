@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from dagster_duckdb import DuckDBResource
 
@@ -50,16 +49,6 @@ def answers_table(results: list[RowResult], id_type: pa.DataType, partition_key:
     for (name, type_), value in zip(PARTITION_COLUMNS, values):
         table = table.append_column(name, pa.array([value] * table.num_rows, type_))
     return table
-
-
-def review_metadata(table: pa.Table, review_below: float | None) -> dict:
-    """What a partition says of its scored choice answers: how many were scored, and how many are
-    marked for review under ``review_below``."""
-    scored = table.num_rows - table.column("choice_probability").null_count
-    if not scored:
-        return {}
-    marked = {"review_below": review_below, "rows_for_review": pc.sum(table.column(NEEDS_REVIEW_COLUMN)).as_py() or 0}
-    return {"scored_rows": scored, **(marked if review_below is not None else {})}
 
 
 @dataclass(frozen=True)

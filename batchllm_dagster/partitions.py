@@ -6,9 +6,12 @@ shard's row ids: the same groups give the same keys, and a changed shard gets a 
 
 from __future__ import annotations
 
+import contextlib
+
 import dagster as dg
 
 from engine.digests import short_digest
+from engine.locks import Busy, held_alone
 
 from .config import BatchJobConfig, HardwarePartition
 
@@ -65,3 +68,18 @@ def sync_partitions(instance: dg.DagsterInstance, name: str, keys: list[str]) ->
     for key in removed:
         instance.delete_dynamic_partition(name, key)
     return added, removed
+
+
+def held_partitions(config: BatchJobConfig, keys: list[str], holder: str) -> contextlib.ExitStack:
+    """Each key's partition lock, held until the returned stack closes: one run per partition key at a
+    time, whatever launched it (a backfill, the sensor, the UI, two hardware partitions' jobs), in any
+    instance. A key another run holds fails this run before it reads the checkpoint that run writes."""
+    held = contextlib.ExitStack()
+    try:
+        for key in keys:
+            held.enter_context(held_alone(config.files.lock_path(f"partition-{key}"), holder,
+                                          f"partition {key} of {config.name}"))
+    except Busy as busy:
+        held.close()
+        raise dg.Failure(f"{busy}: this run stops without touching its checkpoint or output") from None
+    return held

@@ -8,8 +8,10 @@ from contextlib import contextmanager
 import dagster as dg
 from pydantic import Field
 
+from engine.jobs.shared_engine import SharedEngine
 from engine.machine import device_name
 from engine.settings import EngineSettings
+from engine.vllm.library_output import LOG_DIR, library_output_routed
 from engine.vllm.vllm_engine import VLLMEngine, open_engine
 
 
@@ -30,6 +32,17 @@ class VLLMResource(dg.ConfigurableResource):
         ``DuckDBResource.get_connection()`` owns a connection's."""
         with open_engine(settings) as engine:
             yield engine
+
+    def shared_engine(self) -> SharedEngine:
+        """One engine for the shards of a run, one after another: started at the first that needs it,
+        stopped once when the ``with`` block ends."""
+        return SharedEngine(self.engine)
+
+    def library_output_routed(self, log_name: str):
+        """vLLM's, torch's and the other libraries' own lines (a missing Triton, NUMA binding, vLLM's
+        start-up report) go to ``LOG_DIR/<log_name>.log``, not into the run's log, as on the CLI;
+        the context gives the file's path."""
+        return library_output_routed(LOG_DIR / f"{log_name}.log")
 
 
 # One instance shared by every job's definitions, so that merging them finds no conflict.

@@ -99,3 +99,12 @@ def last_partitions_metadata(instance: dg.DagsterInstance, completions: dg.Asset
     records = instance.fetch_materializations(completions, limit=PARTITIONS_READ).records
     return [{name: value.value for name, value in r.asset_materialization.metadata.items()}
             for r in records if r.asset_materialization is not None]
+
+
+def ray_time_limit(config, instance: dg.DagsterInstance, hardware_partition: str, rows: int) -> TimeLimit | None:
+    """A shard's time limit on Ray: the job's ``ray_shard_timeout_s``, else one from what the hardware
+    partition measured (``shard_time_limit``)."""
+    if config.ray_shard_timeout_s is not None:
+        return TimeLimit(config.ray_shard_timeout_s, f"{config.ray_shard_timeout_s:g} s (ray_shard_timeout_s)")
+    measured = measured_by_hardware(last_partitions_metadata(instance, config.names.asset_key("completions")))
+    return shard_time_limit(measured.get(hardware_partition), rows)

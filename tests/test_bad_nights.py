@@ -100,16 +100,16 @@ def test_no_plan_lands_between_a_shards_check_against_the_plan_and_its_write(nig
     take its lock: the check and the write are one step."""
     import fcntl
 
-    import assets.completions as completions
+    from engine.plan.plan_table import PlanFile
 
     config = nightly
     instance = dg.DagsterInstance.ephemeral()
     defs = build_batch_defs(config)
     assert plan(defs, instance).success
-    checked, after_check = completions.superseded, []
+    checked, after_check = PlanFile.superseded, []
 
-    def check_then_try_to_plan(path, key, ran):
-        stale = checked(path, key, ran)
+    def check_then_try_to_plan(plan, shard):
+        stale = checked(plan, shard)
         with open(config.files.lock_path("plan"), "a+b") as handle:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -120,7 +120,7 @@ def test_no_plan_lands_between_a_shards_check_against_the_plan_and_its_write(nig
                 after_check.append("a plan could land here")
         return stale
 
-    monkeypatch.setattr(completions, "superseded", check_then_try_to_plan)
+    monkeypatch.setattr(PlanFile, "superseded", check_then_try_to_plan)
     run_planned_shards(instance, defs, "nightly")
     assert after_check == ["a plan waits", "a plan waits"]
 

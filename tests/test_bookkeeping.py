@@ -186,7 +186,6 @@ def test_a_changed_chat_template_or_snapshot_makes_the_plan_stale(tmp_path, tiny
 
     import pyarrow.parquet as pq
 
-    from assets.plan_stamp import plan_stamp_of
     from batchllm_dagster.config import BatchJobConfig, DatasetSpec
     from engine.plan.plan_table import stale_reasons
     from engine.settings import EngineSettings
@@ -198,19 +197,19 @@ def test_a_changed_chat_template_or_snapshot_makes_the_plan_stale(tmp_path, tiny
                             storage_dir=str(tmp_path / "jobs"))
     config.files.prompts_path.parent.mkdir(parents=True)
     pq.write_table(pa.table({"id": [1], "prompt": ["a"]}), config.files.prompts_path)
-    stamp = plan_stamp_of(config, config.engine_settings())
+    stamp = config.plan_stamp(config.engine_settings())
     recorded = {k.encode(): v.encode() for k, v in stamp.items()}
-    assert stale_reasons(recorded, plan_stamp_of(config, config.engine_settings())) == []
+    assert stale_reasons(recorded, config.plan_stamp(config.engine_settings())) == []
 
     settings = json.loads((model / "tokenizer_config.json").read_text())
     settings["chat_template"] = "{{ messages[0]['content'] }}"
     (model / "tokenizer_config.json").write_text(json.dumps(settings))
-    assert stale_reasons(recorded, plan_stamp_of(config, config.engine_settings())) == [
+    assert stale_reasons(recorded, config.plan_stamp(config.engine_settings())) == [
         "the model, tokenizer or chat template"
     ]
 
     pq.write_table(pa.table({"id": [1], "prompt": ["b"]}), config.files.prompts_path)
-    assert "the prompt snapshot" in stale_reasons(recorded, plan_stamp_of(config, config.engine_settings()))
+    assert "the prompt snapshot" in stale_reasons(recorded, config.plan_stamp(config.engine_settings()))
     assert stale_reasons(None, stamp)  # a plan without a stamp is stale too
 
 

@@ -326,19 +326,20 @@ def test_a_shard_that_finishes_after_a_newer_plan_writes_nothing_stale(job, monk
     (so its key is gone), plan P2 lands (two hardware partitions) and P2's shards all run and write
     the fresh X. Then S finishes: it must not write its stale X over the fresh one, nor bring back a
     Parquet file P2 does not have. Nothing stale: P2's shards run again reuse every row."""
-    import assets.completions as completions_module
     from dagster_project.demo import run_planned_shards
+    from engine.jobs.shard_job import ShardJob
 
     job = BatchJobConfig.model_validate({**job.model_dump(), "hardware": ["cpu", {"name": "cpu2", "pool": "p2"}]})
     defs = build_batch_defs(job)
     graph = defs.resolve_asset_graph()
     upstream = [graph.assets_def_for_key(dg.AssetKey(["e2e", n])) for n in ("prompts", "prefix_groups")]
     completions = graph.assets_def_for_key(dg.AssetKey(["e2e", "completions"]))
-    run_shard = completions_module.run_shard_locally
+    run_shard = ShardJob.run
     landed = []
 
-    def shard_overtaken_by_a_newer_plan(config, key, prepared, *args, **kwargs):
-        outcome = run_shard(config, key, prepared, *args, **kwargs)
+    def shard_overtaken_by_a_newer_plan(shard_job, *args, **kwargs):
+        outcome = run_shard(shard_job, *args, **kwargs)
+        key, prepared = shard_job.shard.key, shard_job.shard.prepared
         if not landed:  # the first shard's answers are ready; before it writes, a newer plan runs whole
             edited, deleted = prepared.ids[0], prepared.ids[1]
             landed.append(edited)
@@ -353,11 +354,11 @@ def test_a_shard_that_finishes_after_a_newer_plan_writes_nothing_stale(job, monk
     with dg.instance_for_test() as instance:
         assert dg.materialize(upstream, instance=instance).success
         first_key = instance.get_dynamic_partitions(job.names.partitions_name)[0]
-        monkeypatch.setattr(completions_module, "run_shard_locally", shard_overtaken_by_a_newer_plan)
+        monkeypatch.setattr(ShardJob, "run", shard_overtaken_by_a_newer_plan)
         # Its key is gone from the dynamic partitions, so Dagster fails the run when it records the
         # materialization; what matters is what it wrote before: nothing.
         dg.materialize([completions], partition_key=first_key, instance=instance, raise_on_error=False)
-        monkeypatch.setattr(completions_module, "run_shard_locally", run_shard)
+        monkeypatch.setattr(ShardJob, "run", run_shard)
         assert landed
         new_keys = set(instance.get_dynamic_partitions(job.names.partitions_name))
         # Every answer in DuckDB is the newer plan's: its shards, run again, reuse every row.

@@ -4,7 +4,7 @@ plan is made from one snapshot."""
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.plan.plan_table import answer_identity, superseded
+from engine.plan.plan_table import PlanFile, PlannedShard, answer_identity
 from engine.table.prompt_snapshot import CONTENT_KEY, KEY_TYPE
 
 STAMP = {b"batchllm.model": b"m1", b"batchllm.snapshot": b"s1", b"batchllm.settings": b"x1"}
@@ -24,6 +24,11 @@ def plan(path, rows, stamp=STAMP):
     )
     pq.write_table(table.replace_schema_metadata({**stamp, b"batchllm.plan_run": b"run-1"}), path)
     return pq.read_table(path, filters=[("partition_key", "=", "K")])
+
+
+def superseded(path, key, ran):
+    """What the plan at ``path`` supersedes of shard ``key`` as it ran (``ran``: its answer identity)."""
+    return PlanFile.open(path, for_writing=True).superseded(PlannedShard(key, 0, None, ran))
 
 
 def test_answers_a_newer_plan_wants_from_elsewhere_are_superseded(tmp_path):

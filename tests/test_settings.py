@@ -159,7 +159,6 @@ def _plan_on(monkeypatch, config, platform) -> dict:
     import pyarrow.parquet as pq
 
     import engine.settings as settings_module
-    from assets.plan_stamp import plan_stamp_of
     from engine.plan.plan_table import BLOCK_SIZE, MAX_MODEL_LEN
 
     monkeypatch.setattr(settings_module, "current_platform", lambda: platform)
@@ -167,7 +166,7 @@ def _plan_on(monkeypatch, config, platform) -> dict:
     config.files.prompts_path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table({"id": [1], "prompt": ["a"]}), config.files.prompts_path)
     planned = config.plan_settings()
-    stamp = plan_stamp_of(config, planned)
+    stamp = config.plan_stamp(planned)
     pq.write_table(pa.table({"id": [1]}).replace_schema_metadata(
         {BLOCK_SIZE: str(planned.block_size), MAX_MODEL_LEN: str(planned.max_model_len), **stamp}),
         config.files.plan_path)
@@ -196,7 +195,6 @@ def test_a_shard_runs_at_what_its_plan_counts_in_whatever_machine_made_it(monkey
     """A plan job on a CPU machine and shard runs on GPUs (a Kubernetes deployment's usual split),
     no max_model_len set: the shards run at the plan's 32 and 2,048, not the GPU's own 16 and the
     model's 4,096, which would make every plan stale (and a rematerialized one stale again)."""
-    from assets.plan_stamp import plan_stamp_of
     from engine.plan.plan_table import planned_counts, stale_reasons
 
     config = _job(tmp_path, tiny_model)
@@ -206,11 +204,11 @@ def test_a_shard_runs_at_what_its_plan_counts_in_whatever_machine_made_it(monkey
 
     shard = _shard_on(monkeypatch, config, Platform.CUDA)
     assert (shard.block_size, shard.max_model_len) == (32, 2048)
-    assert stale_reasons(recorded, plan_stamp_of(config, shard)) == []
+    assert stale_reasons(recorded, config.plan_stamp(shard)) == []
     # Without what the plan counts in, the GPU's own would call the plan stale.
     own = config.engine_settings().for_platform(Platform.CUDA)
     assert (own.block_size, own.max_model_len) == (16, 4096)
-    assert stale_reasons(recorded, plan_stamp_of(config, own)) != []
+    assert stale_reasons(recorded, config.plan_stamp(own)) != []
     # A job's own settings win over the plan's.
     assert _job(tmp_path, tiny_model, block_size=64).engine_settings({"block_size": 32}).block_size == 64
     assert _job(tmp_path, tiny_model, max_model_len=512).engine_settings({"max_model_len": 2048}).max_model_len == 512
@@ -221,7 +219,6 @@ def test_a_plan_for_gpu_partitions_counts_in_the_gpus_settings_wherever_it_is_ma
     """A hardware partition that says it is a GPU's: its plan counts in 16-token blocks and the
     model's own context (4,096), also when the plan step runs on a CPU pod, and its shards find it
     current on the GPU. No max_model_len set."""
-    from assets.plan_stamp import plan_stamp_of
     from batchllm_dagster.config import HardwarePartition
     from engine.plan.plan_table import planned_counts, stale_reasons
 
@@ -230,7 +227,7 @@ def test_a_plan_for_gpu_partitions_counts_in_the_gpus_settings_wherever_it_is_ma
     assert planned_counts(config.files.plan_path) == {"block_size": 16, "max_model_len": 4096}
     shard = _shard_on(monkeypatch, config, Platform.CUDA)
     assert (shard.block_size, shard.max_model_len) == (16, 4096)
-    assert stale_reasons(recorded, plan_stamp_of(config, shard)) == []
+    assert stale_reasons(recorded, config.plan_stamp(shard)) == []
     # Made on a GPU machine, the same plan: where the plan step runs does not matter.
     assert _plan_on(monkeypatch, config, Platform.CUDA) == recorded
 

@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import json
 import logging
-import shutil
 import signal
 import sys
 from pathlib import Path
@@ -180,9 +179,10 @@ def terminate_as_exit():
 
 
 def cmd_run(args) -> int:
-    from ..jobs.resume import run_resumable
-    from ..run.results import results_to_table
-    from ..table.output import check_output, output_lock, write_result
+    from ..jobs.parquet_answers import ParquetAnswers
+    from ..jobs.shard_job import ShardJob
+    from ..plan.plan_table import PlannedShard
+    from ..table.output import check_output, output_lock
 
     output = Path(args.output)
     check_output(output, args.prompts, args.overwrite)  # before any work
@@ -190,30 +190,19 @@ def cmd_run(args) -> int:
         engine_settings, sampling, _, _, prepared, _ = _prepare(
             args, field_order_state=Path(f"{output}.field_order.parquet")
         )
-        checkpoint_dir = Path(args.checkpoint_dir or f"{output}.checkpoint")
+        job = ShardJob(PlannedShard.whole(prepared), engine_settings, sampling,
+                       SchedulerSettings(log_every_s=args.progress_every_s), ParquetAnswers(output, args.prompts),
+                       checkpoint=Path(args.checkpoint_dir or f"{output}.checkpoint"))
         bar = ProgressBar.on_terminal() if not args.json else None
         # With a bar on screen the progress lines go to the log file only.
         sink = file_logger("batchllm.progress").info if bar else log.info
         try:
-            outcome = run_resumable(
-                prepared,
-                engine_settings,
-                sampling,
-                checkpoint_dir,
-                SchedulerSettings(log_every_s=args.progress_every_s),
-                reuse_from=[output] if output.exists() else [],
-                progress_sink=sink,
-                checkpoint_every_rows=args.checkpoint_every_rows,
-                display=bar,
-            )
+            outcome = job.run(progress_sink=sink, checkpoint_every_rows=args.checkpoint_every_rows, display=bar)
         finally:
             if bar:
                 bar.close()
         results, stats = outcome.results, outcome.stats
-        position = {row_id: i for i, row_id in enumerate(prepared.ids)}
-        results.sort(key=lambda r: position[r.id])  # one row per id, in input order
-        write_result(results_to_table(results, prepared.id_type), output, args.prompts)
-        shutil.rmtree(checkpoint_dir, ignore_errors=True)  # the output now holds every row
+        job.write(results)  # the output then holds every row; the checkpoint is removed
     summary = stats.to_dict()
     summary.update(
         rows=len(results),

@@ -10,13 +10,14 @@ One row per prompt row, in input order:
 and in the schema's metadata: the block size, the token cache folder the content keys point
 into, the stamp (what the plan was made from: the model's content, the prompt snapshot, the
 settings that shape a plan) and the run that made it. Token ids are not in the file (2 GB per
-million rows every night would cost more than planning); ``load_shard`` maps them back from the
+million rows every night would cost more than planning); ``PlanFile.shard`` maps them back from the
 token cache. A shard runs exactly its rows as written, and refuses a plan whose stamp no longer
 holds.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -167,7 +168,11 @@ def plan_run_of(path: Path) -> str | None:
     """The run that made the plan on disk (None: no plan, or one made before runs were recorded)."""
     if not path.exists():
         return None
-    value = (pq.ParquetFile(path).schema_arrow.metadata or {}).get(PLAN_RUN.encode())
+    return _plan_run(pq.ParquetFile(path).schema_arrow.metadata)
+
+
+def _plan_run(metadata: dict[bytes, bytes] | None) -> str | None:
+    value = (metadata or {}).get(PLAN_RUN.encode())
     return value.decode() if value else None
 
 
@@ -176,11 +181,6 @@ def plan_content_keys(path: Path) -> pa.Array | None:
     if not path.exists() or CONTENT_KEY not in pq.ParquetFile(path).schema_arrow.names:
         return None
     return _read(path, columns=[CONTENT_KEY]).column(CONTENT_KEY).combine_chunks()
-
-
-def planned_keys(path: Path) -> pa.Table:
-    """Every row id of the plan on disk with its partition key."""
-    return _read(path, columns=["id", "partition_key"])
 
 
 def previous_shards(path: Path, ids: pa.ChunkedArray) -> np.ndarray | None:
@@ -200,9 +200,11 @@ def planned_counts(path: Path) -> dict[str, int]:
     checked rows against (empty: no plan there yet). Its shards run at them where the job sets
     none, on whatever machine: a plan made for a GPU on a CPU pod (16, the model's own length)
     runs so on the GPU, and one counted in a CPU's 32 and 2,048 runs at those on a GPU too."""
-    if not path.exists():
-        return {}
-    metadata = pq.ParquetFile(path).schema_arrow.metadata or {}
+    return _counts(pq.ParquetFile(path).schema_arrow.metadata) if path.exists() else {}
+
+
+def _counts(metadata: dict[bytes, bytes] | None) -> dict[str, int]:
+    metadata = metadata or {}
     counts = {"block_size": _block_size_of(metadata), "max_model_len": int(metadata.get(MAX_MODEL_LEN.encode(), 0))}
     return {name: value for name, value in counts.items() if value}
 
@@ -244,23 +246,6 @@ def _token_ids(rows: pa.Table) -> TokenizedBatch:
     )
 
 
-def load_shard(path: Path, key: str, stamp: dict[str, str],
-               token_cache_root: Path) -> tuple[PreparedBatch, int, pa.Table]:
-    """Shard ``key`` of the plan at ``path`` with its token ids, its shard number, and what decides
-    its rows' answers in this plan (``answer_identity``, for ``superseded`` at write time). Raises
-    ``NotInPlan`` when the plan has no such partition and ``StalePlan`` when its stamp no longer
-    equals ``stamp``. The plan is read and its entries mapped under the token cache's reader
-    lock, so a plan made meanwhile never compacts them away under this run."""
-    with TokenCache.reading(token_cache_root):
-        rows = _read(path, filters=[("partition_key", "=", key)])
-        if rows.num_rows == 0:
-            raise NotInPlan(key, plan_run_of(path))
-        stale = stale_reasons(rows.schema.metadata, stamp)
-        if stale:
-            raise StalePlan(stale)
-        return prepared_batch(rows, _token_ids(rows)), int(rows["shard"][0].as_py()), answer_identity(rows)
-
-
 # What decides a row's answer in a plan: the model and the settings of the stamp, the row's token
 # ids (content key), its max_tokens and its response format. The same in the plan on disk when a
 # shard writes as in the plan it ran, or the row's answer is superseded. Not the snapshot digest:
@@ -270,28 +255,98 @@ _STAMP_KEYS = [b"batchllm.model", b"batchllm.settings"]
 
 
 def answer_identity(rows: pa.Table) -> pa.Table:
-    """The rows' answer-deciding columns, with the plan's stamp (see ``superseded``)."""
+    """The rows' answer-deciding columns, with the plan's stamp (see ``PlanFile.superseded``)."""
     stamp = {k: v for k, v in (rows.schema.metadata or {}).items() if k in _STAMP_KEYS}
     return rows.select(_ANSWER_COLUMNS).replace_schema_metadata(stamp)
 
 
-def superseded(path: Path, key: str, ran: pa.Table) -> pa.ChunkedArray:
-    """The ids of ``ran`` (a shard's ``answer_identity`` when it loaded) whose answers the plan on
-    disk no longer wants from this shard: it moved them to another shard, deleted them, changed
-    their prompt, max_tokens or format, or was made from another model or other settings. A newer
-    plan has queued its own shards for them; writing the old answers would overwrite fresh ones."""
-    if not path.exists():
-        return ran.column("id")
-    now = answer_identity(_read(path, columns=_ANSWER_COLUMNS + ["partition_key"],
-                                filters=[("partition_key", "=", key)]).drop_columns(["partition_key"])
-                          .replace_schema_metadata(pq.ParquetFile(path).schema_arrow.metadata))
-    if (now.schema.metadata or {}) != (ran.schema.metadata or {}):
-        return ran.column("id")
-    at = pc.index_in(ran.column("id"), value_set=now.column("id"))
-    kept = pc.is_valid(at)
-    for name in _ANSWER_COLUMNS[1:]:  # NULL (no response format) equals NULL here
-        theirs = pc.take(now.column(name), at)
-        equal = pc.equal(ran.column(name), theirs)
-        both_null = pc.and_(pc.is_null(ran.column(name)), pc.is_null(theirs))
-        kept = pc.and_(kept, pc.fill_null(pc.or_kleene(equal, both_null), False))
-    return pc.filter(ran.column("id"), pc.invert(kept))
+@dataclass(frozen=True)
+class PlannedShard:
+    """One shard of a plan, as it runs: its rows with their token ids, and what decides their answers."""
+
+    key: str  # its partition key
+    number: int | None  # its shard number in the plan (None: a batch planned in process, one shard)
+    prepared: PreparedBatch  # its rows, token ids, groups and run order
+    identity: pa.Table  # ``answer_identity`` of its rows when loaded (``superseded`` at write time)
+
+    @classmethod
+    def whole(cls, prepared: PreparedBatch) -> "PlannedShard":
+        """A batch planned in this process, run as one shard (``batchllm run``): no plan file to check."""
+        return cls("all", None, prepared, pa.table({"id": pa.array(prepared.ids, prepared.id_type)}))
+
+
+class PlanFile:
+    """The plan on disk, read once: its counts, the run that made it, a shard's rows, the rows a newer
+    plan superseded, the live keys. It is the plan as it was when opened; a plan published since
+    (by a rename) is another file, seen by the next ``open``."""
+
+    def __init__(self, path: Path, rows: pa.Table):
+        self.path, self.rows = path, rows
+        self.metadata = rows.schema.metadata or {}
+
+    @classmethod
+    def open(cls, path: Path, for_writing: bool = False) -> "PlanFile":
+        """The plan at ``path`` (``FileNotFoundError`` saying what to do if there is none);
+        ``for_writing``: only what a shard's write checks (``superseded``, ``live_keys``)."""
+        return cls(path, _read(path, columns=_ANSWER_COLUMNS + ["partition_key"] if for_writing else None))
+
+    @classmethod
+    def at_write(cls, path: Path) -> "PlanFile | None":
+        """The plan on disk as a shard writes (None: there is none any more, nothing of the shard is wanted)."""
+        return cls.open(path, for_writing=True) if path.exists() else None
+
+    @classmethod
+    @contextlib.contextmanager
+    def opened_for_running(cls, path: Path, token_cache_root: Path):
+        """The plan, held for loading shards: it is read and its entries mapped under the token cache's
+        reader lock, so a plan made meanwhile never compacts them away under this run."""
+        with TokenCache.reading(token_cache_root):
+            yield cls.open(path)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """What the plan counts in (``planned_counts``)."""
+        return _counts(self.metadata)
+
+    @property
+    def plan_run(self) -> str | None:
+        return _plan_run(self.metadata)
+
+    def _of_key(self, key: str) -> pa.Table:
+        return self.rows.filter(pc.equal(self.rows.column("partition_key"), key))
+
+    def shard(self, key: str, stamp: dict[str, str]) -> PlannedShard:
+        """Shard ``key`` with its rows' token ids (call inside ``opened_for_running``). Raises
+        ``NotInPlan`` when the plan has no such partition and ``StalePlan`` when its stamp no longer
+        equals ``stamp``."""
+        rows = self._of_key(key)
+        if rows.num_rows == 0:
+            raise NotInPlan(key, self.plan_run)
+        stale = stale_reasons(self.metadata, stamp)
+        if stale:
+            raise StalePlan(stale)
+        return PlannedShard(key, int(rows["shard"][0].as_py()), prepared_batch(rows, _token_ids(rows)),
+                            answer_identity(rows))
+
+    def superseded(self, shard: PlannedShard) -> pa.ChunkedArray:
+        """The ids of ``shard`` (as it was loaded, from this plan or an older one) whose answers this
+        plan no longer wants from it: it moved them to another shard, deleted them, changed their
+        prompt, max_tokens or format, or was made from another model or other settings. A newer
+        plan has queued its own shards for them; writing the old answers would overwrite fresh ones."""
+        ran = shard.identity
+        now = answer_identity(self._of_key(shard.key))
+        if (now.schema.metadata or {}) != (ran.schema.metadata or {}):
+            return ran.column("id")
+        at = pc.index_in(ran.column("id"), value_set=now.column("id"))
+        kept = pc.is_valid(at)
+        for name in _ANSWER_COLUMNS[1:]:  # NULL (no response format) equals NULL here
+            theirs = pc.take(now.column(name), at)
+            equal = pc.equal(ran.column(name), theirs)
+            both_null = pc.and_(pc.is_null(ran.column(name)), pc.is_null(theirs))
+            kept = pc.and_(kept, pc.fill_null(pc.or_kleene(equal, both_null), False))
+        return pc.filter(ran.column("id"), pc.invert(kept))
+
+    def live_keys(self) -> tuple[set[str], pa.Array]:
+        """The plan's partition keys and its row ids: what the job's checkpoints may still serve."""
+        keys = self.rows.column("partition_key")
+        return set(pc.unique(keys).to_pylist()), self.rows.column("id").combine_chunks()
