@@ -59,7 +59,8 @@ def run_metadata(stats: RunStats, device: str, hardware_partition: str, engine_i
     if stats.prompt_tokens:  # a rerun that reused every row has no throughput to plot
         metadata.update(
             saving_vs_ideal=float(round(stats.saving_vs_ideal, 4)),
-            startup_s=float(round(stats.startup_s, 3)),  # from the step's start until vLLM got its first request
+            startup_s=float(round(stats.startup_s, 3)),  # from the step's start until the rows' run began
+            run_setup_s=float(round(stats.run_setup_s, 3)),  # of wall_s: scheduling before the first request
             engine_start_s=float(round(stats.engine_start_s, 3)),  # of which vLLM's own start-up
             engine_stop_s=float(round(stats.engine_stop_s, 3)),  # shutting vLLM down after the rows
             wall_s=float(round(stats.wall_s, 3)),

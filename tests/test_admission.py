@@ -107,3 +107,22 @@ def test_answers_too_long_to_simulate_two_caches_worth_are_admitted_group_wise()
     assert choice.admission is Admission.GROUP_WISE and "too long to simulate" in choice.reason
     short = choose_admission(batch, np.full(300, 8), rows, EngineLimits(16, 1_001, 1024, 16384))
     assert short.admission is Admission.VLLM  # short answers on a small cache: simulated, nothing to gain
+
+
+def test_the_simulation_hashes_the_rows_in_one_pass_as_the_stand_in_hashes_each_row():
+    """The admission's simulation gives the stand-in every row's block hashes, made for all rows at
+    once: the same prefill and preemptions as the stand-in hashing each row itself."""
+    from engine.run.admission import simulate_vllm_admission
+    from engine.run.requests import RequestKind, Submission
+
+    batch, max_tokens = nested_tokens(VOCAB)
+    planned, prepared = planned_prompt_set(batch, max_tokens, BLOCK)
+    rows = [int(r) for r in prepared.order]
+    limits = EngineLimits(BLOCK, max(64, int(planned.plan.unique_tokens // BLOCK) // 3), 64, 2048)
+    engine = FakeEngine(limits.capacity_blocks, BLOCK, limits.max_num_seqs, limits.max_num_batched_tokens)
+    for row in rows:
+        engine.submit(Submission(RequestKind.ROW, row, batch.tokens_of(row), int(max_tokens[row])), None)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.preemptions > 0  # KV binds: the hashes decide what is found again
+    assert simulate_vllm_admission(batch, max_tokens, rows, limits) == (engine.prefill_tokens, engine.preemptions)

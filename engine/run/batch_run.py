@@ -109,7 +109,8 @@ class BatchRun:
         """The run's times, the engine's gauges over its steps, and what the scheduler did."""
         stats = self.stats
         stats.wall_s = time.perf_counter() - started
-        stats.startup_s = (totals.first_submit_at or started) - (self.started_at or started)
+        stats.startup_s = started - (self.started_at or started)  # before the run: none of wall_s
+        stats.run_setup_s = (totals.first_submit_at or started) - started  # of wall_s
         stats.preemptions, stats.engine_steps, stats.idle_steps = totals.preemptions, totals.steps, totals.idle_steps
         stats.recomputed_tokens = totals.recomputed_tokens
         stats.mean_kv_usage, stats.rows_per_step = totals.mean_kv_usage, totals.rows_per_step

@@ -70,5 +70,5 @@ def run_summary(stats: dict) -> list[tuple[str, str]]:
             f"vLLM KV {100 * stats['mean_kv_usage']:.0f}% used, {stats['preemptions']} preemptions"
             + (f" ({stats['recomputed_tokens']:,} tokens computed again)" if stats.get("recomputed_tokens") else ""),
         ),
-        ("time", f"{format_eta(stats['wall_s'])} running, {format_eta(stats['startup_s'])} starting vLLM"),
+        ("time", f"{format_eta(stats['wall_s'])} running, {format_eta(stats['engine_start_s'])} starting vLLM"),
     ] + ([("admission", f"{stats['admission']}: {stats['admission_reason']}")] if stats.get("admission") else [])

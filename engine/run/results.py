@@ -60,9 +60,10 @@ class RunStats:
     the prefix requests' included, so it can be held against the plan's minimum;
     ``recomputed_tokens`` what it computed again for requests it had preempted (their prompt and
     output so far, less the cache hits: counted by vLLM where prefix caching is on). ``startup_s`` is the time from the
-    start of the run (or of the step that ran it) until vLLM got its first request: reading the
-    plan, checking it, starting vLLM. ``mean_kv_usage`` is vLLM's own KV usage (0..1) averaged
-    over the engine's steps, ``rows_per_step`` the mean number of requests it ran per step.
+    start of the step that ran it until the rows' run began: reading and checking the plan, finding
+    what to reuse, starting vLLM; ``wall_s`` the rows' run from there (its first ``run_setup_s``:
+    scheduling the rows before the first request), so the two add up. ``mean_kv_usage`` is vLLM's
+    own KV usage (0..1) averaged over the engine's steps, ``rows_per_step`` the mean number of requests it ran per step.
     A duplicate row (identical to another row of the run) counts its prompt as cached and its
     answer's tokens as output, so ``saving_vs_ideal`` can pass 1: fewer tokens than any order."""
 
@@ -85,6 +86,7 @@ class RunStats:
     mean_kv_usage: float = 0.0
     rows_per_step: float = 0.0
     startup_s: float = 0.0
+    run_setup_s: float = 0.0  # of wall_s, from the run's start to its first request (the scheduler's set-up)
     engine_start_s: float = 0.0  # of startup_s, the time vLLM itself took to start
     engine_stop_s: float = 0.0  # shutting vLLM down after the last row (after wall_s)
     wall_s: float = 0.0  # the rows' run on the started engine: start-up (startup_s) and stop apart
@@ -122,6 +124,7 @@ class RunStats:
             mean_kv_usage=round(self.mean_kv_usage, 4),
             rows_per_step=round(self.rows_per_step, 2),
             startup_s=round(self.startup_s, 3),
+            run_setup_s=round(self.run_setup_s, 3),
             engine_start_s=round(self.engine_start_s, 3),
             engine_stop_s=round(self.engine_stop_s, 3),
             wall_s=round(self.wall_s, 3),
@@ -138,6 +141,7 @@ def merge_stats(parts: list[RunStats]) -> RunStats:
             setattr(merged, f.name, sum(getattr(p, f.name) for p in parts))
     merged.wall_s = max((p.wall_s for p in parts), default=0.0)
     merged.startup_s = max((p.startup_s for p in parts), default=0.0)
+    merged.run_setup_s = max((p.run_setup_s for p in parts), default=0.0)
     merged.engine_start_s = max((p.engine_start_s for p in parts), default=0.0)
     merged.engine_stop_s = max((p.engine_stop_s for p in parts), default=0.0)
     if merged.engine_steps:

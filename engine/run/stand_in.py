@@ -91,10 +91,11 @@ class FakeEngine:
         self.asked.append(fmt.to_text())
         return self.refuses.get(fmt.to_text())
 
-    def submit(self, submission: Submission, sampling) -> None:
+    def submit(self, submission: Submission, sampling, prompt_hashes: list[int] | None = None) -> None:
+        """``prompt_hashes``: the prompt's chained block hashes if the caller has them (else computed here)."""
         self.submitted.append((self.step_count, submission))
         self.sampling_of[submission.key] = sampling
-        self._waiting.append(_Request(submission, self._arrivals))
+        self._waiting.append(_Request(submission, self._arrivals, prompt_hashes=prompt_hashes))
         self._arrivals += 1
 
     def has_unfinished(self) -> bool:
