@@ -136,7 +136,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         with llm.shared_engine() as shared:
             try:
                 for job in jobs:
-                    done.append(run_partition(context, job, store, shared.open, started_at))
+                    done.append(run_partition(context, job, shared.open, started_at))
                     started_at = time.perf_counter()  # the next partition's time starts here
             except BaseException:
                 if done:
@@ -155,7 +155,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
             context.add_asset_metadata(values, partition_key=key)
         return dg.MaterializeResult(check_results=merged_check_results({d.key: d.checks for d in done}))
 
-    def run_partition(context: dg.AssetExecutionContext, job: ShardJob, store: OutputTableStore, engine_opener,
+    def run_partition(context: dg.AssetExecutionContext, job: ShardJob, engine_opener,
                       started_at: float) -> PartitionDone:
         key, prepared = job.shard.key, job.shard.prepared
         hardware = config.hardware_of_shard(job.shard.number)
@@ -184,7 +184,8 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
                                 "written; the newer plan's shards answer them")
         context.log.info(f"wrote {written.table.num_rows} rows of partition {key} to {config.output_table} "
                          f"({written.rows_now} in it now)")
-        checks = partition_check_results(config, store.table.warehouse, key, written.table.column("id").to_pylist(),
+        warehouse = getattr(context.resources, config.names.warehouse_key)
+        checks = partition_check_results(config, warehouse, key, written.table.column("id").to_pylist(),
                                          outcome.stats, constrained_answers(prepared, outcome.results, config.sampling),
                                          stale)
         return PartitionDone(key, outcome, info, hardware.name, checks, {

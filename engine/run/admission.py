@@ -33,8 +33,8 @@ from .stand_in import FakeEngine
 # vLLM; templates, kv_bound, fields and short 0-1.9%, where vLLM's own admission runs even or ahead.
 MIN_RECOMPUTED_SHARE = 0.02
 # The simulation covers the first rows in plan order up to this many times the KV capacity (the
-# regime shows within a few fills) and this many row-steps (its cost: 2-3 s at a GPU's sizes, 1,500-3,000
-# rows of ~600 tokens on 20,000 blocks of 16 with 1,024 sequences; 0.1 s at the bench's).
+# regime shows within a few fills) and this many row-steps: its cost is paid before every shard's
+# first request (README: benchmarks/admission_cost.py measures it at a GPU's sizes).
 SIMULATED_FILLS = 4
 SIMULATED_ROW_STEPS = 400_000
 MIN_SIMULATED_FILLS = 2  # fewer (long answers, a large cache) tell nothing: group-wise, as BatchLLM runs them

@@ -74,7 +74,6 @@ class FakeEngine:
         self.sampling_of: dict = {}  # the sampling each request was submitted with
         self.finished_at: dict[tuple, int] = {}  # request key -> step it finished
         self.admitted_at: dict[tuple, int] = {}  # request key -> step it first left the waiting queue
-        self.generated: dict[tuple, int] = {}  # request key -> output tokens so far, while unfinished
         self.peak_referenced = 0
         self.preemptions = 0
         self.prefill_tokens = 0
@@ -97,6 +96,12 @@ class FakeEngine:
         self.sampling_of[submission.key] = sampling
         self._waiting.append(_Request(submission, self._arrivals, prompt_hashes=prompt_hashes))
         self._arrivals += 1
+
+    @property
+    def generated(self) -> dict[tuple, int]:
+        """Request key -> output tokens so far, while unfinished: exact counts, which vLLM's handle
+        does not report (the tests check the scheduler's bound on them)."""
+        return {r.submission.key: r.generated for r in self._running + self._waiting if r.generated}
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running or self._unread)
@@ -142,8 +147,6 @@ class FakeEngine:
                     cached_tokens=request.cached_tokens or 0, finish_reason="length"))
             elif request.generated == 1:
                 report.started.append(request.submission.key)
-        # Exact counts, which vLLM's handle does not report (the tests check the scheduler's bound on them).
-        self.generated = {r.submission.key: r.generated for r in self._running + self._waiting if r.generated}
         self.peak_referenced = max(self.peak_referenced, self.referenced_blocks)
         report.kv_usage = 1 - self.free_blocks / self.kv_capacity_blocks
         report.running = len(self._running) + len(report.finished)
@@ -186,13 +189,15 @@ class FakeEngine:
     def _grow_running(self) -> int:
         """Each running request needs room for its next token; preempt the newest when full."""
         preempted = 0
+        gone: set[int] = set()  # ids of the requests preempted here (a set: the batch holds ~1,000 at a GPU's sizes)
         for request in list(self._running):
-            if request not in self._running:
+            if id(request) in gone:
                 continue
             while len(request.blocks) < self._blocks_needed(request.tokens):
                 if self.free_blocks == 0:
                     victim = max(self._running, key=lambda r: r.arrived)
                     self._running.remove(victim)
+                    gone.add(id(victim))
                     self._free(victim)
                     victim.prefilled = False
                     self._waiting.insert(0, victim)
