@@ -16,7 +16,8 @@ from batchllm_dagster.shard_sizing import ShardSize, last_partitions_metadata, m
 from batchllm_dagster.warehouse import replace_table
 from engine.models import preparation_notice
 from engine.plan.duplicates import count_duplicates
-from engine.plan.plan_table import plan_content_keys, plan_table, previous_shards, stale_reasons, write_plan
+from engine.plan.plan_stamp import stale_reasons
+from engine.plan.plan_table import plan_content_keys, plan_table, previous_shards, write_plan
 from engine.plan.prepared import plan_tokenized
 from engine.plan.shards import assign_shards
 from engine.plan.token_cache import TokenCache

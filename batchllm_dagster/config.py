@@ -13,7 +13,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.machine import Platform, current_platform
-from engine.plan.plan_table import PlanShaping
+from engine.plan.plan_stamp import PlanShaping
 from engine.settings import EngineSettings, Policy, SamplingSettings, SchedulerSettings, fingerprint
 from engine.table.dataset import Columns
 from engine.table.fields import PromptFields
@@ -300,7 +300,7 @@ class BatchJobConfig(JobSpec):
     def plan_stamp(self, settings: EngineSettings) -> dict[str, str]:
         """The job's plan stamp as it is now (``settings``: the job's, model resolved): the model's
         content, the prompt snapshot (``engine.table.prompt_snapshot``), and the settings that shape a plan."""
-        from engine.plan.plan_table import plan_stamp
+        from engine.plan.plan_stamp import plan_stamp
         from engine.table.prompt_snapshot import snapshot_digest
 
         return plan_stamp(settings.model_path, snapshot_digest(self.files.prompts_path), self.plan_shaping(settings))

@@ -187,7 +187,7 @@ def test_a_changed_chat_template_or_snapshot_makes_the_plan_stale(tmp_path, tiny
     import pyarrow.parquet as pq
 
     from batchllm_dagster.config import BatchJobConfig, DatasetSpec
-    from engine.plan.plan_table import stale_reasons
+    from engine.plan.plan_stamp import stale_reasons
     from engine.settings import EngineSettings
 
     model = tmp_path / "model"
@@ -336,7 +336,7 @@ def test_every_setting_that_shapes_a_plan_makes_it_stale_and_changes_the_plan_as
     shape the plan changes neither. The stamp's value is pinned: a changed formula would make every
     plan on disk stale at once."""
     from batchllm_dagster.config import BatchJobConfig, DatasetSpec
-    from engine.plan.plan_table import PlanShaping
+    from engine.plan.plan_stamp import PlanShaping
     from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
     from engine.table.dataset import Columns
 

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from engine.choice_scoring import MAX_BRANCHES, ChoiceTree, ScoredAnswer, needs_review
-from engine.plan.plan_table import PlanShaping
+from engine.plan.plan_stamp import PlanShaping
 from engine.plan.prepared import prepare_batch
 from engine.plan.tokenizing import load_tokenizer
 from engine.response_format import ResponseFormat

@@ -195,7 +195,8 @@ def test_a_shard_runs_at_what_its_plan_counts_in_whatever_machine_made_it(monkey
     """A plan job on a CPU machine and shard runs on GPUs (a Kubernetes deployment's usual split),
     no max_model_len set: the shards run at the plan's 32 and 2,048, not the GPU's own 16 and the
     model's 4,096, which would make every plan stale (and a rematerialized one stale again)."""
-    from engine.plan.plan_table import planned_counts, stale_reasons
+    from engine.plan.plan_stamp import stale_reasons
+    from engine.plan.plan_table import planned_counts
 
     config = _job(tmp_path, tiny_model)
     assert planned_counts(config.files.plan_path) == {}  # no plan yet
@@ -220,7 +221,8 @@ def test_a_plan_for_gpu_partitions_counts_in_the_gpus_settings_wherever_it_is_ma
     model's own context (4,096), also when the plan step runs on a CPU pod, and its shards find it
     current on the GPU. No max_model_len set."""
     from batchllm_dagster.config import HardwarePartition
-    from engine.plan.plan_table import planned_counts, stale_reasons
+    from engine.plan.plan_stamp import stale_reasons
+    from engine.plan.plan_table import planned_counts
 
     config = _job(tmp_path, tiny_model, hardware=[HardwarePartition(name="h200", platform="cuda")])
     recorded = _plan_on(monkeypatch, config, Platform.CPU)

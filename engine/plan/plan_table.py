@@ -8,17 +8,16 @@ One row per prompt row, in input order:
     cache), shard, partition_key
 
 and in the schema's metadata: the block size, the token cache folder the content keys point
-into, the stamp (what the plan was made from: the model's content, the prompt snapshot, the
-settings that shape a plan) and the run that made it. Token ids are not in the file (2 GB per
-million rows every night would cost more than planning); ``PlanFile.shard`` maps them back from the
-token cache. A shard runs exactly its rows as written, and refuses a plan whose stamp no longer
-holds.
+into, the stamp (``plan_stamp``: what the plan was made from) and the run that made it. Token ids
+are not in the file (2 GB per million rows every night would cost more than planning):
+``PlanFile.shard`` maps them back from the token cache. A shard runs exactly its rows as written,
+and refuses a plan whose stamp no longer holds.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,56 +27,18 @@ import pyarrow.parquet as pq
 
 from ..atomic import write_parquet
 from ..response_format import ResponseFormat
-from ..settings import EngineSettings, SamplingSettings, SchedulerSettings, fingerprint
-from ..table.dataset import Columns
 from ..table.prompt_snapshot import CONTENT_KEY
 from .duplicates import NO_SET
+from .plan_stamp import ANSWER_STAMP_KEYS, stale_reasons
 from .prepared import PlannedBatch, PreparedBatch
 from .token_cache import TokenCache
-from .tokenizing import TokenizedBatch, model_fingerprint
+from .tokenizing import TokenizedBatch
 
 BLOCK_SIZE = "batchllm.block_size"
 MAX_MODEL_LEN = "batchllm.max_model_len"  # the context length the plan checked rows against
 TOKEN_CACHE = "batchllm.token_cache"  # the token cache folder the content keys point into
 PLAN_RUN = "batchllm.plan_run"  # the run (a Dagster run id) that made the plan
 
-
-
-@dataclass(frozen=True)
-class PlanShaping:
-    """The settings that shape a plan, the one list of them: a change to any makes the plan on
-    disk stale (its stamp records their fingerprint), and Dagster's code version of the plan asset
-    is made from them. ``context_len`` and ``block_size`` are resolved (the model's and the
-    platform's), so None where not known yet (a code version, at definitions load)."""
-
-    block_size: int | None  # where shared prefixes end (whole blocks) and the blocks each row needs
-    context_len: int | None  # rows longer than this are error rows in the plan
-    max_tokens: int  # each row's answer budget (its decode length in the plan)
-    min_group_rows: int  # rows a prefix needs to become a group
-    columns: Columns  # which columns the plan reads
-    response_format: ResponseFormat | None = None  # the job's: a choice raises the budgets of its rows
-    score_choices: bool | None = None  # choice rows scored: a budget of one token (None: off)
-
-    @classmethod
-    def of(cls, llm: EngineSettings, sampling: SamplingSettings, scheduler: SchedulerSettings, columns: Columns,
-           resolved: bool = True) -> "PlanShaping":
-        if resolved:  # the block size this machine plans in where the job sets none
-            llm = llm.with_block_size()
-        return cls(llm.block_size, llm.context_len if resolved else None, sampling.max_tokens,
-                   scheduler.min_group_rows, columns, sampling.response_format, sampling.score_choices or None)
-
-    def fingerprint(self) -> str:
-        # In field order, values pinned; a setting that is None is left out, so that the plans made
-        # before it was one keep their stamp.
-        return fingerprint(*(v for f in fields(self) if (v := getattr(self, f.name)) is not None))
-
-    @classmethod
-    def described(cls) -> str:
-        return "the job's " + ", ".join(f.name for f in fields(cls))
-
-
-_STAMP_WHAT = {"batchllm.model": "the model, tokenizer or chat template", "batchllm.snapshot": "the prompt snapshot",
-               "batchllm.settings": PlanShaping.described()}
 
 
 class PlanError(RuntimeError):
@@ -94,21 +55,6 @@ class StalePlan(PlanError):
     def __init__(self, reasons: list[str]):
         self.reasons = reasons
         super().__init__(f"the plan is stale: {', '.join(reasons)} changed since it was made")
-
-
-# -- the stamp ---------------------------------------------------------------------------------
-def plan_stamp(model_path: str, snapshot_digest: str, shaping: PlanShaping) -> dict[str, str]:
-    """What a plan is made from, as it is now: the model's content (weights, config, tokenizer,
-    chat template), the prompt snapshot's digest, and the settings that shape a plan."""
-    assert shaping.context_len is not None, "a stamp needs the resolved context length"
-    return {"batchllm.model": model_fingerprint(model_path), "batchllm.snapshot": snapshot_digest,
-            "batchllm.settings": shaping.fingerprint()}
-
-
-def stale_reasons(plan_metadata: dict[bytes, bytes] | None, stamp: dict[str, str]) -> list[str]:
-    """What changed since the plan was made (empty: the plan still holds)."""
-    recorded = {k.decode(): v.decode() for k, v in (plan_metadata or {}).items()}
-    return [_STAMP_WHAT[k] for k, v in stamp.items() if recorded.get(k) != v]
 
 
 # -- writing -----------------------------------------------------------------------------------
@@ -251,12 +197,11 @@ def _token_ids(rows: pa.Table) -> TokenizedBatch:
 # shard writes as in the plan it ran, or the row's answer is superseded. Not the snapshot digest:
 # it changes with any row of the table, and an edit of another row must not discard this one.
 _ANSWER_COLUMNS = ["id", CONTENT_KEY, "max_tokens", "response_format"]
-_STAMP_KEYS = [b"batchllm.model", b"batchllm.settings"]
 
 
 def answer_identity(rows: pa.Table) -> pa.Table:
     """The rows' answer-deciding columns, with the plan's stamp (see ``PlanFile.superseded``)."""
-    stamp = {k: v for k, v in (rows.schema.metadata or {}).items() if k in _STAMP_KEYS}
+    stamp = {k: v for k, v in (rows.schema.metadata or {}).items() if k in ANSWER_STAMP_KEYS}
     return rows.select(_ANSWER_COLUMNS).replace_schema_metadata(stamp)
 
 
