@@ -7,6 +7,7 @@ snapshot and the settings that shaped the plan have not changed since. The shard
 asset keeps the locks, the Dagster failures, the metadata and the checks.
 """
 
+import functools
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -14,12 +15,7 @@ from dataclasses import asdict, dataclass
 import dagster as dg
 
 from batchllm_dagster.answer_store import OutputTableStore
-from batchllm_dagster.checks import (
-    constrained_answers,
-    merged_check_results,
-    partition_check_results,
-    partition_check_specs,
-)
+from batchllm_dagster.checks import merged_check_results, partition_check_results, partition_check_specs
 from batchllm_dagster.config import Backend, BatchJobConfig
 from batchllm_dagster.instance_limits import warn_if_unlimited
 from batchllm_dagster.layout import OUTPUT_TABLE_TAG, PLAN_RUN_TAG
@@ -30,8 +26,8 @@ from engine.jobs.shard_job import ShardJob
 from engine.plan.plan_table import NotInPlan, PlanFile, StalePlan
 
 
-def shard_jobs(config: BatchJobConfig, keys: list[str], store: OutputTableStore, queued_for: str | None
-               ) -> list[ShardJob]:
+def shard_jobs(config: BatchJobConfig, keys: list[str], store: OutputTableStore, queued_for: str | None,
+               run_id: str) -> list[ShardJob]:
     """Each key's shard of the plan on disk, opened once for all of them, as a job on the job's
     settings; refused (a Dagster failure that says what to do) if the plan no longer has a key or
     no longer holds. ``queued_for``: the plan run whose shards this run was queued for (the shard
@@ -56,7 +52,9 @@ def shard_jobs(config: BatchJobConfig, keys: list[str], store: OutputTableStore,
     except FileNotFoundError as exc:
         raise dg.Failure(str(exc)) from None
     return [ShardJob(shard, settings, config.sampling, config.scheduler, store, config.files.checkpoint_path(shard.key),
-                     config.files.checkpoints, config.files.plan_path) for shard in shards]
+                     config.files.checkpoints, config.files.plan_path, plan_lock=functools.partial(
+                         config.plan_lock, f"partition {shard.key} writing (run {run_id})", shared=True))
+            for shard in shards]
 
 
 def partition_keys_of(context: dg.AssetExecutionContext) -> list[str]:
@@ -131,7 +129,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         llm = context.resources.llm
         store = OutputTableStore(config, getattr(context.resources, config.names.warehouse_key), context.log)
         # Every shard is read and held against the plan before vLLM starts: a stale plan refuses the run whole.
-        jobs = shard_jobs(config, keys, store, context.run.tags.get(PLAN_RUN_TAG))
+        jobs = shard_jobs(config, keys, store, context.run.tags.get(PLAN_RUN_TAG), context.run.run_id)
         done: list[PartitionDone] = []
         with llm.shared_engine() as shared:
             try:
@@ -172,11 +170,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
                     scheduler=config.scheduler.model_dump(mode="json"), backend=str(config.backend))
 
         writing = time.perf_counter()  # from here: writing and checks, the partition's time after its rows
-        # The check against the plan on disk and the write are one step: no plan lands between them
-        # (a plan holds this lock exclusively from reading the snapshot to its last delete), else
-        # this shard could delete a newer shard's answers, bring back deleted ids or a removed key's file.
-        with config.plan_lock(f"partition {key} writing (run {context.run.run_id})", shared=True):
-            written = job.write(outcome.results)
+        written = job.write(outcome.results)  # checked against the plan on disk, under its lock
         stale = written.superseded.to_pylist()
         if stale:
             context.log.warning(f"{len(stale)} of this shard's rows were superseded by a newer plan while it ran "
@@ -186,8 +180,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
                          f"({written.rows_now} in it now)")
         warehouse = getattr(context.resources, config.names.warehouse_key)
         checks = partition_check_results(config, warehouse, key, written.table.column("id").to_pylist(),
-                                         outcome.stats, constrained_answers(prepared, outcome.results, config.sampling),
-                                         stale)
+                                         outcome.stats, prepared, outcome.results, stale)
         return PartitionDone(key, outcome, info, hardware.name, checks, {
             "not_reused_rows": dg.MetadataValue.json(outcome.not_reused),  # why rows ran again
             "superseded_rows": len(stale),  # answers a newer plan wanted from elsewhere: not written

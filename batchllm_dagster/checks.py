@@ -52,7 +52,7 @@ def partition_check_specs(config: BatchJobConfig) -> list[dg.AssetCheckSpec]:
     ]
 
 
-def constrained_answers(prepared, results: list, sampling) -> list[tuple]:
+def _constrained_answers(prepared, results: list, sampling) -> list[tuple]:
     """(id, answer, format) of each ok row of ``prepared`` (a ``PreparedBatch``) with a response
     format: its own, else the job's (``sampling.response_format``)."""
     row_of = {row_id: i for i, row_id in enumerate(prepared.ids)}
@@ -61,11 +61,13 @@ def constrained_answers(prepared, results: list, sampling) -> list[tuple]:
 
 
 def partition_check_results(config: BatchJobConfig, warehouse: DuckDBResource, partition_key: str, shard_ids: list,
-                            stats: RunStats, constrained: list[tuple[object, str, ResponseFormat]],
+                            stats: RunStats, prepared, results: list,
                             superseded_ids: list = ()) -> list[dg.AssetCheckResult]:
-    """``shard_ids``: the rows this run wrote; ``constrained``: (id, answer, format) of the shard's
-    ok rows that have a response format; ``superseded_ids``: rows a newer plan took over while it
-    ran, not written (an older answer of theirs in this partition is that plan's to replace)."""
+    """``shard_ids``: the rows this run wrote; ``prepared`` and ``results``: the shard's rows and
+    their results (the format check reads the ok rows that have a response format);
+    ``superseded_ids``: rows a newer plan took over while it ran, not written (an older answer of
+    theirs in this partition is that plan's to replace)."""
+    constrained = _constrained_answers(prepared, results, config.sampling)
     held = config.output(warehouse).partition_counts(partition_key, shard_ids, superseded_ids)
     errors, rows = held.errors, held.rows
     saving = stats.saving_vs_ideal

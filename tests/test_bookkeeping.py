@@ -446,7 +446,7 @@ def test_a_max_tokens_that_changes_no_rows_budget_reruns_nothing_and_older_answe
     from engine.plan.prepared import prepare_batch
     from engine.plan.tokenizing import load_tokenizer
     from engine.response_format import ResponseFormat
-    from engine.run.checkpoint import legacy_settings_fingerprint, row_fingerprints
+    from engine.run.checkpoint import row_fingerprints, settings_fingerprints
     from engine.run.stand_in import FakeEngine
     from engine.settings import EngineSettings, SamplingSettings
 
@@ -476,8 +476,8 @@ def test_a_max_tokens_that_changes_no_rows_budget_reruns_nothing_and_older_answe
     assert higher.stats.reused_rows == 0
 
     # An answer written before: its row fingerprint made of the settings with the typed max_tokens.
-    old = row_fingerprints(prepared, legacy_settings_fingerprint(settings.for_platform(current_platform()), sampling,
-                                                                 vllm_version()))
+    old = row_fingerprints(prepared, settings_fingerprints(settings.for_platform(current_platform()), sampling,
+                                                           vllm_version())[1])
     import pyarrow.parquet as pq
 
     written = pq.read_table(sorted((tmp_path / "ckpt").glob("part-*.parquet"))[0])

@@ -17,7 +17,7 @@ from ..machine import current_platform, vllm_version
 from ..plan.prepared import PreparedBatch
 from ..plan.row_checks import choice_rows
 from ..run.batch_run import BatchRun
-from ..run.checkpoint import Checkpoint, legacy_settings_fingerprint, row_fingerprints, settings_fingerprint
+from ..run.checkpoint import Checkpoint, row_fingerprints, settings_fingerprints
 from ..run.progress import Display
 from ..run.results import EngineInfo, RowResult, RunStats
 from ..settings import EngineSettings, SamplingSettings, SchedulerSettings
@@ -38,10 +38,9 @@ class RunOutcome:
 
 def answer_fingerprints(prepared: PreparedBatch, engine_settings: EngineSettings, sampling: SamplingSettings):
     """The settings fingerprint of this engine (its build, the settings as this platform resolves
-    them) and each row's, today's and the legacy one (``legacy_settings_fingerprint``)."""
-    resolved = engine_settings.for_platform(current_platform())
-    settings_fp = settings_fingerprint(resolved, sampling, vllm_version())
-    legacy_fp = legacy_settings_fingerprint(resolved, sampling, vllm_version())
+    them) and each row's, today's and the legacy one (``settings_fingerprints``)."""
+    settings_fp, legacy_fp = settings_fingerprints(engine_settings.for_platform(current_platform()), sampling,
+                                                   vllm_version())
     return settings_fp, row_fingerprints(prepared, settings_fp), legacy_fp, row_fingerprints(prepared, legacy_fp)
 
 

@@ -2,14 +2,17 @@
 run``, Ray's replicas): reuse what is already answered, run the rest on an engine it is given,
 check the plan on disk again at write time, write through an ``AnswerStore``, prune checkpoints.
 
-The caller keeps what is its own: locks, how a refusal is reported, metadata and checks. The write
-must be called under the job's plan lock (shared) when the job has a plan file: the plan is read
-again there, so that no plan lands between the check and the write (``ShardJob.write``).
+The caller keeps what is its own: its locks, how a refusal is reported, metadata and checks. The
+write holds the job's plan lock (shared) while it reads the plan on disk again and stores the
+answers, so that no plan lands between the check and the write (``ShardJob.write``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -103,7 +106,9 @@ class ShardJob:
     """Shard ``shard`` of a job: its rows as planned, the settings they run with, its checkpoint
     (``checkpoint``, its own folder) and where answers are stored. ``job_checkpoints``: the job's
     other shards' folders, reused and pruned (None: a job of one shard, ``batchllm run``);
-    ``plan_path``: the plan on disk a write is checked against (None: planned in this process)."""
+    ``plan_path``: the plan on disk a write is checked against (None: planned in this process);
+    ``plan_lock``: the job's plan lock, held shared from that check to the last write (a plan
+    holds it exclusively from reading the snapshot to its last delete)."""
 
     shard: PlannedShard
     engine_settings: EngineSettings
@@ -113,6 +118,7 @@ class ShardJob:
     checkpoint: Path
     job_checkpoints: JobCheckpoints | None = None
     plan_path: Path | None = None
+    plan_lock: Callable[[], ContextManager] | None = None
 
     def reuse_sources(self) -> list[Path | pa.Table]:
         """What the shard reuses by row fingerprint besides its own checkpoint: its rows already
@@ -144,12 +150,17 @@ class ShardJob:
                           reuse_from=self.reuse_sources(), scheduler_settings=self.scheduler, **options)
 
     def write(self, results: list[RowResult]) -> ShardWritten:
-        """The shard's answers stored as the plan on disk still wants them (call under the job's
-        plan lock, shared). A plan made while this shard ran may want some of its answers from
-        elsewhere (rows moved, edited or deleted, another model): those are not written, the newer
-        plan's shards answer them; the rest is written by id only, and the checkpoint kept for the
-        newer plan's shards to reuse its still-valid answers (a row that only moved to another key).
-        Then the checkpoints this write made useless are removed."""
+        """The shard's answers stored as the plan on disk still wants them, under the plan lock: no
+        plan lands between the check and the write, else this shard could delete a newer shard's
+        answers, bring back deleted ids or a removed key's file. A plan made while this shard ran
+        may want some of its answers from elsewhere (rows moved, edited or deleted, another model):
+        those are not written, the newer plan's shards answer them; the rest is written by id only,
+        and the checkpoint kept for the newer plan's shards to reuse its still-valid answers (a row
+        that only moved to another key). Then the checkpoints this write made useless are removed."""
+        with self.plan_lock() if self.plan_lock else contextlib.nullcontext():
+            return self._write(results)
+
+    def _write(self, results: list[RowResult]) -> ShardWritten:
         plan = PlanFile.at_write(self.plan_path) if self.plan_path is not None else None
         if self.plan_path is not None and plan is None:
             stale = self.shard.identity.column("id").combine_chunks()  # the plan was removed: nothing wanted

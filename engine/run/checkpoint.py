@@ -3,7 +3,7 @@
 A checkpoint is a folder of Parquet part files. Each part is written to a temporary name and
 renamed, so a process killed at any point (SIGKILL included) leaves only whole parts behind. A row
 is reused only when its fingerprint matches: the same id, the same prompt tokens, the same
-max_tokens and response format, and the same answer settings (``settings_fingerprint``: the
+max_tokens and response format, and the same answer settings (``settings_fingerprints``: the
 model's content, the engine's build, dtype as resolved, sampling); anything else is recomputed.
 """
 
@@ -34,30 +34,23 @@ log = logging.getLogger(__name__)
 _ANSWER_SETTINGS = {"dtype", "enforce_eager", "seed", "max_model_len", "tensor_parallel_size"}
 
 
-def settings_fingerprint(engine: EngineSettings, sampling: SamplingSettings, engine_build: str) -> str:
-    """What decides every row's answer besides the row itself: the model's content (weights,
-    config, tokenizer, chat template: the plan stamp's ``model_fingerprint``, not its path, so a
-    checkpoint re-exported in place reruns every row), the engine's build and version
-    (``engine_build``: ``machine.vllm_version()``, given by the caller), the engine settings above
-    (``engine`` as resolved for the platform by ``for_platform``: a CPU and a GPU run differ) and
-    the sampling, response format included, but not ``max_tokens`` as typed: each row's budget as
-    it runs (raised to its longest choice, say) is in its own fingerprint (``row_fingerprints``),
-    so a setting that changes no row's budget reruns nothing."""
-    return _settings_fingerprint(engine, sampling.model_dump(mode="json", exclude={"max_tokens"}), engine_build)
-
-
-def legacy_settings_fingerprint(engine: EngineSettings, sampling: SamplingSettings, engine_build: str) -> str:
-    """The settings fingerprint answers were written with before it left out ``max_tokens`` as
+def settings_fingerprints(engine: EngineSettings, sampling: SamplingSettings, engine_build: str) -> tuple[str, str]:
+    """What decides every row's answer besides the row itself, today's and the legacy fingerprint:
+    the model's content (weights, config, tokenizer, chat template: the plan stamp's
+    ``model_fingerprint``, hashed once, not its path, so a checkpoint re-exported in place reruns
+    every row), the engine's build and version (``engine_build``: ``machine.vllm_version()``, given
+    by the caller), the engine settings above (``engine`` as resolved for the platform by
+    ``for_platform``: a CPU and a GPU run differ) and the sampling, response format included, but
+    not ``max_tokens`` as typed: each row's budget as it runs (raised to its longest choice, say) is
+    in its own fingerprint (``row_fingerprints``), so a setting that changes no row's budget reruns
+    nothing. The legacy one is what answers were written with before it left out ``max_tokens`` as
     typed: an answer whose row fingerprint is made of it is as valid as one of today's (the same
     model, settings and row, the typed budget too), so a rerun still reuses it."""
-    return _settings_fingerprint(engine, sampling, engine_build)
-
-
-def _settings_fingerprint(engine: EngineSettings, sampling, engine_build: str) -> str:
     from ..plan.tokenizing import model_fingerprint
 
-    relevant = engine.model_dump(include=_ANSWER_SETTINGS)
-    return fingerprint(relevant, model_fingerprint(engine.model_path), engine_build, sampling)
+    relevant, model = engine.model_dump(include=_ANSWER_SETTINGS), model_fingerprint(engine.model_path)
+    today = fingerprint(relevant, model, engine_build, sampling.model_dump(mode="json", exclude={"max_tokens"}))
+    return today, fingerprint(relevant, model, engine_build, sampling)
 
 
 def row_fingerprints(prepared, settings_fp: str) -> list[str]:
@@ -123,7 +116,7 @@ class Checkpoint:
     def load(self, expected: dict, also: list[Path | pa.Table] = (), settings_fp: str | None = None,
              legacy: dict | None = None, legacy_settings_fp: str | None = None) -> dict:
         """Reusable ok results by id: those whose fingerprint equals ``expected[id]`` (or
-        ``legacy[id]``: the same row under ``legacy_settings_fingerprint``, ``legacy_settings_fp``).
+        ``legacy[id]``: the same row under the legacy settings fingerprint, ``legacy_settings_fp``).
 
         ``also`` names more results to reuse from (a previous run's output, another checkpoint's
         parts: files or tables);
