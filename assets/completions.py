@@ -26,12 +26,12 @@ from engine.jobs.shard_job import ShardJob
 from engine.plan.plan_table import NotInPlan, PlanFile, StalePlan
 
 
-def shard_jobs(config: BatchJobConfig, keys: list[str], store: OutputTableStore, queued_for: str | None,
-               run_id: str) -> list[ShardJob]:
+def shard_jobs(config: BatchJobConfig, keys: list[str], context: dg.AssetExecutionContext) -> list[ShardJob]:
     """Each key's shard of the plan on disk, opened once for all of them, as a job on the job's
-    settings; refused (a Dagster failure that says what to do) if the plan no longer has a key or
-    no longer holds. ``queued_for``: the plan run whose shards this run was queued for (the shard
-    sensor's tag)."""
+    settings and answer store (its output table); refused (a Dagster failure that says what to do)
+    if the plan no longer has a key or no longer holds."""
+    store = OutputTableStore(config, getattr(context.resources, config.names.warehouse_key), context.log)
+    queued_for = context.run.tags.get(PLAN_RUN_TAG)  # the plan run whose shards this run was queued for
     try:
         with PlanFile.opened_for_running(config.files.plan_path, config.files.token_cache_dir) as plan:
             settings = config.engine_settings(plan.counts)  # the job's, else what the plan counts in
@@ -53,7 +53,7 @@ def shard_jobs(config: BatchJobConfig, keys: list[str], store: OutputTableStore,
         raise dg.Failure(str(exc)) from None
     return [ShardJob(shard, settings, config.sampling, config.scheduler, store, config.files.checkpoint_path(shard.key),
                      config.files.checkpoints, config.files.plan_path, plan_lock=functools.partial(
-                         config.plan_lock, f"partition {shard.key} writing (run {run_id})", shared=True))
+                         config.plan_lock, f"partition {shard.key} writing (run {context.run.run_id})", shared=True))
             for shard in shards]
 
 
@@ -127,9 +127,8 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         """The partitions one after another on one vLLM engine, each written and checked on its own."""
         started_at = time.perf_counter()
         llm = context.resources.llm
-        store = OutputTableStore(config, getattr(context.resources, config.names.warehouse_key), context.log)
         # Every shard is read and held against the plan before vLLM starts: a stale plan refuses the run whole.
-        jobs = shard_jobs(config, keys, store, context.run.tags.get(PLAN_RUN_TAG), context.run.run_id)
+        jobs = shard_jobs(config, keys, context)
         done: list[PartitionDone] = []
         with llm.shared_engine() as shared:
             try:
