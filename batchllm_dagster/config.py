@@ -342,7 +342,7 @@ class BatchJobConfig(JobSpec):
     def engine_settings(self, planned: dict[str, int] | None = None) -> EngineSettings:
         """``llm`` with its model (a built-in name or a path) resolved to a checkpoint directory and
         its KV block size set: the job's, else the plan's, else this platform's default. ``planned``:
-        what the plan counts in (``plan_table.planned_counts``): a shard runs at its block size and
+        what the plan counts in (``plan_table.PlanFile.counts``): a shard runs at its block size and
         context length where the job sets none, whatever machine made the plan."""
         llm = self._model_resolved()
         unset = {name: value for name, value in (planned or {}).items() if getattr(llm, name) is None}

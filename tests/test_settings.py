@@ -176,11 +176,11 @@ def _plan_on(monkeypatch, config, platform) -> dict:
 def _shard_on(monkeypatch, config, platform) -> EngineSettings:
     """The settings a shard runs at on a machine of ``platform`` (as ``completions`` resolves them)."""
     import engine.settings as settings_module
-    from engine.plan.plan_table import planned_counts
+    from engine.plan.plan_table import PlanFile
 
     monkeypatch.setattr(settings_module, "current_platform", lambda: platform)
     monkeypatch.setattr("batchllm_dagster.config.current_platform", lambda: platform)
-    return config.engine_settings(planned_counts(config.files.plan_path))
+    return config.engine_settings(PlanFile.open(config.files.plan_path).counts)
 
 
 def _job(tmp_path, model, hardware=("cpu",), **llm):
@@ -196,12 +196,11 @@ def test_a_shard_runs_at_what_its_plan_counts_in_whatever_machine_made_it(monkey
     no max_model_len set: the shards run at the plan's 32 and 2,048, not the GPU's own 16 and the
     model's 4,096, which would make every plan stale (and a rematerialized one stale again)."""
     from engine.plan.plan_stamp import stale_reasons
-    from engine.plan.plan_table import planned_counts
+    from engine.plan.plan_table import PlanFile
 
     config = _job(tmp_path, tiny_model)
-    assert planned_counts(config.files.plan_path) == {}  # no plan yet
     recorded = _plan_on(monkeypatch, config, Platform.CPU)
-    assert planned_counts(config.files.plan_path) == {"block_size": 32, "max_model_len": 2048}
+    assert PlanFile.open(config.files.plan_path).counts == {"block_size": 32, "max_model_len": 2048}
 
     shard = _shard_on(monkeypatch, config, Platform.CUDA)
     assert (shard.block_size, shard.max_model_len) == (32, 2048)
@@ -222,11 +221,11 @@ def test_a_plan_for_gpu_partitions_counts_in_the_gpus_settings_wherever_it_is_ma
     current on the GPU. No max_model_len set."""
     from batchllm_dagster.config import HardwarePartition
     from engine.plan.plan_stamp import stale_reasons
-    from engine.plan.plan_table import planned_counts
+    from engine.plan.plan_table import PlanFile
 
     config = _job(tmp_path, tiny_model, hardware=[HardwarePartition(name="h200", platform="cuda")])
     recorded = _plan_on(monkeypatch, config, Platform.CPU)
-    assert planned_counts(config.files.plan_path) == {"block_size": 16, "max_model_len": 4096}
+    assert PlanFile.open(config.files.plan_path).counts == {"block_size": 16, "max_model_len": 4096}
     shard = _shard_on(monkeypatch, config, Platform.CUDA)
     assert (shard.block_size, shard.max_model_len) == (16, 4096)
     assert stale_reasons(recorded, config.plan_stamp(shard)) == []

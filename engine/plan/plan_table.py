@@ -110,13 +110,6 @@ def _read(path: Path, filters=None, columns: list[str] | None = None) -> pa.Tabl
     return pq.read_table(path, filters=filters, columns=columns)
 
 
-def plan_run_of(path: Path) -> str | None:
-    """The run that made the plan on disk (None: no plan, or one made before runs were recorded)."""
-    if not path.exists():
-        return None
-    return _plan_run(pq.ParquetFile(path).schema_arrow.metadata)
-
-
 def _plan_run(metadata: dict[bytes, bytes] | None) -> str | None:
     value = (metadata or {}).get(PLAN_RUN.encode())
     return value.decode() if value else None
@@ -141,15 +134,11 @@ def previous_shards(path: Path, ids: pa.ChunkedArray) -> np.ndarray | None:
     return pc.fill_null(pc.take(last.column("shard"), position), -1).to_numpy()
 
 
-def planned_counts(path: Path) -> dict[str, int]:
-    """What the plan at ``path`` counts in: its KV ``block_size`` and the ``max_model_len`` it
-    checked rows against (empty: no plan there yet). Its shards run at them where the job sets
-    none, on whatever machine: a plan made for a GPU on a CPU pod (16, the model's own length)
-    runs so on the GPU, and one counted in a CPU's 32 and 2,048 runs at those on a GPU too."""
-    return _counts(pq.ParquetFile(path).schema_arrow.metadata) if path.exists() else {}
-
-
 def _counts(metadata: dict[bytes, bytes] | None) -> dict[str, int]:
+    """What a plan counts in: its KV ``block_size`` and the ``max_model_len`` it checked rows against.
+    Its shards run at them where the job sets none, on whatever machine: a plan made for a GPU on a
+    CPU pod (16, the model's own length) runs so on the GPU, and one counted in a CPU's 32 and 2,048
+    runs at those on a GPU too."""
     metadata = metadata or {}
     counts = {"block_size": _block_size_of(metadata), "max_model_len": int(metadata.get(MAX_MODEL_LEN.encode(), 0))}
     return {name: value for name, value in counts.items() if value}
@@ -250,7 +239,7 @@ class PlanFile:
 
     @property
     def counts(self) -> dict[str, int]:
-        """What the plan counts in (``planned_counts``)."""
+        """What the plan counts in (``_counts``)."""
         return _counts(self.metadata)
 
     @property
