@@ -44,6 +44,17 @@ def answer_fingerprints(prepared: PreparedBatch, engine_settings: EngineSettings
     return settings_fp, row_fingerprints(prepared, settings_fp), legacy_fp, row_fingerprints(prepared, legacy_fp)
 
 
+def _reuse(prepared: PreparedBatch, rows: list[int], engine_settings: EngineSettings, sampling: SamplingSettings,
+           checkpoint: Checkpoint, reuse_from: list[Path | pa.Table]) -> tuple[str, list[str], dict]:
+    """The settings fingerprint, each row's, and the results of ``rows`` reused by them from the
+    checkpoint and ``reuse_from`` (today's fingerprints or the legacy ones)."""
+    settings_fp, fingerprints, legacy_settings_fp, legacy = answer_fingerprints(prepared, engine_settings, sampling)
+    reused = checkpoint.load({prepared.ids[r]: fingerprints[r] for r in rows}, also=list(reuse_from),
+                             settings_fp=settings_fp, legacy={prepared.ids[r]: legacy[r] for r in rows},
+                             legacy_settings_fp=legacy_settings_fp)
+    return settings_fp, fingerprints, reused
+
+
 def scores_choices(prepared: PreparedBatch, sampling: SamplingSettings, rows: list[int]) -> bool:
     """Whether any of ``rows`` is a choice row answered by scoring (``score_choices``)."""
     if not sampling.score_choices:
@@ -73,13 +84,10 @@ def run_resumable(
     leaves it."""
     started_at = time.perf_counter() if started_at is None else started_at
     rows = [int(r) for r in prepared.order] if rows is None else list(rows)
-    settings_fp, fingerprints, legacy_settings_fp, legacy = answer_fingerprints(prepared, engine_settings, sampling)
     checkpoint = Checkpoint(
         checkpoint_dir, prepared.id_type, every_rows=checkpoint_every_rows, every_s=checkpoint_every_s
     )
-    reused = checkpoint.load({prepared.ids[r]: fingerprints[r] for r in rows}, also=list(reuse_from),
-                             settings_fp=settings_fp, legacy={prepared.ids[r]: legacy[r] for r in rows},
-                             legacy_settings_fp=legacy_settings_fp)
+    settings_fp, fingerprints, reused = _reuse(prepared, rows, engine_settings, sampling, checkpoint, reuse_from)
     todo = [r for r in rows if prepared.ids[r] not in reused]
     why = "; ".join(f"{n} {reason}" for reason, n in checkpoint.not_reused.most_common())
     (progress_sink or log.info)(
