@@ -1,34 +1,14 @@
 """``batchllm bench``: this engine against plain vLLM, one run after the other on one machine.
 
-Runs, each in its own fresh Python process and vLLM engine with the same KV cache (sized below
-the batch's prefix working set, as in a real offline job with thousands of documents):
-
-* ``vllm_nocache``         - vLLM, prefix caching off, rows in input order (shuffled, like a table);
-* ``vllm_apc``             - vLLM with its automatic prefix cache, input order;
-* ``vllm_apc_sorted``      - vLLM with prefix caching on ``sorted()`` rows (our engine loop);
-* ``vllm_generate_sorted`` - vLLM's own ``LLM.generate`` on ``sorted()`` rows with vLLM's own batch
-  sizes: the one line a user would write instead of this package;
-* ``batchllm``             - this engine on the same prompts: global plan, groups, KV-budgeted admission;
-* ``vllm_hand_order`` and ``batchllm_field_order`` where prompts come from fields (below).
-
-All get the same token ids and greedy sampling with ``ignore_eos`` (fixed output lengths).
-``--repeat N`` runs them all N times, the order rotated each time; every ratio is reported with
-its median and range over the repetitions ("on par" when the range crosses 1.0), with and
-without batchllm's planning time charged to it, and the verdict names the strongest baseline.
-``--shape`` picks the synthetic table (``engine/bench/shapes.py`` describes each).
-
-With prompts from fields (``fields``, ``short``, or ``--fields`` on a user's table: ``batchllm
-bench PROMPTS --fields a,b --field-order optimize``) the baselines and ``batchllm`` run the
-declared order; ``vllm_hand_order`` is ``LLM.generate`` on sorted prompts with the fields in one
-global order by ascending distinct values (a user's hand recipe), and ``batchllm_field_order`` is
-this engine with the order ``field_order: optimize`` chooses (``engine.table.fields``).
-
-``batchllm bench PROMPTS`` runs the same four on a sample of the user's own table instead (whole
-prefix groups, so the sample shares what the table shares), each row with its own ``max_tokens``.
-
-``--analysis`` times the plan alone on synthetic token ids (no model); ``--scheduler-only`` our
-own cost per engine step at GPU batch sizes, and with ``--shape short`` how full the batch runs at
-an H200's settings on the block-accounting stand-in (``engine/bench/bench_scheduler.py``, no model).
+Each run is a fresh Python process and vLLM engine with the same KV cache, token ids and greedy
+sampling (``ignore_eos``): ``vllm_nocache`` and ``vllm_apc`` (input order, prefix caching off and
+on), ``vllm_apc_sorted`` (prefix caching on sorted rows, our engine loop), ``vllm_generate_sorted``
+(vLLM's own ``LLM.generate`` on sorted rows: the line a user would write instead), ``batchllm``, and
+with prompts from fields ``vllm_hand_order`` (the hand recipe's field order, sorted, ``LLM.generate``)
+and ``batchllm_field_order`` (the order ``field_order: optimize`` chooses). ``--repeat N`` rotates
+the order each time and reports every ratio's median and range; the verdict names the strongest
+baseline. README, "Benchmark", says how to run and read it; ``--shape`` picks a synthetic table
+(``engine/bench/shapes.py``), ``PROMPTS`` a sample of the user's own (whole prefix groups).
 """
 
 from __future__ import annotations

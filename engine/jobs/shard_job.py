@@ -162,7 +162,7 @@ class ShardJob:
 
     def _write(self, results: list[RowResult]) -> ShardWritten:
         plan = PlanFile.at_write(self.plan_path) if self.plan_path is not None else None
-        stale = self._superseded(plan).combine_chunks()
+        stale = self._superseded(plan)
         for result in results:
             result.shard = self.shard.number
         if len(stale):
@@ -175,9 +175,9 @@ class ShardJob:
             self.job_checkpoints.prune(self.store, *plan.live_keys())
         return ShardWritten(table, rows_now, stale)
 
-    def _superseded(self, plan: PlanFile | None) -> pa.Array | pa.ChunkedArray:
+    def _superseded(self, plan: PlanFile | None) -> pa.Array:
         """The shard's ids the plan on disk no longer wants from it: none when it was planned in this
         process (no plan file), all when its plan file was removed while it ran."""
         if self.plan_path is None:
             return pa.array([], self.shard.prepared.id_type)
-        return self.shard.identity.column("id") if plan is None else plan.superseded(self.shard)
+        return (self.shard.identity.column("id") if plan is None else plan.superseded(self.shard)).combine_chunks()

@@ -1,51 +1,18 @@
 """Prompts built from a row's fields, in the order that shares most.
 
-A dataset may declare its prompt as an instruction, a list of fields (columns) and an optional
-closing question instead of a prompt column. Each row's prompt is rendered as
+A row's prompt is ``{instruction}``, a blank line, one ``{field}: {value}`` line per field, and
+``{question}`` after a blank line (README, "Prompts from fields", has the user's rules). Values are
+rendered so that two different rows never give the same prompt and a value gives the same text
+whatever its SQL type: NULL is empty; backslash, newline and carriage return are escaped, so a
+value stays on its line (``field_text``); numbers in their shortest form; lists, structs and
+maps as JSON with sorted keys; a type Arrow cannot cast to text is refused with its field's name.
 
-    {instruction}
-
-    {field}: {value}
-    {field}: {value}
-    ...
-
-    {question}
-
-(one line per field; without a question the prompt ends after the last field's line). Applied to
-the rendered prompt, a chat template works as on any prompt. A value is rendered so that two
-different rows never give the same prompt, and the same value gives the same text whatever its SQL
-type:
-
-* NULL is an empty value;
-* a backslash is written ``\\\\``, a newline ``\\n`` and a carriage return ``\\r``: a value stays on
-  its own line, so a value holding a line that looks like another field's (``"x\\nstars: 5"``) cannot
-  pass for it (field names may not hold a newline or ``": "``);
-* a number as its shortest text: a DECIMAL without trailing zeros (4.50 as ``4.5``, 4.00 as ``4``),
-  as a DOUBLE of the same value renders;
-* a list, struct or map as JSON (keys sorted);
-* other types as Arrow casts them to text (dates ISO 8601, booleans ``true``/``false``); a type
-  Arrow cannot cast is refused with its field's name.
-
-``field_order: as_declared`` renders the fields in the declared order. ``optimize`` chooses the
-order that computes the fewest prompt tokens, by the exact count: each candidate's prompts are
-tokenized and planned, and the minimum prefill the planner finds at the job's KV block size (what
-sorted rows compute on vLLM) decides. The candidates:
-
-* ``declared``: the declared order;
-* ``distinct_values``: one global order, the fields by ascending number of distinct values (what a
-  user who knows prefix caching writes by hand);
-* ``greedy``: a per-row order, the greedy recursive grouping of Liu et al., "Optimizing LLM
-  Queries in Relational Workloads" (arXiv 2403.05821). At each step, among the rows that share
-  everything before the current position, the field whose repeated values save the most
-  (``(rows with the value - 1) x length of its line``, summed over its values) goes next for the
-  rows whose value of it repeats, followed by every field that is then constant among them; each
-  value's rows and the rows left over are grouped again the same way.
-
-So a per-row order is kept only where it computes fewer tokens than both global orders; a tie goes
-to the global order. A review table joined to products whose long description was declared after
-the review text thus puts the description first, and the unique review last. A different order can
-change an answer: check on a sample (``batchllm bench --fields ...`` reports how many answers the
-two orders share).
+``field_order: optimize`` chooses among ``declared``, ``distinct_values`` (fields by ascending
+distinct values: the hand recipe) and ``greedy`` (the per-row grouping of Liu et al., arXiv
+2403.05821) by the exact count: each candidate is tokenized and planned, and the fewest prompt
+tokens to compute at the job's KV block size (the minimum prefill) wins; a tie goes to a global
+order. A different order can change an answer: ``batchllm bench --fields`` reports how many
+answers two orders share.
 """
 
 from __future__ import annotations
