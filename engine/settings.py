@@ -184,9 +184,9 @@ class SchedulerSettings(BaseModel):
     # The defaults admit almost as vLLM itself would (the whole cache, output blocks grown as rows
     # decode), in plan order, but count the token a row's first decode step writes: vLLM admits a
     # prompt that fits and preempts it a step later where its first output needs a block the cache
-    # no longer has, then computes it again (the bench's groups shape: 52 preemptions, 18% more
-    # prompt tokens than the minimum, for 2% fewer steps). Reserving more output (16 tokens, 97%
-    # of the cache, the earlier defaults) kept 9-13% fewer rows in flight on the bench's shapes.
+    # no longer has, then computes it again (README, Benchmark: the groups shape). Reserving more
+    # output (the earlier defaults: 16 tokens, 97% of the cache) kept fewer rows in flight
+    # (docs/benchmark-history.md).
     kv_budget_fraction: float = Field(
         1.0, description="share of the engine's KV capacity the blocks in flight may use, in (0, 1]")
     reserve_output: ReserveOutput = Field(

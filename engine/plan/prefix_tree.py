@@ -153,7 +153,7 @@ def _mixed_decode_ratio_order(levels: list[_Level], ratio: np.ndarray) -> np.nda
         node_ratio = np.bincount(level.node, weights=ratio[level.rows]) / level.counts
         rank_of_node = _interleaved_ranks(node_ratio)
         # Rows ending above this depth come first (-1). Few nodes: 16-bit keys, which numpy's
-        # stable sort orders by radix (5x faster on a million rows).
+        # stable sort orders by radix, far faster than a comparison sort on a million rows.
         key = np.full(n, -1, dtype=np.int16 if node_ratio.size < 2**15 else np.int64)
         key[level.rows] = rank_of_node[level.node]
         order = order[np.argsort(key[order], kind="stable")]

@@ -28,9 +28,8 @@ from .requests import RequestKind, Submission
 from .stand_in import FakeEngine
 
 # Group-wise admission is chosen where vLLM alone would compute more than this share of prompt tokens
-# over the minimum: below it, a fuller batch gains more than is computed twice. The bench's shapes
-# (README, Benchmark): groups, nested and duplicates 11-21% over, where group-wise runs ahead of sorted
-# vLLM; templates, kv_bound, fields and short 0-1.9%, where vLLM's own admission runs even or ahead.
+# over the minimum: below it, a fuller batch gains more than is computed twice (README, "How a batch
+# runs", lists the bench's shapes on either side of it).
 MIN_RECOMPUTED_SHARE = 0.02
 # The simulation covers the first rows in plan order up to this many times the KV capacity (the
 # regime shows within a few fills) and this many row-steps: its cost is paid before every shard's

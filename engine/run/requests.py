@@ -37,8 +37,8 @@ class Submission:
     token_ids: np.ndarray
     max_tokens: int
     # The first tokens of ``token_ids`` as Python ints, one list shared by the rows of a group (its
-    # prefix): converting a prompt to the list vLLM takes is a Python int per token, ~10 us for 560
-    # tokens, the largest host cost of a submission; a group's rows convert only what follows it.
+    # prefix): converting a prompt to the list vLLM takes is a Python int per token, the largest
+    # host cost of a submission (README, On GPUs); a group's rows convert only what follows it.
     shared_ids: list[int] | None = field(default=None, repr=False)
 
     def prompt_ids(self) -> list[int]:

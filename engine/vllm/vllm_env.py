@@ -70,10 +70,10 @@ def process_env(settings: EngineSettings, platform: Platform, cores: int | None 
     if platform is Platform.CUDA:
         env.update({name: value for name, (value, _) in REQUIRED_ON_CUDA.items()})
     if platform is Platform.CPU:
-        # One process: the engine starts in seconds, and measured faster here (README, On GPUs).
+        # One process: the engine starts in seconds, and ran faster (README, Configuration notes).
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         cores = cores or os.cpu_count() or 1
-        # The default reserves a core for the frontend; binding all of them was 1.7x faster here.
+        # vLLM's default leaves a core to the frontend, which in one process idles (README, Configuration notes).
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{cores - 1}" if cores > 1 else "0"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.cpu_kv_cache_gib)
     return env
