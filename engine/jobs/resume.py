@@ -44,17 +44,6 @@ def answer_fingerprints(prepared: PreparedBatch, engine_settings: EngineSettings
     return settings_fp, row_fingerprints(prepared, settings_fp), legacy_fp, row_fingerprints(prepared, legacy_fp)
 
 
-def _reuse(prepared: PreparedBatch, rows: list[int], engine_settings: EngineSettings, sampling: SamplingSettings,
-           checkpoint: Checkpoint, reuse_from: list[Path | pa.Table]) -> tuple[str, list[str], dict]:
-    """The settings fingerprint, each row's, and the results of ``rows`` reused by them from the
-    checkpoint and ``reuse_from`` (today's fingerprints or the legacy ones)."""
-    settings_fp, fingerprints, legacy_settings_fp, legacy = answer_fingerprints(prepared, engine_settings, sampling)
-    reused = checkpoint.load({prepared.ids[r]: fingerprints[r] for r in rows}, also=list(reuse_from),
-                             settings_fp=settings_fp, legacy={prepared.ids[r]: legacy[r] for r in rows},
-                             legacy_settings_fp=legacy_settings_fp)
-    return settings_fp, fingerprints, reused
-
-
 def scores_choices(prepared: PreparedBatch, sampling: SamplingSettings, rows: list[int]) -> bool:
     """Whether any of ``rows`` is a choice row answered by scoring (``score_choices``)."""
     if not sampling.score_choices:
@@ -77,17 +66,18 @@ def run_resumable(
     started_at: float | None = None,
     display: Display | None = None,
 ) -> RunOutcome:
-    """Run the rows, writing results to a checkpoint as they finish; rows a previous (killed)
-    run already wrote with the same fingerprint are reused, not recomputed. vLLM starts only
-    if some row still needs it: ``engine_opener(settings)`` gives a context manager (a
-    ``VLLMEngine``, or a resource's ``engine()``) whose owner closes the engine when the run
-    leaves it."""
+    """Run the rows, writing results to a checkpoint as they finish; rows a previous (killed) run
+    already wrote with the same fingerprint are reused, not recomputed. vLLM starts only if some row
+    still needs it: ``engine_opener(settings)`` gives a context manager (a ``VLLMEngine``, or a
+    resource's ``engine()``) whose owner closes the engine when the run leaves it."""
     started_at = time.perf_counter() if started_at is None else started_at
     rows = [int(r) for r in prepared.order] if rows is None else list(rows)
-    checkpoint = Checkpoint(
-        checkpoint_dir, prepared.id_type, every_rows=checkpoint_every_rows, every_s=checkpoint_every_s
-    )
-    settings_fp, fingerprints, reused = _reuse(prepared, rows, engine_settings, sampling, checkpoint, reuse_from)
+    settings_fp, fingerprints, legacy_settings_fp, legacy = answer_fingerprints(prepared, engine_settings, sampling)
+    checkpoint = Checkpoint(checkpoint_dir, prepared.id_type, every_rows=checkpoint_every_rows,
+                            every_s=checkpoint_every_s)
+    reused = checkpoint.load({prepared.ids[r]: fingerprints[r] for r in rows}, also=list(reuse_from),
+                             settings_fp=settings_fp, legacy={prepared.ids[r]: legacy[r] for r in rows},
+                             legacy_settings_fp=legacy_settings_fp)
     todo = [r for r in rows if prepared.ids[r] not in reused]
     why = "; ".join(f"{n} {reason}" for reason, n in checkpoint.not_reused.most_common())
     (progress_sink or log.info)(
