@@ -8,7 +8,6 @@ asset keeps the locks, the Dagster failures, the metadata and the checks.
 """
 
 import functools
-import os
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -19,7 +18,7 @@ from batchllm_dagster.answer_store import OutputTableStore
 from batchllm_dagster.checks import merged_check_results, partition_check_results, partition_check_specs
 from batchllm_dagster.config import Backend, BatchJobConfig
 from batchllm_dagster.instance_limits import warn_if_unlimited
-from batchllm_dagster.layout import OUTPUT_TABLE_TAG, PLAN_RUN_TAG
+from batchllm_dagster.layout import OUTPUT_TABLE_TAG, PLAN_RUN_TAG, this_run
 from batchllm_dagster.metadata import field_order_metadata, review_metadata, run_metadata
 from batchllm_dagster.partitions import held_partitions
 from batchllm_dagster.shard_sizing import ray_time_limit
@@ -52,10 +51,9 @@ def shard_jobs(config: BatchJobConfig, keys: list[str], context: dg.AssetExecuti
             f"materialized; rematerialize {config.name}/prefix_groups, then run its partitions") from None
     except FileNotFoundError as exc:
         raise dg.Failure(str(exc)) from None
-    holder = f"run {context.run.run_id}, pid {os.getpid()}"
     return [ShardJob(shard, settings, config.sampling, config.scheduler, store, config.files.checkpoint_path(shard.key),
                      config.files.checkpoints, config.files.plan_path, plan_lock=functools.partial(
-                         config.plan_lock, f"partition {shard.key} writing ({holder})", shared=True))
+                         config.plan_lock, f"partition {shard.key} writing ({this_run(context)})", shared=True))
             for shard in shards]
 
 
@@ -120,7 +118,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         keys = partition_keys_of(context)  # one, or a range (partitions_per_run: the sensor's, a backfill's)
         warn_if_unlimited(context)
         # One run per partition key at a time: the second refuses before it reads the checkpoint the first writes.
-        with held_partitions(config, keys, f"run {context.run.run_id}, pid {os.getpid()}"):
+        with held_partitions(config, keys, this_run(context)):
             with context.resources.llm.library_output_routed(f"{config.name}-{context.run.run_id}") as log_file:
                 context.log.info(f"vLLM's and the other libraries' own lines: {log_file}")
                 return run_partitions(context, keys)

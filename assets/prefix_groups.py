@@ -1,7 +1,6 @@
 """``prefix_groups``: the global prefix plan of the batch, cut into shards (the partitions)."""
 
 import math
-import os
 
 import dagster as dg
 import numpy as np
@@ -10,6 +9,7 @@ import pyarrow as pa
 from batchllm_dagster.answer_store import OutputTableStore
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.instance_limits import warn_if_unlimited
+from batchllm_dagster.layout import this_run
 from batchllm_dagster.metadata import plan_metadata
 from batchllm_dagster.partitions import by_hardware, shard_key, sync_partitions
 from batchllm_dagster.shard_sizing import ShardSize, last_partitions_metadata, measured_by_hardware, shard_size
@@ -118,7 +118,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         # One plan of this job at a time in any instance (the plan pool needs an instance's limits):
         # a second waits, then plans from the snapshot as it is then.
         warn_if_unlimited(context)
-        with config.plan_lock(f"a plan being made (run {context.run.run_id}, pid {os.getpid()})"):
+        with config.plan_lock(f"a plan being made ({this_run(context)})"):
             return make_plan(context)
 
     def make_plan(context: dg.AssetExecutionContext) -> dg.MaterializeResult:

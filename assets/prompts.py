@@ -1,12 +1,12 @@
 """``prompts``: the prompt rows, read from DuckDB (read-only) or Parquet and snapshotted."""
 
-import os
 from pathlib import Path
 
 import dagster as dg
 import pyarrow as pa
 
 from batchllm_dagster.config import BatchJobConfig
+from batchllm_dagster.layout import this_run
 from batchllm_dagster.metadata import table_preview
 from engine.atomic import Staged
 from engine.table.dataset import (
@@ -95,7 +95,7 @@ def build_prompts(config: BatchJobConfig) -> dg.AssetsDefinition:
         path, spec = config.files.prompts_path, config.dataset
         # The job's plan lock: a snapshot never lands while a plan is being made from the last one
         # (that plan finishes first; this run then waits), in any instance, whatever launched it.
-        with config.plan_lock(f"a prompt snapshot being taken (run {context.run.run_id}, pid {os.getpid()})"):
+        with config.plan_lock(f"a prompt snapshot being taken ({this_run(context)})"):
             try:
                 rows, preview, choice = snapshot_dataset(config, path, context.log.info)
             except DatasetError as exc:  # what to fix in the job or its data: one line, no traceback

@@ -1,11 +1,13 @@
 """Where a job lives, derived from what it declares (``BatchJobConfig``): its files and locks under
 its storage folder (``JobFiles``), its names in Dagster (``JobNames``: asset keys, the partition
-set, jobs, sensors, the schedule, pools, the warehouse resource key) and the run tags the package
-reads. Each name has this one owner: the assets, sensors, checks and the demo ask it.
+set, jobs, sensors, the schedule, pools, the warehouse resource key), the run tags the package
+reads and how a run names itself in a lock (``this_run``). Each name has this one owner: the assets,
+sensors, checks and the demo ask it.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +18,11 @@ HARDWARE_TAG = "batchllm/hardware"  # the hardware partition a shard's run is bo
 PLAN_RUN_TAG = "batchllm/plan_run"  # a shard's run: the plan run whose shards it was queued for
 SHARDS_TAG = "batchllm/shards"  # the shard keys a sensor's run answers (``first..last`` for a range)
 OUTPUT_TABLE_TAG = "batchllm/output_table"  # on the completions op: the table its answers go to
+
+
+def this_run(context) -> str:
+    """How a lock a step holds names its run to a run that waits or is refused (``engine.locks``)."""
+    return f"run {context.run.run_id}, pid {os.getpid()}"
 
 
 @dataclass(frozen=True)
