@@ -36,7 +36,7 @@ def shard_jobs(config: BatchJobConfig, keys: list[str], context: dg.AssetExecuti
         with PlanFile.opened_for_running(config.files.plan_path, config.files.token_cache_dir) as plan:
             settings = config.engine_settings(plan.counts)  # the job's, else what the plan counts in
             stamp = config.plan_stamp(settings)
-            shards = [plan.shard(key, stamp) for key in keys]
+            shards = plan.shards(keys, stamp)
     except NotInPlan as missing:
         if queued_for and missing.planned_by != queued_for:
             raise dg.Failure(

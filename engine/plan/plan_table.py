@@ -10,7 +10,7 @@ One row per prompt row, in input order:
 and in the schema's metadata: the block size, the token cache folder the content keys point
 into, the stamp (``plan_stamp``: what the plan was made from) and the run that made it. Token ids
 are not in the file (2 GB per million rows every night would cost more than planning):
-``PlanFile.shard`` maps them back from the token cache. A shard runs exactly its rows as written,
+``PlanFile.shards`` maps them back from the token cache. A shard runs exactly its rows as written,
 and refuses a plan whose stamp no longer holds.
 """
 
@@ -249,18 +249,19 @@ class PlanFile:
     def _of_key(self, key: str) -> pa.Table:
         return self.rows.filter(pc.equal(self.rows.column("partition_key"), key))
 
-    def shard(self, key: str, stamp: dict[str, str]) -> PlannedShard:
-        """Shard ``key`` with its rows' token ids (call inside ``opened_for_running``). Raises
-        ``NotInPlan`` when the plan has no such partition and ``StalePlan`` when its stamp no longer
-        equals ``stamp``."""
-        rows = self._of_key(key)
-        if rows.num_rows == 0:
-            raise NotInPlan(key, self.plan_run)
+    def shards(self, keys: list[str], stamp: dict[str, str]) -> list[PlannedShard]:
+        """The shards of ``keys`` with their rows' token ids (call inside ``opened_for_running``).
+        Raises ``NotInPlan`` for the first key the plan has no partition of, then ``StalePlan`` when
+        its stamp no longer equals ``stamp`` (checked once: it is the plan's, not a shard's)."""
+        rows = {key: self._of_key(key) for key in keys}
+        missing = next((key for key, of_key in rows.items() if of_key.num_rows == 0), None)
+        if missing is not None:
+            raise NotInPlan(missing, self.plan_run)
         stale = stale_reasons(self.metadata, stamp)
         if stale:
             raise StalePlan(stale)
-        return PlannedShard(key, int(rows["shard"][0].as_py()), prepared_batch(rows, _token_ids(rows)),
-                            answer_identity(rows))
+        return [PlannedShard(key, int(of_key["shard"][0].as_py()), prepared_batch(of_key, _token_ids(of_key)),
+                             answer_identity(of_key)) for key, of_key in rows.items()]
 
     def superseded(self, shard: PlannedShard) -> pa.ChunkedArray:
         """The ids of ``shard`` (as it was loaded, from this plan or an older one) whose answers this
