@@ -121,3 +121,22 @@ def test_without_a_plan_on_disk_at_write_time_nothing_is_written(tmp_path):
     outcome = ran.run(engine_opener=ran.opener)
     written = ran.write(outcome.results)  # no plan.parquet: it was removed while the shard ran
     assert sorted(written.superseded.to_pylist()) == IDS and store.writes == [("K", [], False)]
+
+
+def test_a_runs_shards_name_a_key_the_plan_lacks_before_a_stale_stamp_checked_once_per_plan(tmp_path):
+    """``PlanFile.shards``: a key the plan does not hold is refused first (the run was queued for an
+    older plan: the more useful message), then a stamp that no longer holds, whatever the keys."""
+    import pytest
+
+    from engine.plan.plan_stamp import MODEL, SETTINGS
+    from engine.plan.plan_table import NotInPlan, PlanFile, StalePlan
+
+    plan_on_disk(tmp_path / "plan.parquet", shard().identity, ["K"] * 4)
+    plan = PlanFile.open(tmp_path / "plan.parquet")
+    now = {MODEL: "m2", SETTINGS: "x1"}  # another model since the plan was made
+    with pytest.raises(NotInPlan) as missing:
+        plan.shards(["K", "gone"], now)
+    assert missing.value.key == "gone"
+    with pytest.raises(StalePlan) as stale:
+        plan.shards(["K"], now)
+    assert stale.value.reasons == ["the model, tokenizer or chat template"]
