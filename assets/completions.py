@@ -51,8 +51,8 @@ def shard_jobs(config: BatchJobConfig, keys: list[str], context: dg.AssetExecuti
             f"materialized; rematerialize {config.name}/prefix_groups, then run its partitions") from None
     except FileNotFoundError as exc:
         raise dg.Failure(str(exc)) from None
-    return [ShardJob(shard, settings, config.sampling, config.scheduler, store, config.files.checkpoint_path(shard.key),
-                     config.files.checkpoints, config.files.plan_path, plan_lock=functools.partial(
+    return [ShardJob(shard, settings, config.sampling, config.scheduler, store, config.files.checkpoints,
+                     plan_path=config.files.plan_path, plan_lock=functools.partial(
                          config.plan_lock, f"partition {shard.key} writing ({this_run(context)})", shared=True))
             for shard in shards]
 

@@ -68,9 +68,6 @@ class JobFiles:
     def completions_dir(self) -> Path:
         return self.job_dir / "completions"
 
-    def checkpoint_path(self, partition_key: str) -> Path:
-        return self.checkpoints.of(partition_key)
-
     def completions_parquet_path(self, partition_key: str) -> Path:
         return self.completions_dir / f"{partition_key}.parquet"
 

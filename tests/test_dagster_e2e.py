@@ -213,7 +213,7 @@ def test_a_failed_duckdb_write_leaves_parquet_and_duckdb_agreeing_and_keeps_the_
         assert not failed.success
         assert not job.files.completions_parquet_path(partition).exists()  # not published without the table rows
         assert not list(job.files.completions_parquet_path(partition).parent.glob("*.partial"))
-        assert list(job.files.checkpoint_path(partition).glob("part-*.parquet"))  # the rerun will reuse them
+        assert list(job.files.checkpoints.of(partition).glob("part-*.parquet"))  # the rerun will reuse them
         monkeypatch.undo()
         rerun = dg.materialize([assets_by_name["completions"]], partition_key=partition, instance=instance)
     meta = rerun.asset_materializations_for_node("e2e__completions")[0].metadata

@@ -250,7 +250,7 @@ def test_seven_nights_never_a_stale_answer_an_orphan_or_a_red_check(nightly, tmp
         ]
         assert [m["reused_rows"] for m in rerun_of_a] == [len(finished)]
         assert reasons == {SETTINGS_CHANGED: len(unfinished) - 1}  # only what the dead run had not finished
-        assert not config.files.checkpoint_path(first.partition_key).exists()  # its answers are in the table now
+        assert not config.files.checkpoints.of(first.partition_key).exists()  # its answers are in the table now
         counts.append(
             (
                 7,

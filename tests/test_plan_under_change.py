@@ -145,7 +145,7 @@ def test_one_run_per_partition_key_whatever_launches_it_and_in_an_instance_witho
         assert not second.success
         message = second.get_step_failure_events()[0].step_failure_data.error.message
         assert f"partition {key} of once is already running (run first-run, pid {os.getpid()})" in message
-        assert not config.files.checkpoint_path(key).exists()
+        assert not config.files.checkpoints.of(key).exists()
         assert not config.files.completions_parquet_path(key).exists()
 
 
@@ -207,14 +207,14 @@ def test_a_killed_shard_whose_key_changed_gives_its_finished_answers_to_the_new_
         assert dg.materialize(upstream, instance=instance).success
         [first_key] = instance.get_dynamic_partitions(config.names.partitions_name)
         died = dg.materialize([completions], partition_key=first_key, instance=instance, raise_on_error=False)
-        assert not died.success and len(list(config.files.checkpoint_path(first_key).glob("part-*.parquet"))) >= 1
+        assert not died.success and len(list(config.files.checkpoints.of(first_key).glob("part-*.parquet"))) >= 1
         pq.write_table(
             pa.Table.from_pylist(rows + [{"id": 20, "prompt": f"{prompt}Question 20?", "max_tokens": 4}]), source
         )
         assert dg.materialize(upstream, instance=instance).success
         [new_key] = instance.get_dynamic_partitions(config.names.partitions_name)
-        assert new_key != first_key and config.files.checkpoint_path(first_key).exists()  # kept: it holds answers
+        assert new_key != first_key and config.files.checkpoints.of(first_key).exists()  # kept: it holds answers
         rerun = dg.materialize([completions], partition_key=new_key, instance=instance)
         meta = rerun.asset_materializations_for_node("kill__completions")[0].metadata
         assert meta["reused_rows"].value == 18 and meta["rows"].value == 3  # 2 unfinished + the new row
-        assert not config.files.checkpoint_path(first_key).exists()  # its answers are in the table now
+        assert not config.files.checkpoints.of(first_key).exists()  # its answers are in the table now

@@ -250,7 +250,7 @@ def test_a_night_on_ray_with_a_replica_killed_loses_nothing(cluster, tiny_model,
         (key,) = instance.get_dynamic_partitions(config.names.partitions_name)
         planned = prepared_batch(tiny_model, table, sampling)
         first_sub_shard = {planned.ids[i] for i in np.flatnonzero(split_prepared(planned, 2) == 0)}
-        folder = config.files.checkpoint_path(key)
+        folder = config.files.checkpoints.of(key)
         killed = []
 
         def kill_replica_once_it_checkpoints():

@@ -67,7 +67,7 @@ def job(tmp_path, store, engines: list) -> ShardJob:
     checkpoints = JobCheckpoints(tmp_path / "checkpoints")
     planned = shard()
     made = ShardJob(planned, EngineSettings(model_path="unused", block_size=8), SamplingSettings(max_tokens=4),
-                    SchedulerSettings(), store, checkpoints.of(planned.key), checkpoints, tmp_path / "plan.parquet")
+                    SchedulerSettings(), store, checkpoints, plan_path=tmp_path / "plan.parquet")
     made.opener = opener
     return made
 
@@ -140,3 +140,17 @@ def test_a_runs_shards_name_a_key_the_plan_lacks_before_a_stale_stamp_checked_on
     with pytest.raises(StalePlan) as stale:
         plan.shards(["K"], now)
     assert stale.value.reasons == ["the model, tokenizer or chat template"]
+
+
+def test_a_shard_job_has_one_checkpoint_folder_its_jobs_for_its_key_or_its_own(tmp_path):
+    import pytest
+
+    checkpoints = JobCheckpoints(tmp_path / "checkpoints")
+    settings, sampling = EngineSettings(model_path="unused", block_size=8), SamplingSettings(max_tokens=4)
+    made = ShardJob(shard("K"), settings, sampling, SchedulerSettings(), MemoryStore(), checkpoints)
+    assert made.checkpoint == checkpoints.of("K")
+    alone = ShardJob(shard("K"), settings, sampling, SchedulerSettings(), MemoryStore(), checkpoint=tmp_path / "own")
+    assert alone.checkpoint == tmp_path / "own" and alone.job_checkpoints is None
+    for neither_or_both in ({}, {"job_checkpoints": checkpoints, "checkpoint": tmp_path / "own"}):
+        with pytest.raises(ValueError, match="either its job's checkpoints or a checkpoint folder"):
+            ShardJob(shard("K"), settings, sampling, SchedulerSettings(), MemoryStore(), **neither_or_both)

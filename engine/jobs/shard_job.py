@@ -103,22 +103,28 @@ class ShardWritten:
 
 @dataclass
 class ShardJob:
-    """Shard ``shard`` of a job: its rows as planned, the settings they run with, its checkpoint
-    (``checkpoint``, its own folder) and where answers are stored. ``job_checkpoints``: the job's
-    other shards' folders, reused and pruned (None: a job of one shard, ``batchllm run``);
-    ``plan_path``: the plan on disk a write is checked against (None: planned in this process);
-    ``plan_lock``: the job's plan lock, held shared from that check to the last write (a plan
-    holds it exclusively from reading the snapshot to its last delete)."""
+    """Shard ``shard`` of a job: its rows as planned, the settings they run with and where answers
+    are stored. ``job_checkpoints``: the job's shards' checkpoint folders, its own (``of`` its key)
+    and the others, reused and pruned; ``checkpoint``: its folder where there are none (a job of
+    one shard, ``batchllm run``); ``plan_path``: the plan on disk a write is checked against (None:
+    planned in this process); ``plan_lock``: the job's plan lock, held shared from that check to the
+    last write (a plan holds it exclusively from reading the snapshot to its last delete)."""
 
     shard: PlannedShard
     engine_settings: EngineSettings
     sampling: SamplingSettings
     scheduler: SchedulerSettings
     store: AnswerStore
-    checkpoint: Path
     job_checkpoints: JobCheckpoints | None = None
+    checkpoint: Path | None = None
     plan_path: Path | None = None
     plan_lock: Callable[[], ContextManager] | None = None
+
+    def __post_init__(self):
+        if (self.checkpoint is None) == (self.job_checkpoints is None):
+            raise ValueError("a shard job needs either its job's checkpoints or a checkpoint folder of its own")
+        if self.checkpoint is None:
+            self.checkpoint = self.job_checkpoints.of(self.shard.key)
 
     def reuse_sources(self) -> list[Path | pa.Table]:
         """What the shard reuses by row fingerprint besides its own checkpoint: its rows already
