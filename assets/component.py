@@ -18,6 +18,7 @@ the nightly schedule and the sensors (see ``factory.build_batch_defs``).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import dagster as dg
@@ -25,6 +26,7 @@ from dagster.components.component_scaffolding import scaffold_component
 from pydantic import Field
 
 from batchllm_dagster.config import BatchJobConfig, JobSpec, default_data_dir
+from batchllm_dagster.ownership import owns_answers_in
 
 from .factory import build_batch_defs
 
@@ -67,8 +69,8 @@ class BatchJobComponent(JobSpec, dg.Component, dg.Resolvable, dg.Model):
     the component's folder (SQL files) or to the data directory (databases, Parquet, storage)."""
 
     output_database: str | None = Field(
-        None, description="default: the dataset's database, else <data>/batchllm.duckdb"
-    )
+        None, description="DuckDB database the answers go to, under the data directory (default: the package's "
+        "own <storage_dir>/answers.duckdb; the dataset's database only when you name it here)")
     storage_dir: str | None = Field(None, description="default: <data>/jobs")
 
     def to_config(self, component_dir: Path) -> BatchJobConfig:
@@ -90,12 +92,25 @@ class BatchJobComponent(JobSpec, dg.Component, dg.Resolvable, dg.Model):
             "allowed_paths": [str(data / path) for path in spec.allowed_paths],
         })
         shared = {name: getattr(self, name) for name in JobSpec.model_fields}
-        return BatchJobConfig(
-            **{**shared, "dataset": resolved},
-            output_database=str(data / self.output_database) if self.output_database
-            else resolved.database or str(data / "batchllm.duckdb"),
-            storage_dir=str(data / self.storage_dir) if self.storage_dir else str(data / "jobs"),
-        )
+        storage = data / self.storage_dir if self.storage_dir else data / "jobs"
+        return BatchJobConfig(**{**shared, "dataset": resolved}, storage_dir=str(storage),
+                              output_database=self._output_database(data, storage, resolved.database))
+
+    def _output_database(self, data: Path, storage: Path, source_database: str | None) -> str:
+        """The database named, else the package's own beside the job's files: a database of the user's
+        is written only when named. Answers an older version put in the dataset's database by default
+        stay there (moving the default must not answer every row again), with a warning saying so."""
+        if self.output_database:
+            return str(data / self.output_database)
+        if source_database and Path(source_database).is_file() and owns_answers_in(
+                self.name, self.output_table, source_database):
+            named = self.dataset.database  # as the YAML names it, relative to the data directory
+            warnings.warn(
+                f"job {self.name!r}: its answers are in the dataset's database {source_database} (the default of "
+                f"earlier versions) and stay there; set output_database: {named} to say so, or move table "
+                f"{self.output_table!r} to {storage / 'answers.duckdb'}", stacklevel=2)
+            return source_database
+        return str(storage / "answers.duckdb")
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
         return build_batch_defs(self.to_config(Path(context.path)))

@@ -6,6 +6,7 @@ from dagster_duckdb import DuckDBResource
 from batchllm_dagster.checks import build_table_checks
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.layout import PLAN_TAG
+from batchllm_dagster.ownership import refuse_at_load
 from batchllm_dagster.partitions import shard_partitions
 from batchllm_dagster.resources import DEFAULT_LLM
 from engine.digests import text_fingerprint
@@ -17,6 +18,7 @@ from .shard_sensor import build_run_shards_sensor
 
 
 def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
+    refuse_at_load(config.name, config.output_table, config.output_database)  # `dg check defs` names it
     partitions = shard_partitions(config.names.partitions_name)
     prompts = build_prompts(config)
     prefix_groups = build_prefix_groups(config, partitions)

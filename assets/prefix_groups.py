@@ -13,7 +13,6 @@ from batchllm_dagster.layout import this_run
 from batchllm_dagster.metadata import plan_metadata
 from batchllm_dagster.partitions import by_hardware, shard_key, sync_partitions
 from batchllm_dagster.shard_sizing import ShardSize, last_partitions_metadata, measured_by_hardware, shard_size
-from batchllm_dagster.warehouse import replace_table
 from engine.models import preparation_notice
 from engine.plan.duplicates import count_duplicates
 from engine.plan.plan_stamp import stale_reasons
@@ -165,8 +164,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         plan_bytes = write_plan(plan_table(prepared, meta.column(CONTENT_KEY), cache, shards.shard_of_row, keys, stamp,
                                            context.run.run_id, settings.max_model_len), config.files.plan_path)
         groups = groups_table(prepared, shards, keys, config)
-        replace_table(getattr(context.resources, config.names.warehouse_key), f"{config.output_table}_prefix_groups",
-                      groups)
+        config.output(getattr(context.resources, config.names.warehouse_key)).replace_groups(groups)
         added, removed = sync_partitions(context.instance, config.names.partitions_name, by_hardware(config, used))
         warehouse = getattr(context.resources, config.names.warehouse_key)
         removed_answers = 0 if config.keep_deleted_answers else remove_deleted_answers(

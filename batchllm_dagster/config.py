@@ -118,6 +118,17 @@ class DatasetSpec(BaseModel):
         return Columns(self.id_column, self.prompt_column, self.messages_column, self.max_tokens_column,
                        self.response_format_column)
 
+    def tables_read(self) -> set[str]:
+        """The database tables the dataset reads (none for Parquet; an unreadable SQL file: none yet)."""
+        from engine.sql import tables_read
+
+        if self.table:
+            return {self.table}
+        sql = self.sql
+        if self.sql_file and Path(self.sql_file).is_file():
+            sql = Path(self.sql_file).read_text()
+        return tables_read(sql) if sql else set()
+
     def describe(self) -> str:
         if self.sql_file:
             return f"sql file {self.sql_file} on {self.database or 'an in-memory DuckDB'}"
@@ -256,6 +267,14 @@ class BatchJobConfig(JobSpec):
     output_database: str = Field(description="DuckDB database the answers go to")
     storage_dir: str = Field(description="where prompt snapshots and plans are kept")
 
+    @model_validator(mode="after")
+    def _not_the_source(self) -> "BatchJobConfig":
+        from .ownership import refuse_reading_own_output
+
+        refuse_reading_own_output(self.name, self.output_table, self.output_database, self.dataset.database,
+                                  self.dataset.tables_read())
+        return self
+
     @property
     def files(self) -> JobFiles:
         """Where the job's files and locks live (under ``storage_dir``)."""
@@ -318,7 +337,7 @@ class BatchJobConfig(JobSpec):
 
     def output(self, warehouse) -> OutputTable:
         """The job's output table in ``warehouse`` (its output database: ``names.warehouse_key``'s resource)."""
-        return OutputTable(warehouse, self.output_table)
+        return OutputTable(warehouse, self.output_table, self.name)
 
     def plan_lock(self, holder: str, shared: bool = False):
         """The job's plan lock: held exclusively while a plan is made and while a prompt snapshot

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from engine.choice_scoring import needs_review
 from engine.run.results import RowResult, results_to_table
 from engine.sql import quote_identifier, quote_literal
 
+from .ownership import claim, refuse_foreign_objects
 from .warehouse import connection, registered, table_exists, transaction
 
 # After the result columns (``computed_at`` among them: when the engine answered the row, kept when
@@ -74,11 +76,19 @@ class AnswerCounts:
 
 
 class OutputTable:
-    """``OutputTable(warehouse, name)``: the job's answers in its output database (see the module doc)."""
+    """``OutputTable(warehouse, name, job)``: job ``job``'s answers in its output database (see the
+    module doc). Every connection it opens first refuses objects the job does not own (``ownership``)."""
 
-    def __init__(self, warehouse: DuckDBResource, name: str):
-        self.warehouse, self.name = warehouse, name
+    def __init__(self, warehouse: DuckDBResource, name: str, job: str):
+        self.warehouse, self.name, self.job = warehouse, name, job
         self._sql_name = quote_identifier(name)
+
+    @contextmanager
+    def _connection(self, on_wait: Callable[[str], None] | None = None):
+        """A connection to the output database, once the job's objects there are known to be its own."""
+        with connection(self.warehouse, on_wait) as con:
+            refuse_foreign_objects(con, self.job, self.name, self.warehouse.database)
+            yield con
 
     def replace_partition(self, partition_key: str, rows: pa.Table, whole_partition: bool = True,
                           on_wait: Callable[[str], None] | None = None) -> int:
@@ -87,9 +97,10 @@ class OutputTable:
         superseded in part: the partition's other rows may be that plan's fresh answers).
         ``on_wait``: see ``warehouse.connection``. Returns the rows the partition holds now."""
         target = self._sql_name
-        with connection(self.warehouse, on_wait) as con, registered(con, incoming=rows):
+        with self._connection(on_wait) as con, registered(con, incoming=rows):
             with transaction(con):
                 con.execute(f"CREATE TABLE IF NOT EXISTS {target} AS SELECT * FROM incoming WITH NO DATA")
+                claim(con, self.job, self.name)
                 self._add_new_columns(con)
                 # An id that moved to another shard since its last run must not stay twice.
                 con.execute(
@@ -118,17 +129,27 @@ class OutputTable:
         view = f"{self.name}_with_prompts"
         present = set(pq.read_schema(snapshot).names) if snapshot.exists() else set()
         texts = "".join(f", p.{quote_identifier(c)}" for c in (columns.prompt, columns.messages) if c in present)
-        with connection(self.warehouse) as con:
+        with self._connection() as con, transaction(con):
             con.execute(
                 f"CREATE OR REPLACE VIEW {quote_identifier(view)} AS SELECT a.*{texts}, "
                 f"a.{CONTENT_KEY_COLUMN} = lower(hex(p.{quote_identifier(CONTENT_KEY)})) AS prompt_current "
                 f"FROM {self._sql_name} a LEFT JOIN read_parquet({quote_literal(str(snapshot.resolve()))}) p "
                 f"ON a.id::VARCHAR = p.{quote_identifier(columns.id)}::VARCHAR")
+            claim(con, self.job, view, view=True)
         return view
+
+    def replace_groups(self, groups: pa.Table) -> str:
+        """The table ``<table>_prefix_groups``: the plan's groups (``prefix_groups.groups_table``).
+        Returns its name."""
+        name = f"{self.name}_prefix_groups"
+        with self._connection() as con, registered(con, incoming=groups), transaction(con):
+            con.execute(f"CREATE OR REPLACE TABLE {quote_identifier(name)} AS SELECT * FROM incoming")
+            claim(con, self.job, name)
+        return name
 
     def rows_of(self, ids: pa.Array) -> pa.Table | None:
         """The table's rows for these ids (None if the table does not exist yet)."""
-        with connection(self.warehouse) as con:
+        with self._connection() as con:
             if not table_exists(con, self.name):
                 return None
             with registered(con, wanted=pa.table({"id": ids})):
@@ -136,7 +157,7 @@ class OutputTable:
 
     def answered_ids(self, ids: pa.Array, keys: set[str]) -> set:
         """Of ``ids``, those the table holds under one of the partition ``keys``."""
-        with connection(self.warehouse) as con:
+        with self._connection() as con:
             if not table_exists(con, self.name):
                 return set()
             live = pa.table({"key": pa.array(sorted(keys), pa.string())})
@@ -148,7 +169,7 @@ class OutputTable:
     def answers_not_in(self, live_ids: pa.Array) -> tuple[int, int]:
         """How many of the table's answers are of ids not in ``live_ids``, and how many it holds: what
         ``remove_answers_not_in`` would delete, counted before anything is."""
-        with connection(self.warehouse) as con:
+        with self._connection() as con:
             if not table_exists(con, self.name):
                 return 0, 0
             with registered(con, live=pa.table({"id": live_ids})):
@@ -160,7 +181,7 @@ class OutputTable:
     def remove_answers_not_in(self, live_ids: pa.Array) -> int:
         """Delete the answers of ids that are no longer prompt rows (deleted at the source); returns
         how many. One transaction: readers see the table before or after, never half of it."""
-        with connection(self.warehouse) as con:
+        with self._connection() as con:
             if not table_exists(con, self.name):
                 return 0
             with registered(con, live=pa.table({"id": live_ids})), transaction(con):
@@ -170,7 +191,7 @@ class OutputTable:
 
     def status_counts(self) -> tuple[int, int, int]:
         """Rows, ok rows and error rows the table holds."""
-        with connection(self.warehouse) as con:
+        with self._connection() as con:
             rows, ok, errors = con.execute(
                 f"SELECT count(*), count(*) FILTER (WHERE status = 'ok'), count(*) FILTER (WHERE status = 'error') "
                 f"FROM {self._sql_name}").fetchall()[0]
@@ -178,14 +199,14 @@ class OutputTable:
 
     def first_answer(self) -> tuple[object, str | None]:
         """The id and text of the table's first row by id (an example to show)."""
-        with connection(self.warehouse) as con:
+        with self._connection() as con:
             return con.execute(f"SELECT id, text FROM {self._sql_name} ORDER BY id LIMIT 1").fetchall()[0]
 
     def partition_counts(self, partition_key: str, shard_ids: list, superseded_ids: list = ()) -> PartitionCounts:
         """``shard_ids``: the rows a shard's run wrote; ``superseded_ids``: rows a newer plan took over
         while it ran, not written (an older answer of theirs in this partition is that plan's)."""
         table = self._sql_name
-        with connection(self.warehouse) as con, registered(con, expected=pa.table({"id": list(shard_ids)}),
+        with self._connection() as con, registered(con, expected=pa.table({"id": list(shard_ids)}),
                                                            superseded=pa.table({"id": list(superseded_ids)})):
             missing, unexpected = con.execute(
                 f"""
@@ -209,7 +230,7 @@ class OutputTable:
         """The table against the prompt snapshot's ids (``prompt_ids_sql``: a query of them, reading
         the snapshot as its parameter); the rows of the plan's ``outstanding_keys`` (shards still to
         land) are not missing yet. None: no table yet."""
-        with connection(self.warehouse) as con:
+        with self._connection() as con:
             if not table_exists(con, self.name):
                 return None
             waiting, parameters = "SELECT NULL::VARCHAR AS id WHERE false", [str(snapshot)]

@@ -16,8 +16,6 @@ import duckdb
 import pyarrow as pa
 from dagster_duckdb import DuckDBResource
 
-from engine.sql import quote_identifier
-
 
 def table_exists(con, table: str) -> bool:
     return (
@@ -84,7 +82,3 @@ def registered(con, **tables: pa.Table):
         for name in tables:
             con.unregister(name)
 
-
-def replace_table(warehouse: DuckDBResource, table: str, data: pa.Table) -> None:
-    with connection(warehouse) as con, registered(con, incoming=data):
-        con.execute(f"CREATE OR REPLACE TABLE {quote_identifier(table)} AS SELECT * FROM incoming")

@@ -25,7 +25,7 @@ SUPPORT = BatchJobConfig(
     sampling=SamplingSettings(max_tokens=48),
     shards=2,
     hardware=["cpu"],
-    output_database=str(DATABASE),  # answers live next to the prompts
+    output_database=str(DATA_DIR / "jobs" / "answers.duckdb"),  # the YAML jobs' default: the package's own
     output_table="support_replies_completions",
     storage_dir=str(DATA_DIR / "jobs"),
 )

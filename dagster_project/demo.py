@@ -86,13 +86,12 @@ def materialize_job(instance, defs, name: str) -> dict:
 
 def materialize_all() -> None:
     import dagster as dg
-    from dagster_duckdb import DuckDBResource
 
-    from batchllm_dagster.layout import OUTPUT_TABLE_TAG
+    from batchllm_dagster.layout import OUTPUT_TABLE_TAG, JobNames
     from batchllm_dagster.output_table import OutputTable
     from engine.run.console import summary_table
 
-    from .definitions import DATABASE, defs
+    from .definitions import defs
 
     instance = dg.DagsterInstance.get()
     code_location = defs()
@@ -102,11 +101,12 @@ def materialize_all() -> None:
         outcomes[name] = materialize_job(instance, code_location, name)
         tables[name] = completions.op.tags.get(OUTPUT_TABLE_TAG)
 
-    rows, examples = [], []
-    warehouse = DuckDBResource(database=str(DATABASE))
+    rows, examples, databases = [], [], {}
     for name, table in tables.items():
-        total, ok, errors = OutputTable(warehouse, table).status_counts()
-        row_id, text = OutputTable(warehouse, table).first_answer()
+        warehouse = code_location.resources[JobNames(name).warehouse_key]  # the job's output database
+        databases.setdefault(warehouse.database, table)
+        total, ok, errors = OutputTable(warehouse, table, name).status_counts()
+        row_id, text = OutputTable(warehouse, table, name).first_answer()
         done = outcomes[name]
         checks = (f"{done['checks']} checks passed" if not done["failed_checks"]
                   else f"FAILED checks: {', '.join(done['failed_checks'])}")
@@ -123,8 +123,10 @@ def materialize_all() -> None:
         )
         examples.append((row_id, repr(text.strip()[:90])))
     print("\nSummary\n" + summary_table(rows) + "\n\nFirst answers\n" + summary_table(examples))
-    print(f"\nAll in {DATABASE}. Query them:\n  .venv/bin/python -c \"import duckdb; "
-          f"print(duckdb.connect('{DATABASE}', read_only=True).sql('SELECT id, status, text FROM {table} LIMIT 5'))\"")
+    for database, table in databases.items():
+        print(f"\nAnswers in {database}. Query them:\n  .venv/bin/python -c \"import duckdb; "
+              f"print(duckdb.connect('{database}', read_only=True)"
+              f".sql('SELECT id, status, text FROM {table} LIMIT 5'))\"")
     print("See the runs and their metadata: make ui  (http://127.0.0.1:3000)")
 
 

@@ -69,7 +69,7 @@ def test_scaffolded_job_resolves_to_a_config(tmp_path, monkeypatch):
     assert later.to_config(target).prompts_code_version() == config.prompts_code_version()  # no prompt changes
     assert config.name == "nightly_reviews"
     assert Path(config.dataset.sql_file) == target / "prompts.sql"
-    assert config.output_database == config.dataset.database
+    assert config.output_database == str(data / "jobs" / "answers.duckdb")  # the package's own, not the user's
     # The template says what to fill in, and points at no demo database or table.
     text = (target / "defs.yaml").read_text() + (target / "prompts.sql").read_text()
     assert "FILL IN" in text and "batchllm.duckdb" not in text and "review_labels" not in text

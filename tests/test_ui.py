@@ -127,7 +127,7 @@ def test_backfill_from_the_ui_runs_every_shard_and_the_page_shows_its_metadata(p
             time.sleep(2)
         assert status in ("COMPLETED", "COMPLETED_SUCCESS"), (status, (tmp_path / "dg-dev.log").read_text()[-3000:])
 
-        with duckdb.connect(str(tmp_path / "data" / "batchllm.duckdb"), read_only=True) as con:
+        with duckdb.connect(str(tmp_path / "data" / "jobs" / "answers.duckdb"), read_only=True) as con:
             rows = con.execute("SELECT partition_key, count(*), count(DISTINCT id), count(*) FILTER (WHERE text <> '') "
                                "FROM support_replies_completions GROUP BY 1 ORDER BY 1").fetchall()
         assert [r[0] for r in rows] == sorted(partitions)

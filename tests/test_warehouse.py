@@ -17,15 +17,16 @@ def rows(key: str, ids: list[str], text: str) -> pa.Table:
 def writer(database: str, key: str, rounds: int) -> None:
     ids = [f"{key}-{i}" for i in range(50)]
     for r in range(rounds):
-        OutputTable(DuckDBResource(database=database), "answers").replace_partition(key, rows(key, ids, f"round {r}"))
+        table = OutputTable(DuckDBResource(database=database), "answers", "job")
+        table.replace_partition(key, rows(key, ids, f"round {r}"))
 
 
 def test_rerun_replaces_a_partition_and_a_moved_id_is_not_kept_twice(tmp_path):
     db = DuckDBResource(database=str(tmp_path / "w.duckdb"))
-    OutputTable(db, "answers").replace_partition("a", rows("a", ["1", "2"], "old"))
-    OutputTable(db, "answers").replace_partition("b", rows("b", ["3"], "old"))
-    OutputTable(db, "answers").replace_partition("a", rows("a", ["1"], "new"))  # row 2 left shard a
-    OutputTable(db, "answers").replace_partition("b", rows("b", ["2", "3"], "new"))  # ... and joined shard b
+    OutputTable(db, "answers", "job").replace_partition("a", rows("a", ["1", "2"], "old"))
+    OutputTable(db, "answers", "job").replace_partition("b", rows("b", ["3"], "old"))
+    OutputTable(db, "answers", "job").replace_partition("a", rows("a", ["1"], "new"))  # row 2 left shard a
+    OutputTable(db, "answers", "job").replace_partition("b", rows("b", ["2", "3"], "new"))  # ... and joined shard b
     with db.get_connection() as con:
         got = sorted(con.execute("SELECT id, partition_key, text FROM answers").fetchall())
     assert got == [("1", "a", "new"), ("2", "b", "new"), ("3", "b", "new")]
@@ -50,8 +51,8 @@ def test_two_partitions_writing_at_once_lose_nothing(tmp_path):
 def test_a_table_name_with_quotes_is_a_name_not_sql(tmp_path):
     db = DuckDBResource(database=str(tmp_path / "w.duckdb"))
     name = 'answers "v2"; DROP TABLE x'
-    OutputTable(db, name).replace_partition("a", rows("a", ["1", "2"], "t"))
-    OutputTable(db, name).replace_partition("a", rows("a", ["1"], "u"))
+    OutputTable(db, name, "job").replace_partition("a", rows("a", ["1", "2"], "t"))
+    OutputTable(db, name, "job").replace_partition("a", rows("a", ["1"], "u"))
     with db.get_connection() as con:
         assert con.execute("SELECT table_name FROM information_schema.tables").fetchall() == [(name,)]
         assert con.execute(f"SELECT id, text FROM {quote_identifier(name)}").fetchall() == [("1", "u")]
@@ -69,10 +70,10 @@ def test_a_table_an_older_version_made_gains_the_columns_a_newer_one_writes(tmp_
     db = DuckDBResource(database=str(tmp_path / "w.duckdb"))
     keys = pa.table({"id": ["1", "2"], "key": [b"\x01" * 16, b"\x02" * 16]})
     old = answers_table([RowResult(id="1", status="ok", text="old")], pa.string(), "a", "cpu", "m", keys)
-    OutputTable(db, "answers").replace_partition("a", old.drop_columns(["model", "completed_at"]))
+    OutputTable(db, "answers", "job").replace_partition("a", old.drop_columns(["model", "completed_at"]))
     new = answers_table([RowResult(id="2", status="ok", text="new")], pa.string(), "b", "cpu", "m", keys)
     assert new.column_names[-len(PARTITION_COLUMNS):] == [name for name, _ in PARTITION_COLUMNS]
-    OutputTable(db, "answers").replace_partition("b", new)
+    OutputTable(db, "answers", "job").replace_partition("b", new)
     with db.get_connection() as con:
         got = dict((r[0], r[1:]) for r in con.execute("SELECT id, text, model, completed_at FROM answers").fetchall())
     assert got["1"] == ("old", None, None)
@@ -88,18 +89,18 @@ def test_a_write_that_waits_for_another_process_on_the_database_says_why_and_how
 
     database = str(tmp_path / "w.duckdb")
     db = DuckDBResource(database=database)
-    OutputTable(db, "answers").replace_partition("a", rows("a", ["1"], "old"))
+    OutputTable(db, "answers", "job").replace_partition("a", rows("a", ["1"], "old"))
     holder = subprocess.Popen([sys.executable, "-c", f"import duckdb, time; con = duckdb.connect({database!r}); "
                                "print('held', flush=True); time.sleep(2)"], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     lines = []
     started = time.monotonic()
-    OutputTable(db, "answers").replace_partition("a", rows("a", ["1"], "new"), on_wait=lines.append)
+    OutputTable(db, "answers", "job").replace_partition("a", rows("a", ["1"], "new"), on_wait=lines.append)
     holder.wait()
     assert time.monotonic() - started > 0.5
     assert len(lines) == 2
     assert "another process holds it" in lines[0] and f"PID {holder.pid}" in lines[0]
     assert "after waiting" in lines[1]
     quiet = []
-    OutputTable(db, "answers").replace_partition("a", rows("a", ["1"], "newer"), on_wait=quiet.append)
+    OutputTable(db, "answers", "job").replace_partition("a", rows("a", ["1"], "newer"), on_wait=quiet.append)
     assert quiet == []  # nobody held it: nothing to say
