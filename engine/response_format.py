@@ -37,8 +37,8 @@ class ResponseFormat(BaseModel):
                 jsonschema.validators.validator_for(self.json_schema).check_schema(self.json_schema)
             except jsonschema.SchemaError as exc:
                 raise ValueError(f"invalid JSON schema: {exc.message}") from None
-        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
-            raise ValueError("choice needs at least one non-empty string")
+        if self.choice is not None:
+            _check_choices(self.choice)
         if self.regex is not None:
             try:
                 re.compile(self.regex)
@@ -131,3 +131,15 @@ def cut_off_reason(response_format: ResponseFormat | None, text: str, finish_rea
         return None
     why = proved_complete(response_format, text or "")
     return None if why is None else f"{ended} before the answer was complete: {why}"
+
+
+def _check_choices(choices: list[str]) -> None:
+    """A choice list a job can mean: two or more distinct non-empty strings. One choice answers every
+    row with it (at probability 1.0 when scored, checks green); a repeated one is a typo."""
+    if not all(isinstance(c, str) and c for c in choices):
+        raise ValueError(f"choice {choices} must hold non-empty strings")
+    repeated = sorted({c for c in choices if choices.count(c) > 1})
+    if repeated:
+        raise ValueError(f"choice {choices} repeats {', '.join(map(repr, repeated))}: list each answer once")
+    if len(choices) < 2:
+        raise ValueError(f"choice {choices} needs at least two answers: with one, every row gets it")

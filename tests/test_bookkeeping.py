@@ -370,9 +370,9 @@ def test_every_setting_that_shapes_a_plan_makes_it_stale_and_changes_the_plan_as
     assert job(sampling=SamplingSettings(max_tokens=9)).plan_code_version() != version
     assert job(dataset=DatasetSpec(parquet="p.parquet", prompt_column="text")).plan_code_version() != version
     assert job(sampling=SamplingSettings(max_tokens=8, temperature=0.7)).plan_code_version() == version
-    choice = SamplingSettings(max_tokens=8, response_format={"choice": ["a"]})
+    choice = SamplingSettings(max_tokens=8, response_format={"choice": ["a", "b"]})
     assert job(sampling=choice).plan_code_version() != version
-    scored = SamplingSettings(max_tokens=8, response_format={"choice": ["a"]}, score_choices=True)
+    scored = SamplingSettings(max_tokens=8, response_format={"choice": ["a", "b"]}, score_choices=True)
     assert job(sampling=scored).plan_code_version() != job(sampling=choice).plan_code_version()
 
 

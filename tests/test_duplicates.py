@@ -41,7 +41,7 @@ def row_submissions(engine: FakeEngine) -> list[int]:
 def test_rows_are_identical_only_when_tokens_max_tokens_and_format_all_are():
     suffixes = [[1, 2], [1, 2], [1, 2], [1, 2], [3], [1, 2]]
     prepared = planned(
-        suffixes, max_tokens=[4, 4, 5, 4, 4, 4], formats=[None, None, None, '{"choice": ["a"]}', None, None]
+        suffixes, max_tokens=[4, 4, 5, 4, 4, 4], formats=[None, None, None, '{"choice": ["a", "b"]}', None, None]
     )
     same = prepared.duplicate_set
     assert same[0] == same[1] == same[5] != NO_SET

@@ -33,13 +33,13 @@ def superseded(path, key, ran):
 
 def test_answers_a_newer_plan_wants_from_elsewhere_are_superseded(tmp_path):
     path = tmp_path / "plan.parquet"
-    first = [("a", 1, 8, None, "K"), ("b", 2, 8, '{"choice": ["x"]}', "K"), ("c", 3, 8, None, "K"),
+    first = [("a", 1, 8, None, "K"), ("b", 2, 8, '{"choice": ["x", "y"]}', "K"), ("c", 3, 8, None, "K"),
              ("d", 4, 8, None, "K"), ("e", 5, 8, None, "K"), ("z", 9, 8, None, "L")]
     ran = answer_identity(plan(path, first))
     assert superseded(path, "K", ran).to_pylist() == []  # the same plan: everything is still wanted
     # The newer plan: b's format and c's max_tokens unchanged, d edited (new content), e moved to
     # another shard, a deleted; f is new in K (not this run's business).
-    plan(path, [("b", 2, 8, '{"choice": ["x"]}', "K"), ("c", 3, 8, None, "K"), ("d", 7, 8, None, "K"),
+    plan(path, [("b", 2, 8, '{"choice": ["x", "y"]}', "K"), ("c", 3, 8, None, "K"), ("d", 7, 8, None, "K"),
                 ("e", 5, 8, None, "M"), ("f", 6, 8, None, "K")])
     assert sorted(superseded(path, "K", ran).to_pylist()) == ["a", "d", "e"]
     plan(path, [(i, k, 16 if i == "c" else m, f, p) for i, k, m, f, p in first])  # c's max_tokens changed

@@ -18,7 +18,10 @@ PERSON = ResponseFormat(json_schema={"type": "object", "properties": {"age": {"t
 
 
 @pytest.mark.parametrize("text, reason", [
-    ('{"choice": []}', "at least one non-empty string"),
+    ('{"choice": []}', "at least two answers"),
+    ('{"choice": ["budget"]}', r"choice \['budget'\] needs at least two answers"),
+    ('{"choice": ["budget", "mid", "budget", "premium"]}', "repeats 'budget': list each answer once"),
+    ('{"choice": ["a", ""]}', "non-empty strings"),
     ('{"regex": "[a"}', "invalid regex"),
     ('{"json_schema": {"type": "nonsense"}}', "invalid JSON schema"),
     ('{"json_schema": {"required": "age"}}', "invalid JSON schema"),
@@ -185,7 +188,7 @@ def test_a_bench_prompt_set_runs_every_row_where_a_choice_raises_its_budget():
     from engine.plan.tokenizing import TokenizedBatch
 
     batch = TokenizedBatch.from_rows([np.arange(1, 11, dtype=np.int32) + i for i in range(3)])
-    _, prepared = planned_prompt_set(batch, np.array([2, 2, 2]), 8, None, {0: ResponseFormat(choice=["technical"])})
+    _, prepared = planned_prompt_set(batch, np.array([2, 2, 2]), 8, None, {0: ResponseFormat(choice=["technical", "billing"])})
     assert prepared.errors == {} and prepared.max_tokens.tolist() == [len("technical") + 1, 2, 2]
 
 

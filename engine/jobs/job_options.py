@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -72,6 +73,10 @@ def add_response_format_options(parser: argparse.ArgumentParser) -> None:
 def response_format_from(args: argparse.Namespace) -> ResponseFormat | None:
     """``--choice``/``--json-schema``/``--regex`` (one kind), checked before any work."""
     given = {"choice": getattr(args, "choice", None), "regex": getattr(args, "regex", None)}
+    if given["choice"] and len(given["choice"]) == 1 and "," in given["choice"][0]:
+        spelled = " ".join(f"--choice {shlex.quote(c.strip())}" for c in given["choice"][0].split(","))
+        raise ValueError(f"--choice {given['choice'][0]!r} is one choice holding commas: give each its own "
+                         f"--choice ({spelled})")
     if getattr(args, "json_schema", None):
         try:
             given["json_schema"] = json.loads(Path(args.json_schema).read_text())
