@@ -1,7 +1,5 @@
 """``prefix_groups``: the global prefix plan of the batch, cut into shards (the partitions)."""
 
-import math
-
 import dagster as dg
 import numpy as np
 import pyarrow as pa
@@ -11,6 +9,7 @@ from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.instance_limits import warn_if_unlimited
 from batchllm_dagster.layout import this_run
 from batchllm_dagster.metadata import plan_metadata
+from batchllm_dagster.night_guards import refuse_a_costly_night
 from batchllm_dagster.partitions import by_hardware, shard_key, sync_partitions
 from batchllm_dagster.shard_sizing import ShardSize, last_partitions_metadata, measured_by_hardware, shard_size
 from engine.models import preparation_notice
@@ -71,28 +70,6 @@ def remove_deleted_answers(config: BatchJobConfig, warehouse, ids: pa.ChunkedArr
     return removed
 
 
-def refuse_mass_removal(config: BatchJobConfig, warehouse, ids: pa.ChunkedArray) -> None:
-    """Fail the plan, before anything is written or removed, where it would drop the answers of
-    more than ``max_removed_share`` of the answered rows: a source that came back empty or
-    truncated must not delete what GPU hours computed. The plan, partitions, answers, Parquet files
-    and checkpoints stay as they were; a later plan on the whole source reuses every answer. With
-    ``keep_deleted_answers`` a plan removes no answer (the table keeps deleted rows' as history)."""
-    if config.keep_deleted_answers:
-        return
-    gone, answered = config.output(warehouse).answers_not_in(ids.combine_chunks())
-    if gone and gone > config.max_removed_share * answered:
-        raise dg.Failure(
-            f"{config.name}: refused to plan: the source has {len(ids):,} rows, and a plan of them would remove the "
-            f"answers of {gone:,} of the {answered:,} answered rows ({gone / answered:.0%}), more than "
-            f"max_removed_share ({config.max_removed_share:.0%}) allows. Nothing was removed: the plan, partitions "
-            "and answers are as they were. If the source is right (those rows were deleted on purpose), set "
-            f"max_removed_share to at least {math.ceil(gone / answered * 100) / 100:.2f} (1.0 allows removing every "
-            "answer) and "
-            "materialize prefix_groups again.",
-            metadata={"source_rows": len(ids), "answered_rows": answered, "answers_to_remove": gone,
-                      "max_removed_share": config.max_removed_share})
-
-
 def measured_shard_size(instance: dg.DagsterInstance, config: BatchJobConfig) -> ShardSize | None:
     """The shard size the last nights' partitions measured (``shard_sizing``), unless the job sets one."""
     if config.shards is not None or config.rows_per_shard is not None:
@@ -139,7 +116,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         # give a plan of old rows under the new snapshot's stamp.
         stamp = config.plan_stamp(settings)
         meta = read_snapshot(snapshot, columns=columns_without_text(snapshot, columns.prompt, columns.messages))
-        refuse_mass_removal(config, getattr(context.resources, config.names.warehouse_key), meta.column(columns.id))
+        refuse_a_costly_night(config, getattr(context.resources, config.names.warehouse_key), meta.column(columns.id))
         rows = cache.rows_for(snapshot, tokenizer, columns.prompt, columns.messages, settings.block_size,
                               progress=context.log.info, still_needed=lambda: plan_content_keys(config.files.plan_path))
         prepared = plan_tokenized(meta, rows, settings, config.sampling, columns, config.scheduler)

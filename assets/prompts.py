@@ -4,10 +4,12 @@ from pathlib import Path
 
 import dagster as dg
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.layout import this_run
 from batchllm_dagster.metadata import table_preview
+from batchllm_dagster.night_guards import refuse_a_costly_night
 from engine.atomic import Staged
 from engine.table.dataset import (
     DatasetError,
@@ -34,11 +36,14 @@ def dataset_sql(config: BatchJobConfig) -> tuple[str, str | None, list[str]]:
     return sql, database, [*allowed, *spec.allowed_paths]
 
 
-def snapshot_dataset(config: BatchJobConfig, path: Path, log=None) -> tuple[int, pa.Table, KeptOrders | None]:
+def snapshot_dataset(config: BatchJobConfig, path: Path, log=None, before_landing=None
+                     ) -> tuple[int, pa.Table, KeptOrders | None]:
     """Stream the dataset from DuckDB to a Parquet snapshot in record batches (the prompt text of
     the whole table is never in memory at once), each row with its content key (what the token
-    cache looks rows up by). Returns the row count, the first rows (a preview) and, for a prompt
-    from fields with an optimized order, the orders (kept from an earlier night, or chosen)."""
+    cache looks rows up by). ``before_landing(ids)`` may refuse the snapshot while it is staged:
+    then nothing lands, the kept field order included. Returns the row count, the first rows (a
+    preview) and, for a prompt from fields with an optimized order, the orders (kept from an
+    earlier night, or chosen; recorded for the next night once the snapshot landed)."""
     columns, fields = config.dataset.columns, config.dataset.prompt
     preview, choice = None, None
     with Staged(path) as staged, stream_sql(*dataset_sql(config)) as (schema, batches):
@@ -54,6 +59,10 @@ def snapshot_dataset(config: BatchJobConfig, path: Path, log=None) -> tuple[int,
         empty = validate(schema.empty_table(), columns)  # no rows: still a snapshot with the dataset's columns
         writer.close(empty.schema)
         check_unique_ids(staged.path, columns.id)  # duplicates across batches
+        if before_landing is not None:
+            before_landing(pq.read_table(staged.path, columns=[columns.id]).column(0))
+    if choice is not None:
+        choice.record(config.files.field_order_path)
     return writer.rows, preview if preview is not None else empty, choice
 
 
@@ -89,15 +98,18 @@ def build_prompts(config: BatchJobConfig) -> dg.AssetsDefinition:
         group_name=config.name,
         description=f"Prompt rows of batch job {config.name!r} ({config.dataset.describe()}), snapshotted to Parquet.",
         kinds={"duckdb", "parquet"},
+        required_resource_keys={config.names.warehouse_key},  # a night that would cost answers is refused
         code_version=config.prompts_code_version(),
     )
     def prompts(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         path, spec = config.files.prompts_path, config.dataset
         # The job's plan lock: a snapshot never lands while a plan is being made from the last one
         # (that plan finishes first; this run then waits), in any instance, whatever launched it.
+        warehouse = getattr(context.resources, config.names.warehouse_key)
         with config.plan_lock(f"a prompt snapshot being taken ({this_run(context)})"):
             try:
-                rows, preview, choice = snapshot_dataset(config, path, context.log.info)
+                rows, preview, choice = snapshot_dataset(
+                    config, path, context.log.info, lambda ids: refuse_a_costly_night(config, warehouse, ids))
             except DatasetError as exc:  # what to fix in the job or its data: one line, no traceback
                 raise dg.Failure(f"{config.name}: {exc}", allow_retries=False) from None
         context.log.info(f"{rows} prompt rows from {spec.describe()} -> {path}")

@@ -147,6 +147,16 @@ class OutputTable:
             claim(con, self.job, name)
         return name
 
+    def id_type(self) -> str | None:
+        """The DuckDB type of the table's id column (None: no table yet)."""
+        with self._connection() as con:
+            if not table_exists(con, self.name):
+                return None
+            found = con.execute("SELECT data_type FROM duckdb_columns() WHERE table_name = ? AND column_name = 'id' "
+                                "AND schema_name = current_schema() AND database_name = current_database()",
+                                [self.name]).fetchall()
+        return found[0][0] if found else None
+
     def rows_of(self, ids: pa.Array) -> pa.Table | None:
         """The table's rows for these ids (None if the table does not exist yet)."""
         with self._connection() as con:

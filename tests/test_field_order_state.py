@@ -14,6 +14,13 @@ GREEDY_WINS = PromptFields(instruction="Label it.", fields=["review", "descripti
 GLOBAL_WINS = PromptFields(instruction="Rate.", fields=["review", "product", "category"], field_order="optimize")
 
 
+def recorded(table, spec, id_column, state, counter):
+    """The night's orders, recorded as the prompts step does once its snapshot landed."""
+    kept = kept_field_orders(table, spec, id_column, state, counter)
+    kept.record(state)
+    return kept
+
+
 def grown(table: pa.Table, extra: pa.Table) -> pa.Table:
     return pa.concat_tables([table, extra.select(table.column_names)])
 
@@ -25,13 +32,13 @@ def prompts_by_id(table, spec, kept):
 def test_old_rows_keep_their_prompts_when_rows_are_added_and_new_rows_join_their_groups(tmp_path):
     state = tmp_path / "field_order.parquet"
     night1 = reviews(products=6, per_product=8, seed=1)
-    first = kept_field_orders(night1, GREEDY_WINS, "id", state, unique_prefix_chars)
+    first = recorded(night1, GREEDY_WINS, "id", state, unique_prefix_chars)
     assert first.reason == "first choice" and state.exists()
     # Night 2: rows of existing products and of a new product; the table's row order shuffled too.
     extra = reviews(products=7, per_product=9, seed=1)
     extra = extra.filter(pa.compute.invert(pa.compute.is_in(extra.column("id"), night1.column("id"))))
     night2 = grown(night1, extra).take(np.random.default_rng(2).permutation(night1.num_rows + extra.num_rows))
-    second = kept_field_orders(night2, GREEDY_WINS, "id", state, unique_prefix_chars)
+    second = recorded(night2, GREEDY_WINS, "id", state, unique_prefix_chars)
     assert second.reason == "kept" and second.kept_rows == night1.num_rows and second.new_rows == extra.num_rows
     before, after = prompts_by_id(night1, GREEDY_WINS, first), prompts_by_id(night2, GREEDY_WINS, second)
     assert all(after[i] == before[i] for i in before)  # no old row's prompt changed
@@ -46,7 +53,7 @@ def test_old_rows_keep_their_prompts_when_rows_are_added_and_new_rows_join_their
 def test_a_global_order_stays_even_where_a_new_choice_would_differ_and_is_chosen_again_only_when_asked(tmp_path):
     state = tmp_path / "field_order.parquet"
     night1 = categories_of_products()
-    first = kept_field_orders(night1, GLOBAL_WINS, "id", state, unique_prefix_chars)
+    first = recorded(night1, GLOBAL_WINS, "id", state, unique_prefix_chars)
     assert first.choice.chosen == "distinct_values" and (first.choice.orders == [2, 1, 0]).all()
     # Night 2 adds 40 rows of one new product listed under 40 new categories: by distinct values the
     # product would now come first, and every old row's prompt would change.
@@ -54,20 +61,20 @@ def test_a_global_order_stays_even_where_a_new_choice_would_differ_and_is_chosen
                       "product": ["product new"] * 40, "review": [f"review {c}" for c in range(40)]})
     night2 = grown(night1, extra)
     assert (distinct_value_order(night2, GLOBAL_WINS) == [1, 2, 0]).all()
-    second = kept_field_orders(night2, GLOBAL_WINS, "id", state, unique_prefix_chars)
+    second = recorded(night2, GLOBAL_WINS, "id", state, unique_prefix_chars)
     assert second.reason == "kept" and (second.choice.orders == [2, 1, 0]).all()
-    again = kept_field_orders(night2, GLOBAL_WINS.model_copy(update={"choose_order_again": True}), "id", state,
+    again = recorded(night2, GLOBAL_WINS.model_copy(update={"choose_order_again": True}), "id", state,
                               unique_prefix_chars)
     assert again.reason == "asked" and set(again.choice.candidates) == {"declared", "distinct_values", "greedy"}
     fewer = GLOBAL_WINS.model_copy(update={"fields": ["review", "product"]})
-    assert kept_field_orders(night2, fewer, "id", state, unique_prefix_chars).reason == "fields changed"
+    assert recorded(night2, fewer, "id", state, unique_prefix_chars).reason == "fields changed"
     stored = pq.read_table(state)
     assert stored.num_rows == night2.num_rows and stored.schema.field("order").type == pa.list_(pa.int16())
 
 
 def test_the_declared_order_keeps_no_state(tmp_path):
     state = tmp_path / "field_order.parquet"
-    kept = kept_field_orders(reviews(), GREEDY_WINS.declared(), "id", state, None)
+    kept = recorded(reviews(), GREEDY_WINS.declared(), "id", state, None)
     assert kept.reason == "declared" and (kept.choice.orders == np.arange(4)).all() and not state.exists()
 
 

@@ -209,7 +209,8 @@ def test_fields_with_chat_messages_in_the_table_are_refused():
 
 def test_one_rendering_path_batch_by_batch_or_whole_and_an_optimized_order_kept_only_where_state_is(tmp_path):
     """The asset streams batches, the CLI and the bench hold a table: both go through
-    ``rendered_batches`` and get the same prompts; an optimized order is saved only with a state path."""
+    ``rendered_batches`` and get the same prompts; an optimized order is kept only with a state path,
+    and recorded by the caller."""
     from engine.table.dataset import Columns
     from engine.table.fields import FieldOrder, with_prompt_column
     from engine.table.prompt_rendering import rendered_batches, rendered_table
@@ -225,5 +226,7 @@ def test_one_rendering_path_batch_by_batch_or_whole_and_an_optimized_order_kept_
     assert kept.reason == "no kept state" and not list(tmp_path.iterdir())
     state = tmp_path / "field_order.parquet"
     saved, kept = rendered_table(table, optimize, Columns(), unique_prefix_chars, state)
-    assert kept.reason == "first choice" and state.exists()
+    assert kept.reason == "first choice" and not state.exists()  # recorded once its prompts landed
+    kept.record(state)
+    assert state.exists()
     assert saved.column("prompt").to_pylist() == afresh.column("prompt").to_pylist()

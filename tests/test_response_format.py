@@ -188,7 +188,8 @@ def test_a_bench_prompt_set_runs_every_row_where_a_choice_raises_its_budget():
     from engine.plan.tokenizing import TokenizedBatch
 
     batch = TokenizedBatch.from_rows([np.arange(1, 11, dtype=np.int32) + i for i in range(3)])
-    _, prepared = planned_prompt_set(batch, np.array([2, 2, 2]), 8, None, {0: ResponseFormat(choice=["technical", "billing"])})
+    formats = {0: ResponseFormat(choice=["technical", "billing"])}
+    _, prepared = planned_prompt_set(batch, np.array([2, 2, 2]), 8, None, formats)
     assert prepared.errors == {} and prepared.max_tokens.tolist() == [len("technical") + 1, 2, 2]
 
 

@@ -83,6 +83,8 @@ def _prepare(args, fields: PromptFields | None = None, field_order_state: Path |
                                      field_order_state)
         if kept is not None:
             log.info(kept.describe())
+            if field_order_state is not None:
+                kept.record(field_order_state)
         orders = kept.choice if kept is not None else choose_field_orders(table, fields, counter)
         table = validate(table, columns)
     planned, prepared = plan_prompts(table, tokenizer, engine, sampling, columns)

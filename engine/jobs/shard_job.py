@@ -73,7 +73,10 @@ class JobCheckpoints:
                 continue
             ids = _ids_in(folder)
             if len(ids):
-                ids = ids.cast(live_ids.type)
+                try:
+                    ids = ids.cast(live_ids.type)
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                    continue  # ids of another type (the id column changed type): not judged, kept
                 wanted = pc.filter(ids, pc.is_in(ids, value_set=live_ids))
                 if len(wanted) and len(store.answered_ids(wanted, live_keys)) < len(pc.unique(wanted)):
                     continue  # a row of the plan whose answer is only here

@@ -38,9 +38,19 @@ class KeptOrders:
     """The orders of this table's rows, and what happened to them since the last choice."""
 
     choice: FieldOrderChoice
-    reason: str  # why chosen now ("first choice", "asked", "fields changed"), or "kept"
+    reason: str  # why chosen now ("first choice", "asked", "fields changed", "none kept"), or "kept"
     kept_rows: int = 0  # rows that kept their order
     new_rows: int = 0  # rows placed into the kept order
+    ids: pa.Array | pa.ChunkedArray | None = None  # the rows the orders are of, in the table's order
+    spec: PromptFields | None = None
+
+    def record(self, path: Path | str) -> None:
+        """Keep these orders for the next night: called once the prompts they made have landed (a
+        refused night records nothing). An empty table records nothing either: the kept order
+        survives a night whose source came back empty, and its rows find their old prompts again."""
+        if self.ids is None or self.spec is None or len(self.ids) == 0:
+            return
+        save(path, self.ids, self.spec, self)
 
     def describe(self) -> str:
         if self.reason != "kept":
@@ -75,24 +85,25 @@ def recorded_choice(path: Path | str) -> dict | None:
 
 def kept_field_orders(table: pa.Table, spec: PromptFields, id_column: str, state_path: Path | str,
                       prefill_tokens: PrefillCounter | None) -> KeptOrders:
-    """Each row's field order: the kept one (see the module doc), or a new choice, recorded."""
+    """Each row's field order: the kept one (see the module doc), or a new choice; the caller
+    records it (``KeptOrders.record``) once the prompts it made have landed."""
     if spec.field_order is FieldOrder.as_declared:
         return KeptOrders(choose_field_orders(table, spec, prefill_tokens), "declared")
-    path = Path(state_path)
-    previous = _read(path)
+    previous = _read(Path(state_path))
     if previous is not None and previous[0]["fields"] != spec.fields:
         reason = "fields changed"
     elif spec.choose_order_again and previous is not None:
         reason = "asked"
     elif previous is None:
         reason = "first choice"
+    elif previous[1].num_rows == 0:  # an empty order an earlier version kept: nothing to keep
+        reason = "none kept"
     else:
         kept = _placed(table, spec, id_column, *previous)
-        save(path, table.column(id_column), spec, kept)
+        kept.ids, kept.spec = table.column(id_column), spec
         return kept
-    kept = KeptOrders(choose_field_orders(table, spec, prefill_tokens), reason)
-    save(path, table.column(id_column), spec, kept)
-    return kept
+    return KeptOrders(choose_field_orders(table, spec, prefill_tokens), reason, ids=table.column(id_column),
+                      spec=spec)
 
 
 def _placed(table: pa.Table, spec: PromptFields, id_column: str, state: dict, stored: pa.Table) -> KeptOrders:
