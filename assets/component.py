@@ -18,6 +18,7 @@ the nightly schedule and the sensors (see ``factory.build_batch_defs``).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from pathlib import Path
 
@@ -73,6 +74,11 @@ class BatchJobComponent(JobSpec, dg.Component, dg.Resolvable, dg.Model):
         "own <storage_dir>/answers.duckdb; the dataset's database only when you name it here)")
     storage_dir: str | None = Field(None, description="default: <data>/jobs")
 
+    @classmethod
+    def get_model_cls(cls):
+        """Dagster's model of the YAML, its JSON schema sharpened for ``dg check defs`` (``_precise``)."""
+        return _with_precise_schema(super().get_model_cls())
+
     def to_config(self, component_dir: Path) -> BatchJobConfig:
         data = default_data_dir()
         spec = self.dataset
@@ -114,3 +120,44 @@ class BatchJobComponent(JobSpec, dg.Component, dg.Resolvable, dg.Model):
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
         return build_batch_defs(self.to_config(Path(context.path)))
+
+
+@functools.cache
+def _with_precise_schema(model: type) -> type:
+    class PreciseSchema(model):
+        @classmethod
+        def model_json_schema(cls, *args, **kwargs) -> dict:
+            return _precise(super().model_json_schema(*args, **kwargs))
+
+    PreciseSchema.__name__ = PreciseSchema.__qualname__ = model.__name__
+    return PreciseSchema
+
+
+def _precise(schema: dict) -> dict:
+    """``dg check defs`` validates a defs.yaml against the JSON schema and prints each error's own
+    message. A nested settings block is ``anyOf [its model, a template string]`` (or ``[model,
+    null]``), and a misspelled key in it says only "is not valid under any of the given schemas".
+    Here each such block is its model inlined, null allowed where it was: the error then names the
+    key ("Additional properties are not allowed ('score_choice' was unexpected)"). A whole block
+    as one template string is given up; templates inside a block still work."""
+    defs = schema.get("$defs", {})
+
+    def sharpen(properties: dict) -> None:
+        for name, prop in properties.items():
+            options = prop.get("anyOf", [])
+            refs = [o["$ref"] for o in options if "$ref" in o]
+            if len(refs) != 1 or any("$ref" not in o and o not in ({"type": "string"}, {"type": "null"})
+                                     for o in options):
+                continue
+            model = defs.get(refs[0].rsplit("/", 1)[-1], {})
+            if model.get("type") != "object":
+                continue  # an enum's model (backend): a string is what it is
+            inlined = {key: value for key, value in prop.items() if key != "anyOf"}
+            inlined.update({key: value for key, value in model.items() if key not in ("title", "description")})
+            inlined["type"] = ["object", "null"] if {"type": "null"} in options else "object"
+            properties[name] = inlined
+
+    sharpen(schema.get("properties", {}))
+    for model in defs.values():
+        sharpen(model.get("properties", {}))
+    return schema

@@ -13,12 +13,19 @@ from engine.digests import text_fingerprint
 
 from .completions import build_completions
 from .prefix_groups import build_prefix_groups
-from .prompts import build_prompts, source_version
+from .prompts import build_prompts, refuse_dataset_mistakes_at_load, source_version
 from .shard_sensor import build_run_shards_sensor
 
 
+def _refuse_at_load(config: BatchJobConfig) -> None:
+    """What can be known when the definitions load, ``dg check defs`` says: an output table the job
+    does not own, the dataset's mistakes."""
+    refuse_at_load(config.name, config.output_table, config.output_database)
+    refuse_dataset_mistakes_at_load(config)
+
+
 def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:
-    refuse_at_load(config.name, config.output_table, config.output_database)  # `dg check defs` names it
+    _refuse_at_load(config)
     partitions = shard_partitions(config.names.partitions_name)
     prompts = build_prompts(config)
     prefix_groups = build_prefix_groups(config, partitions)

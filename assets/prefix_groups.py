@@ -12,10 +12,11 @@ from batchllm_dagster.metadata import plan_metadata
 from batchllm_dagster.night_guards import refuse_a_costly_night
 from batchllm_dagster.partitions import by_hardware, shard_key, sync_partitions
 from batchllm_dagster.shard_sizing import ShardSize, last_partitions_metadata, measured_by_hardware, shard_size
+from engine.damaged import readable_or_set_aside
 from engine.models import preparation_notice
 from engine.plan.duplicates import count_duplicates
 from engine.plan.plan_stamp import stale_reasons
-from engine.plan.plan_table import plan_content_keys, plan_table, previous_shards, write_plan
+from engine.plan.plan_table import plan_content_keys, plan_table, previous_shards, read_previous_plan, write_plan
 from engine.plan.prepared import plan_tokenized
 from engine.plan.shards import assign_shards
 from engine.plan.token_cache import TokenCache
@@ -109,8 +110,17 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         # Lengths and block hashes come from the cache; only new or changed rows are tokenized. The
         # rows' text is not read here otherwise: the plan needs hashes, max_tokens and formats.
         tokenizer = LazyTokenizer(settings.model_path)
-        cache = TokenCache(config.files.token_cache_dir, tokenizer_fingerprint(settings.model_path))
+        cache = TokenCache(config.files.token_cache_dir, tokenizer_fingerprint(settings.model_path),
+                           on_damaged=context.log.warning)
         snapshot = config.files.prompts_path
+        readable_or_set_aside(config.files.plan_path, read_previous_plan, "the previous plan",
+                              "this plan is cut without it (answers are reused by id and prompt)", context.log.warning)
+        without_text = lambda path: read_snapshot(  # noqa: E731 (what the plan reads of it)
+            path, columns=columns_without_text(path, columns.prompt, columns.messages))
+        if not readable_or_set_aside(snapshot, without_text, "the prompt snapshot",
+                                     "materialize prompts to take it again", context.log.warning):
+            raise dg.Failure(f"{config.name}: the prompt snapshot was damaged (set aside): materialize "
+                             f"{config.name}/prompts, then prefix_groups (the plan job does both)", allow_retries=False)
         # What the plan is made from, read before the rows and checked again before the plan is
         # written: a prompts materialization landing meanwhile (from the UI, say) would otherwise
         # give a plan of old rows under the new snapshot's stamp.

@@ -15,13 +15,14 @@ from engine.table.dataset import (
     DatasetError,
     check_unique_ids,
     read_sql,
+    schema_of,
     single_query,
     source_sql,
     stream_sql,
     validate,
 )
 from engine.table.field_order_state import KeptOrders
-from engine.table.fields import FieldOrder, PrefillCounter
+from engine.table.fields import FieldOrder, PrefillCounter, with_prompt_column
 from engine.table.prompt_rendering import rendered_batches
 from engine.table.prompt_snapshot import SnapshotWriter, snapshot_digest
 
@@ -34,6 +35,26 @@ def dataset_sql(config: BatchJobConfig) -> tuple[str, str | None, list[str]]:
     else:
         sql, database, allowed = source_sql(str(spec.sql_file or spec.table or spec.parquet), spec.database)
     return sql, database, [*allowed, *spec.allowed_paths]
+
+
+def refuse_dataset_mistakes_at_load(config: BatchJobConfig) -> None:
+    """What can be known of the dataset when the definitions load, so ``dg check defs`` says it in
+    one line: SQL that does not parse, a column or field the table (as it is now) lacks. A database,
+    table or file not made yet is the night's to name (it may be made before then)."""
+    try:
+        sql, database, allowed = dataset_sql(config)
+    except DatasetError:
+        return  # a SQL file or Parquet source not there yet (a missing SQL file is named by the component)
+    try:
+        schema = schema_of(sql, database, allowed)
+        if schema is not None:
+            empty, spec, columns = schema.empty_table(), config.dataset, config.dataset.columns
+            if spec.prompt is not None:
+                with_prompt_column(empty, spec.prompt.declared(), columns.prompt, messages_column=columns.messages)
+                empty = empty.append_column(columns.prompt, pa.array([], pa.string()))
+            validate(empty, columns)
+    except DatasetError as exc:
+        raise DatasetError(f"job {config.name!r}: {config.dataset.describe()}: {exc}") from None
 
 
 def snapshot_dataset(config: BatchJobConfig, path: Path, log=None, before_landing=None

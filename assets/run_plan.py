@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 import tomllib
 from pathlib import Path
@@ -78,21 +79,56 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--log-level", default="WARNING", help="Dagster's console log level (every event is in "
                                                             "the instance either way; default WARNING)")
     args = parser.parse_args(argv)
-    quiet = {"loggers": {"console": {"config": {"log_level": args.log_level.upper()}}}}
+    # Dagster's console prints a failure's trace twice; at WARNING and above this command says each
+    # warning and the failure in one line instead (``_said``), the whole trace staying in the run's log.
+    level = args.log_level.upper()
+    quiet = {"loggers": {"console": {"config": {"log_level": "CRITICAL" if _at_least_warning(level) else level}}}}
     defs = load_definitions(args.definitions)
     instance = dg.DagsterInstance.get()
     if not args.shards_only:
         planned = defs.resolve_job_def(JobNames(args.job).plan_job_name).execute_in_process(
             instance=instance, run_config=quiet, raise_on_error=False)
+        _say(instance, planned)
         if not planned.success:
-            print(f"batchllm-dagster: the plan of {args.job!r} failed (run {planned.run_id}): see its log",
-                  file=sys.stderr)
+            print(f"batchllm-dagster: the plan of {args.job!r} failed (run {planned.run_id}; its log in the "
+                  "instance holds the whole trace)", file=sys.stderr)
             return 1
     results = run_planned_shards(instance, defs, args.job, run_config=quiet, check=False)
+    for result in results:
+        _say(instance, result)
     failed = [r for r in results if not r.success]
     print(f"{args.job}: {len(results)} shard runs, {len(results) - len(failed)} succeeded"
           + (f", {len(failed)} failed: {[r.run_id for r in failed]}" if failed else ""))
     return 1 if failed else 0
+
+
+def _at_least_warning(level: str) -> bool:
+    return logging.getLevelName(level) in (logging.WARNING, logging.ERROR, logging.CRITICAL)
+
+
+def _say(instance: dg.DagsterInstance, result) -> None:
+    """A run's warnings and failures, one line each, on stderr."""
+    for line in _said(instance, result.run_id):
+        print(line, file=sys.stderr)
+
+
+def _said(instance: dg.DagsterInstance, run_id: str) -> list[str]:
+    """The run's warnings and each step's failure in one line: a ``Failure``'s own message (what to
+    fix), else the exception's type and first line."""
+    lines = []
+    for entry in instance.all_logs(run_id):
+        event = entry.dagster_event
+        if event is not None and event.event_type_value == "STEP_FAILURE":
+            error = event.event_specific_data.error
+            while error.cls_name in ("DagsterExecutionStepExecutionError", "DagsterUserCodeExecutionError") \
+                    and error.cause is not None:
+                error = error.cause
+            text = error.message.split(": ", 1)[1] if error.cls_name == "Failure" else f"{error.cls_name}: " + \
+                error.message.split(": ", 1)[-1]
+            lines.append(f"error in {event.step_key}: {' '.join(text.split())}")
+        elif event is None and entry.level == logging.WARNING:
+            lines.append(f"warning: {' '.join(entry.user_message.split())}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -179,13 +179,10 @@ def test_a_job_builds_definitions_with_its_warehouse_resource_bound(tmp_path):
 
 
 @pytest.mark.parametrize("dataset, message", [
-    ({"table": "carz"}, 'Table with name carz does not exist!\nDid you mean "cars"?'),
-    ({"table": "cars", "prompt": {"instruction": "x", "fields": ["nmae"]}},
-     "the prompt's fields ['nmae'] are not columns of the table (it has id, name)"),
+    ({"table": "carz"}, 'Table with name carz does not exist!\nDid you mean "cars"?'),  # may be made by then
     ({"table": "cars", "database": "nope.duckdb"}, "nope.duckdb' does not exist"),
 ])
-def test_a_job_whose_table_or_fields_do_not_exist_fails_its_plan_in_a_line_that_names_them(tmp_path, dataset,
-                                                                                           message):
+def test_a_job_whose_table_does_not_exist_yet_fails_its_plan_in_a_line_that_names_it(tmp_path, dataset, message):
     import duckdb
 
     from assets import build_batch_defs
@@ -201,3 +198,28 @@ def test_a_job_whose_table_or_fields_do_not_exist_fails_its_plan_in_a_line_that_
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE").event_specific_data.error
     assert failure.cls_name == "Failure" and message in failure.message
     assert failure.message.startswith("dagster._core.definitions.events.Failure: j: ")
+
+
+@pytest.mark.parametrize("dataset, message", [
+    ({"table": "cars", "prompt": {"instruction": "x", "fields": ["nmae"]}},
+     "the prompt's fields ['nmae'] are not columns of the table (it has id, name)"),
+    ({"sql": "SELECT id, nmae AS prompt FROM cars"}, 'Referenced column "nmae" not found'),
+    ({"sql": "SELECT id, name FROM cars"}, "prompt table needs a prompt column 'prompt'"),
+    ({"sql": "SELEC id FROM cars"}, "syntax error"),
+])
+def test_a_dataset_mistake_known_at_load_is_refused_at_load_in_a_line_that_names_it(tmp_path, dataset, message):
+    """A column or field a table that exists lacks, or SQL that does not parse: known before any
+    night, so the definitions do not load (``dg check defs`` says it); nothing is planned."""
+    import duckdb
+
+    from assets import build_batch_defs
+    from batchllm_dagster import BatchJobConfig, DatasetSpec
+
+    with duckdb.connect(str(tmp_path / "w.duckdb")) as con:
+        con.execute("CREATE TABLE cars AS SELECT i AS id, 'car ' || i AS name FROM range(3) t(i)")
+    config = BatchJobConfig(name="j", dataset=DatasetSpec(database=str(tmp_path / "w.duckdb"), **dataset),
+                            output_database=str(tmp_path / "o.duckdb"), storage_dir=str(tmp_path / "jobs"))
+    with pytest.raises(ValueError, match="^job 'j': ") as refused:
+        build_batch_defs(config)
+    assert message in str(refused.value) and "\n" not in str(refused.value).strip()
+    assert not (tmp_path / "jobs").exists() and not (tmp_path / "o.duckdb").exists()

@@ -122,6 +122,13 @@ def plan_content_keys(path: Path) -> pa.Array | None:
     return _read(path, columns=[CONTENT_KEY]).column(CONTENT_KEY).combine_chunks()
 
 
+def read_previous_plan(path: Path) -> None:
+    """Read what a plan step reads of the plan on disk (ids, shards, content keys): raises where it
+    is damaged (``engine.damaged``: the plan step then sets it aside and plans without it)."""
+    names = pq.ParquetFile(path).schema_arrow.names
+    pq.read_table(path, columns=[c for c in ("id", "shard", CONTENT_KEY) if c in names]).validate(full=True)
+
+
 def previous_shards(path: Path, ids: pa.ChunkedArray) -> np.ndarray | None:
     """Each of ``ids``' shard in the plan on disk (-1 for a row it does not have), so unchanged
     shards keep their rows and partition keys; None without a plan."""

@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..atomic import Staged
+from ..damaged import DAMAGE, set_aside
 from ..locks import locked
 from ..table.prompt_snapshot import CONTENT_KEY, KEY_TYPE, snapshot_keys, texts_of
 from .block_hashes import HASH_VERSION, RowBlocks
@@ -105,9 +106,11 @@ class TokenCache:
     entries under ``reading()`` never sees them disappear, and entries the plan on disk names are
     kept by compaction."""
 
-    def __init__(self, folder: str | Path, tokenizer_fingerprint: str):
+    def __init__(self, folder: str | Path, tokenizer_fingerprint: str,
+                 on_damaged: Callable[[str], None] = log.warning):
         self.root = Path(folder)
         self.folder = self.root / tokenizer_fingerprint
+        self.on_damaged = on_damaged  # told, in one line, of a damaged part set aside (``engine.damaged``)
 
     @staticmethod
     def reading(root: str | Path):
@@ -129,7 +132,12 @@ class TokenCache:
         hashed in other blocks (or by an older version, without hashes) is hashed again first."""
         tables = []
         for path in self._parts():
-            table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+            try:
+                table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+                table.validate()
+            except DAMAGE as exc:  # its rows are missing now: a plan tokenizes them again
+                set_aside(path, exc, "the token cache part", "its rows are tokenized again", self.on_damaged)
+                continue
             if block_size is not None and (table.schema.metadata or {}).get(_HASHED_AS) != _hashed_as(block_size):
                 log.info("hashing the token cache part %s in blocks of %d", path.name, block_size)
                 tokens, offsets = _gather(table.column("token_ids"), np.arange(table.num_rows))

@@ -40,7 +40,7 @@ def single_query(sql: str) -> str:
     try:
         statements = duckdb.extract_statements(sql)
     except duckdb.Error as exc:
-        raise DatasetError(f"dataset SQL failed: {exc}") from exc
+        raise DatasetError(f"dataset SQL failed: {' '.join(str(exc).split())}") from exc
     if len(statements) != 1:
         raise DatasetError(f"dataset SQL must be exactly one query; it has {len(statements)} statements")
     if statements[0].type != duckdb.StatementType.SELECT:
@@ -110,6 +110,34 @@ def _sandbox(con, allowed_paths: list[str]) -> None:
     con.execute("SET allowed_directories = ?", [folders])
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")
+
+
+def schema_of(sql: str, database: str | None = None, allowed_paths: list[str] = ()) -> pa.Schema | None:
+    """The columns the dataset SQL gives, bound in the sandbox without reading its rows: a mistake
+    known before any night (SQL that does not parse, a column a table that exists lacks) raises
+    ``DatasetError``. None where the answer must wait for the night: the database, a table or a
+    Parquet file not made yet, or the database held by a writer now."""
+    import duckdb
+
+    query = single_query(sql)  # a parse error is known now
+    if database and not Path(database).exists():
+        return None
+    try:
+        con = _connect_read_only(database, wait_s=0) if database else duckdb.connect(config=_NO_EXTENSIONS)
+    except DatasetError:
+        return None
+    try:
+        _sandbox(con, [*allowed_paths, *([str(Path(database).parent)] if database else [])])
+        return con.sql(query).limit(0).to_arrow_table().schema
+    except (duckdb.CatalogException, duckdb.IOException):  # not made yet (or no file matches): the night says
+        return None
+    except duckdb.PermissionException as exc:
+        raise DatasetError(f"dataset SQL may only read the job's own data "
+                           f"({', '.join(allowed_paths) or 'its database'}): {exc}") from exc
+    except duckdb.Error as exc:
+        raise DatasetError(f"dataset SQL failed: {' '.join(str(exc).split())}") from exc
+    finally:
+        con.close()
 
 
 def _connect_read_only(database: str, wait_s: float = 60.0):
