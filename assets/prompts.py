@@ -67,19 +67,21 @@ def snapshot_dataset(config: BatchJobConfig, path: Path, log=None, before_landin
     earlier night, or chosen; recorded for the next night once the snapshot landed)."""
     columns, fields = config.dataset.columns, config.dataset.prompt
     preview, choice = None, None
-    with Staged(path) as staged, stream_sql(*dataset_sql(config)) as (schema, batches):
-        if fields is not None:
-            batches, schema, choice = rendered_batches(batches, schema, fields, columns, _prefill_counter(config, log),
-                                                       config.files.field_order_path)
-        writer = SnapshotWriter(staged.path, columns.prompt, columns.messages)
-        for batch in batches:
-            written = writer.write(
-                validate(pa.Table.from_batches([batch], schema), columns)
-            )  # types, NULLs, duplicates within
-            preview = preview if preview is not None else written.slice(0, 10)
-        empty = validate(schema.empty_table(), columns)  # no rows: still a snapshot with the dataset's columns
-        writer.close(empty.schema)
+    with Staged(path) as staged:
+        with stream_sql(*dataset_sql(config)) as (schema, batches):
+            if fields is not None:
+                batches, schema, choice = rendered_batches(batches, schema, fields, columns,
+                                                           _prefill_counter(config, log), config.files.field_order_path)
+            writer = SnapshotWriter(staged.path, columns.prompt, columns.messages)
+            for batch in batches:
+                written = writer.write(
+                    validate(pa.Table.from_batches([batch], schema), columns)
+                )  # types, NULLs, duplicates within
+                preview = preview if preview is not None else written.slice(0, 10)
+            empty = validate(schema.empty_table(), columns)  # no rows: still a snapshot with the dataset's columns
+            writer.close(empty.schema)
         check_unique_ids(staged.path, columns.id)  # duplicates across batches
+        # The source's read-only connection is closed first: the output database may be the same file.
         if before_landing is not None:
             before_landing(pq.read_table(staged.path, columns=[columns.id]).column(0))
     if choice is not None:

@@ -50,8 +50,8 @@ def owner_comment(job: str) -> str:
     return f"{OWNER_PREFIX}{job}"
 
 
-def _fix(output_table: str) -> str:
-    return f"set output_table to a name no table of that database has (e.g. {output_table}_answers)"
+def _fix(job: str, output_table: str) -> str:
+    return f"set output_table to a name no table of that database has (e.g. {job}_{output_table})"
 
 
 def refuse_foreign_objects(con, job: str, output_table: str, database: str) -> None:
@@ -67,12 +67,12 @@ def refuse_foreign_objects(con, job: str, output_table: str, database: str) -> N
         if owner is not None and owner != job:
             raise NotOwned(
                 f"job {job!r}: its {obj.what} would be {where}, which job {owner!r} owns: two jobs in one table "
-                f"replace each other's answers; {_fix(output_table)}")
+                f"replace each other's answers; {_fix(job, output_table)}")
         if owner is None and not _of_kind(obj.kind, is_view, columns, sql):
             raise NotOwned(
                 f"job {job!r}: its {obj.what} would be {where}, which this job did not make (a table of yours? "
                 f"{_kind_missing(obj.kind, is_view, columns)}): writing it would replace its rows; "
-                f"{_fix(output_table)}")
+                f"{_fix(job, output_table)}")
 
 
 def claim(con, job: str, name: str, view: bool = False) -> None:
@@ -126,7 +126,7 @@ def refuse_reading_own_output(job: str, output_table: str, output_database: str,
         if obj.name.lower() in read:
             raise NotOwned(
                 f"job {job!r}: its {obj.what} {obj.name!r} is a table its dataset reads in {output_database}: "
-                f"answers written there would replace the prompts; {_fix(output_table)}, or write the answers "
+                f"answers written there would replace the prompts; {_fix(job, output_table)}, or write the answers "
                 "to a database of their own (output_database)")
 
 

@@ -146,6 +146,10 @@ def test_dataset_sql_that_writes_is_refused_and_writes_nothing(tmp_path):
     (["--json-schema", "SCHEMA"], "invalid JSON schema"),
     (["--json-schema", "missing.json"], "--json-schema missing.json"),
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
+    (["--choice", "economy,family,performance"],
+     "give each its own --choice (--choice economy --choice family --choice performance)"),
+    (["--choice", "budget"], "needs at least two answers"),
+    (["--choice", "a", "--choice", "b", "--choice", "a"], "repeats 'a'"),
 ])
 def test_a_bad_constraint_or_engine_setting_is_refused_before_any_work(prompt_parquet, tmp_path, flags, reason):
     schema = tmp_path / "schema.json"
