@@ -190,3 +190,21 @@ def test_a_misspelled_nested_key_is_named_by_the_schema_dg_check_defs_validates(
             "hardware": ["cpu", {"name": "h100", "platform": "cuda"}], "backend": "ray",
             "sampling": {"max_tokens": 4, "response_format": {"choice": ["a", "b"]}}}
     assert list(Draft202012Validator(schema).iter_errors(fine)) == []
+
+
+def test_batchllm_dagster_run_says_a_failed_step_in_one_line(tmp_path):
+    """Dagster's console prints a failure's trace twice; the command prints one line per failed step
+    and per warning (``assets.run_plan._said``), the trace staying in the run's log."""
+    import dagster as dg
+
+    from assets.run_plan import _said
+
+    database = shop(tmp_path / "shop.duckdb")
+    config = BatchJobConfig(name="j", dataset=DatasetSpec(table="carz", database=database),  # made later, maybe
+                            output_database=str(tmp_path / "o.duckdb"), storage_dir=str(tmp_path / "jobs"))
+    instance = dg.DagsterInstance.ephemeral()
+    result = build_batch_defs(config).resolve_job_def("j_plan").execute_in_process(
+        instance=instance, raise_on_error=False)
+    (line,) = _said(instance, result.run_id)
+    assert line.startswith("error in j__prompts: j: dataset SQL failed: Catalog Error: Table with name carz does not "
+                           "exist!") and "Traceback" not in line

@@ -108,3 +108,33 @@ def test_through_dagster_a_night_that_adds_rows_changes_no_old_rows_prompt(tmp_p
     assert metadata["field_order_chosen"].value == "kept"
     assert metadata["field_order_kept_rows"].value == 95 and metadata["field_order_new_rows"].value == 5
     assert all(second[i] == prompt for i, prompt in first.items())
+
+
+def test_a_damaged_kept_order_stops_the_night_named_with_both_ways_out(tmp_path):
+    """It cannot be made again as it was (a new choice may change old rows' prompts): never silently."""
+    import pytest
+
+    from engine.table.dataset import DatasetError
+
+    state = tmp_path / "field_order.parquet"
+    night1 = reviews(products=6, per_product=8, seed=1)
+    recorded(night1, GREEDY_WINS, "id", state, unique_prefix_chars)
+    state.write_bytes(state.read_bytes()[:50])
+    with pytest.raises(DatasetError, match=r"the kept field order .*field_order.parquet is damaged .*restore it "
+                                           r"from a backup, or remove it to choose the order again"):
+        kept_field_orders(night1, GREEDY_WINS, "id", state, unique_prefix_chars)
+
+
+def test_an_empty_night_records_nothing_and_an_empty_kept_order_is_chosen_again(tmp_path):
+    state = tmp_path / "field_order.parquet"
+    night1 = reviews(products=6, per_product=8, seed=1)
+    first = recorded(night1, GREEDY_WINS, "id", state, unique_prefix_chars)
+    kept = state.read_bytes()
+    recorded(night1.slice(0, 0), GREEDY_WINS, "id", state, unique_prefix_chars)  # the source came back empty
+    assert state.read_bytes() == kept
+    back = recorded(night1, GREEDY_WINS, "id", state, unique_prefix_chars)
+    assert back.reason == "kept" and prompts_by_id(night1, GREEDY_WINS, back) == prompts_by_id(
+        night1, GREEDY_WINS, first)
+    # An empty order an earlier version recorded: chosen again, not a crash.
+    pq.write_table(pq.read_table(state).slice(0, 0), state)  # its choice kept in the schema, no rows
+    assert kept_field_orders(night1, GREEDY_WINS, "id", state, unique_prefix_chars).reason == "none kept"

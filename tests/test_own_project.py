@@ -68,7 +68,7 @@ def test_a_project_of_ones_own_set_up_from_the_readme_answers_every_row(tmp_path
     assert " vllm" not in said.lower().replace("vllm replicas", "") and "ResourceWarning" not in said
     logs = sorted((Path(os.environ["BATCHLLM_CACHE_DIR"]) / "logs").glob("nightly-*.log"), key=os.path.getmtime)
     assert "vllm" in logs[-1].read_text().lower()
-    with duckdb.connect(str(project / "data" / "my_warehouse.duckdb"), read_only=True) as con:
+    with duckdb.connect(str(project / "data" / "jobs" / "answers.duckdb"), read_only=True) as con:  # the default
         answers = con.execute("SELECT count(*), count(DISTINCT id), count(*) FILTER (WHERE status = 'ok') "
                               "FROM nightly_completions").fetchall()[0]
     assert answers == (12, 12, 12)

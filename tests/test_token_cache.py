@@ -248,3 +248,19 @@ def test_compaction_deletes_only_the_parts_it_read(tmp_path, tiny_model):
     assert late_part
     cache._compact(table, loaded, keys, BLOCK, lambda: None)
     assert all(p.exists() for p in late_part)
+
+
+def test_a_damaged_part_is_named_set_aside_and_its_rows_tokenized_again(tmp_path, tiny_model):
+    prompts, messages = rows(range(30), count=30)
+    path = tmp_path / "prompts.parquet"
+    snapshot(path, prompts, messages)
+    said = []
+    cache = TokenCache(tmp_path / "cache", "fp1", on_damaged=said.append)
+    first = cache.rows_for(path, CountingTokenizer(tiny_model), "prompt", "messages", BLOCK)
+    (part,) = cache.folder.glob("part-*.arrow")
+    part.write_bytes(part.read_bytes()[:100])  # truncated outside the package
+    again = cache.rows_for(path, CountingTokenizer(tiny_model), "prompt", "messages", BLOCK)
+    assert same_rows(again, first) and again.tokenized_rows == first.tokenized_rows
+    (line,) = said
+    assert line.startswith(f"the token cache part {part} is damaged (") and "; its rows are tokenized again" in line
+    assert "\n" not in line and len(list(cache.folder.glob(f"{part.name}.damaged-*"))) == 1

@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..atomic import write_parquet
+from .dataset import DatasetError
 from .fields import FieldOrder, FieldOrderChoice, PrefillCounter, PromptFields, choose_field_orders, field_text
 
 STATE_KEY = b"batchllm.field_order"
@@ -61,10 +62,18 @@ class KeptOrders:
 
 
 def _read(path: Path) -> tuple[dict, pa.Table] | None:
+    """The kept orders. Unlike the token cache or the plan, they cannot be made again as they were
+    (a new choice may change old rows' prompts): a damaged file stops the night, named, with both ways out."""
     if not path.exists():
         return None
-    table = pq.read_table(path)
-    return json.loads(table.schema.metadata[STATE_KEY]), table
+    try:
+        table = pq.read_table(path)
+        return json.loads(table.schema.metadata[STATE_KEY]), table
+    except (pa.ArrowException, OSError, KeyError, TypeError, ValueError) as exc:
+        raise DatasetError(
+            f"the kept field order {path} is damaged ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}): "
+            "restore it from a backup, or remove it to choose the order "
+            "again, which answers again every row whose prompt it changes") from None
 
 
 def save(path: Path | str, ids: pa.Array | pa.ChunkedArray, spec: PromptFields, kept: KeptOrders) -> None:
