@@ -108,15 +108,25 @@ class BatchJobComponent(JobSpec, dg.Component, dg.Resolvable, dg.Model):
         stay there (moving the default must not answer every row again), with a warning saying so."""
         if self.output_database:
             return str(data / self.output_database)
-        if source_database and Path(source_database).is_file() and owns_answers_in(
-                self.name, self.output_table, source_database):
-            named = self.dataset.database  # as the YAML names it, relative to the data directory
+        default = storage / "answers.duckdb"
+        if not source_database or not Path(source_database).is_file() or (
+                default.is_file() and owns_answers_in(self.name, self.output_table, str(default))):
+            return str(default)
+        named = self.dataset.database  # as the YAML names it, relative to the data directory
+        legacy = owns_answers_in(self.name, self.output_table, source_database)
+        if legacy is None:  # guessing wrong would answer every row again, or write the user's database
+            raise ValueError(f"job {self.name!r}: cannot tell whether its answers are in the dataset's database "
+                             f"{source_database} (the default of earlier versions): another process holds it. Set "
+                             f"output_database: {named} to keep them there, or "
+                             f"{default.relative_to(data) if default.is_relative_to(data) else default} for the "
+                             "package's own database")
+        if legacy:
             warnings.warn(
                 f"job {self.name!r}: its answers are in the dataset's database {source_database} (the default of "
                 f"earlier versions) and stay there; set output_database: {named} to say so, or move table "
                 f"{self.output_table!r} to {storage / 'answers.duckdb'}", stacklevel=2)
             return source_database
-        return str(storage / "answers.duckdb")
+        return str(default)
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
         return build_batch_defs(self.to_config(Path(context.path)))

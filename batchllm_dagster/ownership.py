@@ -153,20 +153,25 @@ def check_existing_objects(job: str, output_table: str, output_database: str) ->
         con.close()
 
 
-def owns_answers_in(job: str, output_table: str, database: str) -> bool:
+def owns_answers_in(job: str, output_table: str, database: str) -> bool | None:
     """Whether ``database`` holds this job's answers (owned by it, or an older version's table of
-    the kind): where an older version's default put them."""
-    try:
-        check_existing_objects(job, output_table, database)
-    except NotOwned:
-        return False
+    the kind): where an older version's default put them. None: it cannot be opened now (another
+    process writes it), so nobody can tell."""
     import duckdb
 
     try:
-        with duckdb.connect(database, read_only=True) as con:
-            return _existing(con, output_table) is not None
+        con = duckdb.connect(database, read_only=True)
     except duckdb.Error:
+        return None
+    try:
+        if _existing(con, output_table) is None:
+            return False
+        refuse_foreign_objects(con, job, output_table, database)
+        return True
+    except NotOwned:
         return False
+    finally:
+        con.close()
 
 
 _JOB_OF_TABLE: dict[tuple[str, str], str] = {}  # (output database, table) -> the job that loaded with it
