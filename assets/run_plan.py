@@ -85,17 +85,18 @@ def main(argv: list[str] | None = None) -> int:
     quiet = {"loggers": {"console": {"config": {"log_level": "CRITICAL" if _at_least_warning(level) else level}}}}
     defs = load_definitions(args.definitions)
     instance = dg.DagsterInstance.get()
+    said: set[str] = set()
     if not args.shards_only:
         planned = defs.resolve_job_def(JobNames(args.job).plan_job_name).execute_in_process(
             instance=instance, run_config=quiet, raise_on_error=False)
-        _say(instance, planned)
+        _say(instance, planned, said)
         if not planned.success:
             print(f"batchllm-dagster: the plan of {args.job!r} failed (run {planned.run_id}; its log in the "
                   "instance holds the whole trace)", file=sys.stderr)
             return 1
     results = run_planned_shards(instance, defs, args.job, run_config=quiet, check=False)
     for result in results:
-        _say(instance, result)
+        _say(instance, result, said)
     failed = [r for r in results if not r.success]
     print(f"{args.job}: {len(results)} shard runs, {len(results) - len(failed)} succeeded"
           + (f", {len(failed)} failed: {[r.run_id for r in failed]}" if failed else ""))
@@ -106,10 +107,13 @@ def _at_least_warning(level: str) -> bool:
     return logging.getLevelName(level) in (logging.WARNING, logging.ERROR, logging.CRITICAL)
 
 
-def _say(instance: dg.DagsterInstance, result) -> None:
-    """A run's warnings and failures, one line each, on stderr."""
+def _say(instance: dg.DagsterInstance, result, already: set[str]) -> None:
+    """A run's warnings and failures, one line each, on stderr; a warning every run of the command
+    repeats (the instance's missing limits, say) once."""
     for line in _said(instance, result.run_id):
-        print(line, file=sys.stderr)
+        if line not in already:
+            print(line, file=sys.stderr)
+        already.add(line)
 
 
 def _said(instance: dg.DagsterInstance, run_id: str) -> list[str]:

@@ -86,6 +86,12 @@ def test_answers_an_older_default_put_in_the_source_database_stay_there_with_a_w
         config = component("name: j\ndataset: {table: reviews, database: shop.duckdb}\n"
                            "output_table: reviews_answers\n", data, tmp_path)
     assert config.output_database == str(data / "shop.duckdb")  # nothing answered twice
+    # Held by another writer at load, nobody can tell where the answers are: refused, never guessed.
+    with duckdb.connect(str(data / "shop.duckdb")):
+        with pytest.raises(ValueError, match="cannot tell whether its answers are in the dataset's database .* "
+                                             "another process holds it. Set output_database: shop.duckdb"):
+            component("name: j\ndataset: {table: reviews, database: shop.duckdb}\noutput_table: reviews_answers\n",
+                      data, tmp_path)
 
 
 def job(tmp_path, name: str, output_table: str, database) -> BatchJobConfig:
