@@ -87,9 +87,10 @@ def recorded_choice(path: Path | str) -> dict | None:
     """The kept choice as recorded (``fields``, ``chosen``, each candidate's prompt tokens to compute
     over the whole table when it was chosen), without the rows' orders; None where none is kept."""
     path = Path(path)
-    if not path.exists():
-        return None
-    return json.loads(pq.read_schema(path).metadata[STATE_KEY])
+    try:
+        return json.loads(pq.read_schema(path).metadata[STATE_KEY]) if path.exists() else None
+    except (pa.ArrowException, OSError, KeyError, TypeError, ValueError):
+        return None  # damaged: what it says is metadata only here (the prompts step names it)
 
 
 def kept_field_orders(table: pa.Table, spec: PromptFields, id_column: str, state_path: Path | str,
