@@ -117,8 +117,8 @@ def _say(instance: dg.DagsterInstance, result, already: set[str]) -> None:
 
 
 def _said(instance: dg.DagsterInstance, run_id: str) -> list[str]:
-    """The run's warnings and each step's failure in one line: a ``Failure``'s own message (what to
-    fix), else the exception's type and first line."""
+    """The run's warnings, and each step's failure in one line: a ``Failure``'s own message (what to
+    fix), else the exception's type and message."""
     lines = []
     for entry in instance.all_logs(run_id):
         event = entry.dagster_event
@@ -131,7 +131,7 @@ def _said(instance: dg.DagsterInstance, run_id: str) -> list[str]:
                 error.message.split(": ", 1)[-1]
             lines.append(f"error in {event.step_key}: {' '.join(text.split())}")
         elif event is None and entry.level == logging.WARNING:
-            lines.append(f"warning: {' '.join(entry.user_message.split())}")
+            lines.append(f"warning: {entry.user_message.strip()}")  # its own lines (a YAML snippet, say) kept
     return lines
 
 

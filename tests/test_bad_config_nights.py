@@ -32,7 +32,7 @@ attributes:
   shards: 1
   hardware: [cpu]
   output_table: {output_table}
-"""
+{extra}"""
 
 TICKETS = ("SELECT i::INTEGER AS id, 'customer ' || (i % 5) AS customer, ['basic', 'pro'][1 + i % 2] AS plan, "
            "['eu', 'us', 'apac'][1 + i % 3] AS region, 'ticket text ' || i AS ticket FROM range(24) t(i)")
@@ -65,9 +65,9 @@ class Project:
     def job_dir(self):
         return self.data / "jobs" / "tickets"
 
-    def write_job(self, folder: str, **fields) -> None:
+    def write_job(self, folder: str, extra: str = "", **fields) -> None:
         (self.defs / folder).mkdir(exist_ok=True)
-        (self.defs / folder / "defs.yaml").write_text(JOB.format(model=self.model, **fields))
+        (self.defs / folder / "defs.yaml").write_text(JOB.format(model=self.model, extra=extra, **fields))
 
     def run(self, *command, ok=True) -> subprocess.CompletedProcess:
         done = subprocess.run([str(BIN / command[0]), *command[1:]], cwd=self.root, env=self.env,
@@ -144,11 +144,9 @@ def test_bad_nights_and_bad_config_lines_cost_no_answer(tmp_path, tiny_model):
     assert list(part.parent.glob("part-*.arrow.damaged-*")) and list(project.job_dir.glob("plan.parquet.damaged-*"))
 
     # Config lines that would write a table the job does not own: `dg check defs` names each.
-    for folder, fields, expected in [
-        ("tickets", {"output_table": "tickets"}, "answers written there would replace the prompts"),
-        ("tickets", {"output_table": "orders"}, "which this job did not make"),
-    ]:
-        project.write_job(folder, **fields)
+    for output_table, expected in [("tickets", "answers written there would replace the prompts"),
+                                   ("orders", "which this job did not make")]:
+        project.write_job("tickets", output_table=output_table, extra="  output_database: shop.duckdb\n")
         said = project.run("dg", "check", "defs", ok=False)
         assert expected in said.stdout + said.stderr, (said.stdout + said.stderr)[-3000:]
     project.write_job("tickets", output_table="ticket_teams")
@@ -157,9 +155,13 @@ def test_bad_nights_and_bad_config_lines_cost_no_answer(tmp_path, tiny_model):
     (project.defs / "tickets_again" / "defs.yaml").write_text(text)
     said = project.run("dg", "check", "defs", ok=False)
     assert "jobs 'tickets' and 'tickets_again' both name output table 'ticket_teams'" in said.stdout + said.stderr
-    (project.defs / "tickets_again" / "defs.yaml").write_text(
-        JOB.format(model=tiny_model, output_table="other").replace("{max_tokens: 4}", "{max_tokens: 4, score_choice: "
-                                                                   "true}").replace("name: tickets", "name: t2"))
+    # A misspelled nested key: named with its file and line. (dg validates one defs.yaml per component
+    # type, dagster_dg_core's check_yaml keys them by type: the job is alone here.)
+    (project.defs / "tickets_again" / "defs.yaml").unlink()
+    project.write_job("tickets", output_table="ticket_teams")
+    yaml_path = project.defs / "tickets" / "defs.yaml"
+    yaml_path.write_text(yaml_path.read_text().replace("{max_tokens: 4}", "{max_tokens: 4, score_choice: true}"))
     said = project.run("dg", "check", "defs", ok=False)
-    assert "'score_choice' was unexpected" in said.stdout, said.stdout[-3000:]
+    assert "attributes.sampling.score_choice" in said.stdout and "'score_choice' was unexpected" in said.stdout, \
+        said.stdout[-3000:]
     assert project.users_tables() == first["users"] and project.answers() == first["answers"]
