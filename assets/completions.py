@@ -82,9 +82,11 @@ class PartitionDone:
     hardware_partition: str
     checks: list[dg.AssetCheckResult]
     written: dict  # what writing it measured and wrote
+    planned_rows: int  # its rows in the plan
 
     def metadata(self, device: str) -> dict:
-        return {**run_metadata(self.outcome.stats, device, self.hardware_partition, self.engine), **self.written}
+        return {**run_metadata(self.outcome.stats, device, self.hardware_partition, self.engine, self.planned_rows),
+                **self.written}
 
 
 def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDefinition) -> dg.AssetsDefinition:
@@ -186,7 +188,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
             **review_metadata(written.table, config.review_below),
             "write_s": float(round(time.perf_counter() - writing, 3)),  # writing and checks (shard sizing reads it)
             "dagster/row_count": written.rows_now,
-        })
+        }, prepared.num_rows)
 
     def run_on_ray(context: dg.AssetExecutionContext, job: ShardJob, hardware) -> tuple:
         """The shard spread over ``ray_replicas`` vLLM replicas on the Ray cluster, whole groups each,

@@ -95,12 +95,45 @@ def main(argv: list[str] | None = None) -> int:
                   "instance holds the whole trace)", file=sys.stderr)
             return 1
     results = run_planned_shards(instance, defs, args.job, run_config=quiet, check=False)
+    shards = []
     for result in results:
         _say(instance, result, said)
+        landed = result.asset_materializations_for_node(f"{args.job}__completions")
+        shards += [(m.partition, m.metadata) for m in landed]
+    for line in shard_lines(shards):
+        print(line)
     failed = [r for r in results if not r.success]
     print(f"{args.job}: {len(results)} shard runs, {len(results) - len(failed)} succeeded"
           + (f", {len(failed)} failed: {[r.run_id for r in failed]}" if failed else ""))
     return 1 if failed else 0
+
+
+def shard_lines(shards: list[tuple[str, dict]]) -> list[str]:
+    """One line per shard landed and a total, from each partition's metadata: its rows (computed,
+    reused, error), rows and tokens per second of engine time, prompt tokens saved, who admitted the
+    rows, and the engine's wall time."""
+    def value(metadata: dict, name: str, default=0):
+        found = metadata.get(name)
+        return getattr(found, "value", found) if found is not None else default
+
+    lines, total = [], {"rows": 0, "computed": 0, "reused": 0, "errors": 0, "tokens": 0, "saved": 0, "wall": 0.0}
+    for key, metadata in shards:
+        rows, computed = value(metadata, "planned_rows"), value(metadata, "computed_rows")
+        reused, errors, wall = value(metadata, "reused_rows"), value(metadata, "error_rows"), value(metadata, "wall_s")
+        tokens = value(metadata, "prompt_tokens") + value(metadata, "output_tokens")
+        saved = value(metadata, "prompt_tokens") - value(metadata, "prefill_tokens")
+        for name, number in zip(total, (rows, computed, reused, errors, tokens, saved, wall)):
+            total[name] += number
+        ran = (f"{computed / wall:,.1f} rows/s, {tokens / wall:,.0f} tok/s, saved {saved:,} prompt tok, admission "
+               f"{value(metadata, 'admission', 'n/a')}, wall {wall:.2f} s" if computed and wall else "nothing to run")
+        lines.append(f"  {key}: {rows:,} rows ({computed:,} computed, {reused:,} reused, {errors:,} errors), {ran}")
+    if shards:
+        wall = total["wall"]
+        lines.append(f"  total: {total['rows']:,} rows ({total['computed']:,} computed, {total['reused']:,} reused, "
+                     f"{total['errors']:,} errors)" + (
+                         f", {total['computed'] / wall:,.1f} rows/s, {total['tokens'] / wall:,.0f} tok/s, saved "
+                         f"{total['saved']:,} prompt tok, wall {wall:.2f} s" if wall else ""))
+    return lines
 
 
 def _at_least_warning(level: str) -> bool:

@@ -34,9 +34,11 @@ def plan_metadata(plan: PrefixPlan, error_rows: int, duplicate_rows: int, tokeni
     }
 
 
-def run_metadata(stats: RunStats, device: str, hardware_partition: str, engine_info: dict) -> dict:
+def run_metadata(stats: RunStats, device: str, hardware_partition: str, engine_info: dict,
+                 planned_rows: int) -> dict:
     metadata = {
-        "rows": stats.rows,  # computed in this run; reused rows are counted apart
+        "planned_rows": planned_rows,  # the partition's rows in the plan: computed + reused + errors before any run
+        "computed_rows": stats.rows,  # given to the engine in this run (reused rows are not)
         "reused_rows": stats.reused_rows,
         "duplicate_rows": stats.duplicate_rows,  # took the answer of an identical row of this run
         "ok_rows": stats.ok_rows,

@@ -46,7 +46,8 @@ def measured_by_hardware(metadata: list[dict]) -> dict[str, Measured]:
     would drop it)."""
     samples: dict[str, list[tuple[float, float]]] = {}
     for m in metadata:
-        if not m.get("rows") or "wall_s" not in m:  # every row reused: nothing ran, nothing measured
+        computed = m.get("computed_rows", m.get("rows"))  # ``rows`` before it was named for what it counts
+        if not computed or "wall_s" not in m:  # every row reused: nothing ran, nothing measured
             continue
         # ``wall_s`` is the rows' run on the started engine alone (``RunStats``): vLLM's start is in
         # ``startup_s`` and its stop in ``engine_stop_s``, both outside it.
@@ -54,7 +55,7 @@ def measured_by_hardware(metadata: list[dict]) -> dict[str, Measured]:
         if engine_s <= 0:
             continue
         overhead_s = m["startup_s"] + m["engine_stop_s"] + m.get("write_s", 0.0)
-        samples.setdefault(m["hardware_partition"], []).append((m["rows"] / engine_s, overhead_s))
+        samples.setdefault(m["hardware_partition"], []).append((computed / engine_s, overhead_s))
     return {
         hardware: Measured(statistics.median(r for r, _ in pairs), statistics.fmean(o for _, o in pairs), len(pairs))
         for hardware, pairs in samples.items()

@@ -69,7 +69,7 @@ def test_materializes_prompts_groups_and_one_completion_per_row(job):
             assert 0 < meta["engine_start_s"].value <= meta["startup_s"].value
             assert meta["startup_s"].value + meta["wall_s"].value <= step.end_time - step.start_time
             assert 0 < meta["mean_kv_usage"].value <= 1 and meta["rows_per_step"].value >= 1
-            assert meta["rows"].value > 0 and meta["tokens_per_s"].value > 0
+            assert meta["computed_rows"].value > 0 and meta["tokens_per_s"].value > 0
             assert meta["device"].value and meta["hardware_partition"].value == "cpu"
             # who admitted the rows, and why: a small shard fits the KV cache, so vLLM itself
             assert meta["admission"].value == "vllm" and "fits the KV cache" in meta["admission_reason"].value
@@ -85,7 +85,7 @@ def test_materializes_prompts_groups_and_one_completion_per_row(job):
         meta = rerun.asset_materializations_for_node("e2e__completions")[0].metadata
         first_meta = results[first].asset_materializations_for_node("e2e__completions")[0].metadata
         assert meta["reused_rows"].value == first_meta["dagster/row_count"].value
-        assert meta["rows"].value == 0  # nothing recomputed
+        assert meta["computed_rows"].value == 0  # nothing recomputed
         assert (job.files.job_dir / "completions" / f"{first}.parquet").exists()
 
     ids = make_prompt_table().column("id").to_pylist()
@@ -217,7 +217,7 @@ def test_a_failed_duckdb_write_leaves_parquet_and_duckdb_agreeing_and_keeps_the_
         monkeypatch.undo()
         rerun = dg.materialize([assets_by_name["completions"]], partition_key=partition, instance=instance)
     meta = rerun.asset_materializations_for_node("e2e__completions")[0].metadata
-    assert meta["reused_rows"].value == meta["dagster/row_count"].value > 0 and meta["rows"].value == 0
+    assert meta["reused_rows"].value == meta["dagster/row_count"].value > 0 and meta["computed_rows"].value == 0
     assert job.files.completions_parquet_path(partition).exists()
 
 
@@ -365,7 +365,7 @@ def test_a_shard_that_finishes_after_a_newer_plan_writes_nothing_stale(job, monk
         again = [dg.materialize([completions], partition_key=k, instance=instance) for k in sorted(new_keys)]
         for run in again:
             m = run.asset_materializations_for_node("e2e__completions")[0].metadata
-            assert m["rows"].value == 0 and m["reused_rows"].value == m["dagster/row_count"].value > 0
+            assert m["computed_rows"].value == 0 and m["reused_rows"].value == m["dagster/row_count"].value > 0
     with duckdb.connect(job.dataset.database, read_only=True) as con:
         ids = [r[0] for r in con.execute("SELECT id FROM answers").fetchall()]
         total = con.execute("SELECT count(*) FROM prompt_rows").fetchone()[0]

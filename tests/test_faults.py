@@ -171,7 +171,7 @@ def test_dagster_run_terminated_keeps_every_finished_row(big_prompts, tmp_path, 
 
     rerun = dg.materialize([completions_and_plan(config)[2]], partition_key=folder.name, instance=instance)
     meta = rerun.asset_materializations_for_node("stopped__completions")[0].metadata
-    assert meta["reused_rows"].value == written and meta["rows"].value == total - written
+    assert meta["reused_rows"].value == written and meta["computed_rows"].value == total - written
 
 
 def test_dagster_partition_killed_midway_resumes(big_prompts, tmp_path, tiny_model, monkeypatch):
@@ -210,7 +210,7 @@ def test_dagster_partition_killed_midway_resumes(big_prompts, tmp_path, tiny_mod
     meta = result.asset_materializations_for_node("faulty__completions")[0].metadata
     total = make_prompt_table(seed=3, **ROWS).num_rows
     assert meta["reused_rows"].value == done_before_kill
-    assert meta["rows"].value == total - done_before_kill  # computed in this run
+    assert meta["computed_rows"].value == total - done_before_kill  # computed in this run
     with duckdb.connect(config.output_database, read_only=True) as con:
         counts = con.execute("SELECT count(*), count(DISTINCT id) FROM answers").fetchall()[0]
         answers = dict(con.execute("SELECT id, text FROM answers").fetchall())

@@ -210,7 +210,7 @@ def test_seven_nights_never_a_stale_answer_an_orphan_or_a_red_check(nightly, tmp
             a = run_shard(defs, instance, first)
         assert a.success
         meta = completions_metadata(a)
-        assert meta["superseded_rows"] == 1 and meta["rows"] == len(a_rows)  # all ran, one not written
+        assert meta["superseded_rows"] == 1 and meta["computed_rows"] == len(a_rows)  # all ran, one not written
         b = start_queued(defs, instance, second, queued_b)
         assert not b.success  # queued for the old plan: its key is gone
         assert "the plan changed since this run was queued" in "\n".join(

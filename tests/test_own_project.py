@@ -64,8 +64,14 @@ def test_a_project_of_ones_own_set_up_from_the_readme_answers_every_row(tmp_path
     run(str(BIN / "dg"), "launch", "--job", "nightly_plan")
     said = run(str(BIN / "batchllm-dagster"), "run", "nightly", "--shards-only")
     assert "nightly: 2 shard runs, 2 succeeded" in said
+    # A line per shard and a total, from each partition's metadata.
+    shard_lines = [line for line in said.splitlines() if line.startswith("  cpu-")]
+    assert len(shard_lines) == 2 and all(" computed, 0 reused, 0 errors), " in line and " rows/s, " in line
+                                         and "wall " in line for line in shard_lines), said
+    assert "  total: 12 rows (12 computed, 0 reused, 0 errors), " in said
     # The run's console is the job's: vLLM's and the other libraries' own lines are in its log file.
-    assert " vllm" not in said.lower().replace("vllm replicas", "") and "ResourceWarning" not in said
+    libraries = "\n".join(line for line in said.splitlines() if not line.startswith("  "))  # not our shard lines
+    assert " vllm" not in libraries.lower().replace("vllm replicas", "") and "ResourceWarning" not in said
     logs = sorted((Path(os.environ["BATCHLLM_CACHE_DIR"]) / "logs").glob("nightly-*.log"), key=os.path.getmtime)
     assert "vllm" in logs[-1].read_text().lower()
     with duckdb.connect(str(project / "data" / "jobs" / "answers.duckdb"), read_only=True) as con:  # the default

@@ -216,5 +216,5 @@ def test_a_killed_shard_whose_key_changed_gives_its_finished_answers_to_the_new_
         assert new_key != first_key and config.files.checkpoints.of(first_key).exists()  # kept: it holds answers
         rerun = dg.materialize([completions], partition_key=new_key, instance=instance)
         meta = rerun.asset_materializations_for_node("kill__completions")[0].metadata
-        assert meta["reused_rows"].value == 18 and meta["rows"].value == 3  # 2 unfinished + the new row
+        assert meta["reused_rows"].value == 18 and meta["computed_rows"].value == 3  # 2 unfinished + the new row
         assert not config.files.checkpoints.of(first_key).exists()  # its answers are in the table now

@@ -10,14 +10,14 @@ from batchllm_dagster.shard_sizing import FIRST_NIGHT_ROWS_PER_SHARD, Measured, 
 
 
 def partition(hardware, rows, engine_s, startup_s=1.0, stop_s=0.5, write_s=0.5):
-    return {"rows": rows, "wall_s": engine_s, "startup_s": startup_s, "engine_stop_s": stop_s,
+    return {"computed_rows": rows, "wall_s": engine_s, "startup_s": startup_s, "engine_stop_s": stop_s,
             "write_s": write_s, "hardware_partition": hardware}
 
 
 def test_the_size_keeps_overhead_at_five_percent_on_the_hardware_that_needs_the_most():
     assert shard_size({}).rows_per_shard == FIRST_NIGHT_ROWS_PER_SHARD
     metadata = [partition("a100", 1000, 100.0), partition("a100", 1000, 80.0), partition("a100", 1000, 120.0),
-                partition("h200", 1000, 25.0), {"rows": 0, "hardware_partition": "h200"}]  # all reused: skipped
+                partition("h200", 1000, 25.0), {"computed_rows": 0, "hardware_partition": "h200"}]  # all reused
     measured = measured_by_hardware(metadata)
     assert measured["a100"] == Measured(rows_per_s=10.0, overhead_s=2.0, partitions=3)  # median rate, mean overhead
     assert measured["h200"] == Measured(rows_per_s=40.0, overhead_s=2.0, partitions=1)
@@ -27,6 +27,10 @@ def test_the_size_keeps_overhead_at_five_percent_on_the_hardware_that_needs_the_
     overhead, rows_per_s = 2.0, 40.0
     assert overhead / (overhead + size.rows_per_shard / rows_per_s) <= 0.05
     assert shard_size({"h200": Measured(40.0, 2.0, 1)}, share=0.10).rows_per_shard == 1024  # 720 -> 1,024
+    # Partitions of an earlier version named their computed rows ``rows``: still measured.
+    older = [{("rows" if k == "computed_rows" else k): v for k, v in m.items()} for m in metadata[:4]]
+    assert all("computed_rows" not in m for m in older)
+    assert measured_by_hardware(older) == {k: v for k, v in measured.items()}
 
 
 def test_a_partition_whose_engine_start_outlasts_its_rows_is_measured_all_the_same():

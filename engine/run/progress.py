@@ -52,7 +52,8 @@ class Snapshot:
         return (
             f"{self.done}/{self.total} rows ({100 * self.done / max(self.total, 1):.0f}%), "
             f"{self.rows_per_s:.1f} rows/s, "
-            f"{self.tokens_per_s:.0f} tok/s, saved {self.saved} of {self.reusable} reusable prompt tok, "
+            f"{self.tokens_per_s:.0f} tok/s, saved {self.saved} prompt tok (a perfect cache: {self.reusable}; "
+            "identical rows save more), "
             f"in flight {self.in_flight} rows"
             + (f" / {self.planned_blocks} planned KV blocks" if self.planned_blocks is not None else "")
             + f" (vLLM KV {100 * self.kv_usage:.0f}% used), preemptions {self.preemptions}, "
