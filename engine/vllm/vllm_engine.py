@@ -363,10 +363,9 @@ class VLLMEngine:
         if self._grammars_submitted:
             # vLLM compiles a request's grammar on a thread pool (``StructuredOutputManager``), and
             # its scheduler skips for this step a request whose compile is not done yet. Rows enter
-            # just before a step, so without a pause every constrained row lost its first step (a
-            # third of the rows waiting on the short shape: 26 steps at 33.9 rows against sorted
-            # vLLM's 25 at 35.2). With the core in this process, giving up the GIL once lets a cached
-            # compile finish first (25 steps at 35.2); a core in its own process compiles there.
+            # just before a step, so without a pause every constrained row lost its first step. With
+            # the core in this process, giving up the GIL once lets a cached compile finish first (the
+            # steps it saved: docs/benchmark-history.md); a core in its own process compiles there.
             time.sleep(0)
             self._grammars_submitted = False
         outputs = self._engine.step() if self._engine.has_unfinished_requests() else []
