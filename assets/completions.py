@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 import dagster as dg
 
 from batchllm_dagster.answer_store import OutputTableStore
+from batchllm_dagster.asset_specs import asset_args
+from batchllm_dagster.asset_specs import warehouse as job_warehouse
 from batchllm_dagster.checks import merged_check_results, partition_check_results, partition_check_specs
 from batchllm_dagster.config import Backend, BatchJobConfig
 from batchllm_dagster.instance_limits import warn_if_unlimited
@@ -30,7 +32,7 @@ def shard_jobs(config: BatchJobConfig, keys: list[str], context: dg.AssetExecuti
     """Each key's shard of the plan on disk, opened once for all of them, as a job on the job's
     settings and answer store (its output table); refused (a Dagster failure that says what to do)
     if the plan no longer has a key or no longer holds."""
-    store = OutputTableStore(config, getattr(context.resources, config.names.warehouse_key), context.log)
+    store = OutputTableStore(config, job_warehouse(config, context), context.log)
     queued_for = context.run.tags.get(PLAN_RUN_TAG)  # the plan run whose shards this run was queued for
     try:
         with PlanFile.opened_for_running(config.files.plan_path, config.files.token_cache_dir) as plan:
@@ -97,23 +99,9 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
     backfill_policy = dg.BackfillPolicy.multi_run(config.partitions_per_run) if config.partitions_per_run > 1 else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", dg.BetaWarning)
-        asset = dg.asset(
-            key=config.names.asset_key("completions"),
-            deps=[config.names.asset_key("prefix_groups")],
-            partitions_def=partitions,
-            backfill_policy=backfill_policy,
-            group_name=config.name,
-            pool=config.inference_pool,
-            description=(
-                f"One answer per prompt row, in DuckDB table {config.output_table!r} (and one Parquet file per "
-                "shard under the job's completions/ folder); a partition per shard."
-            ),
-            kinds={"vllm", "duckdb"},
-            code_version=config.completions_code_version(),
-            check_specs=partition_check_specs(config),
-            op_tags={OUTPUT_TABLE_TAG: config.output_table},
-            required_resource_keys={"llm", config.names.warehouse_key},
-        )
+        asset = dg.asset(**asset_args(config, "completions"), partitions_def=partitions,
+                         backfill_policy=backfill_policy, check_specs=partition_check_specs(config),
+                         op_tags={OUTPUT_TABLE_TAG: config.output_table})
 
     @asset
     def completions(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
@@ -179,7 +167,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
                                 "written; the newer plan's shards answer them")
         context.log.info(f"wrote {written.table.num_rows} rows of partition {key} to {config.output_table} "
                          f"({written.rows_now} in it now)")
-        warehouse = getattr(context.resources, config.names.warehouse_key)
+        warehouse = job_warehouse(config, context)
         checks = partition_check_results(config, warehouse, key, written.table.column("id").to_pylist(),
                                          outcome.stats, prepared, outcome.results, stale)
         return PartitionDone(key, outcome, info, hardware.name, checks, {

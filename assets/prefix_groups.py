@@ -5,6 +5,8 @@ import numpy as np
 import pyarrow as pa
 
 from batchllm_dagster.answer_store import OutputTableStore
+from batchllm_dagster.asset_specs import asset_args
+from batchllm_dagster.asset_specs import warehouse as job_warehouse
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.instance_limits import warn_if_unlimited
 from batchllm_dagster.layout import this_run
@@ -81,16 +83,7 @@ def measured_shard_size(instance: dg.DagsterInstance, config: BatchJobConfig) ->
 def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitionsDefinition) -> dg.AssetsDefinition:
     """The prefix_groups asset. Over 60 lines because its step is a closure over ``config`` inside
     it (Dagster's decorator); ``make_plan`` is that step's one sequence under the plan lock."""
-    @dg.asset(
-        key=config.names.asset_key("prefix_groups"),
-        deps=[config.names.asset_key("prompts")],
-        group_name=config.name,
-        description="Prefix groups found over the whole batch, and the shard (partition) each belongs to.",
-        kinds={"duckdb"},
-        required_resource_keys={config.names.warehouse_key},
-        pool=config.names.plan_pool,  # one plan step of this job at a time, also outside its plan job
-        code_version=config.plan_code_version(),
-    )
+    @dg.asset(**asset_args(config, "prefix_groups"))  # its pool: one plan step of this job at a time
     def prefix_groups(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         # One plan of this job at a time in any instance (the plan pool needs an instance's limits):
         # a second waits, then plans from the snapshot as it is then.
@@ -102,7 +95,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         """Snapshot, refusal of a mass removal, tokens, plan, shards, the plan file, partitions,
         removals: one sequence, in this order, under the plan lock (over 60 lines: each step is a
         call, and the order is the point)."""
-        columns = config.dataset.columns
+        columns, warehouse = config.dataset.columns, job_warehouse(config, context)
         notice = preparation_notice(config.llm.model_path)
         if notice:
             context.log.info(notice)
@@ -126,7 +119,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         # give a plan of old rows under the new snapshot's stamp.
         stamp = config.plan_stamp(settings)
         meta = read_snapshot(snapshot, columns=columns_without_text(snapshot, columns.prompt, columns.messages))
-        refuse_a_costly_night(config, getattr(context.resources, config.names.warehouse_key), meta.column(columns.id))
+        refuse_a_costly_night(config, warehouse, meta.column(columns.id))
         rows = cache.rows_for(snapshot, tokenizer, columns.prompt, columns.messages, settings.block_size,
                               progress=context.log.info, still_needed=lambda: plan_content_keys(config.files.plan_path))
         prepared = plan_tokenized(meta, rows, settings, config.sampling, columns, config.scheduler)
@@ -151,9 +144,8 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         plan_bytes = write_plan(plan_table(prepared, meta.column(CONTENT_KEY), cache, shards.shard_of_row, keys, stamp,
                                            context.run.run_id, settings.max_model_len), config.files.plan_path)
         groups = groups_table(prepared, shards, keys, config)
-        config.output(getattr(context.resources, config.names.warehouse_key)).replace_groups(groups)
+        config.output(warehouse).replace_groups(groups)
         added, removed = sync_partitions(context.instance, config.names.partitions_name, by_hardware(config, used))
-        warehouse = getattr(context.resources, config.names.warehouse_key)
         removed_answers = 0 if config.keep_deleted_answers else remove_deleted_answers(
             config, warehouse, meta.column(columns.id), used)
         # A removed key's checkpoint stays while it holds answers the new plan's shards can reuse.

@@ -6,6 +6,8 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchllm_dagster.asset_specs import asset_args
+from batchllm_dagster.asset_specs import warehouse as job_warehouse
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.layout import this_run
 from batchllm_dagster.metadata import table_preview
@@ -116,19 +118,12 @@ def source_version(config: BatchJobConfig) -> str:
 
 
 def build_prompts(config: BatchJobConfig) -> dg.AssetsDefinition:
-    @dg.asset(
-        key=config.names.asset_key("prompts"),
-        group_name=config.name,
-        description=f"Prompt rows of batch job {config.name!r} ({config.dataset.describe()}), snapshotted to Parquet.",
-        kinds={"duckdb", "parquet"},
-        required_resource_keys={config.names.warehouse_key},  # a night that would cost answers is refused
-        code_version=config.prompts_code_version(),
-    )
+    @dg.asset(**asset_args(config, "prompts"))
     def prompts(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         path, spec = config.files.prompts_path, config.dataset
         # The job's plan lock: a snapshot never lands while a plan is being made from the last one
         # (that plan finishes first; this run then waits), in any instance, whatever launched it.
-        warehouse = getattr(context.resources, config.names.warehouse_key)
+        warehouse = job_warehouse(config, context)  # a night that would cost answers is refused
         with config.plan_lock(f"a prompt snapshot being taken ({this_run(context)})"):
             try:
                 rows, preview, choice = snapshot_dataset(

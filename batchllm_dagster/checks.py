@@ -24,6 +24,7 @@ from engine.response_format import ResponseFormat
 from engine.run.results import RunStats
 from engine.table.prompt_snapshot import ids_sql
 
+from .asset_specs import warehouse as job_warehouse
 from .config import BatchJobConfig
 from .partitions import RANGE_START
 
@@ -173,7 +174,7 @@ def build_table_checks(config: BatchJobConfig) -> list[dg.AssetChecksDefinition]
         outstanding = []
         if {"dagster/partition", RANGE_START} & set(context.run.tags):
             outstanding = shards_outstanding(context.instance, config)
-        counts = config.output(getattr(context.resources, config.names.warehouse_key)).answer_counts(
+        counts = config.output(job_warehouse(config, context)).answer_counts(
             ids_sql(config.dataset.id_column), config.files.prompts_path, config.files.plan_path, outstanding)
         if counts is None:
             yield dg.AssetCheckResult(check_name="all_prompts_answered", asset_key=key, passed=False,
