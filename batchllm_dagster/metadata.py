@@ -6,7 +6,6 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from engine.plan.prefix_tree import PrefixPlan
 from engine.run.results import RunStats
 
 
@@ -19,18 +18,21 @@ def table_preview(table: pa.Table, columns: list[str], rows: int = 5, width: int
     return dg.MetadataValue.md("\n".join(lines))
 
 
-def plan_metadata(plan: PrefixPlan, error_rows: int, duplicate_rows: int, tokenize_s: float) -> dict:
+def plan_metadata(made, plan_bytes: int, removed_answers: int, size) -> dict:
+    """A plan's materialization (``made``: a ``PlanJob``'s ``JobPlan``): its summary, what the plan
+    step did besides, and each shard's rows and estimated prefill."""
+    plan, keys, ids_by_shard = made.planned.plan, made.keys, made.ids_by_shard
+    summary = made.summary()
     return {
-        "rows": plan.num_rows,
-        "error_rows": error_rows,
-        "duplicate_rows": duplicate_rows,  # identical to another row: computed once, the answer shared
-        "groups": plan.num_groups,
-        "shared_groups": int((plan.group_prefix_tokens > 0).sum()),
-        "prompt_tokens": plan.prompt_tokens,
-        "unique_tokens": plan.unique_tokens,
-        "shared_prompt_tokens": plan.shared_prompt_tokens,
-        "shared_fraction": float(round(plan.shared_fraction, 4)),
-        "tokenize_s": float(round(tokenize_s, 3)),
+        **{name: float(value) if isinstance(value, float) else value for name, value in summary.items()},
+        "removed_answers": removed_answers,  # answers of rows deleted at the source, removed now
+        "plan_bytes": plan_bytes,
+        "plan_bytes_per_prompt_token": float(round(plan_bytes / max(plan.prompt_tokens, 1), 3)),
+        **({"rows_per_shard": size.rows_per_shard, "rows_per_shard_why": size.why} if size else {}),
+        "partition_keys": dg.MetadataValue.json({keys[s]: len(ids) for s, ids in enumerate(ids_by_shard) if ids}),
+        "estimated_prefill_tokens_per_shard": dg.MetadataValue.json(
+            {keys[s]: int(made.shards.prefill_tokens[s]) for s, ids in enumerate(ids_by_shard) if ids}),
+        "dagster/row_count": plan.num_groups,
     }
 
 

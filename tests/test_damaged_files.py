@@ -60,6 +60,7 @@ def test_a_damaged_snapshot_is_taken_again_by_the_night_and_named_when_the_plan_
     alone = dg.materialize([prefix_groups], instance=instance, run_config=QUIET, raise_on_error=False)
     assert not alone.success
     failure = next(e for e in alone.all_events if e.event_type_value == "STEP_FAILURE").event_specific_data.error
-    assert "the prompt snapshot was damaged (set aside): materialize nightly/prompts" in failure.message
+    assert ("nightly: the prompt snapshot was damaged (set aside): materialize prompts, then prefix_groups"
+            in failure.message)
     assert plan(defs, instance).success  # the night: prompts takes it again, then the plan
     assert pq.read_table(snapshot).equals(good)

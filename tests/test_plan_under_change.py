@@ -81,7 +81,6 @@ def test_prompts_wait_for_a_plan_being_made_and_a_plan_is_made_from_one_snapshot
 
     import dagster as dg
 
-    import assets.prefix_groups as prefix_groups_module
     from engine.locks import locked
 
     rows = [{"id": i, "prompt": f"a shared start, then {w}"} for i, w in ((1, "one"), (2, "two"), (3, "three"))]
@@ -104,7 +103,9 @@ def test_prompts_wait_for_a_plan_being_made_and_a_plan_is_made_from_one_snapshot
         again.join(60)
         assert landed == [True] and config.files.prompts_path.stat().st_mtime_ns != before
 
-        plan_tokenized = prefix_groups_module.plan_tokenized
+        import engine.jobs.plan_job as plan_job_module
+
+        plan_tokenized = plan_job_module.plan_tokenized
         old_snapshot = tmp_path / "old.parquet"
         old_snapshot.write_bytes(config.files.prompts_path.read_bytes())
         pq.write_table(pa.table({"id": [1, 2, 3], "prompt": ["again", "b", "c"]}), source)
@@ -114,13 +115,13 @@ def test_prompts_wait_for_a_plan_being_made_and_a_plan_is_made_from_one_snapshot
             config.files.prompts_path.write_bytes(old_snapshot.read_bytes())
             return plan_tokenized(*args, **kwargs)
 
-        monkeypatch.setattr(prefix_groups_module, "plan_tokenized", replaced_meanwhile)
+        monkeypatch.setattr(plan_job_module, "plan_tokenized", replaced_meanwhile)
         result = dg.materialize([groups], instance=instance, raise_on_error=False)
         assert not result.success
         failure = result.get_step_failure_events()[0].step_failure_data.error.message
         assert "the prompt snapshot changed while this plan was being made" in failure
         assert not config.files.plan_path.exists()
-        monkeypatch.setattr(prefix_groups_module, "plan_tokenized", plan_tokenized)
+        monkeypatch.setattr(plan_job_module, "plan_tokenized", plan_tokenized)
         assert dg.materialize([groups], instance=instance).success and config.files.plan_path.exists()
 
 
