@@ -99,8 +99,9 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
     backfill_policy = dg.BackfillPolicy.multi_run(config.partitions_per_run) if config.partitions_per_run > 1 else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", dg.BetaWarning)
-        asset = dg.asset(**asset_args(config, "completions"), partitions_def=partitions,
-                         backfill_policy=backfill_policy, check_specs=partition_check_specs(config),
+        asset = dg.asset(**asset_args(config, "completions", config.completions_code_version()),
+                         partitions_def=partitions, backfill_policy=backfill_policy,
+                         check_specs=partition_check_specs(config),
                          op_tags={OUTPUT_TABLE_TAG: config.output_table})
 
     @asset

@@ -43,7 +43,8 @@ def measured_shard_size(instance: dg.DagsterInstance, config: BatchJobConfig) ->
 def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitionsDefinition) -> dg.AssetsDefinition:
     """The prefix_groups asset: its step is a closure over ``config`` (Dagster's decorator);
     ``make_plan`` is that step's one sequence under the plan lock."""
-    @dg.asset(**asset_args(config, "prefix_groups"))  # its pool: one plan step of this job at a time
+    # Its pool: one plan step of this job at a time.
+    @dg.asset(**asset_args(config, "prefix_groups", config.plan_code_version()))
     def prefix_groups(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         # One plan of this job at a time in any instance (the plan pool needs an instance's limits):
         # a second waits, then plans from the snapshot as it is then.

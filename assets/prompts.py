@@ -118,7 +118,7 @@ def source_version(config: BatchJobConfig) -> str:
 
 
 def build_prompts(config: BatchJobConfig) -> dg.AssetsDefinition:
-    @dg.asset(**asset_args(config, "prompts"))
+    @dg.asset(**asset_args(config, "prompts", config.prompts_code_version()))
     def prompts(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         path, spec = config.files.prompts_path, config.dataset
         # The job's plan lock: a snapshot never lands while a plan is being made from the last one

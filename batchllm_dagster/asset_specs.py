@@ -9,20 +9,22 @@ from .config import BatchJobConfig
 _UPSTREAM = {"prompts": None, "prefix_groups": "prompts", "completions": "prefix_groups"}
 
 
-def asset_args(config: BatchJobConfig, asset: str) -> dict:
-    """``dg.asset``'s arguments for ``asset`` (``prompts``, ``prefix_groups`` or ``completions``) of ``config``."""
+def asset_args(config: BatchJobConfig, asset: str, code_version: str) -> dict:
+    """``dg.asset``'s arguments for ``asset`` (``prompts``, ``prefix_groups`` or ``completions``) of
+    ``config``; ``code_version``: the fingerprint of the settings that asset uses (``BatchJobConfig``'s
+    ``<asset>_code_version``), passed by the asset so that each reads only its own."""
     names = config.names
     upstream = _UPSTREAM[asset]
-    described = {
-        "prompts": (f"Prompt rows of batch job {config.name!r} ({config.dataset.describe()}), snapshotted to "
-                    "Parquet.", {"duckdb", "parquet"}, None, config.prompts_code_version()),
-        "prefix_groups": ("Prefix groups found over the whole batch, and the shard (partition) each belongs to.",
-                          {"duckdb"}, names.plan_pool, config.plan_code_version()),
-        "completions": (f"One answer per prompt row, in DuckDB table {config.output_table!r} (and one Parquet file "
-                        "per shard under the job's completions/ folder); a partition per shard.", {"vllm", "duckdb"},
-                        config.inference_pool, config.completions_code_version()),
-    }
-    description, kinds, pool, code_version = described[asset]
+    if asset == "prompts":
+        description = f"Prompt rows of batch job {config.name!r} ({config.dataset.describe()}), snapshotted to Parquet."
+        kinds, pool = {"duckdb", "parquet"}, None
+    elif asset == "prefix_groups":
+        description = "Prefix groups found over the whole batch, and the shard (partition) each belongs to."
+        kinds, pool = {"duckdb"}, names.plan_pool
+    else:
+        description = (f"One answer per prompt row, in DuckDB table {config.output_table!r} (and one Parquet file "
+                       "per shard under the job's completions/ folder); a partition per shard.")
+        kinds, pool = {"vllm", "duckdb"}, config.inference_pool
     return {
         "key": names.asset_key(asset),
         **({"deps": [names.asset_key(upstream)]} if upstream else {}),

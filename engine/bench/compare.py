@@ -37,8 +37,8 @@ from ..jobs.job_options import (
     engine_settings_from,
     response_format_from,
 )
+from ..jobs.plan_job import plan_summary
 from ..machine import current_platform
-from ..plan.duplicates import count_duplicates
 from ..plan.prefix_tree import build_plan
 from ..settings import BLOCK_SIZES, Admission, EngineSettings, ReserveOutput, SamplingSettings, SchedulerSettings
 from ..vllm.vllm_env import VLLM_DEFAULT_BLOCK_SIZE
@@ -159,11 +159,7 @@ def run_bench(args) -> dict:
             **({"baseline_block_size": baseline_block, "baseline_kv_cache_blocks": baseline_settings.kv_cache_blocks}
                if baseline_block != block_size else {}),
             "prefix_working_set_blocks": working_set,
-            "prompt_tokens": plan.prompt_tokens,
-            "unique_tokens": plan.unique_tokens,
-            "shared_prompt_tokens": plan.shared_prompt_tokens,
-            "duplicate_rows": count_duplicates(prepared.duplicate_set),
-            "plan_s": round(prepared.plan_s, 4),
+            **plan_summary(prepared),  # the same numbers as `batchllm plan` and a plan's materialization
             # batchllm's own prompts where it reorders their fields (the baselines keep the declared order)
             **(
                 {

@@ -30,7 +30,6 @@ from ..jobs.job_options import (
     prompt_fields_from,
     response_format_from,
 )
-from ..plan.duplicates import count_duplicates
 from ..run.console import ProgressBar, run_summary, summary_table
 from ..settings import EngineSettings, SamplingSettings, SchedulerSettings
 from ..table.dataset import Columns, DatasetError, load_prompts, read_source, validate
@@ -109,23 +108,14 @@ def _field_orders_summary(args, planned, orders) -> dict | None:
 
 
 def cmd_plan(args) -> int:
+    from ..jobs.plan_job import plan_summary
     from ..plan.shards import assign_shards
 
     _, _, _, planned, _, orders = _prepare(args)
     plan = planned.plan
     shards = assign_shards(plan, args.shards)
     summary = {
-        "rows": plan.num_rows,
-        "error_rows": len(planned.errors),
-        "groups": plan.num_groups,
-        "shared_groups": int((plan.group_prefix_tokens > 0).sum()),
-        "prompt_tokens": plan.prompt_tokens,
-        "unique_tokens": plan.unique_tokens,
-        "shared_prompt_tokens": plan.shared_prompt_tokens,
-        "shared_fraction": round(plan.shared_fraction, 4),
-        "tokenize_s": round(planned.tokenize_s, 3),
-        "plan_s": round(planned.plan_s, 3),
-        "duplicate_rows": count_duplicates(planned.duplicate_set),
+        **plan_summary(planned),  # the same numbers as a plan's materialization in Dagster
         "fields": _field_orders_summary(args, planned, orders),
         "shards": [
             {"shard": s, "rows": int((shards.shard_of_row == s).sum()), "prefill_tokens": int(shards.prefill_tokens[s]),
