@@ -13,7 +13,7 @@ from engine.run.admission import EngineLimits, choose_admission
 from engine.run.batch_run import BatchRun
 from engine.run.console import run_summary
 from engine.run.scheduler import InOrder, Planned
-from engine.run.stand_in import FakeEngine
+from engine.run.stand_in import BlockAccountingEngine
 from engine.settings import Admission, SamplingSettings, SchedulerSettings
 
 BLOCK = 32
@@ -25,7 +25,8 @@ def prepared_of(batch: TokenizedBatch, max_tokens: np.ndarray):
 
 
 def run_on_stand_in(prepared, kv_blocks: int, scheduling=Planned(), steps_ahead: int = 0, **scheduler):
-    engine = FakeEngine(kv_blocks, BLOCK, max_num_seqs=64, max_num_batched_tokens=2048, steps_ahead=steps_ahead)
+    engine = BlockAccountingEngine(kv_blocks, BLOCK, max_num_seqs=64, max_num_batched_tokens=2048,
+                                   steps_ahead=steps_ahead)
     sampling = SamplingSettings(max_tokens=int(prepared.max_tokens.max()), ignore_eos=True)
     run = BatchRun(prepared, engine, sampling, SchedulerSettings(**scheduler), scheduling=scheduling)
     answers = {r.id: r.text for r in run}
@@ -119,10 +120,23 @@ def test_the_simulation_hashes_the_rows_in_one_pass_as_the_stand_in_hashes_each_
     planned, prepared = planned_prompt_set(batch, max_tokens, BLOCK)
     rows = [int(r) for r in prepared.order]
     limits = EngineLimits(BLOCK, max(64, int(planned.plan.unique_tokens // BLOCK) // 3), 64, 2048)
-    engine = FakeEngine(limits.capacity_blocks, BLOCK, limits.max_num_seqs, limits.max_num_batched_tokens)
+    engine = BlockAccountingEngine(limits.capacity_blocks, BLOCK, limits.max_num_seqs, limits.max_num_batched_tokens)
     for row in rows:
         engine.submit(Submission(RequestKind.ROW, row, batch.tokens_of(row), int(max_tokens[row])), None)
     while engine.has_unfinished():
         engine.step()
     assert engine.preemptions > 0  # KV binds: the hashes decide what is found again
     assert simulate_vllm_admission(batch, max_tokens, rows, limits) == (engine.prefill_tokens, engine.preemptions)
+
+
+def test_the_kv_cache_is_counted_one_way_its_null_block_apart():
+    from engine.run.kv_budget import KVBudget
+    from engine.run.stand_in import BlockAccountingEngine
+
+    kv = KVBudget(capacity_blocks=65, block_size=32)
+    assert kv.usable == 64 and kv.share(0.5) == 32 and kv.blocks_for(33) == 2
+    assert kv.blocks_for(np.array([1, 32, 64, 65])).tolist() == [1, 1, 2, 3]
+    assert kv.too_large_reason(70) == "needs 70 KV blocks with its output; the KV cache has 64 (block size 32)"
+    assert KVBudget(1, 16).usable == 1  # never none
+    engine = BlockAccountingEngine(65, 32)
+    assert engine.free_blocks == kv.usable and engine.referenced_blocks == 0

@@ -143,7 +143,7 @@ def test_a_resumable_run_on_a_fake_engine_checkpoints_from_the_first_row_not_fro
 
     import engine.run.checkpoint as checkpoint_module
     from engine.jobs.resume import run_resumable
-    from engine.run.stand_in import FakeEngine
+    from engine.run.stand_in import BlockAccountingEngine
     from engine.settings import EngineSettings, SamplingSettings
 
     rows = [[1, 2, 3, 4, 5, 6, 7, i] for i in range(12)]
@@ -159,7 +159,7 @@ def test_a_resumable_run_on_a_fake_engine_checkpoints_from_the_first_row_not_fro
     def slow_starting_engine(settings):  # the owner of the engine: opens it, and closes it
         time.sleep(0.6)  # the run's start-up time (measured on the wall clock)
         clock[0] += 0.6  # longer than the checkpoint interval
-        engine = FakeEngine(num_blocks=64, block_size=2)
+        engine = BlockAccountingEngine(num_blocks=64, block_size=2)
         opened.append(engine)
         yield engine
         engine.closed_by_owner = True
@@ -218,7 +218,7 @@ def test_a_model_rewritten_in_place_reruns_every_row_and_says_why(tmp_path):
     same folder (a nightly fine-tune) make every row run again, and the run says why."""
     from engine.jobs.resume import run_resumable
     from engine.run.checkpoint import NEW_ROW, ROW_CHANGED, SETTINGS_CHANGED
-    from engine.run.stand_in import FakeEngine
+    from engine.run.stand_in import BlockAccountingEngine
     from engine.settings import EngineSettings, SamplingSettings
 
     model = tmp_path / "model"
@@ -236,7 +236,7 @@ def test_a_model_rewritten_in_place_reruns_every_row_and_says_why(tmp_path):
             settings,
             sampling,
             tmp_path / "ckpt",
-            engine_opener=lambda *a: FakeEngine(num_blocks=64, block_size=2),
+            engine_opener=lambda *a: BlockAccountingEngine(num_blocks=64, block_size=2),
             progress_sink=lines.append,
         )
         return outcome, lines[0]
@@ -274,10 +274,10 @@ def test_rows_finished_before_an_engine_error_are_in_the_checkpoint(tmp_path):
     """Nothing finished is lost: the last part is written whatever ends the run (a vLLM error, a stall,
     a terminate), not only when it ends well."""
     from engine.jobs.resume import run_resumable
-    from engine.run.stand_in import FakeEngine
+    from engine.run.stand_in import BlockAccountingEngine
     from engine.settings import EngineSettings, SamplingSettings
 
-    class FailingEngine(FakeEngine):  # vLLM dies after some rows finished
+    class FailingEngine(BlockAccountingEngine):  # vLLM dies after some rows finished
         finished = 0
 
         def step(self):
@@ -306,7 +306,7 @@ def test_a_finished_row_is_written_on_time_while_no_other_row_finishes(tmp_path,
     a fake clock)."""
     import engine.run.checkpoint as checkpoint_module
     from engine.jobs.resume import run_resumable
-    from engine.run.stand_in import FakeEngine
+    from engine.run.stand_in import BlockAccountingEngine
     from engine.settings import EngineSettings, SamplingSettings
 
     clock = [0.0]
@@ -314,7 +314,7 @@ def test_a_finished_row_is_written_on_time_while_no_other_row_finishes(tmp_path,
     parts_seen = []
     folder = tmp_path / "ckpt"
 
-    class SlowSteps(FakeEngine):
+    class SlowSteps(BlockAccountingEngine):
         def step(self):
             parts_seen.append(len(list(folder.glob("part-*.parquet"))))
             clock[0] += 60
@@ -447,14 +447,14 @@ def test_a_max_tokens_that_changes_no_rows_budget_reruns_nothing_and_older_answe
     from engine.plan.tokenizing import load_tokenizer
     from engine.response_format import ResponseFormat
     from engine.run.checkpoint import row_fingerprints, settings_fingerprints
-    from engine.run.stand_in import FakeEngine
+    from engine.run.stand_in import BlockAccountingEngine
     from engine.settings import EngineSettings, SamplingSettings
 
     table = pa.table({"id": [f"r{i}" for i in range(6)], "prompt": [f"Review {i}: fine" for i in range(6)]})
     settings = EngineSettings(model_path=tiny_model, block_size=8)
     labels = ResponseFormat(choice=["positive", "negative"])
 
-    class Labels(FakeEngine):  # answers a valid label, ended by the model (as vLLM's grammar ends it)
+    class Labels(BlockAccountingEngine):  # answers a valid label, ended by the model (as vLLM's grammar ends it)
         def step(self):
             report = super().step()
             for finished in report.finished:

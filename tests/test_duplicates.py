@@ -11,7 +11,7 @@ from engine.plan.tokenizing import TokenizedBatch
 from engine.run.batch_run import BatchRun
 from engine.run.requests import RequestKind
 from engine.run.scheduler import InOrder
-from engine.run.stand_in import FakeEngine
+from engine.run.stand_in import BlockAccountingEngine
 from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
 
 BLOCK = 8
@@ -34,7 +34,7 @@ def runnable(suffixes, **kw):
     return planned(suffixes, **kw).runnable(batch_of(suffixes))
 
 
-def row_submissions(engine: FakeEngine) -> list[int]:
+def row_submissions(engine: BlockAccountingEngine) -> list[int]:
     return [s.row for _, s in engine.submitted if s.kind is RequestKind.ROW]
 
 
@@ -68,7 +68,7 @@ def test_a_set_runs_its_first_row_present_so_a_shard_without_the_first_still_run
 def test_the_engine_computes_each_content_once_and_every_id_gets_the_answer():
     suffixes = [[1, 2], [7], [1, 2], [1, 2], [9, 9, 9], [7]]
     prepared = runnable(suffixes)
-    engine = FakeEngine(num_blocks=64, block_size=BLOCK)
+    engine = BlockAccountingEngine(num_blocks=64, block_size=BLOCK)
     run = BatchRun(prepared, engine, SamplingSettings(max_tokens=4), SchedulerSettings(log_every_s=60))
     results = {r.id: r for r in run}
 
@@ -88,7 +88,7 @@ def test_the_engine_computes_each_content_once_and_every_id_gets_the_answer():
 
 def test_a_baseline_runs_every_row_as_vllm_would():
     prepared = runnable([[1, 2], [1, 2], [1, 2]])
-    engine = FakeEngine(num_blocks=64, block_size=BLOCK)
+    engine = BlockAccountingEngine(num_blocks=64, block_size=BLOCK)
     run = BatchRun(prepared, engine, SamplingSettings(max_tokens=4), SchedulerSettings(log_every_s=60),
                    scheduling=InOrder([0, 1, 2]))
     assert len(list(run)) == 3

@@ -181,9 +181,9 @@ def test_a_killed_shard_whose_key_changed_gives_its_finished_answers_to_the_new_
     import dagster as dg
 
     import batchllm_dagster.resources as resources_module
-    from engine.run.stand_in import FakeEngine
+    from engine.run.stand_in import BlockAccountingEngine
 
-    class DiesAfter(FakeEngine):
+    class DiesAfter(BlockAccountingEngine):
         finished = 0
 
         def step(self):
@@ -197,7 +197,7 @@ def test_a_killed_shard_whose_key_changed_gives_its_finished_answers_to_the_new_
 
     def fake_engine(settings):  # the resource's engine: a block-accounting stand-in, no vLLM
         engines.append(DiesAfter(num_blocks=512, block_size=32) if not engines else
-                       FakeEngine(num_blocks=512, block_size=32))
+                       BlockAccountingEngine(num_blocks=512, block_size=32))
         return contextlib.nullcontext(engines[-1])
 
     monkeypatch.setattr(resources_module, "open_engine", fake_engine)

@@ -10,7 +10,7 @@ from engine.response_format import ResponseFormat
 from engine.run.batch_run import BatchRun
 from engine.run.checkpoint import row_fingerprints
 from engine.run.requests import RequestKind
-from engine.run.stand_in import FakeEngine
+from engine.run.stand_in import BlockAccountingEngine
 from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
 
 LABELS = ResponseFormat(choice=["positive", "negative"])
@@ -71,7 +71,7 @@ def test_each_row_is_sent_with_its_format_and_prefix_requests_with_none(tiny_mod
     prepared = prepare_batch(
         table, load_tokenizer(tiny_model), EngineSettings(model_path=tiny_model, block_size=8), job
     )
-    engine = FakeEngine(num_blocks=12, block_size=8)  # the group cannot enter at once: a prefix request
+    engine = BlockAccountingEngine(num_blocks=12, block_size=8)  # the group cannot enter at once: a prefix request
     results = list(BatchRun(prepared, engine, job, SchedulerSettings(log_every_s=60, prefix_requests=True)))
     assert len(results) == 6
     sent = engine.sampling_of
@@ -140,7 +140,8 @@ def test_a_constrained_answer_cut_off_at_max_tokens_is_an_error_row_never_ok(tin
     prepared = prepare_batch(
         table, load_tokenizer(tiny_model), EngineSettings(model_path=tiny_model, block_size=8), sampling
     )
-    run = BatchRun(prepared, FakeEngine(num_blocks=64, block_size=8), sampling, SchedulerSettings(log_every_s=60))
+    run = BatchRun(prepared, BlockAccountingEngine(num_blocks=64, block_size=8), sampling,
+                   SchedulerSettings(log_every_s=60))
     results = {r.id: r for r in run}
     assert results["b"].status == "ok"
     for row_id, budget in (("a", CARS.most_answer_tokens()), ("c", 3)):  # a choice's budget is raised
@@ -224,7 +225,7 @@ def test_a_format_the_engine_refuses_makes_its_rows_error_rows_asked_once_per_fo
     job = SamplingSettings(max_tokens=3, response_format=LABELS)
     prepared = prepare_batch(table, load_tokenizer(tiny_model), EngineSettings(model_path=tiny_model, block_size=8),
                              job)
-    engine = FakeEngine(num_blocks=64, block_size=8)
+    engine = BlockAccountingEngine(num_blocks=64, block_size=8)
     engine.refuses = {refused.to_text(): "backreferences are not supported"}
     results = {r.id: r for r in BatchRun(prepared, engine, job, SchedulerSettings(log_every_s=60))}
     # (the stand-in's answers follow no format: the other rows are cut-off error rows of their own)
@@ -243,7 +244,7 @@ def test_a_request_the_engine_ended_is_an_error_row_whatever_its_text(tiny_model
     prepared = prepare_batch(table, load_tokenizer(tiny_model), EngineSettings(model_path=tiny_model, block_size=8),
                              job)
 
-    class EndsOne(FakeEngine):
+    class EndsOne(BlockAccountingEngine):
         def step(self):
             report = super().step()
             for finished in report.finished:

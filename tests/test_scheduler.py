@@ -9,7 +9,7 @@ from engine.plan.tokenizing import TokenizedBatch
 from engine.run.drive import Rejected, StepTotals, drive
 from engine.run.requests import RequestKind
 from engine.run.scheduler import GroupScheduler, InOrderScheduler, PlannedGroup, groups_in_run_order
-from engine.run.stand_in import FakeEngine
+from engine.run.stand_in import BlockAccountingEngine
 from engine.settings import ReserveOutput, SamplingSettings, SchedulerSettings
 
 BLOCK = 4
@@ -39,7 +39,7 @@ class Watched:
     """Checks, after every step, that the scheduler never counts fewer blocks than the engine holds,
     and that the count admission keeps by events never falls below the exact recount."""
 
-    def __init__(self, engine: FakeEngine, scheduler: GroupScheduler):
+    def __init__(self, engine: BlockAccountingEngine, scheduler: GroupScheduler):
         self.engine, self.scheduler, self.undercounts, self.below_exact = engine, scheduler, [], []
 
     def __call__(self, report):
@@ -51,7 +51,7 @@ class Watched:
 
 
 def run(batch, groups, max_tokens, num_blocks, **scheduler_kw):
-    engine = FakeEngine(num_blocks, BLOCK)
+    engine = BlockAccountingEngine(num_blocks, BLOCK)
     scheduler = GroupScheduler(
         batch, np.asarray(max_tokens), groups, SchedulerSettings(**scheduler_kw), BLOCK, num_blocks
     )
@@ -216,7 +216,7 @@ def test_a_row_larger_than_the_whole_cache_is_rejected_not_a_stall():
 
 def test_in_order_scheduler_submits_everything_at_once():
     batch, _ = nested_batch(documents=2, rows_per_document=2)
-    engine = FakeEngine(200, BLOCK)
+    engine = BlockAccountingEngine(200, BLOCK)
     scheduler = InOrderScheduler(batch, np.full(4, 3), [3, 1, 0, 2])
     out = list(drive(scheduler, engine, SAMPLING, StepTotals()))
     assert [sub.row for step, sub in engine.submitted] == [3, 1, 0, 2]
@@ -330,7 +330,7 @@ def test_an_engine_that_runs_a_step_ahead_of_its_reports_preempts_no_more(reserv
     max_tokens = np.full(len(batch.lengths), 9)  # prompts end a token short of a block: decodes cross blocks
 
     def preemptions(steps_ahead: int, counted: bool) -> int:
-        engine = FakeEngine(40, BLOCK, steps_ahead=steps_ahead)
+        engine = BlockAccountingEngine(40, BLOCK, steps_ahead=steps_ahead)
         scheduler = GroupScheduler(batch, max_tokens, groups, SchedulerSettings(reserve_output=reserve), BLOCK, 40,
                                    steps_ahead if counted else 0)
         out = list(drive(scheduler, engine, SAMPLING, StepTotals()))

@@ -12,7 +12,7 @@ from engine.plan.plan_table import PlannedShard
 from engine.plan.prepared import PreparedBatch
 from engine.plan.tokenizing import TokenizedBatch
 from engine.run.results import results_to_table
-from engine.run.stand_in import FakeEngine
+from engine.run.stand_in import BlockAccountingEngine
 from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
 from engine.table.prompt_snapshot import CONTENT_KEY, KEY_TYPE
 
@@ -61,7 +61,7 @@ def plan_on_disk(path, identity: pa.Table, keys: list[str]):
 def job(tmp_path, store, engines: list) -> ShardJob:
     @contextlib.contextmanager
     def opener(settings):
-        engines.append(FakeEngine(num_blocks=64, block_size=2))
+        engines.append(BlockAccountingEngine(num_blocks=64, block_size=2))
         yield engines[-1]
 
     checkpoints = JobCheckpoints(tmp_path / "checkpoints")

@@ -270,13 +270,14 @@ def measure_fill(rows: int = 20_000, platform: dict = H200, seed: int = 0) -> di
     sorted rows (every row submitted at once, as ``LLM.generate`` does)."""
     from ..plan.prefix_tree import build_plan
     from ..run.scheduler import InOrderScheduler, groups_in_run_order
-    from ..run.stand_in import FakeEngine
+    from ..run.stand_in import BlockAccountingEngine
 
     batch, max_tokens = short_shape_tokens(rows, seed)
     plan = build_plan(batch.tokens, batch.offsets, max_tokens, BLOCK)
     out = {}
     for name in ("vllm_generate_sorted", "batchllm"):
-        engine = FakeEngine(platform["kv_blocks"], BLOCK, platform["max_num_seqs"], platform["max_num_batched_tokens"])
+        engine = BlockAccountingEngine(platform["kv_blocks"], BLOCK, platform["max_num_seqs"],
+                                       platform["max_num_batched_tokens"])
         if name == "batchllm":
             groups = groups_in_run_order(
                 plan.order.tolist(), plan.group_of_row, plan.group_prefix_tokens[plan.group_of_row]

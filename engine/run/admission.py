@@ -24,8 +24,9 @@ from ..plan.block_hashes import RowBlocks
 from ..plan.prefix_tree import common_whole_blocks
 from ..plan.tokenizing import TokenizedBatch
 from ..settings import Admission
+from .kv_budget import KVBudget
 from .requests import RequestKind, Submission
-from .stand_in import FakeEngine
+from .stand_in import BlockAccountingEngine
 
 # Group-wise admission is chosen where vLLM alone would compute more than this share of prompt tokens
 # over the minimum: below it, a fuller batch gains more than is computed twice (README, "How a batch
@@ -69,7 +70,7 @@ def choose_admission(batch: TokenizedBatch, max_tokens: np.ndarray, rows_in_plan
         return AdmissionChoice(Admission.GROUP_WISE, "prefix requests are on (scheduler.prefix_requests)")
     blocks, shared = _row_blocks(batch, max_tokens, rows_in_plan_order, limits.block_size)
     demand = int(blocks.sum())
-    usable = limits.capacity_blocks - 1  # vLLM keeps one block as its null block
+    usable = KVBudget(limits.capacity_blocks, limits.block_size).usable
     if demand <= usable:
         return AdmissionChoice(Admission.VLLM, f"the whole batch fits the KV cache ({demand} of {usable} blocks): "
                                                "nothing is evicted or preempted")
@@ -119,7 +120,7 @@ def simulate_vllm_admission(batch: TokenizedBatch, max_tokens: np.ndarray, rows:
                             limits: EngineLimits) -> tuple[int, int]:
     """Prompt tokens vLLM computes for ``rows`` submitted at once in this order, and its
     preemptions: on the stand-in."""
-    engine = FakeEngine(limits.capacity_blocks, limits.block_size, limits.max_num_seqs,
+    engine = BlockAccountingEngine(limits.capacity_blocks, limits.block_size, limits.max_num_seqs,
                         limits.max_num_batched_tokens, limits.steps_ahead)
     # The rows' block hashes in one vectorized pass (row by row, hashing was most of a 10,000-row run's set-up).
     tokens = [batch.tokens_of(row) for row in rows]

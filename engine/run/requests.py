@@ -132,7 +132,7 @@ class Engine(Protocol):
     """What a scheduler needs of an engine."""
 
     block_size: int
-    kv_capacity_blocks: int  # usable KV blocks, known after start-up
+    kv_capacity_blocks: int  # vLLM's KV blocks, its null block included (``KVBudget``), known after start-up
     steps_ahead: int  # steps it may run beyond the last report read (vLLM's async scheduling: 1)
 
     def refusal(self, sampling: SamplingSettings) -> str | None:

@@ -36,6 +36,7 @@ from ..plan.prepared import PreparedBatch
 from ..plan.tokenizing import TokenizedBatch
 from ..settings import Admission, ReserveOutput, SchedulerSettings
 from .admission import AdmissionChoice, EngineLimits, choose_admission
+from .kv_budget import KVBudget
 from .requests import Finished, RequestKey, RequestKind, Submission
 
 
@@ -174,8 +175,8 @@ class GroupScheduler:
         self._batch, self._settings, self._block = batch, settings, block_size
         # Python ints: read once per admission, a numpy scalar costs more than the arithmetic.
         self._lengths, self._max_tokens = batch.lengths.tolist(), [int(m) for m in max_tokens]
-        self._capacity = max(1, capacity_blocks - 1)  # vLLM keeps one block as its null block
-        self._budget = max(1, int(self._capacity * settings.kv_budget_fraction))
+        self._kv = KVBudget(capacity_blocks, block_size)
+        self._capacity, self._budget = self._kv.usable, self._kv.share(settings.kv_budget_fraction)
         self._lookahead = (settings.lookahead_tokens + steps_ahead
                            if settings.reserve_output is ReserveOutput.LOOKAHEAD else None)
         self._entry_blocks, self._prefix_hit_blocks, self._too_large = self._row_constants(groups)
@@ -440,7 +441,7 @@ class GroupScheduler:
             row = planned.rows[group.next_row]
             alone = self._too_large.get(row)
             if alone is not None:
-                decision.reject.append((row, too_large_reason(alone, self._capacity, self._block)))
+                decision.reject.append((row, self._kv.too_large_reason(alone)))
                 group.next_row += 1
                 continue
             hit_blocks = (self._shared_len(row, group) // self._block if row in self._shares_deeper
@@ -491,8 +492,6 @@ class GroupScheduler:
         )
 
 
-def too_large_reason(blocks: int, capacity: int, block_size: int) -> str:
-    return f"needs {blocks} KV blocks with its output; the KV cache has {capacity} (block size {block_size})"
 
 
 class InOrderScheduler:
@@ -547,11 +546,9 @@ class InOrderScheduler:
 def rows_too_large(batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[int],
                    limits: EngineLimits) -> dict[int, str]:
     """Rows that need more KV blocks than the whole cache even alone, with the reason."""
-    capacity = limits.capacity_blocks - 1  # vLLM keeps one block as its null block
-    ends = batch.lengths[rows].astype(np.int64) + np.asarray(max_tokens)[rows]
-    blocks = -(-ends // limits.block_size)
-    return {int(rows[i]): too_large_reason(int(blocks[i]), capacity, limits.block_size)
-            for i in np.flatnonzero(blocks > capacity)}
+    kv = KVBudget(limits.capacity_blocks, limits.block_size)
+    blocks = kv.blocks_for(batch.lengths[rows].astype(np.int64) + np.asarray(max_tokens)[rows])
+    return {int(rows[i]): kv.too_large_reason(int(blocks[i])) for i in np.flatnonzero(blocks > kv.usable)}
 
 
 # -- how a run schedules its rows: injected into ``BatchRun`` -----------------------------------

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.plan.block_hashes import RowBlocks
+from engine.run.kv_budget import KVBudget
 from engine.run.requests import Finished, StepReport, Submission
 
 
@@ -55,7 +56,11 @@ class _Request:
         return len(self.submission.token_ids) + self.generated
 
 
-class FakeEngine:
+class BlockAccountingEngine:
+    """vLLM's scheduler and KV cache manager in blocks, no model: what the admission decision simulates
+    in production (``admission.choose_admission``), and the engine of the scheduler's unit tests and
+    the bench's ``--scheduler-only``."""
+
     def __init__(self, num_blocks: int, block_size: int = 4, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, steps_ahead: int = 0):
         """``steps_ahead``: how many steps it runs beyond the report it returns (vLLM's async
@@ -63,7 +68,8 @@ class FakeEngine:
         self.block_size, self.kv_capacity_blocks, self.max_num_seqs = block_size, num_blocks, max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self._budget = 0  # tokens left in the step being scheduled
-        self._fresh = num_blocks - 1  # never-used free blocks (one is vLLM's null block)
+        self._kv = KVBudget(num_blocks, block_size)
+        self._fresh = self._kv.usable  # never-used free blocks (vLLM's null block is not one)
         self._evictable: OrderedDict[int, _Block] = OrderedDict()  # cached, unreferenced, by id
         self._cache: dict[int, _Block] = {}  # block hash -> cached block
         self._waiting: list[_Request] = []
@@ -110,7 +116,7 @@ class FakeEngine:
     closed_by_owner = False
     info = None  # a real engine describes itself here (EngineInfo)
 
-    def __enter__(self) -> "FakeEngine":
+    def __enter__(self) -> "BlockAccountingEngine":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -161,7 +167,7 @@ class FakeEngine:
 
     @property
     def referenced_blocks(self) -> int:
-        return self.kv_capacity_blocks - 1 - self.free_blocks
+        return self._kv.usable - self.free_blocks
 
     def _take(self) -> _Block:
         if self._fresh:
