@@ -17,6 +17,7 @@ import json
 import logging
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..jobs.job_options import (
@@ -62,7 +63,19 @@ def _settings(args) -> tuple[EngineSettings, SamplingSettings, Columns]:
     return engine, sampling, columns
 
 
-def _prepare(args, fields: PromptFields | None = None, field_order_state: Path | None = None):
+@dataclass(frozen=True)
+class _Prepared:
+    """A table as the CLI's commands use it: the settings, the plan, the batch ready to run, and the
+    field orders of a prompt from fields (None otherwise)."""
+
+    engine: EngineSettings
+    sampling: SamplingSettings
+    planned: object  # engine.plan.prepared.PlannedBatch
+    prepared: object  # engine.plan.prepared.PreparedBatch
+    orders: object | None
+
+
+def _prepare(args, fields: PromptFields | None = None, field_order_state: Path | None = None) -> _Prepared:
     """Load, (render,) tokenize and plan the table; ``fields`` overrides the command line's. With
     ``field_order_state`` an optimized field order is kept there from run to run
     (``engine.table.field_order_state``); without, it is chosen afresh."""
@@ -87,7 +100,7 @@ def _prepare(args, fields: PromptFields | None = None, field_order_state: Path |
         orders = kept.choice if kept is not None else choose_field_orders(table, fields, counter)
         table = validate(table, columns)
     planned, prepared = plan_prompts(table, tokenizer, engine, sampling, columns)
-    return engine, sampling, table, planned, prepared, orders
+    return _Prepared(engine, sampling, planned, prepared, orders)
 
 
 def _field_orders_summary(args, planned, orders) -> dict | None:
@@ -96,7 +109,7 @@ def _field_orders_summary(args, planned, orders) -> dict | None:
     fields = prompt_fields_from(args)
     if fields is None:
         return None
-    declared = planned if fields.field_order is FieldOrder.as_declared else _prepare(args, fields.declared())[3]
+    declared = planned if fields.field_order is FieldOrder.as_declared else _prepare(args, fields.declared()).planned
     out = {"field_order": fields.field_order.value,
            "declared": {"prompt_tokens": declared.plan.prompt_tokens, "unique_tokens": declared.plan.unique_tokens},
            "chosen": {"prompt_tokens": planned.plan.prompt_tokens, "unique_tokens": planned.plan.unique_tokens},
@@ -111,7 +124,8 @@ def cmd_plan(args) -> int:
     from ..jobs.plan_job import plan_summary
     from ..plan.shards import assign_shards
 
-    _, _, _, planned, _, orders = _prepare(args)
+    made = _prepare(args)
+    planned, orders = made.planned, made.orders
     plan = planned.plan
     shards = assign_shards(plan, args.shards)
     summary = {
@@ -179,9 +193,8 @@ def cmd_run(args) -> int:
     output = Path(args.output)
     check_output(output, args.prompts, args.overwrite)  # before any work
     with output_lock(output), terminate_as_exit():
-        engine_settings, sampling, _, _, prepared, _ = _prepare(
-            args, field_order_state=Path(f"{output}.field_order.parquet")
-        )
+        made = _prepare(args, field_order_state=Path(f"{output}.field_order.parquet"))
+        engine_settings, sampling, prepared = made.engine, made.sampling, made.prepared
         job = ShardJob(PlannedShard.whole(prepared), engine_settings, sampling,
                        SchedulerSettings(log_every_s=args.progress_every_s), ParquetAnswers(output, args.prompts),
                        checkpoint=Path(args.checkpoint_dir or f"{output}.checkpoint"))
