@@ -91,9 +91,62 @@ class PartitionDone:
                 **self.written}
 
 
+def run_partition(config: BatchJobConfig, context: dg.AssetExecutionContext, job: ShardJob, engine_opener,
+                  started_at: float) -> PartitionDone:
+    """One shard of a run on the run's engine (or on Ray), written and checked against the plan on disk."""
+    key, prepared = job.shard.key, job.shard.prepared
+    hardware = config.hardware_of_shard(job.shard.number)
+    context.log.info(f"shard {key}: {prepared.num_rows} planned rows ({hardware.name})")
+    if config.backend is Backend.RAY:
+        outcome, info = run_on_ray(config, context, job, hardware)
+    else:
+        outcome = job.run(progress_sink=context.log.info, engine_opener=engine_opener, started_at=started_at,
+                          display_label=f"{config.name} {key}")
+        info = (asdict(outcome.engine) if outcome.engine
+                else {"build": "not started: every row was reused or invalid"})
+    info.update(settings=job.engine_settings.model_dump(mode="json"),
+                sampling=config.sampling.model_dump(mode="json"),
+                scheduler=config.scheduler.model_dump(mode="json"), backend=str(config.backend))
+
+    writing = time.perf_counter()  # from here: writing and checks, the partition's time after its rows
+    written = job.write(outcome.results)  # checked against the plan on disk, under its lock
+    stale = written.superseded.to_pylist()
+    if stale:
+        context.log.warning(f"{len(stale)} of this shard's rows were superseded by a newer plan while it ran "
+                            "(moved to another shard, edited, deleted, or another model): their answers are not "
+                            "written; the newer plan's shards answer them")
+    context.log.info(f"wrote {written.table.num_rows} rows of partition {key} to {config.output_table} "
+                     f"({written.rows_now} in it now)")
+    warehouse = job_warehouse(config, context)
+    checks = partition_check_results(config, warehouse, key, written.table.column("id").to_pylist(),
+                                     outcome.stats, prepared, outcome.results, stale)
+    return PartitionDone(key, outcome, info, hardware.name, checks, {
+        "not_reused_rows": dg.MetadataValue.json(outcome.not_reused),  # why rows ran again
+        "superseded_rows": len(stale),  # answers a newer plan wanted from elsewhere: not written
+        **review_metadata(written.table, config.review_below),
+        "write_s": float(round(time.perf_counter() - writing, 3)),  # writing and checks (shard sizing reads it)
+        "dagster/row_count": written.rows_now,
+    }, prepared.num_rows)
+
+def run_on_ray(config: BatchJobConfig, context: dg.AssetExecutionContext, job: ShardJob, hardware) -> tuple:
+    """The shard spread over ``ray_replicas`` vLLM replicas on the Ray cluster, whole groups each,
+    with the same reuse and checkpoint as a local run. GPUs are wanted where the hardware partition
+    is a GPU's (never because this driver has one)."""
+    time_limit = ray_time_limit(config, context.instance, hardware.name, job.shard.prepared.num_rows)
+    if time_limit is not None:
+        context.log.info(f"shard {job.shard.key} on Ray: time limit {time_limit.why}")
+    ran = job.run_on_ray(replicas=config.ray_replicas, wants_gpus=hardware.is_gpu, address=config.ray_address,
+                         actor_prefix=f"batchllm-{job.shard.key}",
+                         run_timeout_s=time_limit.seconds if time_limit else None, gpu_wait_s=config.ray_gpu_wait_s)
+    info = {"build": "on Ray replicas",
+            "replica_of_sub_shard": {str(s): r for s, r in ran.replica_of_sub_shard.items()},
+            "reassigned_sub_shards": ran.reassigned_sub_shards}
+    return ran.merged(), info
+
+
 def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDefinition) -> dg.AssetsDefinition:
-    """The completions asset. Over 60 lines because its step functions are closures over ``config``
-    inside it (Dagster's decorator), each short: a run of partitions, one partition."""
+    """The completions asset: its step is a closure over ``config`` (Dagster's decorator), a run of
+    partitions, each one ``run_partition``."""
     # A backfill's runs take up to partitions_per_run partitions each, one vLLM start per run.
     # (Dagster 1.13 marks backfill_policy beta; it is its one way to run partition ranges.)
     backfill_policy = dg.BackfillPolicy.multi_run(config.partitions_per_run) if config.partitions_per_run > 1 else None
@@ -124,7 +177,7 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         with llm.shared_engine() as shared:
             try:
                 for job in jobs:
-                    done.append(run_partition(context, job, shared.open, started_at))
+                    done.append(run_partition(config, context, job, shared.open, started_at))
                     started_at = time.perf_counter()  # the next partition's time starts here
             except BaseException:
                 if done:
@@ -142,56 +195,5 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
         for key, values in metadata.items():  # each partition's materialization gets its own numbers
             context.add_asset_metadata(values, partition_key=key)
         return dg.MaterializeResult(check_results=merged_check_results({d.key: d.checks for d in done}))
-
-    def run_partition(context: dg.AssetExecutionContext, job: ShardJob, engine_opener,
-                      started_at: float) -> PartitionDone:
-        key, prepared = job.shard.key, job.shard.prepared
-        hardware = config.hardware_of_shard(job.shard.number)
-        context.log.info(f"shard {key}: {prepared.num_rows} planned rows ({hardware.name})")
-        if config.backend is Backend.RAY:
-            outcome, info = run_on_ray(context, job, hardware)
-        else:
-            outcome = job.run(progress_sink=context.log.info, engine_opener=engine_opener, started_at=started_at,
-                              display_label=f"{config.name} {key}")
-            info = (asdict(outcome.engine) if outcome.engine
-                    else {"build": "not started: every row was reused or invalid"})
-        info.update(settings=job.engine_settings.model_dump(mode="json"),
-                    sampling=config.sampling.model_dump(mode="json"),
-                    scheduler=config.scheduler.model_dump(mode="json"), backend=str(config.backend))
-
-        writing = time.perf_counter()  # from here: writing and checks, the partition's time after its rows
-        written = job.write(outcome.results)  # checked against the plan on disk, under its lock
-        stale = written.superseded.to_pylist()
-        if stale:
-            context.log.warning(f"{len(stale)} of this shard's rows were superseded by a newer plan while it ran "
-                                "(moved to another shard, edited, deleted, or another model): their answers are not "
-                                "written; the newer plan's shards answer them")
-        context.log.info(f"wrote {written.table.num_rows} rows of partition {key} to {config.output_table} "
-                         f"({written.rows_now} in it now)")
-        warehouse = job_warehouse(config, context)
-        checks = partition_check_results(config, warehouse, key, written.table.column("id").to_pylist(),
-                                         outcome.stats, prepared, outcome.results, stale)
-        return PartitionDone(key, outcome, info, hardware.name, checks, {
-            "not_reused_rows": dg.MetadataValue.json(outcome.not_reused),  # why rows ran again
-            "superseded_rows": len(stale),  # answers a newer plan wanted from elsewhere: not written
-            **review_metadata(written.table, config.review_below),
-            "write_s": float(round(time.perf_counter() - writing, 3)),  # writing and checks (shard sizing reads it)
-            "dagster/row_count": written.rows_now,
-        }, prepared.num_rows)
-
-    def run_on_ray(context: dg.AssetExecutionContext, job: ShardJob, hardware) -> tuple:
-        """The shard spread over ``ray_replicas`` vLLM replicas on the Ray cluster, whole groups each,
-        with the same reuse and checkpoint as a local run. GPUs are wanted where the hardware partition
-        is a GPU's (never because this driver has one)."""
-        time_limit = ray_time_limit(config, context.instance, hardware.name, job.shard.prepared.num_rows)
-        if time_limit is not None:
-            context.log.info(f"shard {job.shard.key} on Ray: time limit {time_limit.why}")
-        ran = job.run_on_ray(replicas=config.ray_replicas, wants_gpus=hardware.is_gpu, address=config.ray_address,
-                             actor_prefix=f"batchllm-{job.shard.key}",
-                             run_timeout_s=time_limit.seconds if time_limit else None, gpu_wait_s=config.ray_gpu_wait_s)
-        info = {"build": "on Ray replicas",
-                "replica_of_sub_shard": {str(s): r for s, r in ran.replica_of_sub_shard.items()},
-                "reassigned_sub_shards": ran.reassigned_sub_shards}
-        return ran.merged(), info
 
     return completions
