@@ -83,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     # warning and the failure in one line instead (``_said``), the whole trace staying in the run's log.
     level = args.log_level.upper()
     quiet = {"loggers": {"console": {"config": {"log_level": "CRITICAL" if _at_least_warning(level) else level}}}}
-    defs = load_definitions(args.definitions)
+    try:
+        defs = load_definitions(args.definitions)
+    except Exception as exc:  # a config mistake: the line that names it, not Dagster's component tree
+        print(f"batchllm-dagster: the definitions did not load: {load_error(exc)}", file=sys.stderr)
+        return 2
     instance = dg.DagsterInstance.get()
     said: set[str] = set()
     if not args.shards_only:
@@ -134,6 +138,18 @@ def shard_lines(shards: list[tuple[str, dict]]) -> list[str]:
                          f", {total['computed'] / wall:,.1f} rows/s, {total['tokens'] / wall:,.0f} tok/s, saved "
                          f"{total['saved']:,} prompt tok, wall {wall:.2f} s" if wall else ""))
     return lines
+
+
+def load_error(exc: BaseException) -> str:
+    """The innermost cause of a load failure in one line (a pydantic error: each field and why)."""
+    from pydantic import ValidationError
+
+    from engine.validation import one_line
+
+    while exc.__cause__ is not None or (exc.__context__ is not None and not exc.__suppress_context__):
+        exc = exc.__cause__ or exc.__context__
+    text = one_line(exc) if isinstance(exc, ValidationError) else str(exc)
+    return f"{type(exc).__name__}: {' '.join(text.split())}"
 
 
 def _at_least_warning(level: str) -> bool:

@@ -164,4 +164,8 @@ def test_bad_nights_and_bad_config_lines_cost_no_answer(tmp_path, tiny_model):
     said = project.run("dg", "check", "defs", ok=False)
     assert "attributes.sampling.score_choice" in said.stdout and "'score_choice' was unexpected" in said.stdout, \
         said.stdout[-3000:]
+    said = project.run("batchllm-dagster", "run", "tickets", ok=False)  # the same mistake, one line
+    (line,) = said.stderr.strip().splitlines()[-1:]
+    assert line.startswith("batchllm-dagster: the definitions did not load: ValidationError: ") and \
+        "score_choice" in line and "Traceback" not in said.stderr and said.returncode == 2, said.stderr[-3000:]
     assert project.users_tables() == first["users"] and project.answers() == first["answers"]
