@@ -61,8 +61,9 @@ def test_materializes_prompts_groups_and_one_completion_per_row(job):
         assert groups_meta["groups"].value >= 2 and groups_meta["shared_fraction"].value > 0.3
         for result in results.values():
             meta = result.asset_materializations_for_node("e2e__completions")[0].metadata
-            for name in ("rows", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "wall_s", "tokens_per_s",
-                         "output_tokens_per_s", "startup_s", "mean_kv_usage", "rows_per_step", "engine_steps"):
+            for name in ("planned_rows", "computed_rows", "prompt_tokens", "cached_prompt_tokens", "output_tokens",
+                         "wall_s", "tokens_per_s", "output_tokens_per_s", "startup_s", "mean_kv_usage", "rows_per_step",
+                         "engine_steps"):
                 assert isinstance(meta[name].value, (int, float)), name
             # vLLM's start is part of the start-up, and start-up plus run fit in the step that measured them.
             step = next(s for s in instance.get_run_step_stats(result.run_id) if "completions" in s.step_key)
