@@ -50,7 +50,10 @@ def gauge_stat_logger(gauges: EngineGauges) -> type:
                 gauges.prefill_tokens += iteration_stats.prompt_token_stats.computed
                 gauges.decode_tokens += iteration_stats.num_generation_tokens
             if scheduler_stats is not None:
-                gauges.running = scheduler_stats.num_running_reqs
+                # vLLM counts the requests still running after the step: one that finished in it (a
+                # scored choice row's single step, say) ran in it too, as the stand-in counts it.
+                finished = len(iteration_stats.finished_requests) if iteration_stats is not None else 0
+                gauges.running = scheduler_stats.num_running_reqs + finished
                 gauges.kv_usage = scheduler_stats.kv_cache_usage
                 # vLLM counts a preempted request's lookup when it is admitted again: the tokens it
                 # then computes are those it queried less those it found (with prefix caching on).
