@@ -272,7 +272,7 @@ class BatchJobConfig(JobSpec):
         from .ownership import refuse_reading_own_output
 
         refuse_reading_own_output(self.name, self.output_table, self.output_database, self.dataset.database,
-                                  self.dataset.tables_read())
+                                  self.dataset.tables_read)
         return self
 
     @property

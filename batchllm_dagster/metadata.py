@@ -22,9 +22,8 @@ def plan_metadata(made, plan_bytes: int, removed_answers: int, size) -> dict:
     """A plan's materialization (``made``: a ``PlanJob``'s ``JobPlan``): its summary, what the plan
     step did besides, and each shard's rows and estimated prefill."""
     plan, keys, ids_by_shard = made.planned.plan, made.keys, made.ids_by_shard
-    summary = made.summary()
     return {
-        **{name: float(value) if isinstance(value, float) else value for name, value in summary.items()},
+        **made.summary(),
         "removed_answers": removed_answers,  # answers of rows deleted at the source, removed now
         "plan_bytes": plan_bytes,
         "plan_bytes_per_prompt_token": float(round(plan_bytes / max(plan.prompt_tokens, 1), 3)),

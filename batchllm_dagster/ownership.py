@@ -16,6 +16,7 @@ every transaction that touches the objects, so a table made after load is still 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,12 +117,13 @@ def _kind_missing(kind: str, is_view: bool, columns: set[str]) -> str:
 
 
 def refuse_reading_own_output(job: str, output_table: str, output_database: str, source_database: str | None,
-                              source_tables: set[str]) -> None:
+                              source_tables: Callable[[], set[str]]) -> None:
     """From the configuration alone: the job's objects are not tables its dataset reads in the same
-    database (``table: reviews`` with ``output_table: reviews`` would replace the prompts by answers)."""
+    database (``table: reviews`` with ``output_table: reviews`` would replace the prompts by answers).
+    ``source_tables`` is asked (the SQL parsed) only where the two databases are one file."""
     if not source_database or not _same_file(source_database, output_database):
         return
-    read = {name.split(".")[-1].lower() for name in source_tables}
+    read = {name.split(".")[-1].lower() for name in source_tables()}
     for obj in job_objects(output_table):
         if obj.name.lower() in read:
             raise NotOwned(

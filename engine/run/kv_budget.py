@@ -26,8 +26,7 @@ class KVBudget:
 
     def blocks_for(self, tokens):
         """Blocks that hold ``tokens`` tokens (an int or a NumPy array of them)."""
-        return -(-np.asarray(tokens, dtype=np.int64) // self.block_size) if not isinstance(tokens, int) \
-            else -(-tokens // self.block_size)
+        return -(-np.asarray(tokens, dtype=np.int64) // self.block_size)
 
     def too_large_reason(self, blocks: int) -> str:
         """Why a row that needs ``blocks`` blocks alone (with its output) cannot run at all."""
