@@ -40,7 +40,8 @@ test: install
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 
-# Everything but what needs real vLLM, the dg CLI, Ray or a browser: under a minute.
+# Everything but what needs real vLLM, the dg CLI, Ray, a browser or several fresh processes: ~90 s;
+# a test without the `slow` mark that runs over 5 s fails here (tests/conftest.py).
 test-fast: install
 	$(PY) -m pytest -m "not slow"
 

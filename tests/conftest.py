@@ -80,3 +80,22 @@ def nightly(tmp_path, tiny_model):
         output_table="answers",
         storage_dir=str(tmp_path / "jobs"),
     )
+
+
+# `make test-fast` stays fast by rule, not by hope: there a test without the `slow` mark that runs
+# longer than this fails, naming the mark. Only where slow tests are left out (`-m "not slow"`): the
+# full suite's timing on a machine twice as slow is not a fault of the test.
+FAST_TEST_LIMIT_S = float(os.environ.get("BATCHLLM_FAST_TEST_LIMIT_S", "5"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.passed or item.get_closest_marker("slow"):
+        return
+    if "not slow" in (item.config.option.markexpr or "") and report.duration > FAST_TEST_LIMIT_S:
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} took {report.duration:.1f} s without the `slow` mark: mark it "
+                           f"@pytest.mark.slow or make it faster (make test-fast allows {FAST_TEST_LIMIT_S:g} s "
+                           "a test)")

@@ -88,6 +88,7 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(prompt_parq
     assert not list(tmp_path.glob("*.partial")) and not list(tmp_path.glob("*.checkpoint"))
 
 
+@pytest.mark.slow
 def test_a_second_run_into_the_same_output_is_refused_and_named(prompt_parquet, tmp_path):
     import os
 
@@ -187,6 +188,7 @@ def reviews_parquet(tmp_path):
     return path
 
 
+@pytest.mark.slow
 def test_plan_with_fields_shows_both_orders_and_where_each_field_went(tmp_path, tiny_model):
     path = reviews_parquet(tmp_path)
     fields = ["--fields", "review,description,category", "--instruction", "Rate the review.", "--question", "Rating:"]

@@ -171,11 +171,13 @@ def test_a_job_builds_definitions_with_its_warehouse_resource_bound(tmp_path):
         storage_dir=str(tmp_path / "jobs"),
     )
     graph = build_batch_defs(config).resolve_asset_graph()
-    for assets_def in graph.assets_defs:
-        if assets_def.keys and assets_def.key.path[-1] in ("prefix_groups", "completions") or not assets_def.keys:
-            resource = assets_def.resource_defs["nightly_warehouse"]
-            assert resource.configurable_resource_cls.__name__ == "DuckDBResource"
-            assert resource.config_schema.default_value["database"] == config.output_database
+    writers = [assets_def for assets_def in graph.assets_defs
+               if assets_def.keys and assets_def.key.path[-1] in ("prefix_groups", "completions")]
+    assert len(writers) == 2  # both assets that write answers or groups, each checked below
+    for assets_def in writers:
+        resource = assets_def.resource_defs["nightly_warehouse"]
+        assert resource.configurable_resource_cls.__name__ == "DuckDBResource"
+        assert resource.config_schema.default_value["database"] == config.output_database
 
 
 @pytest.mark.parametrize("dataset, message", [

@@ -351,6 +351,7 @@ def test_a_gpu_captures_cuda_graphs_for_every_decode_batch_it_runs(monkeypatch, 
     assert "compilation_config" not in engine_args(EngineSettings(model_path=tiny_model), Platform.CPU)
 
 
+@pytest.mark.slow
 def test_vllms_own_block_size_is_the_one_vllm_sets_on_each_platform():
     """What the bench's by-hand recipe at vLLM's defaults runs with: read from vLLM 0.32 itself."""
     import inspect

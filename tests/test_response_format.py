@@ -194,6 +194,7 @@ def test_a_bench_prompt_set_runs_every_row_where_a_choice_raises_its_budget():
     assert prepared.errors == {} and prepared.max_tokens.tolist() == [len("technical") + 1, 2, 2]
 
 
+@pytest.mark.slow  # imports vLLM
 def test_a_step_after_a_constrained_request_entered_first_lets_its_grammar_compile(monkeypatch):
     """vLLM compiles grammars on a thread pool and skips, for the step, a request whose compile is
     not done: the handle gives up the GIL once before a step that follows a constrained submission

@@ -49,10 +49,12 @@ def test_weights_give_faster_hardware_more_work():
 
 def test_bad_arguments():
     plan = grouped_batch()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="number of shards must be at least 1"):
         assign_shards(plan, 0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"need 2 positive shard weights, got \[1.0\]"):
         assign_shards(plan, 2, weights=[1.0])
+    with pytest.raises(ValueError, match="need 2 positive shard weights"):
+        assign_shards(plan, 2, weights=[1.0, 0.0])
 
 
 def test_the_next_plan_keeps_each_unchanged_group_on_its_shard():

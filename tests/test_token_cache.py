@@ -143,6 +143,7 @@ print(json.dumps({"auto": "transformers.models.auto.tokenization_auto" in sys.mo
 """
 
 
+@pytest.mark.slow
 def test_the_tokenizer_class_autotokenizer_picked_is_loaded_directly_the_next_time(tmp_path, tiny_model):
     """A rerun with a few changed rows must not pay AutoTokenizer's imports (torch, every model's
     config), and must tokenize exactly as AutoTokenizer's tokenizer does."""
