@@ -10,7 +10,7 @@ asset keeps the locks, the Dagster failures, the metadata and the checks.
 import functools
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import dagster as dg
 
@@ -86,9 +86,12 @@ class PartitionDone:
     written: dict  # what writing it measured and wrote
     planned_rows: int  # its rows in the plan
 
-    def metadata(self, device: str) -> dict:
-        return {**run_metadata(self.outcome.stats, device, self.hardware_partition, self.engine, self.planned_rows),
-                **self.written}
+    def metadata(self, device: str, engine_stop_s: float | None) -> dict:
+        """``engine_stop_s``: the shared engine's stop, for the partition that ran last on it."""
+        stats = self.outcome.stats
+        if engine_stop_s is not None:
+            stats = replace(stats, engine_stop_s=engine_stop_s)
+        return {**run_metadata(stats, device, self.hardware_partition, self.engine, self.planned_rows), **self.written}
 
 
 def run_partition(config: BatchJobConfig, context: dg.AssetExecutionContext, job: ShardJob, engine_opener,
@@ -186,10 +189,10 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
                 raise
         # vLLM stops once, after the last partition: its stop is that partition's (the last that ran on it).
         on_engine = [d for d in done if d.outcome.engine is not None]
-        if on_engine:
-            on_engine[-1].outcome.stats.engine_stop_s = shared.stop_s
+        stopped_it = on_engine[-1] if on_engine else None
         order = field_order_metadata(config)
-        metadata = {d.key: {**d.metadata(llm.device()), **order, "partitions_in_run": len(done)} for d in done}
+        metadata = {d.key: {**d.metadata(llm.device(), shared.stop_s if d is stopped_it else None), **order,
+                            "partitions_in_run": len(done)} for d in done}
         if len(done) == 1:
             return dg.MaterializeResult(metadata=metadata[done[0].key], check_results=done[0].checks)
         for key, values in metadata.items():  # each partition's materialization gets its own numbers

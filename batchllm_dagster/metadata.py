@@ -60,18 +60,14 @@ def run_metadata(stats: RunStats, device: str, hardware_partition: str, engine_i
         "engine": dg.MetadataValue.json(engine_info),
     }
     if stats.prompt_tokens:  # a rerun that reused every row has no throughput to plot
-        metadata.update(
-            saving_vs_ideal=float(round(stats.saving_vs_ideal, 4)),
-            startup_s=float(round(stats.startup_s, 3)),  # from the step's start until the rows' run began
-            run_setup_s=float(round(stats.run_setup_s, 3)),  # of wall_s: scheduling before the first request
-            engine_start_s=float(round(stats.engine_start_s, 3)),  # of which vLLM's own start-up
-            engine_stop_s=float(round(stats.engine_stop_s, 3)),  # shutting vLLM down after the rows
-            wall_s=float(round(stats.wall_s, 3)),
-            mean_kv_usage=float(round(stats.mean_kv_usage, 4)),
-            rows_per_step=float(round(stats.rows_per_step, 2)),
-            tokens_per_s=float(round(stats.tokens_per_s, 2)),
-            output_tokens_per_s=float(round(stats.output_tokens_per_s, 2)),
-        )
+        rounded = stats.to_dict()  # rounded once, where the stats are
+        metadata.update({name: float(rounded[name]) for name in (
+            "saving_vs_ideal",
+            "startup_s",  # from the step's start until the rows' run began
+            "run_setup_s",  # of wall_s: scheduling before the first request
+            "engine_start_s",  # of which vLLM's own start-up
+            "engine_stop_s",  # shutting vLLM down after the rows
+            "wall_s", "mean_kv_usage", "rows_per_step", "tokens_per_s", "output_tokens_per_s")})
     return metadata
 
 

@@ -30,7 +30,7 @@ def run_on_stand_in(prepared, kv_blocks: int, scheduling=Planned(), steps_ahead:
     sampling = SamplingSettings(max_tokens=int(prepared.max_tokens.max()), ignore_eos=True)
     run = BatchRun(prepared, engine, sampling, SchedulerSettings(**scheduler), scheduling=scheduling)
     answers = {r.id: r.text for r in run}
-    return engine, run.stats, answers
+    return engine, run.finished_stats(), answers
 
 
 def shares_nothing(rows: int = 150, seed: int = 0):

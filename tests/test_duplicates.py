@@ -79,7 +79,7 @@ def test_the_engine_computes_each_content_once_and_every_id_gets_the_answer():
     for a, b in (("r0", "r2"), ("r0", "r3"), ("r1", "r5")):
         assert results[a].text == results[b].text and results[a].output_tokens == results[b].output_tokens
     assert results["r0"].text != results["r1"].text
-    stats = run.stats
+    stats = run.finished_stats()
     assert (stats.rows, stats.ok_rows, stats.duplicate_rows) == (6, 6, 3)
     copies = [results[i] for i in ("r0", "r2", "r3", "r1", "r5") if int(i[1:]) not in submitted]
     assert len(copies) == 3 and all(r.cached_tokens == r.prompt_tokens for r in copies)  # nothing computed
@@ -92,7 +92,7 @@ def test_a_baseline_runs_every_row_as_vllm_would():
     run = BatchRun(prepared, engine, SamplingSettings(max_tokens=4), SchedulerSettings(log_every_s=60),
                    scheduling=InOrder([0, 1, 2]))
     assert len(list(run)) == 3
-    assert sorted(row_submissions(engine)) == [0, 1, 2] and run.stats.duplicate_rows == 0
+    assert sorted(row_submissions(engine)) == [0, 1, 2] and run.finished_stats().duplicate_rows == 0
 
 
 def test_the_plan_table_keeps_the_sets_and_a_shard_reads_them_back():

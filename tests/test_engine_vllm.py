@@ -32,7 +32,7 @@ def run(model, table, plain=False, engine_settings=None, sampling=SAMPLING, inpu
         batch_run = BatchRun(prepared, engine, sampling, SchedulerSettings(log_every_s=1, **scheduler), rows=rows,
                              scheduling=InOrder(list(range(table.num_rows))) if plain else Planned())
         results = list(batch_run)
-    return {r.id: r for r in results}, batch_run.stats
+    return {r.id: r for r in results}, batch_run.finished_stats()
 
 
 def test_answers_are_keyed_by_id_whatever_the_input_order(tiny_model):
@@ -286,7 +286,8 @@ def test_vllm_runs_no_prometheus_logger_beside_the_engines_own(tiny_model):
         run = BatchRun(prepared, engine, SAMPLING, SchedulerSettings(log_every_s=60))
         assert len(list(run)) == table.num_rows
     assert prometheus == ["GaugeStatLogger"]
-    assert run.stats.engine_steps > 0 and run.stats.mean_kv_usage > 0 and run.stats.rows_per_step > 0
+    stats = run.finished_stats()
+    assert stats.engine_steps > 0 and stats.mean_kv_usage > 0 and stats.rows_per_step > 0
 
 
 def test_an_engine_core_whose_parent_is_killed_exits(tiny_model, tmp_path):

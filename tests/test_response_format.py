@@ -147,7 +147,7 @@ def test_a_constrained_answer_cut_off_at_max_tokens_is_an_error_row_never_ok(tin
     for row_id, budget in (("a", CARS.most_answer_tokens()), ("c", 3)):  # a choice's budget is raised
         assert results[row_id].status == "error" and results[row_id].text
         assert results[row_id].error.startswith(f"cut off at max_tokens ({budget}) before the answer was complete")
-    assert (run.stats.ok_rows, run.stats.error_rows) == (1, 2)
+    assert (run.finished_stats().ok_rows, run.finished_stats().error_rows) == (1, 2)
 
 
 NUMBER = ResponseFormat(json_schema={"type": "integer"})
@@ -257,9 +257,10 @@ def test_a_request_the_engine_ended_is_an_error_row_whatever_its_text(tiny_model
     results = {r.id: r for r in run}
     assert results["a"].status == "ok"
     assert results["b"].status == "error" and finish_reason in results["b"].error and results["b"].text
-    assert (run.stats.ok_rows, run.stats.error_rows) == (1, 1)
+    assert (run.finished_stats().ok_rows, run.finished_stats().error_rows) == (1, 1)
 
 
+@pytest.mark.slow  # imports vLLM
 def test_a_request_vllm_refuses_as_it_arrives_comes_back_finished_with_the_reason():
     """The handle's last line of defence (a refusal the format check did not foresee): the request
     is not raised out of ``submit``, it finishes at the next step as an error, the others run."""

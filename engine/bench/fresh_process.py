@@ -39,10 +39,11 @@ def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: Sam
                        step_profile=profile)
         outputs = {r.id: r.text for r in run}
         info = engine.info
-    report = _report(run.stats, info.max_num_seqs, info.kv_capacity_blocks)
+    stats = run.finished_stats()
+    report = _report(stats, info.max_num_seqs, info.kv_capacity_blocks)
     report["per_step"] = profile.summary()
     if report["per_step"]:  # the run's time outside vLLM's steps: our scheduler, submissions, results
-        report["per_step"]["outside_steps_s"] = round(run.stats.wall_s - report["per_step"]["step_s"], 3)
+        report["per_step"]["outside_steps_s"] = round(stats.wall_s - report["per_step"]["step_s"], 3)
         if each_step:  # seconds, prompt tokens, output tokens, rows, groups
             report["per_step"]["each"] = [[round(step[0], 4), *step[1:]] for step in profile.steps]
     return report, outputs
@@ -66,15 +67,14 @@ def _generate_sorted(prepared, engine_settings: EngineSettings, sampling: Sampli
     done = llm.generate([{"prompt_token_ids": prepared.batch.row(r)} for r in order],
                         [sampling_params(row_sampling(sampling, prepared.response_formats.get(r)),
                                          int(prepared.max_tokens[r])) for r in order], use_tqdm=False)
-    stats = RunStats(rows=len(order), ok_rows=len(order), wall_s=time.perf_counter() - started,
+    wall_s = time.perf_counter() - started
+    stats = RunStats(rows=len(order), ok_rows=len(order), wall_s=wall_s,
                      reusable_tokens=reusable_tokens(prepared.batch, [int(r) for r in prepared.order],
-                                                     prepared.block_size))
-    outputs = {}
-    for row, out in zip(order, done):
-        stats.prompt_tokens += len(out.prompt_token_ids)
-        stats.cached_tokens += int(out.num_cached_tokens or 0)
-        stats.output_tokens += len(out.outputs[0].token_ids)
-        outputs[prepared.ids[row]] = out.outputs[0].text
+                                                     prepared.block_size),
+                     prompt_tokens=sum(len(out.prompt_token_ids) for out in done),
+                     cached_tokens=sum(int(out.num_cached_tokens or 0) for out in done),
+                     output_tokens=sum(len(out.outputs[0].token_ids) for out in done))
+    outputs = {prepared.ids[row]: out.outputs[0].text for row, out in zip(order, done)}
     report = _report(stats, config.scheduler_config.max_num_seqs, config.cache_config.num_gpu_blocks)
     # LLM.generate does not say these
     for unknown in ("preemptions", "recomputed_tokens", "engine_steps", "rows_per_step", "mean_kv_usage"):

@@ -106,7 +106,6 @@ def run_resumable(
             stopping = time.perf_counter()
             opened.close()  # leaves the engine's context: its owner shuts it down
             engine_stop_s = time.perf_counter() - stopping
-    run.stats.reused_rows = len(reused)
-    run.stats.engine_start_s = engine_start_s if engine is not None else 0.0
-    run.stats.engine_stop_s = engine_stop_s
-    return RunOutcome(results, run.stats, info, dict(checkpoint.not_reused))
+    stats = run.finished_stats(reused_rows=len(reused), engine_start_s=engine_start_s if engine is not None else 0.0,
+                               engine_stop_s=engine_stop_s)
+    return RunOutcome(results, stats, info, dict(checkpoint.not_reused))

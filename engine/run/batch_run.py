@@ -3,7 +3,7 @@ come out keyed by row id as rows finish.
 
     run = BatchRun(prepared, engine, sampling)          # all rows, BatchLLM scheduling (Planned)
     for result in run: ...                               # RowResult, keyed by id, as rows finish
-    run.stats                                            # RunStats
+    run.finished_stats()                                 # RunStats, built once the run has ended
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,6 +27,20 @@ from .requests import Engine
 from .results import RowResult, RunStats
 from .scheduler import Planned, Scheduling
 from .step_profile import StepProfile
+
+
+@dataclass
+class RunCounts:
+    """What a run has done so far, counted as rows finish (its ``RunStats`` is built from it once,
+    when the run has ended)."""
+
+    rows: int = 0
+    ok_rows: int = 0
+    error_rows: int = 0
+    duplicate_rows: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
 
 
 class BatchRun:
@@ -58,7 +73,8 @@ class BatchRun:
         self.display = display  # a live view (a progress bar) besides the progress lines
         self.step_profile = step_profile  # each engine step recorded (the bench's per-step timing)
         self.after_step = after_step  # called after every engine step (a checkpoint's timed write)
-        self.stats = RunStats()
+        self.counts = RunCounts()
+        self._ended: dict = {}  # the run's times, the engine's gauges, what the scheduler did: set once, at its end
 
     def _result(self, row: int, **fields) -> RowResult:
         return RowResult(id=self.prepared.ids[row], group=int(self.prepared.group_of_row[row]),
@@ -67,15 +83,15 @@ class BatchRun:
 
     def _answer(self, row: int, item, cut: str | None, cached_tokens: int) -> RowResult:
         """Row ``row`` answered by the finished request ``item`` (its own, or an identical row's)."""
-        stats = self.stats
-        stats.rows += 1
-        stats.prompt_tokens += item.prompt_tokens
-        stats.cached_tokens += cached_tokens
-        stats.output_tokens += len(item.token_ids)
+        counts = self.counts
+        counts.rows += 1
+        counts.prompt_tokens += item.prompt_tokens
+        counts.cached_tokens += cached_tokens
+        counts.output_tokens += len(item.token_ids)
         if cut:
-            stats.error_rows += 1
+            counts.error_rows += 1
         else:
-            stats.ok_rows += 1
+            counts.ok_rows += 1
         scored = item.scored
         return self._result(row, status="error" if cut else "ok", text=item.text, error=cut,
                             prompt_tokens=item.prompt_tokens, cached_tokens=cached_tokens,
@@ -84,8 +100,8 @@ class BatchRun:
                             choice_probabilities=None if scored is None else scored.probabilities_json())
 
     def _error(self, row: int, reason: str) -> RowResult:
-        self.stats.rows += 1
-        self.stats.error_rows += 1
+        self.counts.rows += 1
+        self.counts.error_rows += 1
         return self._result(row, status="error", error=reason)
 
     def _refused_by_engine(self, rows: list[int]) -> dict[int, str]:
@@ -105,22 +121,28 @@ class BatchRun:
                 refused[row] = asked[key]
         return refused
 
-    def _record_run(self, started: float, totals: StepTotals, scheduled) -> None:
+    def _record_end(self, started: float, totals: StepTotals, scheduled, reusable: int) -> None:
         """The run's times, the engine's gauges over its steps, and what the scheduler did."""
-        stats = self.stats
-        stats.wall_s = time.perf_counter() - started
-        stats.startup_s = started - (self.started_at or started)  # before the run: none of wall_s
-        stats.run_setup_s = (totals.first_submit_at or started) - started  # of wall_s
-        stats.preemptions, stats.engine_steps, stats.idle_steps = totals.preemptions, totals.steps, totals.idle_steps
-        stats.recomputed_tokens = totals.recomputed_tokens
-        stats.mean_kv_usage, stats.rows_per_step = totals.mean_kv_usage, totals.rows_per_step
-        stats.prefix_requests = scheduled.prefix_requests
-        stats.admission, stats.admission_reason = scheduled.admission, scheduled.admission_reason
-        stats.prefix_prompt_tokens, stats.prefix_cached_tokens = scheduled.prefix_prompt_tokens, \
-            scheduled.prefix_cached_tokens
+        self._ended = dict(
+            reusable_tokens=reusable,
+            wall_s=time.perf_counter() - started,
+            startup_s=started - (self.started_at or started),  # before the run: none of wall_s
+            run_setup_s=(totals.first_submit_at or started) - started,  # of wall_s
+            preemptions=totals.preemptions, engine_steps=totals.steps, idle_steps=totals.idle_steps,
+            recomputed_tokens=totals.recomputed_tokens,
+            mean_kv_usage=totals.mean_kv_usage, rows_per_step=totals.rows_per_step,
+            prefix_requests=scheduled.prefix_requests,
+            admission=scheduled.admission, admission_reason=scheduled.admission_reason,
+            prefix_prompt_tokens=scheduled.prefix_prompt_tokens, prefix_cached_tokens=scheduled.prefix_cached_tokens)
+
+    def finished_stats(self, reused_rows: int = 0, engine_start_s: float = 0.0, engine_stop_s: float = 0.0) -> RunStats:
+        """The run's stats, once it has ended; what only its caller measured (rows reused from
+        earlier runs, vLLM's start and stop around it) is given here."""
+        return RunStats(**vars(self.counts), **self._ended, reused_rows=reused_rows, engine_start_s=engine_start_s,
+                        engine_stop_s=engine_stop_s)
 
     def __iter__(self) -> Iterator[RowResult]:
-        prepared, stats = self.prepared, self.stats
+        prepared, counts = self.prepared, self.counts
         started = time.perf_counter()
         refused = self._refused_by_engine([r for r in self.rows if r not in prepared.errors])
         for row in self.rows:
@@ -139,21 +161,21 @@ class BatchRun:
         scheduler = self.scheduling.scheduler(prepared, [r for r in in_plan_order if r not in copied],
                                               self.scheduler_settings, EngineLimits.of(self.engine))
         # The minimum, whatever order the rows run in: the plan's order shares every prefix it can.
-        stats.reusable_tokens = reusable_tokens(prepared.batch, in_plan_order, prepared.block_size)
+        reusable = reusable_tokens(prepared.batch, in_plan_order, prepared.block_size)
         totals = StepTotals()
         progress = Progress(len(self.rows), self.scheduler_settings.log_every_s, self.progress_sink, self.display,
-                            reusable=stats.reusable_tokens)
+                            reusable=reusable)
 
 
         def saved() -> int:  # prompt tokens not computed: the rows' cache hits less what prefix requests computed
-            return stats.cached_tokens - (scheduler.stats.prefix_prompt_tokens - scheduler.stats.prefix_cached_tokens)
+            return counts.cached_tokens - (scheduler.stats.prefix_prompt_tokens - scheduler.stats.prefix_cached_tokens)
 
         def on_step(report) -> None:
             if self.step_profile is not None:
                 self.step_profile.record(report)
             if self.after_step is not None:
                 self.after_step()
-            progress.update(stats.rows, stats.prompt_tokens + stats.output_tokens, saved(),
+            progress.update(counts.rows, counts.prompt_tokens + counts.output_tokens, saved(),
                             report.running, report.kv_usage, totals.preemptions,
                             planned_blocks=lambda: scheduler.blocks_in_flight)
 
@@ -163,7 +185,6 @@ class BatchRun:
                     yield self._error(row, item.reason)
                 continue
             row = item.submission.row
-            stats.wall_s = time.perf_counter() - started
             # A constrained answer that ended at max_tokens or a stop string, not proved complete,
             # is not an answer: stored as an error row (its text kept to look at), never as ok.
             cut = item.failure or cut_off_reason(prepared.response_formats.get(row, self.sampling.response_format),
@@ -171,8 +192,9 @@ class BatchRun:
                                                  item.stop_reason)
             yield self._answer(row, item, cut, item.cached_tokens)
             for copy in copies.get(row, []):  # its identical rows: the same answer, their own ids, nothing computed
-                stats.duplicate_rows += 1
+                counts.duplicate_rows += 1
                 yield self._answer(copy, item, cut, item.prompt_tokens)
-        self._record_run(started, totals, scheduler.stats)
-        progress.update(stats.rows, stats.prompt_tokens + stats.output_tokens, stats.saved_tokens, 0,
-                        stats.mean_kv_usage, stats.preemptions, force=True)
+        self._record_end(started, totals, scheduler.stats, reusable)
+        ended = self.finished_stats()
+        progress.update(ended.rows, ended.prompt_tokens + ended.output_tokens, ended.saved_tokens, 0,
+                        ended.mean_kv_usage, ended.preemptions, force=True)

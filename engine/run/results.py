@@ -52,9 +52,9 @@ def results_to_table(results: list[RowResult], id_type: pa.DataType = pa.string(
     return pa.table(columns, schema=pa.schema(fields))
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunStats:
-    """Counters of one run.
+    """Counters of one run, built once when it has ended (``BatchRun.finished_stats``).
 
     ``prefill_tokens`` counts every prompt token the engine computed at a request's first prefill,
     the prefix requests' included, so it can be held against the plan's minimum;
@@ -135,22 +135,15 @@ class RunStats:
 def merge_stats(parts: list[RunStats]) -> RunStats:
     """One RunStats of runs that ran side by side: counts add up, times are the longest, the
     per-step gauges are averaged over all their steps."""
-    merged = RunStats()
-    for f in fields(RunStats):
-        if f.type in ("int", int):
-            setattr(merged, f.name, sum(getattr(p, f.name) for p in parts))
-    merged.wall_s = max((p.wall_s for p in parts), default=0.0)
-    merged.startup_s = max((p.startup_s for p in parts), default=0.0)
-    merged.run_setup_s = max((p.run_setup_s for p in parts), default=0.0)
-    merged.engine_start_s = max((p.engine_start_s for p in parts), default=0.0)
-    merged.engine_stop_s = max((p.engine_stop_s for p in parts), default=0.0)
-    if merged.engine_steps:
-        merged.mean_kv_usage = sum(p.mean_kv_usage * p.engine_steps for p in parts) / merged.engine_steps
-        merged.rows_per_step = sum(p.rows_per_step * p.engine_steps for p in parts) / merged.engine_steps
-    choices = sorted({p.admission for p in parts if p.admission})
-    merged.admission = "/".join(choices)
-    merged.admission_reason = "; ".join(dict.fromkeys(p.admission_reason for p in parts if p.admission_reason))
-    return merged
+    merged = {f.name: sum(getattr(p, f.name) for p in parts) for f in fields(RunStats) if f.type in ("int", int)}
+    longest = ("wall_s", "startup_s", "run_setup_s", "engine_start_s", "engine_stop_s")
+    merged.update({name: max((getattr(p, name) for p in parts), default=0.0) for name in longest})
+    if merged["engine_steps"]:
+        merged["mean_kv_usage"] = sum(p.mean_kv_usage * p.engine_steps for p in parts) / merged["engine_steps"]
+        merged["rows_per_step"] = sum(p.rows_per_step * p.engine_steps for p in parts) / merged["engine_steps"]
+    return RunStats(**merged, admission="/".join(sorted({p.admission for p in parts if p.admission})),
+                    admission_reason="; ".join(dict.fromkeys(p.admission_reason for p in parts
+                                                             if p.admission_reason)))
 
 
 @dataclass(frozen=True)
