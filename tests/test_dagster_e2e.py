@@ -75,6 +75,11 @@ def test_materializes_prompts_groups_and_one_completion_per_row(job):
             # who admitted the rows, and why: a small shard fits the KV cache, so vLLM itself
             assert meta["admission"].value == "vllm" and "fits the KV cache" in meta["admission_reason"].value
             assert "vllm" in meta["engine"].value["build"]
+            # what vLLM's start spent its time on, within the start the step measured
+            startup = meta["engine"].value["startup"]
+            assert set(startup["phases"]) >= {"import", "engine"} and startup["weights_bytes"] > 0
+            assert startup["phases"]["engine"] <= meta["engine_start_s"].value
+            assert 0 <= startup["weights_in_page_cache"] <= 1 and startup["compile_cache_entries"] is None  # eager
             checks = result.get_asset_check_evaluations()
             assert {c.check_name for c in checks if c.passed} >= {"one_completion_per_row", "no_silent_empties"}
 

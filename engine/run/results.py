@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import pyarrow as pa
 
@@ -154,3 +154,4 @@ class EngineInfo:
     kv_capacity_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    startup: dict = field(default_factory=dict)  # what its start-up spent its time on (vllm/startup.py)

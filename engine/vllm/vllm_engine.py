@@ -22,6 +22,7 @@ from ..settings import EngineSettings, Platform, SamplingSettings
 from .choice_reads import ChoiceReads, ScoreRead
 from .core_watch import watch_core
 from .library_output import tidy_library_loggers
+from .startup import StartupRecord
 from .vllm_env import check_vllm_version, configure, engine_args, offline_max_num_seqs, offline_usage_context
 
 log = logging.getLogger(__name__)
@@ -174,9 +175,12 @@ class VLLMEngine:
         found = node_problems(read_node(), settings.tensor_parallel_size, settings.gpu_memory_utilization)
         if found:
             log.warning("node check (batchllm doctor says more): %s", "; ".join(found))
-        import vllm
-        from vllm import EngineArgs
-        from vllm.v1.engine.llm_engine import LLMEngine
+        self.startup = StartupRecord.before_start(settings.model_path, os.environ.get("VLLM_CACHE_ROOT"),
+                                                  compiles=not settings.for_platform(platform).enforce_eager)
+        with self.startup.timed("import"):  # the first in a process pays torch's and vLLM's imports
+            import vllm
+            from vllm import EngineArgs
+            from vllm.v1.engine.llm_engine import LLMEngine
 
         tidy_library_loggers()  # vLLM's import brought torch's own log handlers
 
@@ -194,8 +198,9 @@ class VLLMEngine:
         self.settings = settings.for_platform(platform)
         self._track(self.settings.block_size)
         try:
-            self._engine = LLMEngine.from_engine_args(args, usage_context=offline_usage_context(),
-                                                      stat_loggers=[gauge_stat_logger(self._gauges)])
+            with self.startup.timed("engine"):  # its core: weights, KV profiling, compile or graph capture
+                self._engine = LLMEngine.from_engine_args(args, usage_context=offline_usage_context(),
+                                                          stat_loggers=[gauge_stat_logger(self._gauges)])
         except Exception as exc:
             raise EngineStartError(f"vLLM failed to start for {settings.model_path!r}: {exc}") from exc
         self._core_watch = watch_core(self._engine)  # the core dies with this process, however it dies
@@ -211,6 +216,7 @@ class VLLMEngine:
             if own and own > self.settings.max_model_len:
                 log.info("max_model_len %d: the CPU's bound when the job sets none (the model allows %d; set "
                          "llm.max_model_len for longer rows)", self.settings.max_model_len, own)
+        log.info(self.startup.line())
 
     def _read_started_engine(self) -> None:
         """What vLLM decided at start-up: its KV capacity and batch limits, and whether it plans ahead."""
@@ -222,12 +228,19 @@ class VLLMEngine:
         self.max_num_seqs: int = int(config.scheduler_config.max_num_seqs)
         self.max_num_batched_tokens: int = int(config.scheduler_config.max_num_batched_tokens)
         self.version = vllm_version()
-        self.info = EngineInfo(self.version, self.kv_capacity_blocks, self.max_num_seqs, self.max_num_batched_tokens)
+        # vLLM sets its compile time on the config its core holds: ours where the core runs in this process.
+        self.startup.compile_s = config.compilation_config.compilation_time or None
         log.info(
             "vLLM %s started: KV capacity %d blocks x %d tokens, max_num_seqs=%d, max_num_batched_tokens=%d, "
             "max_model_len=%d", self.version, self.kv_capacity_blocks, self.settings.block_size, self.max_num_seqs,
             self.max_num_batched_tokens, config.model_config.max_model_len,
         )
+
+    @property
+    def info(self) -> EngineInfo:
+        """What the engine reports of itself: its limits, and what its start-up spent its time on."""
+        return EngineInfo(self.version, self.kv_capacity_blocks, self.max_num_seqs, self.max_num_batched_tokens,
+                          startup=self.startup.to_dict())
 
     def _track(self, block_size: int) -> None:
         """The handle's own bookkeeping of the requests it submitted."""
@@ -250,6 +263,7 @@ class VLLMEngine:
         bench's stand-in, which emits what vLLM emits: the handle's own cost per output measured)."""
         handle = cls.__new__(cls)
         handle._track(block_size)
+        handle.startup = StartupRecord()
         handle._engine, handle.kv_capacity_blocks = llm_engine, kv_capacity_blocks
         return handle
 
@@ -332,11 +346,11 @@ class VLLMEngine:
         sizing counts it as a start's cost). Once per engine."""
         if self._choice_reads_warm:
             return
-        request_id = "warm-choice-reads"
-        prompt = self._engine.renderer.render_cmpl([{"prompt_token_ids": [0]}])[0]
-        self._engine.add_request(request_id, prompt, self._choice_reads.warm_params())
-        while self._engine.has_unfinished_requests():
-            self._engine.step()
+        with self.startup.timed("choice_reads"):
+            prompt = self._engine.renderer.render_cmpl([{"prompt_token_ids": [0]}])[0]
+            self._engine.add_request("warm-choice-reads", prompt, self._choice_reads.warm_params())
+            while self._engine.has_unfinished_requests():
+                self._engine.step()
         self._choice_reads_warm = True
 
     def _submit_scored(self, submission: Submission, response_format) -> None:
