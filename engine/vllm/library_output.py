@@ -24,6 +24,7 @@ LOG_DIR = CACHE_ROOT / "logs"
 # The process name tells the engine core's lines (its own process on a GPU) from the run's.
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
 _to_file: logging.Handler | None = None
+_routed: list[logging.Handler] = []  # a library's top logger's handlers: the file, and errors to the console
 
 
 def route_library_output(log_file: Path) -> Path:
@@ -46,11 +47,10 @@ def route_library_output(log_file: Path) -> Path:
         os.environ["VLLM_CONFIGURE_LOGGING"] = "1"
         os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(_vllm_logging_config(log_file))
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    global _routed
+    _routed = [to_file, errors]
     for name in THIRD_PARTY_LOGGERS:
-        logger = logging.getLogger(name)
-        logger.handlers[:] = [to_file, errors]
-        logger.propagate = False
-        logger.setLevel(logging.INFO if name == "vllm" else logging.WARNING)  # vLLM's start-up report is worth keeping
+        logging.getLogger(name).setLevel(logging.INFO if name == "vllm" else logging.WARNING)  # vLLM's start-up
     tidy_library_loggers()
     logging.captureWarnings(True)  # warnings.warn(...) -> the "py.warnings" logger
     py_warnings = logging.getLogger("py.warnings")
@@ -115,15 +115,27 @@ def _vllm_logging_config(log_file: Path) -> Path:
 
 
 def tidy_library_loggers() -> None:
-    """Torch gives its sub-loggers stderr handlers of their own when it is imported: once output is
-    routed (``route_library_output``), send them through their library's logger again. Called
-    after vLLM is imported."""
+    """Torch gives its loggers stderr handlers of its own when it is imported (its top ``torch``
+    logger's prints a missing Triton to the console): once output is routed
+    (``route_library_output``), give each library's top logger the routed handlers again and send its
+    sub-loggers through it. Called after torch and vLLM are imported."""
     if _to_file is None:
         return
     for name, logger in list(logging.root.manager.loggerDict.items()):
-        if isinstance(logger, logging.Logger) and "." in name and name.split(".")[0] in THIRD_PARTY_LOGGERS:
-            logger.handlers[:] = []
-            logger.propagate = True
+        if not isinstance(logger, logging.Logger) or name.split(".")[0] not in THIRD_PARTY_LOGGERS:
+            continue
+        top = "." not in name
+        logger.handlers[:] = _routed if top else []
+        logger.propagate = not top
+    for name in THIRD_PARTY_LOGGERS:  # one not made yet
+        logging.getLogger(name).handlers[:], logging.getLogger(name).propagate = _routed, False
+
+
+def import_torch() -> None:
+    """Import torch and route its loggers again: its import gives them console handlers of their own."""
+    import torch  # noqa: F401
+
+    tidy_library_loggers()
 
 
 def file_logger(name: str) -> logging.Logger:

@@ -21,7 +21,7 @@ from ..run.results import EngineInfo
 from ..settings import EngineSettings, Platform, SamplingSettings
 from .choice_reads import ChoiceReads, ScoreRead
 from .core_watch import watch_core
-from .library_output import tidy_library_loggers
+from .library_output import import_torch, tidy_library_loggers
 from .startup import StartupRecord
 from .vllm_env import check_vllm_version, configure, engine_args, offline_max_num_seqs, offline_usage_context
 
@@ -178,6 +178,7 @@ class VLLMEngine:
         self.startup = StartupRecord.before_start(settings.model_path, os.environ.get("VLLM_CACHE_ROOT"),
                                                   compiles=not settings.for_platform(platform).enforce_eager)
         with self.startup.timed("import"):  # the first in a process pays torch's and vLLM's imports
+            import_torch()  # before vLLM, whose import makes torch warn (a missing Triton)
             import vllm
             from vllm import EngineArgs
             from vllm.v1.engine.llm_engine import LLMEngine
@@ -216,7 +217,6 @@ class VLLMEngine:
             if own and own > self.settings.max_model_len:
                 log.info("max_model_len %d: the CPU's bound when the job sets none (the model allows %d; set "
                          "llm.max_model_len for longer rows)", self.settings.max_model_len, own)
-        log.info(self.startup.line())
 
     def _read_started_engine(self) -> None:
         """What vLLM decided at start-up: its KV capacity and batch limits, and whether it plans ahead."""
