@@ -144,7 +144,7 @@ def load_error(exc: BaseException) -> str:
     """The innermost cause of a load failure in one line (a pydantic error: each field and why)."""
     from pydantic import ValidationError
 
-    from engine.validation import one_line
+    from engine.setting_text import one_line
 
     while exc.__cause__ is not None or (exc.__context__ is not None and not exc.__suppress_context__):
         exc = exc.__cause__ or exc.__context__

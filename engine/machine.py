@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from .gpus import gpus
-from .policy import Policy
+from .setting_text import Policy
 
 
 class Platform(Policy):

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .validation import one_line
+from .setting_text import one_line
 
 
 class ResponseFormat(BaseModel):

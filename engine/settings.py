@@ -9,8 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_valid
 
 from .digests import text_fingerprint
 from .machine import Platform, current_platform
-from .policy import Policy
 from .response_format import ResponseFormat
+from .setting_text import Policy
 
 
 class ReserveOutput(Policy):

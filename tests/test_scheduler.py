@@ -43,11 +43,11 @@ class Watched:
         self.engine, self.scheduler, self.undercounts, self.below_exact = engine, scheduler, [], []
 
     def __call__(self, report):
-        planned = self.scheduler.planned_blocks(self.engine.generated)
-        if self.engine.referenced_blocks > planned:
-            self.undercounts.append((self.engine.step_count, self.engine.referenced_blocks, planned))
-        if self.scheduler.blocks_in_flight < planned:
-            self.below_exact.append((self.engine.step_count, self.scheduler.blocks_in_flight, planned))
+        held = self.scheduler.blocks_held(self.engine.generated)
+        if self.engine.referenced_blocks > held:
+            self.undercounts.append((self.engine.step_count, self.engine.referenced_blocks, held))
+        if self.scheduler.blocks_in_flight < held:
+            self.below_exact.append((self.engine.step_count, self.scheduler.blocks_in_flight, held))
 
 
 def run(batch, groups, max_tokens, num_blocks, **scheduler_kw):
@@ -66,7 +66,7 @@ def test_the_budget_is_never_exceeded_and_never_undercounts_what_the_engine_hold
     max_tokens = np.full(len(batch.lengths), 9)
     engine, scheduler, out, watch, _ = run(batch, groups, max_tokens, num_blocks=40,
                                            reserve_output=ReserveOutput.FULL)
-    assert scheduler.stats.max_planned_blocks <= scheduler.stats.budget_blocks
+    assert scheduler.stats.max_reserved_blocks <= scheduler.stats.budget_blocks
     assert engine.peak_referenced <= scheduler.stats.budget_blocks
     assert watch.undercounts == []
     assert engine.preemptions == 0
@@ -121,7 +121,7 @@ def test_rows_sharing_more_than_their_group_prefix_count_the_shared_blocks_once(
     assert watch.undercounts == []
     # All 12 rows in flight at once: 2 system + 6 x 3 document blocks, each counted once, + 12 rows
     # x 2 own blocks (2 own prompt tokens + 3 reserved output tokens, past the 20 shared tokens).
-    assert scheduler.stats.max_planned_blocks == 2 + 6 * 3 + 12 * 2
+    assert scheduler.stats.max_reserved_blocks == 2 + 6 * 3 + 12 * 2
     assert engine.prefill_tokens == 2 * BLOCK + 6 * 3 * BLOCK + 12 * 2
 
 

@@ -185,7 +185,7 @@ def measure(in_flight: int, finishing_per_step: int = 16, seed: int = 0, with_ha
     def recount(report) -> None:  # what every step cost before: all rows in flight recounted
         if len(engine.gaps) % 50 == 25:
             started = time.perf_counter()
-            scheduler.planned_blocks({})
+            scheduler.blocks_held({})
             recount_s.append(time.perf_counter() - started)
             engine._left_at += time.perf_counter() - started  # not part of today's step
 

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -100,79 +101,99 @@ def _answer_agreement(outputs: dict) -> tuple[list, float, float | None]:
     return mismatched, 1 - len(mismatched) / max(len(reference), 1), field_order_agreement
 
 
-def run_bench(args) -> dict:
-    """The bench (see the module doc): its settings, its runs, and its report (over 60 lines: the
-    report is one dict of everything a reader holds the verdict against)."""
-    from ..models import resolve_model
-    from ..plan.tokenizing import load_tokenizer
+@dataclass(frozen=True)
+class BenchEngines:
+    """The engine settings of the bench's runs: this engine's, and the baselines' at another block size."""
 
-    model_path = resolve_model(args.model or DEFAULT_MODEL)
-    tokenizer = load_tokenizer(model_path)
-    engine_settings = engine_settings_from(args, model_path)  # the block size set: this platform's unless given
-    block_size = engine_settings.block_size
-    workload = bench_prompt_sets(args, tokenizer, model_path, block_size)
-    planned_sets, prompt_sets, described = workload.planned, workload.prepared, workload.described
-    max_tokens, response_formats, field_order_s = workload.max_tokens, workload.response_formats, workload.field_order_s
-    prepared, reordered = planned_sets["declared"], planned_sets.get("chosen")
-    plan = prepared.plan
-    working_set = int(plan.unique_tokens // block_size)
-    kv_blocks = args.kv_cache_blocks or max(64, working_set // 3)
-    engine_settings = engine_settings.model_copy(update={"kv_cache_blocks": kv_blocks})
-    # The baselines at another block size (vLLM's own default, say: 128 on CPU, 16 on a GPU), with the
-    # same KV memory: what a user who leaves vLLM's block size alone gets, against this engine's.
-    baseline_block = args.baseline_block_size or block_size
-    baseline_settings = engine_settings.model_copy(update={
-        "block_size": baseline_block, "kv_cache_blocks": max(2, kv_blocks * block_size // baseline_block)})
-    defaults_block = VLLM_DEFAULT_BLOCK_SIZE[current_platform()]
-    defaults_settings = engine_settings.model_copy(update={
-        "block_size": defaults_block, "kv_cache_blocks": max(2, kv_blocks * block_size // defaults_block)})
-    # Fixed output lengths (ignore_eos) make the runs' token counts equal; a constrained answer ends
-    # where its format does, in every run alike.
+    engine: EngineSettings
+    baseline: EngineSettings  # --baseline-block-size (the same KV memory)
+    vllm_defaults: EngineSettings  # vLLM's own default block size on this platform (the same KV memory)
+    working_set: int  # blocks of the plan's unique tokens
+
+    @classmethod
+    def of(cls, args, engine_settings: EngineSettings, plan) -> "BenchEngines":
+        block_size = engine_settings.block_size
+        working_set = int(plan.unique_tokens // block_size)
+        kv_blocks = args.kv_cache_blocks or max(64, working_set // 3)
+
+        def at(block: int) -> EngineSettings:  # the same KV memory in blocks of another size
+            return engine_settings.model_copy(update={"block_size": block,
+                                                      "kv_cache_blocks": max(2, kv_blocks * block_size // block)})
+
+        # The baselines at another block size (vLLM's own default, say: 128 on CPU, 16 on a GPU): what a
+        # user who leaves vLLM's block size alone gets, against this engine's.
+        return cls(engine_settings.model_copy(update={"kv_cache_blocks": kv_blocks}),
+                   at(args.baseline_block_size or block_size), at(VLLM_DEFAULT_BLOCK_SIZE[current_platform()]),
+                   working_set)
+
+    def described(self, names) -> dict:
+        engine, baseline, defaults = self.engine, self.baseline, self.vllm_defaults
+        return {
+            "dtype": engine.for_platform(current_platform()).dtype,
+            "block_size": engine.block_size,
+            "kv_cache_blocks": engine.kv_cache_blocks,
+            **({"vllm_defaults_block_size": defaults.block_size, "vllm_defaults_kv_cache_blocks":
+                defaults.kv_cache_blocks} if "vllm_hand_order_defaults" in names else {}),
+            **({"baseline_block_size": baseline.block_size, "baseline_kv_cache_blocks": baseline.kv_cache_blocks}
+               if baseline.block_size != engine.block_size else {}),
+            "prefix_working_set_blocks": self.working_set,
+        }
+
+
+def _sampling_and_scheduler(args, workload) -> tuple[SamplingSettings, SchedulerSettings]:
+    """Fixed output lengths (ignore_eos) make the runs' token counts equal; a constrained answer ends
+    where its format does, in every run alike."""
     response_format = response_format_from(args)
-    constrained = response_format is not None or bool(response_formats)
-    sampling = SamplingSettings(max_tokens=int(max_tokens.max()), ignore_eos=not constrained,
+    constrained = response_format is not None or bool(workload.response_formats)
+    sampling = SamplingSettings(max_tokens=int(workload.max_tokens.max()), ignore_eos=not constrained,
                                 response_format=response_format)
     scheduler = SchedulerSettings(
         kv_budget_fraction=args.kv_budget_fraction, prefix_requests=args.prefix_requests, admission=args.admission,
         reserve_output=args.reserve_output, lookahead_tokens=args.lookahead_tokens,
     )
-    names = _run_names(args.runs, prompt_sets)
-    settings = {"engine": engine_settings, "baseline": baseline_settings, "vllm_defaults": defaults_settings,
+    return sampling, scheduler
+
+
+def run_bench(args) -> dict:
+    """The bench (see the module doc): its settings, its runs (fresh processes, rotated), its report."""
+    from ..models import resolve_model
+    from ..plan.tokenizing import load_tokenizer
+
+    model_path = resolve_model(args.model or DEFAULT_MODEL)
+    engine_settings = engine_settings_from(args, model_path)  # the block size set: this platform's unless given
+    workload = bench_prompt_sets(args, load_tokenizer(model_path), model_path, engine_settings.block_size)
+    prepared, reordered = workload.planned["declared"], workload.planned.get("chosen")
+    engines = BenchEngines.of(args, engine_settings, prepared.plan)
+    sampling, scheduler = _sampling_and_scheduler(args, workload)
+    names = _run_names(args.runs, workload.prepared)
+    settings = {"engine": engines.engine, "baseline": engines.baseline, "vllm_defaults": engines.vllm_defaults,
                 "each_step": args.each_step}
-    repetitions, outputs = _repeat_runs((prompt_sets, settings, sampling, scheduler), names, args.repeat,
+    repetitions, outputs = _repeat_runs((workload.prepared, settings, sampling, scheduler), names, args.repeat,
                                         args.log_file)
-    mismatched, agreement, field_order_agreement = _answer_agreement(outputs)
     # Charged to each engine run: the plan of the prompts it ran, and choosing their field order.
     planning_s = {"batchllm": prepared.plan_s,
-                  "batchllm_field_order": (reordered.plan_s + field_order_s) if reordered else 0.0}
+                  "batchllm_field_order": (reordered.plan_s + workload.field_order_s) if reordered else 0.0}
+    workload_report = {
+        **workload.described,
+        "rows": prepared.num_rows,
+        "model": args.model or DEFAULT_MODEL,
+        **engines.described(names),
+        **plan_summary(prepared),  # the same numbers as `batchllm plan` and a plan's materialization
+        # batchllm's own prompts where it reorders their fields (the baselines keep the declared order)
+        **({"batchllm_prompt_tokens": reordered.plan.prompt_tokens,
+            "batchllm_unique_tokens": reordered.plan.unique_tokens,
+            "field_order_s": round(workload.field_order_s, 4)} if reordered else {}),
+        "planning_s_charged": {name: round(s, 4) for name, s in planning_s.items() if name in names},
+    }
+    return {"workload": workload_report, "repeat": args.repeat,
+            **_runs_report(repetitions, outputs, names, planning_s, workload, prepared.num_rows)}
+
+
+def _runs_report(repetitions, outputs, names, planning_s, workload, rows: int) -> dict:
+    """What the runs measured, their answers' agreement and the verdict."""
+    mismatched, agreement, field_order_agreement = _answer_agreement(outputs)
     ratios, with_planning = ratios_over_repetitions(repetitions, planning_s)
     return {
-        "workload": {
-            **described,
-            "rows": prepared.num_rows,
-            "model": args.model or DEFAULT_MODEL,
-            "dtype": engine_settings.for_platform(current_platform()).dtype,
-            "block_size": block_size,
-            "kv_cache_blocks": kv_blocks,
-            **({"vllm_defaults_block_size": defaults_block, "vllm_defaults_kv_cache_blocks":
-                defaults_settings.kv_cache_blocks} if "vllm_hand_order_defaults" in names else {}),
-            **({"baseline_block_size": baseline_block, "baseline_kv_cache_blocks": baseline_settings.kv_cache_blocks}
-               if baseline_block != block_size else {}),
-            "prefix_working_set_blocks": working_set,
-            **plan_summary(prepared),  # the same numbers as `batchllm plan` and a plan's materialization
-            # batchllm's own prompts where it reorders their fields (the baselines keep the declared order)
-            **(
-                {
-                    "batchllm_prompt_tokens": reordered.plan.prompt_tokens,
-                    "batchllm_unique_tokens": reordered.plan.unique_tokens,
-                    "field_order_s": round(field_order_s, 4),
-                }
-                if reordered
-                else {}
-            ),
-            "planning_s_charged": {name: round(s, 4) for name, s in planning_s.items() if name in names},
-        },
-        "repeat": args.repeat,
         "run_order": [list(runs) for runs in repetitions],  # each repetition's order (rotated)
         "runs": {name: median_run([runs[name] for runs in repetitions]) for name in names},
         # batchllm's tokens/s over each baseline's, per repetition: median and range
@@ -182,10 +203,10 @@ def run_bench(args) -> dict:
         # batchllm's prefill tokens over each baseline's: under 1 is fewer tokens computed
         "prefill_ratios": prefill_ratios(repetitions),
         # prompt tokens each prompt set computes at least (sorted, at this block size; see Run)
-        "prompt_set_prefill": {name: int(p.plan.unique_tokens) for name, p in planned_sets.items()},
+        "prompt_set_prefill": {name: int(p.plan.unique_tokens) for name, p in workload.planned.items()},
         # ... and at a GPU's default block size (16), the CPU's (32) and vLLM's CPU default (128)
         "prompt_set_prefill_by_block_size": {
-            name: prefill_by_block_size(p) for name, p in prompt_sets.items()},
+            name: prefill_by_block_size(p) for name, p in workload.prepared.items()},
         "outputs_equal": not mismatched,
         # With reordered fields: the share of rows whose answer is the same in both orders.
         "field_order_agreement": field_order_agreement,
@@ -195,7 +216,7 @@ def run_bench(args) -> dict:
         # batch-invariant (--batch-invariant: VLLM_BATCH_INVARIANT=1), so an order can change an answer.
         "answer_agreement": round(agreement, 4),
         "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT") == "1",
-        "verdict": verdict(with_planning, agreement, prepared.num_rows, described, field_order_agreement),  # charged
+        "verdict": verdict(with_planning, agreement, rows, workload.described, field_order_agreement),  # charged
     }
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ..response_format import ResponseFormat
+from ..setting_text import one_line
 from ..settings import BLOCK_SIZES, EngineSettings, SamplingSettings
 from ..table.fields import FieldOrder, PromptFields
-from ..validation import one_line
 
 DEFAULT_MODEL = "smollm2"  # the built-in model runs use unless --model says otherwise
 

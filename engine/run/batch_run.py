@@ -177,7 +177,7 @@ class BatchRun:
                 self.after_step()
             progress.update(counts.rows, counts.prompt_tokens + counts.output_tokens, saved(),
                             report.running, report.kv_usage, totals.preemptions,
-                            planned_blocks=lambda: scheduler.blocks_in_flight)
+                            reserved_blocks=lambda: scheduler.blocks_in_flight)
 
         for item in drive(scheduler, self.engine, self.sampling, totals, on_step, prepared.response_formats):
             if isinstance(item, Rejected):

@@ -34,7 +34,7 @@ class Snapshot:
     kv_usage: float
     preemptions: int
     elapsed: float
-    planned_blocks: int | None = None
+    reserved_blocks: int | None = None
 
     @property
     def rows_per_s(self) -> float:
@@ -55,7 +55,7 @@ class Snapshot:
             f"{self.tokens_per_s:.0f} tok/s, saved {self.saved} prompt tok (a perfect cache: {self.reusable}; "
             "identical rows save more), "
             f"in flight {self.in_flight} rows"
-            + (f" / {self.planned_blocks} planned KV blocks" if self.planned_blocks is not None else "")
+            + (f" / {self.reserved_blocks} KV blocks reserved" if self.reserved_blocks is not None else "")
             + f" (vLLM KV {100 * self.kv_usage:.0f}% used), preemptions {self.preemptions}, "
             f"eta {format_eta(self.eta_s)}"
         )
@@ -78,20 +78,20 @@ class Progress:
         self.started = self.last = time.perf_counter()
 
     def snapshot(self, done: int, tokens: int, saved: int, in_flight: int, kv_usage: float, preemptions: int,
-                 planned_blocks: int | None = None, now: float | None = None) -> Snapshot:
+                 reserved_blocks: int | None = None, now: float | None = None) -> Snapshot:
         return Snapshot(done, self.total, tokens, saved, self.reusable, in_flight, kv_usage, preemptions,
-                        (now or time.perf_counter()) - self.started, planned_blocks)
+                        (now or time.perf_counter()) - self.started, reserved_blocks)
 
     def update(self, done: int, tokens: int, saved: int, in_flight: int, kv_usage: float, preemptions: int,
-               planned_blocks: Callable[[], int | None] | None = None, force: bool = False) -> None:
-        """After a step: the display always, a line when one is due (``planned_blocks`` is only
+               reserved_blocks: Callable[[], int | None] | None = None, force: bool = False) -> None:
+        """After a step: the display always, a line when one is due (``reserved_blocks`` is only
         counted then)."""
         now = time.perf_counter()
         due = force or now - self.last >= self.every_s
         if not due and self.display is None:  # every engine step comes here: nothing to build
             return
         snap = self.snapshot(done, tokens, saved, in_flight, kv_usage, preemptions,
-                             planned_blocks() if due and planned_blocks else None, now=now)
+                             reserved_blocks() if due and reserved_blocks else None, now=now)
         if self.display is not None:
             self.display.show(snap)
         if due:

@@ -77,7 +77,7 @@ class SchedulerStats:
     prefix_prompt_tokens: int = 0
     prefix_cached_tokens: int = 0
     budget_blocks: int = 0
-    max_planned_blocks: int = 0  # the most blocks the scheduler counted in flight at once
+    max_reserved_blocks: int = 0  # the most blocks admission counted at once (``blocks_in_flight``)
     admission: str = "vllm"  # who admitted the rows (settings.Admission), and why
     admission_reason: str = "a baseline: vLLM admits every row"
 
@@ -261,7 +261,7 @@ class GroupScheduler:
         return self._cache_hit(row, self._cache_hit(previous, common))
 
     def _row_demand(self, row: int, group: _GroupState, generated: int) -> int:
-        """The row's blocks by its exact generated tokens (what ``planned_blocks`` shows)."""
+        """The row's blocks by its exact generated tokens (``blocks_held``)."""
         return self._blocks_at(row, generated, self._shared_len(row, group) // self._block)
 
     @property
@@ -331,9 +331,10 @@ class GroupScheduler:
             neighbour.base += neighbour.hit_blocks - own_hit
             neighbour.hit_blocks = own_hit
 
-    def planned_blocks(self, generated: Mapping[RequestKey, int]) -> int:
-        """Blocks of everything in flight by the rows' exact generated tokens (an engine that knows
-        them: the fake's), shared prefix blocks once: admission's ``blocks_in_flight`` is never less."""
+    def blocks_held(self, generated: Mapping[RequestKey, int]) -> int:
+        """Blocks everything in flight holds by the rows' exact generated tokens (an engine that knows
+        them: the block-accounting one's), shared prefix blocks once: what admission reserves
+        (``blocks_in_flight``) is never less."""
         rows = sum(
             self._row_demand(row, group, generated.get((RequestKind.ROW, row), 0)) for row, group in self._rows.items()
         )
@@ -384,7 +385,7 @@ class GroupScheduler:
         return self._scheduled(decision)
 
     def _scheduled(self, decision: Decision) -> Decision:
-        self.stats.max_planned_blocks = max(self.stats.max_planned_blocks, self.blocks_in_flight)
+        self.stats.max_reserved_blocks = max(self.stats.max_reserved_blocks, self.blocks_in_flight)
         return decision
 
     def _busy(self) -> bool:

@@ -1,8 +1,12 @@
-"""A named choice of a setting (an enum whose text is what YAML and the CLI take)."""
+"""How a setting's text is read and its mistakes said: a named choice whose text is what YAML and
+the CLI take (``Policy``), and pydantic's validation errors as one line a user reads (the CLI prints
+no tracebacks)."""
 
 from __future__ import annotations
 
 import enum
+
+from pydantic import ValidationError
 
 
 class Policy(str, enum.Enum):
@@ -20,3 +24,10 @@ class Policy(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+def one_line(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(map(str, e['loc'])) + ': ' if e['loc'] else ''}{e['msg'].removeprefix('Value error, ')}"
+        for e in exc.errors()
+    )
