@@ -84,6 +84,9 @@ def test_the_engine_computes_each_content_once_and_every_id_gets_the_answer():
     copies = [results[i] for i in ("r0", "r2", "r3", "r1", "r5") if int(i[1:]) not in submitted]
     assert len(copies) == 3 and all(r.cached_tokens == r.prompt_tokens for r in copies)  # nothing computed
     assert stats.prefill_tokens == engine.prefill_tokens  # the run counts what the engine computed, no more
+    # A copy reuses its whole prompt, and the ideal says so: the run saves no more than a perfect cache.
+    assert stats.reusable_tokens >= sum(r.prompt_tokens for r in copies)
+    assert stats.saved_tokens <= stats.reusable_tokens and 0 < stats.saving_vs_ideal <= 1
 
 
 def test_a_baseline_runs_every_row_as_vllm_would():

@@ -160,8 +160,10 @@ class BatchRun:
         copied = {row for rows in copies.values() for row in rows}
         scheduler = self.scheduling.scheduler(prepared, [r for r in in_plan_order if r not in copied],
                                               self.scheduler_settings, EngineLimits.of(self.engine))
-        # The minimum, whatever order the rows run in: the plan's order shares every prefix it can.
-        reusable = reusable_tokens(prepared.batch, in_plan_order, prepared.block_size)
+        # The minimum, whatever order the rows run in: the plan's order shares every prefix it can; a
+        # row that takes an identical row's answer reuses its whole prompt.
+        reusable = (reusable_tokens(prepared.batch, [r for r in in_plan_order if r not in copied], prepared.block_size)
+                    + sum(prepared.batch.tokens_of(r).size for r in copied))
         totals = StepTotals()
         progress = Progress(len(self.rows), self.scheduler_settings.log_every_s, self.progress_sink, self.display,
                             reusable=reusable)

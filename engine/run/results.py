@@ -65,7 +65,7 @@ class RunStats:
     scheduling the rows before the first request), so the two add up. ``mean_kv_usage`` is vLLM's
     own KV usage (0..1) averaged over the engine's steps, ``rows_per_step`` the mean number of requests it ran per step.
     A duplicate row (identical to another row of the run) counts its prompt as cached and its
-    answer's tokens as output, so ``saving_vs_ideal`` can pass 1: fewer tokens than any order."""
+    answer's tokens as output; its whole prompt is reusable, so ``saving_vs_ideal`` stays within 1."""
 
     rows: int = 0
     ok_rows: int = 0
