@@ -163,6 +163,23 @@ def phase_partition(work: Path, model: str, partition_rows: int, partitions_per_
             "orchestration_fraction": round((outside - start_stop) / max(run_s - start_stop, 1e-9), 4)}
 
 
+def plan_only_report(rows: int, shape: dict, generate_s: float, first: dict) -> dict:
+    """The first night's plan step on its own: ``prompts`` (the snapshot) and ``prefix_groups``
+    (tokenize, plan, write the plan and the groups table), its tokens per second and peak memory."""
+    token_array_bytes = 4 * first["prompt_tokens"]  # the batch's token ids as int32
+    return {
+        "rows": rows, **shape, "prompt_tokens": first["prompt_tokens"], "generate_s": round(generate_s, 1),
+        "first_prompts_s": first["prompts_s"],
+        "first_plan_s": first["prefix_groups_s"],  # the plan step: tokenize + plan + write, in Dagster
+        "first_tokenize_s": first["tokenize_s"], "first_planning_s": first["plan_s"],
+        "tokenize_tokens_per_s": round(first["prompt_tokens"] / max(first["tokenize_s"], 1e-9)),
+        "workers": 1,  # processes tokenizing (the tokenizer's own threads within it)
+        "first_peak_rss_bytes": first["peak_rss_bytes"], "token_array_bytes": token_array_bytes,
+        "first_peak_rss_vs_token_array": round(first["peak_rss_bytes"] / token_array_bytes, 2),
+        "groups": first["groups"], "shards": first["shards"],
+    }
+
+
 def _child(phase: str, args) -> dict:
     """Run a phase in a fresh process; its result with the process's own peak RSS."""
     done = subprocess.run(
@@ -201,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--work", type=Path, help="working folder (default .cache/scale/ROWS)")
     parser.add_argument("--json", action="store_true", help="one JSON line on stdout (always)")
+    parser.add_argument("--plan-only", action="store_true", help="the first night's plan step alone")
     parser.add_argument("--phase", choices=["plan", "partition"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     from engine.machine import CACHE_ROOT
@@ -223,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     shape = generate(args.work, args.rows, args.tokens_per_row, args.model)
     generate_s = time.perf_counter() - started
     first = _child("plan", args)
+    if args.plan_only:
+        print(json.dumps(plan_only_report(args.rows, shape, generate_s, first)))
+        return 0
     changed = change_rows(args.work, args.change_fraction)
     rerun = _child("plan", args)
     partition = _child("partition", args)

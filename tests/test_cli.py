@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -293,3 +294,13 @@ def test_a_row_whose_format_vllm_refuses_is_an_error_row_and_the_shard_finishes(
     assert "vLLM refused" in rows[5]["error"] and "backreference" in rows[5]["error"]
     assert "\n" not in rows[5]["error"]
     assert all(len(r["text"]) == 3 for i, r in rows.items() if i != 5)
+
+
+@pytest.mark.slow  # two fresh processes
+def test_prepare_model_to_a_folder_gives_weights_to_carry_and_never_writes_into_a_full_one(tmp_path, tiny_model):
+    carried = tmp_path / "carry"
+    done = batchllm("prepare-model", "tiny", "--to", str(carried))
+    assert done.stdout.strip() == str(carried.resolve())
+    assert sorted(p.name for p in carried.iterdir()) == sorted(p.name for p in Path(tiny_model).iterdir())
+    again = batchllm("prepare-model", "tiny", "--to", str(carried), check=False)
+    assert again.returncode != 0 and "is not empty" in again.stderr

@@ -230,36 +230,68 @@ def test_batch_invariant_mode_is_refused_off_cuda_with_the_reason():
 
 @pytest.mark.slow
 def test_the_gpu_check_script_ends_with_every_steps_result_and_kills_a_step_past_its_limit(tiny_model, tmp_path):
-    """The script a GPU node runs first, run here on the CPU build (without batch-invariant mode and
-    the two-GPU step), with the bench's limit cut to 3 s: the bench is killed with its whole process
-    group (vLLM's engine core included), the other steps pass, and the one JSON file holds them all;
-    each step's own files are kept. The default limits add up to at most 20 minutes."""
+    """The script a GPU node runs first, run here on the CPU build (without batch-invariant mode),
+    with the bench's limit cut to 3 s: the bench is killed with its whole process group (vLLM's
+    engine core included), the other steps pass, the tensor-parallel step is skipped saying why (a
+    model of 9 heads), and the one JSON file holds them all; each step's own files are kept."""
     import os
-    import re
+    import shutil
 
     root = Path(__file__).resolve().parents[1]
-    script = (root / "benchmarks" / "gpu_check.sh").read_text()
-    defaults = {name: int(re.search(rf"{name}:-(\d+)", script).group(1)) for name in ("COLD_S", "WARM_S", "BENCH_S",
-                                                                                       "TP_S")}
-    assert sum(defaults.values()) + 60 <= 20 * 60
+    odd_heads = tmp_path / "odd-heads"
+    shutil.copytree(tiny_model, odd_heads)
+    config = json.loads((odd_heads / "config.json").read_text())
+    (odd_heads / "config.json").write_text(json.dumps({**config, "num_attention_heads": 9, "num_key_value_heads": 3}))
     out = tmp_path / "gpu_check.json"
-    env = {**os.environ, "MODEL": tiny_model, "PYTHON": sys.executable, "BENCH_S": "3"}
+    env = {**os.environ, "MODEL": tiny_model, "TP_MODEL": str(odd_heads), "PYTHON": sys.executable, "BENCH_S": "3"}
     done = subprocess.run([str(root / "benchmarks" / "gpu_check.sh"), str(out)], env=env, capture_output=True,
-                          text=True, timeout=480)
+                          text=True, timeout=540)
     report = json.loads(out.read_text())
     steps = report["steps"]
-    assert done.returncode == 1 and not report["ok"]
-    assert list(steps) == ["doctor_cold", "doctor", "bench_nested", "scheduler"]  # in the order they ran
+    assert done.returncode == 1 and not report["ok"] and report["total_s"] == 540
+    assert list(steps) == ["doctor_cold", "doctor", "bench_nested", "production", "tensor_parallel", "scheduler"]
     assert steps["doctor_cold"]["result"]["verdict"] == steps["doctor"]["result"]["verdict"] == "ready"
-    assert steps["doctor"]["result"]["engine"]["dtype"] == "torch.float32"  # warmed as the bench runs
+    # the doctors warm what the bench runs: its dtype and its KV size (which bounds max_model_len)
+    assert steps["doctor"]["result"]["engine"]["dtype"] == "torch.float32"
+    assert steps["doctor"]["result"]["engine"]["kv_capacity_blocks"] == 512
     assert steps["bench_nested"]["timed_out"] and steps["bench_nested"]["limit_s"] == 3
     assert "at most BENCH_S" in steps["bench_nested"]["limit_why"]
     left = subprocess.run(["pgrep", "-f", "bench --shape nested"], capture_output=True, text=True).stdout.split()
     assert left == [], "the bench's processes outlived its limit"
+    assert steps["production"]["result"]["verdict"] == "ready"
+    assert steps["tensor_parallel"]["skipped"] and "9 attention and 3 KV heads" in steps["tensor_parallel"]["result"][
+        "skipped"]
     assert steps["scheduler"]["exit_code"] == 0
     sizes = [m["asked_rows_in_flight"] for m in steps["scheduler"]["result"]["scheduler_overhead"]]
     assert sizes == [1024, report["batch_size_checked"]]
     assert sorted(p.name for p in (tmp_path / "gpu_check.steps").glob("*.rc")) == sorted(f"{s}.rc" for s in steps)
+
+
+@pytest.mark.slow
+def test_a_term_ends_the_gpu_checks_running_step_with_its_processes_and_keeps_the_report(tiny_model, tmp_path):
+    """A TERM (a job's time limit, a user's Ctrl-C) while a step runs: that step's process group
+    goes too (nothing left holding the GPU), and the report holds what finished and the step cut."""
+    import os
+    import signal
+    import time
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "gpu_check.json"
+    env = {**os.environ, "MODEL": tiny_model, "PYTHON": sys.executable}
+    script = subprocess.Popen([str(root / "benchmarks" / "gpu_check.sh"), str(out)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    warm = tmp_path / "gpu_check.steps" / "doctor.err"
+    deadline = time.monotonic() + 240
+    while not warm.exists() and time.monotonic() < deadline:  # the second doctor has started
+        time.sleep(0.5)
+    time.sleep(2)
+    script.send_signal(signal.SIGTERM)
+    assert script.wait(timeout=60) == 143
+    steps = json.loads(out.read_text())["steps"]
+    assert list(steps) == ["doctor_cold", "doctor"] and steps["doctor"]["exit_code"] == 143
+    left = subprocess.run(["pgrep", "-f", f"engine.cli.main doctor --model {tiny_model}"], capture_output=True,
+                          text=True).stdout.split()
+    assert left == [], "the running step's processes outlived the TERM"
 
 
 @pytest.mark.slow  # imports vLLM

@@ -250,6 +250,8 @@ def cmd_bench(args) -> int:
         command = [sys.executable, "-m", "dagster_project.scale_bench", "--rows", str(args.scale),
                    "--model", args.model or "tiny", "--partition-rows", str(args.partition_rows),
                    "--partitions-per-run", str(args.partitions_per_run)]
+        if args.plan_only:  # the first night's plan step alone, on rows of --tokens-per-row tokens
+            command += ["--plan-only", "--tokens-per-row", str(args.tokens_per_row)]
         return subprocess.call(command)
     if getattr(args, "batch_invariant", False):
         if current_platform() != "cuda":  # vLLM's batch-invariant kernels are Triton kernels for GPUs
@@ -330,8 +332,12 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--partition-rows", type=at_least_one, default=10_000, help="rows per shard for --scale")
     bench.add_argument("--partitions-per-run", type=at_least_one, default=1,
                        help="--scale: run the first N partitions in one run, on one vLLM start")
+    bench.add_argument("--plan-only", action="store_true",
+                       help="--scale: the first night's plan step alone (tokenize, plan, write): its time, tokens "
+                       "per second and peak memory")
     bench.add_argument("--rows", type=int, default=1_000_000, help="rows for --analysis")
-    bench.add_argument("--tokens-per-row", type=int, default=500, help="tokens per row for --analysis")
+    bench.add_argument("--tokens-per-row", type=int, default=500, help="tokens per row for --analysis and "
+                       "--scale --plan-only")
     add_engine_options(bench)  # --kv-cache-blocks defaults to a third of the prefix working set here
     add_response_format_options(bench)
     add_prompt_fields_options(bench)

@@ -225,9 +225,19 @@ def cmd_run(args) -> int:
 
 
 def cmd_prepare_model(args) -> int:
+    """Prepare a built-in model and print its folder; ``--to DIR`` copies it there too, to carry to a
+    node that cannot prepare it (no package index): ``MODEL=DIR benchmarks/gpu_check.sh`` there."""
+    import shutil
+
     from ..models import resolve_model
 
-    print(resolve_model(args.name))
+    prepared = resolve_model(args.name)
+    if args.to is not None:
+        if args.to.exists() and any(args.to.iterdir()):
+            raise SystemExit(f"batchllm prepare-model: {args.to} is not empty: give a new or empty folder")
+        shutil.copytree(prepared, args.to, dirs_exist_ok=True)
+        prepared = str(args.to.resolve())
+    print(prepared)
     return 0
 
 
@@ -270,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
 
     prep = sub.add_parser("prepare-model", help="build a built-in offline model")
     prep.add_argument("name", nargs="?", default="smollm2", choices=["smollm2", "tiny"])
+    prep.add_argument("--to", type=Path, metavar="DIR", help="also copy the prepared model into DIR (to carry it "
+                      "to a node without a package index)")
     prep.set_defaults(func=cmd_prepare_model)
 
     from ..bench.compare import add_bench_parser

@@ -35,10 +35,13 @@ class EngineStartError(RuntimeError):
 def gauge_stat_logger(gauges: EngineGauges) -> type:
     """vLLM's stat logger class for this engine, keeping ``gauges`` up to date (what its scheduler
     reported of the last step), and the only metrics logger vLLM then runs: vLLM adds its own
-    Prometheus logger unless a custom one is a ``PrometheusStatLogger`` (``StatLoggerManager``), and
-    that one records a latency per running request per step (``inter_token_latencies_iter``): at a
+    Prometheus logger unless a custom one is a ``PrometheusStatLogger`` (``StatLoggerManager``),
+    which observes in its histograms every latency vLLM's output processor recorded in the step's
+    ``IterationStats`` (one per running request per step, ``inter_token_latencies_iter``): at a
     GPU's 1,024 rows, host time between two steps for metrics nobody scrapes in a batch job. This
-    one is a Prometheus logger by class only: it registers no metric."""
+    one is a Prometheus logger by class only: it registers no metric. (The output processor still
+    builds those lists while stats are on: the gauges need the scheduler's stats, which come only
+    with them; ``benchmarks/step_host_cost.py`` measures what that costs.)"""
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
     class GaugeStatLogger(PrometheusStatLogger):
@@ -198,6 +201,9 @@ class VLLMEngine:
             raise EngineStartError(str(exc)) from None
         self.settings = settings.for_platform(platform)
         self._track(self.settings.block_size)
+        # vLLM adds its LoggingStatLogger beside the engine's whenever its metrics logger takes INFO
+        # lines (a routed run's log file does): work every step for a throughput line nobody reads.
+        logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
         try:
             with self.startup.timed("engine"):  # its core: weights, KV profiling, compile or graph capture
                 self._engine = LLMEngine.from_engine_args(args, usage_context=offline_usage_context(),
