@@ -272,31 +272,12 @@ def test_vllm_emits_a_rows_first_output_and_its_last_not_one_per_step(tiny_model
     assert max(per_request.values()) <= 2  # 16 tokens each, two outputs at most
 
 
-@pytest.fixture
-def logger_levels():
-    """Set loggers' levels for a test (``setLevel``: it clears logging's cache); restored after."""
-    import logging
-
-    saved = {}
-
-    def set_levels(levels: dict) -> None:
-        for name, level in levels.items():
-            saved.setdefault(name, logging.getLogger(name).level)
-            logging.getLogger(name).setLevel(level)
-
-    yield set_levels
-    for name, level in saved.items():
-        logging.getLogger(name).setLevel(level)
-
-
-def test_vllm_runs_no_stat_logger_beside_the_engines_own(tiny_model, logger_levels):
+def test_vllm_runs_no_stat_logger_beside_the_engines_own(tiny_model, monkeypatch):
     """vLLM adds a Prometheus logger that observes a latency per running request per step unless a
     custom logger is one, and its LoggingStatLogger whenever its logger takes INFO lines (a routed
     run's log file: set here); the engine's own is the only one, registers nothing, and still reads
     every gauge."""
-    import logging
-
-    logger_levels({"vllm": logging.INFO, "vllm.v1.metrics.loggers": logging.NOTSET})  # as a routed run's
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")  # as a routed run's log file takes them
     engine_settings = settings(tiny_model)
     table = make_prompt_table(documents=2, questions=3, singles=2)
     prepared = prepare_batch(table, load_tokenizer(tiny_model), engine_settings, SAMPLING)

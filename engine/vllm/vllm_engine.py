@@ -201,15 +201,18 @@ class VLLMEngine:
             raise EngineStartError(str(exc)) from None
         self.settings = settings.for_platform(platform)
         self._track(self.settings.block_size)
-        # vLLM adds its LoggingStatLogger beside the engine's whenever its metrics logger takes INFO
-        # lines (a routed run's log file does): work every step for a throughput line nobody reads.
-        logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
+        ours = gauge_stat_logger(self._gauges)
         try:
             with self.startup.timed("engine"):  # its core: weights, KV profiling, compile or graph capture
                 self._engine = LLMEngine.from_engine_args(args, usage_context=offline_usage_context(),
-                                                          stat_loggers=[gauge_stat_logger(self._gauges)])
+                                                          stat_loggers=[ours])
         except Exception as exc:
             raise EngineStartError(f"vLLM failed to start for {settings.model_path!r}: {exc}") from exc
+        # vLLM adds its LoggingStatLogger beside ours whenever its logger takes INFO lines (a routed
+        # run's log file does; vLLM's start configures its logging again, so a level set before is
+        # undone): work every step for a throughput line nobody reads. Only ours is kept.
+        manager = self._engine.logger_manager
+        manager.stat_loggers = [logger for logger in manager.stat_loggers if isinstance(logger, ours)]
         self._core_watch = watch_core(self._engine)  # the core dies with this process, however it dies
         self._choice_reads = ChoiceReads(self._engine.get_tokenizer())
         try:
