@@ -16,6 +16,7 @@ from batchllm_dagster.shard_sizing import ShardSize, last_partitions_metadata, m
 from engine.jobs.plan_job import PlanJob
 from engine.models import preparation_notice
 from engine.plan.plan_stamp import stale_reasons
+from engine.plan.tokenize_workers import TokenizeWorkers
 from engine.settings import fingerprint
 from engine.table.dataset import DatasetError
 
@@ -61,7 +62,8 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
             context.log.info(notice)
         settings = config.plan_settings()  # counted as the shards' hardware runs, not this machine
         job = PlanJob(config.files.prompts_path, config.files.plan_path, config.files.token_cache_dir, settings,
-                      config.sampling, config.scheduler, config.dataset.columns, context.log.warning)
+                      config.sampling, config.scheduler, config.dataset.columns, context.log.warning,
+                      TokenizeWorkers(config.tokenize_workers, config.ray_address))
         try:
             job.check_files()
         except DatasetError as exc:

@@ -180,7 +180,11 @@ class JobSpec(BaseModel):
     backend: Annotated[Backend, *described(
         "'local' (vLLM in the step's process) or 'ray' (replicas on a Ray cluster)")] = Backend.LOCAL
     ray_address: Annotated[str | None, *described(
-        "Ray cluster address for backend 'ray' (None: start or join a local one)")] = None
+        "Ray cluster address for backend 'ray' and for tokenize_workers (None: start or join a local one)")] = None
+    tokenize_workers: Annotated[int, *described(
+        "Ray tasks tokenizing a night's new rows at once (>= 1): above 1, the plan step sends batches of "
+        "16,384 new rows to that many workers (a local Ray of that many CPUs, or ray_address's cluster); a "
+        "night of fewer than 32,768 new rows is tokenized in the step. 1: in the step's process")] = 1
     shard_attempts: Annotated[int, *described(
         "runs the shard sensor asks for one shard (or range) of a plan before it stops asking (>= 1): a run "
         "that failed (its key still held by another run, the plan changed under it, an engine error) or "
@@ -242,6 +246,8 @@ class JobSpec(BaseModel):
             raise ValueError(f"shards must be in 1..{MAX_PARTITIONS:,}, ray_replicas, rows_per_shard and "
                              "partitions_per_run at least 1 (got "
                              f"{self.shards}, {self.ray_replicas}, {self.rows_per_shard}, {self.partitions_per_run})")
+        if self.tokenize_workers < 1:
+            raise ValueError(f"tokenize_workers must be at least 1 (got {self.tokenize_workers})")
         if self.shard_attempts < 1:
             raise ValueError(f"shard_attempts must be at least 1 (got {self.shard_attempts})")
         if self.lock_timeout_s <= 0:

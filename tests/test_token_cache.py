@@ -265,3 +265,43 @@ def test_a_damaged_part_is_named_set_aside_and_its_rows_tokenized_again(tmp_path
     (line,) = said
     assert line.startswith(f"the token cache part {part} is damaged (") and "; its rows are tokenized again" in line
     assert "\n" not in line and len(list(cache.folder.glob(f"{part.name}.damaged-*"))) == 1
+
+
+@pytest.mark.slow  # starts a local Ray
+def test_workers_on_ray_make_the_entries_one_process_makes_in_its_order(tmp_path, tiny_model, monkeypatch):
+    """Two Ray workers tokenize the batches of a first night: the cache's rows equal one process's
+    (lengths, hashes, errors: an empty prompt and a chat row among them), in the snapshot's order;
+    a night of fewer new rows than ``min_rows`` stays in the process (no Ray)."""
+    import engine.plan.token_cache
+    from engine.plan.tokenize_workers import TokenizeWorkers
+
+    monkeypatch.setattr(engine.plan.token_cache, "_TEXT_BATCH", 16)  # several batches in flight
+    prompts, messages = rows(range(200), 60)
+    prompts[7] = ""  # an error row, kept in its place
+    path = tmp_path / "prompts.parquet"
+    snapshot(path, prompts, messages)
+    fresh = tokenize_rows(load_tokenizer(tiny_model), prompts, messages)
+    alone = TokenCache(tmp_path / "alone", "fp").rows_for(path, load_tokenizer(tiny_model), "prompt", "messages",
+                                                          BLOCK)
+    lines = []
+    workers = TokenizeWorkers(2, min_rows=10)
+    spread = TokenCache(tmp_path / "spread", "fp").rows_for(path, load_tokenizer(tiny_model), "prompt", "messages",
+                                                            BLOCK, progress=lines.append, workers=workers)
+    assert same_rows(alone, fresh) and same_rows(spread, fresh) and 7 in spread.errors
+    assert spread.tokenized_rows == alone.tokenized_rows and "on 2 workers" in lines[-1]
+    assert TokenizeWorkers(2, min_rows=10_000).used_for(spread.tokenized_rows) == 1  # a small night: here
+
+
+def test_a_batch_whose_contents_all_came_before_is_skipped(tmp_path, tiny_model, monkeypatch):
+    """A night whose second batch of new rows repeats the first's contents (copied rows) tokenizes
+    each content once; such a batch has nothing to tokenize (it once failed the night: take([]))."""
+    import engine.plan.token_cache
+
+    monkeypatch.setattr(engine.plan.token_cache, "_TEXT_BATCH", 4)
+    prompts = [f"Row {i % 4} asks." for i in range(12)]
+    path = tmp_path / "prompts.parquet"
+    snapshot(path, prompts, [None] * 12)
+    counting = CountingTokenizer(tiny_model)
+    cached = TokenCache(tmp_path / "cache", "fp").rows_for(path, counting, "prompt", "messages", BLOCK)
+    assert cached.tokenized_rows == counting.rows == 4
+    assert same_rows(cached, tokenize_rows(load_tokenizer(tiny_model), prompts, [None] * 12))

@@ -22,6 +22,7 @@ from ..plan.plan_table import plan_content_keys, plan_table, previous_shards, re
 from ..plan.prepared import PlannedBatch, plan_tokenized
 from ..plan.shards import ShardPlan, assign_shards
 from ..plan.token_cache import CachedRows, TokenCache
+from ..plan.tokenize_workers import TokenizeWorkers
 from ..plan.tokenizing import LazyTokenizer, tokenizer_fingerprint
 from ..settings import EngineSettings, SamplingSettings, SchedulerSettings
 from ..table.dataset import Columns, DatasetError
@@ -104,6 +105,7 @@ class PlanJob:
     scheduler: SchedulerSettings
     columns: Columns
     warn: Callable[[str], None]
+    tokenize_workers: TokenizeWorkers = TokenizeWorkers()  # where a night's new rows are tokenized
     cache: TokenCache = field(init=False)
 
     def __post_init__(self) -> None:
@@ -134,7 +136,7 @@ class PlanJob:
         tokenizer = LazyTokenizer(self.settings.model_path)  # loaded only if a row is new or changed
         rows = self.cache.rows_for(self.snapshot, tokenizer, self.columns.prompt, self.columns.messages,
                               self.settings.block_size, progress=progress,
-                              still_needed=lambda: plan_content_keys(self.plan_path))
+                              still_needed=lambda: plan_content_keys(self.plan_path), workers=self.tokenize_workers)
         planned = plan_tokenized(meta, rows, self.settings, self.sampling, self.columns, self.scheduler)
         count = shard_count(planned.plan.num_rows)
         shards = assign_shards(planned.plan, count,

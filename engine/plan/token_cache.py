@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +28,7 @@ from ..damaged import DAMAGE, set_aside
 from ..locks import locked
 from ..table.prompt_snapshot import CONTENT_KEY, KEY_TYPE, snapshot_keys, texts_of
 from .block_hashes import HASH_VERSION, RowBlocks
+from .tokenize_workers import TokenizeWorkers
 from .tokenizing import tokenize_rows
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,17 @@ def _entries(
     token_ids = pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), pa.array(tokens, pa.int32()))
     hashes = pa.LargeListArray.from_arrays(pa.array(blocks.offsets), pa.array(blocks.hashes, pa.uint64()))
     return pa.record_batch([keys, token_ids, hashes, errors], schema=_SCHEMA)
+
+
+def entries_of(batch: pa.Table, tokenizer, prompt_column: str, messages_column: str,
+               block_size: int) -> pa.RecordBatch:
+    """Cache entries of a batch of rows (their content key and text columns): tokenized, hashed."""
+    names = batch.schema.names
+    prompts = batch.column(prompt_column).to_pylist() if prompt_column in names else [None] * batch.num_rows
+    messages = batch.column(messages_column).to_pylist() if messages_column in names else None
+    tokenized = tokenize_rows(tokenizer, prompts, messages)
+    errors = pa.array([tokenized.errors.get(i) for i in range(batch.num_rows)], pa.string())
+    return _entries(batch.column(CONTENT_KEY).cast(KEY_TYPE), tokenized.tokens, tokenized.offsets, errors, block_size)
 
 
 @dataclass
@@ -183,18 +195,20 @@ class TokenCache:
 
     def rows_for(self, snapshot: Path, tokenizer, prompt_column: str, messages_column: str, block_size: int,
                  progress: Callable[[str], None] = log.info,
-                 still_needed: Callable[[], pa.Array | None] = lambda: None) -> CachedRows:
+                 still_needed: Callable[[], pa.Array | None] = lambda: None,
+                 workers: TokenizeWorkers = TokenizeWorkers()) -> CachedRows:
         """Lengths and block hashes of every row of a prompt snapshot (written with a
         ``CONTENT_KEY`` column), in its order: cached rows are looked up, the others tokenized
-        (and cached; ``progress`` hears how far that got). No token ids are read back: the plan
-        does not need them. ``still_needed``: keys that compaction must keep besides the
-        snapshot's (those of the plan partitions may still be running), read under its lock."""
+        (and cached; ``progress`` hears how far that got), on ``workers`` where there are many. No
+        token ids are read back: the plan does not need them. ``still_needed``: keys that
+        compaction must keep besides the snapshot's (those of the plan partitions may still be
+        running), read under its lock."""
         with locked(self.root / ".writer.lock", shared=False):  # one writer at a time
             return self._rows_for(snapshot, tokenizer, prompt_column, messages_column, block_size, progress,
-                                  still_needed)
+                                  still_needed, workers)
 
     def _rows_for(self, snapshot, tokenizer, prompt_column, messages_column, block_size, progress,
-                  still_needed) -> CachedRows:
+                  still_needed, workers) -> CachedRows:
         started = time.perf_counter()
         keys = snapshot_keys(snapshot)
         loaded = self._parts()
@@ -208,7 +222,7 @@ class TokenCache:
             # never holds the table's token ids in memory, and a part is published every
             # _PART_ROWS rows, so a crash loses at most one part's tokenizing.
             batches = self._tokenize(snapshot, missing, tokenizer, prompt_column, messages_column, block_size,
-                                     progress)
+                                     progress, workers)
             while written := self._write(batches, f"part-{time.time_ns():020d}.arrow", block_size, _PART_ROWS):
                 tokenized += written
             loaded = self._parts()
@@ -226,31 +240,38 @@ class TokenCache:
                           cached_rows, tokenized)
 
     def _tokenize(self, snapshot: Path, missing: pa.Array, tokenizer, prompt_column: str, messages_column: str,
-                  block_size: int, progress: Callable[[str], None]):
+                  block_size: int, progress: Callable[[str], None], workers: TokenizeWorkers):
         """Cache entries of the missing keys' rows, tokenized a batch at a time (never the whole
-        text at once); a content found twice is tokenized once."""
+        text at once), here or on ``workers``; a content found twice is tokenized once."""
         seen = set()
+
+        def todo() -> Iterator[pa.Table]:
+            for batch in texts_of(snapshot, missing, prompt_column, messages_column, _TEXT_BATCH):
+                key_list = batch.column(CONTENT_KEY).to_pylist()
+                new = [i for i, k in enumerate(key_list) if not (k in seen or seen.add(k))]
+                if new:  # a batch of contents seen before has none (and take([]) has no type)
+                    yield batch.take(pa.array(new, pa.int64()))
+
+        columns = (prompt_column, messages_column, block_size)
+        used = workers.used_for(len(missing))
+        if used > 1:
+            entries = workers.map(todo(), getattr(tokenizer, "model_path", None) or tokenizer.name_or_path, entries_of,
+                                  *columns)
+        else:
+            entries = (entries_of(batch, tokenizer, *columns) for batch in todo())
         started = last_report = time.perf_counter()
-        tokens = 0
-        for batch in texts_of(snapshot, missing, prompt_column, messages_column, _TEXT_BATCH):
-            key_list = batch.column(CONTENT_KEY).to_pylist()
-            todo = batch.take([i for i, k in enumerate(key_list) if not (k in seen or seen.add(k))])
-            if not todo.num_rows:
-                continue
-            names = todo.schema.names
-            prompts = todo.column(prompt_column).to_pylist() if prompt_column in names else [None] * todo.num_rows
-            messages = todo.column(messages_column).to_pylist() if messages_column in names else None
-            tokenized = tokenize_rows(tokenizer, prompts, messages)
-            errors = pa.array([tokenized.errors.get(i) for i in range(todo.num_rows)], pa.string())
-            yield _entries(todo.column(CONTENT_KEY).cast(KEY_TYPE), tokenized.tokens, tokenized.offsets, errors,
-                           block_size)
-            tokens += tokenized.tokens.size
+        tokens = rows = 0
+        for batch in entries:
+            yield batch
+            tokens += pc.sum(pc.list_value_length(batch.column("token_ids"))).as_py() or 0
+            rows += batch.num_rows
             now = time.perf_counter()
-            if now - last_report >= _REPORT_S or len(seen) == len(missing):
+            if now - last_report >= _REPORT_S or rows == len(missing):
                 last_report, elapsed = now, now - started
-                eta = (len(missing) - len(seen)) * elapsed / len(seen)
-                progress(f"tokenized {len(seen):,} of {len(missing):,} new contents ({tokens:,} tokens, "
-                         f"{tokens / max(elapsed, 1e-9):,.0f} tokens/s, eta {eta:.0f}s)")
+                eta = (len(missing) - rows) * elapsed / max(rows, 1)
+                progress(f"tokenized {rows:,} of {len(missing):,} new contents ({tokens:,} tokens, "
+                         f"{tokens / max(elapsed, 1e-9):,.0f} tokens/s{f' on {used} workers' if used > 1 else ''}, "
+                         f"eta {eta:.0f}s)")
 
     def _compact(self, cache: pa.Table, loaded: list[Path], keys: pa.Array, block_size: int,
                  still_needed: Callable[[], pa.Array | None]) -> None:
