@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _config(work: Path, model: str, partition_rows: int, partitions_per_run: int = 1):
+def _config(work: Path, model: str, partition_rows: int, partitions_per_run: int = 1, tokenize_workers: int = 1):
     from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings, SamplingSettings
 
     return BatchJobConfig(
@@ -36,6 +36,7 @@ def _config(work: Path, model: str, partition_rows: int, partitions_per_run: int
         llm=EngineSettings(model_path=model, max_model_len=4096), sampling=SamplingSettings(max_tokens=16),
         rows_per_shard=partition_rows, partitions_per_run=partitions_per_run, hardware=["cpu"], output_table="answers",
         output_database=str(work / "answers.duckdb"), storage_dir=str(work / "jobs"), schedule=None,
+        tokenize_workers=tokenize_workers,
     )
 
 
@@ -94,13 +95,13 @@ def _instance(work: Path):
     return dg.DagsterInstance.get()
 
 
-def phase_plan(work: Path, model: str, partition_rows: int) -> dict:
-    """prompts, then prefix_groups, in this process."""
+def phase_plan(work: Path, model: str, partition_rows: int, tokenize_workers: int = 1) -> dict:
+    """prompts, then prefix_groups, in this process (its Ray workers, if any, in their own)."""
     import dagster as dg
 
     from assets import build_batch_defs
 
-    config = _config(work, model, partition_rows)
+    config = _config(work, model, partition_rows, tokenize_workers=tokenize_workers)
     graph = build_batch_defs(config).resolve_asset_graph()
     instance = _instance(work)
     timings = {}
@@ -163,7 +164,7 @@ def phase_partition(work: Path, model: str, partition_rows: int, partitions_per_
             "orchestration_fraction": round((outside - start_stop) / max(run_s - start_stop, 1e-9), 4)}
 
 
-def plan_only_report(rows: int, shape: dict, generate_s: float, first: dict) -> dict:
+def plan_only_report(rows: int, shape: dict, generate_s: float, first: dict, workers: int) -> dict:
     """The first night's plan step on its own: ``prompts`` (the snapshot) and ``prefix_groups``
     (tokenize, plan, write the plan and the groups table), its tokens per second and peak memory."""
     token_array_bytes = 4 * first["prompt_tokens"]  # the batch's token ids as int32
@@ -173,7 +174,7 @@ def plan_only_report(rows: int, shape: dict, generate_s: float, first: dict) -> 
         "first_plan_s": first["prefix_groups_s"],  # the plan step: tokenize + plan + write, in Dagster
         "first_tokenize_s": first["tokenize_s"], "first_planning_s": first["plan_s"],
         "tokenize_tokens_per_s": round(first["prompt_tokens"] / max(first["tokenize_s"], 1e-9)),
-        "workers": 1,  # processes tokenizing (the tokenizer's own threads within it)
+        "workers": workers,  # tokenize_workers (1: the step's process, with the tokenizer's own threads)
         "first_peak_rss_bytes": first["peak_rss_bytes"], "token_array_bytes": token_array_bytes,
         "first_peak_rss_vs_token_array": round(first["peak_rss_bytes"] / token_array_bytes, 2),
         "groups": first["groups"], "shards": first["shards"],
@@ -197,6 +198,8 @@ def _child(phase: str, args) -> dict:
             str(args.partition_rows),
             "--partitions-per-run",
             str(args.partitions_per_run),
+            "--tokenize-workers",
+            str(args.tokenize_workers),
         ],
         capture_output=True,
         text=True,
@@ -219,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, help="working folder (default .cache/scale/ROWS)")
     parser.add_argument("--json", action="store_true", help="one JSON line on stdout (always)")
     parser.add_argument("--plan-only", action="store_true", help="the first night's plan step alone")
+    parser.add_argument("--tokenize-workers", type=int, default=1, help="the job's tokenize_workers")
     parser.add_argument("--phase", choices=["plan", "partition"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     from engine.machine import CACHE_ROOT
@@ -227,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     args.work = (args.work or CACHE_ROOT / "scale" / str(args.rows)).resolve()
     if args.phase:  # a child process
         if args.phase == "plan":
-            result = phase_plan(args.work, resolve_model(args.model), args.partition_rows)
+            result = phase_plan(args.work, resolve_model(args.model), args.partition_rows, args.tokenize_workers)
         else:
             result = phase_partition(args.work, resolve_model(args.model), args.partition_rows,
                                      args.partitions_per_run)
@@ -242,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     generate_s = time.perf_counter() - started
     first = _child("plan", args)
     if args.plan_only:
-        print(json.dumps(plan_only_report(args.rows, shape, generate_s, first)))
+        print(json.dumps(plan_only_report(args.rows, shape, generate_s, first, args.tokenize_workers)))
         return 0
     changed = change_rows(args.work, args.change_fraction)
     rerun = _child("plan", args)

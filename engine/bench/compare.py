@@ -251,7 +251,8 @@ def cmd_bench(args) -> int:
                    "--model", args.model or "tiny", "--partition-rows", str(args.partition_rows),
                    "--partitions-per-run", str(args.partitions_per_run)]
         if args.plan_only:  # the first night's plan step alone, on rows of --tokens-per-row tokens
-            command += ["--plan-only", "--tokens-per-row", str(args.tokens_per_row)]
+            command += ["--plan-only", "--tokens-per-row", str(args.tokens_per_row), "--tokenize-workers",
+                        str(args.tokenize_workers)]
         return subprocess.call(command)
     if getattr(args, "batch_invariant", False):
         if current_platform() != "cuda":  # vLLM's batch-invariant kernels are Triton kernels for GPUs
@@ -335,6 +336,8 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--plan-only", action="store_true",
                        help="--scale: the first night's plan step alone (tokenize, plan, write): its time, tokens "
                        "per second and peak memory")
+    bench.add_argument("--tokenize-workers", type=at_least_one, default=1,
+                       help="--scale --plan-only: the job's tokenize_workers (Ray tasks tokenizing its rows)")
     bench.add_argument("--rows", type=int, default=1_000_000, help="rows for --analysis")
     bench.add_argument("--tokens-per-row", type=int, default=500, help="tokens per row for --analysis and "
                        "--scale --plan-only")
