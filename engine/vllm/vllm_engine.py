@@ -201,18 +201,7 @@ class VLLMEngine:
             raise EngineStartError(str(exc)) from None
         self.settings = settings.for_platform(platform)
         self._track(self.settings.block_size)
-        ours = gauge_stat_logger(self._gauges)
-        try:
-            with self.startup.timed("engine"):  # its core: weights, KV profiling, compile or graph capture
-                self._engine = LLMEngine.from_engine_args(args, usage_context=offline_usage_context(),
-                                                          stat_loggers=[ours])
-        except Exception as exc:
-            raise EngineStartError(f"vLLM failed to start for {settings.model_path!r}: {exc}") from exc
-        # vLLM adds its LoggingStatLogger beside ours whenever its logger takes INFO lines (a routed
-        # run's log file does; vLLM's start configures its logging again, so a level set before is
-        # undone): work every step for a throughput line nobody reads. Only ours is kept.
-        manager = self._engine.logger_manager
-        manager.stat_loggers = [logger for logger in manager.stat_loggers if isinstance(logger, ours)]
+        self._start(LLMEngine, args)
         self._core_watch = watch_core(self._engine)  # the core dies with this process, however it dies
         self._choice_reads = ChoiceReads(self._engine.get_tokenizer())
         try:
@@ -226,6 +215,21 @@ class VLLMEngine:
             if own and own > self.settings.max_model_len:
                 log.info("max_model_len %d: the CPU's bound when the job sets none (the model allows %d; set "
                          "llm.max_model_len for longer rows)", self.settings.max_model_len, own)
+
+    def _start(self, engine_class, args) -> None:
+        """vLLM's engine, with the engine's stat logger its only one."""
+        ours = gauge_stat_logger(self._gauges)
+        try:
+            with self.startup.timed("engine"):  # its core: weights, KV profiling, compile or graph capture
+                self._engine = engine_class.from_engine_args(args, usage_context=offline_usage_context(),
+                                                             stat_loggers=[ours])
+        except Exception as exc:
+            raise EngineStartError(f"vLLM failed to start for {args.model!r}: {exc}") from exc
+        # vLLM adds its LoggingStatLogger beside ours whenever its logger takes INFO lines (a routed
+        # run's log file does; vLLM's start configures its logging again, so a level set before is
+        # undone): work every step for a throughput line nobody reads. Only ours is kept.
+        manager = self._engine.logger_manager
+        manager.stat_loggers = [logger for logger in manager.stat_loggers if isinstance(logger, ours)]
 
     def _read_started_engine(self) -> None:
         """What vLLM decided at start-up: its KV capacity and batch limits, and whether it plans ahead."""
