@@ -91,8 +91,9 @@ def run_resumable(
         if engine is not None and scores_choices(prepared, sampling, todo):
             engine.warm_choice_reads()
         engine_start_s = time.perf_counter() - starting
-        if getattr(engine, "startup", None) is not None:  # vLLM's: what its start spent its time on
-            (progress_sink or log.info)(engine.startup.line())
+        said = engine.startup.first_line() if getattr(engine, "startup", None) is not None else None
+        if said:  # vLLM's start, what it spent its time on: once, by the first shard that ran on it
+            (progress_sink or log.info)(said)
         info = engine.info if engine is not None else None
         checkpoint.restart_timer()  # a kill early in the run keeps what finished after start-up
         try:

@@ -27,6 +27,7 @@ class StartupRecord:
     compile_cache_entries: int | None = None  # vLLM's compiled graphs on disk before the start (0: built now)
     phases: dict[str, float] = field(default_factory=dict)  # import, engine, choice_reads...
     compile_s: float | None = None  # of engine: compiling, as vLLM reports it (where its core shares our config)
+    told: bool = field(default=False, repr=False)  # ``first_line`` said it already
 
     @classmethod
     def before_start(cls, model_path: str, cache_root: str | None, compiles: bool) -> "StartupRecord":
@@ -46,6 +47,7 @@ class StartupRecord:
 
     def to_dict(self) -> dict:
         out = asdict(self)
+        out.pop("told")
         out["phases"] = {name: round(s, 3) for name, s in self.phases.items()}
         out["total_s"] = round(self.total_s, 3)
         if self.weights_in_page_cache is not None:
@@ -53,6 +55,14 @@ class StartupRecord:
         if self.compile_s is not None:
             out["compile_s"] = round(self.compile_s, 3)
         return out
+
+    def first_line(self) -> str | None:
+        """``line()`` the first time it is asked; None after (an engine shared by several shards
+        started once)."""
+        if self.told:
+            return None
+        self.told = True
+        return self.line()
 
     def line(self) -> str:
         """One line for the run's log: ``started in 86.0 s: import 9.1 s, engine 76.2 s (compile 40.3 s)...``"""
