@@ -51,6 +51,16 @@ def scores_choices(prepared: PreparedBatch, sampling: SamplingSettings, rows: li
     return bool(choice_rows(prepared.num_rows, prepared.response_formats, sampling.response_format)[rows].any())
 
 
+def _started(engine, scores_choices_: bool, sink) -> None:
+    """An engine just opened: its choice reads warmed where rows are scored (a start's cost), and
+    what vLLM's start spent its time on said once, by the first shard that ran on it."""
+    if scores_choices_:
+        engine.warm_choice_reads()
+    said = engine.startup.first_line() if getattr(engine, "startup", None) is not None else None
+    if said:
+        sink(said)
+
+
 def run_resumable(
     prepared: PreparedBatch,
     engine_settings: EngineSettings,
@@ -88,12 +98,9 @@ def run_resumable(
     with contextlib.ExitStack() as opened:
         starting = time.perf_counter()
         engine = opened.enter_context(engine_opener(engine_settings)) if needs_engine else None
-        if engine is not None and scores_choices(prepared, sampling, todo):
-            engine.warm_choice_reads()
+        if engine is not None:
+            _started(engine, scores_choices(prepared, sampling, todo), progress_sink or log.info)
         engine_start_s = time.perf_counter() - starting
-        said = engine.startup.first_line() if getattr(engine, "startup", None) is not None else None
-        if said:  # vLLM's start, what it spent its time on: once, by the first shard that ran on it
-            (progress_sink or log.info)(said)
         info = engine.info if engine is not None else None
         checkpoint.restart_timer()  # a kill early in the run keeps what finished after start-up
         try:
