@@ -197,6 +197,5 @@ class BatchRun:
                 counts.duplicate_rows += 1
                 yield self._answer(copy, item, cut, item.prompt_tokens)
         self._record_end(started, totals, scheduler.stats, reusable)
-        ended = self.finished_stats()
-        progress.update(ended.rows, ended.prompt_tokens + ended.output_tokens, ended.saved_tokens, 0,
-                        ended.mean_kv_usage, ended.preemptions, force=True)
+        progress.update(counts.rows, counts.prompt_tokens + counts.output_tokens, saved(), 0,
+                        totals.mean_kv_usage, totals.preemptions, force=True)
