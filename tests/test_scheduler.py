@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from engine.plan.tokenizing import TokenizedBatch
 from engine.run.drive import Rejected, StepTotals, drive
+from engine.run.kv_budget import KVGroups
 from engine.run.requests import RequestKind
 from engine.run.scheduler import GroupScheduler, InOrderScheduler, PlannedGroup, groups_in_run_order
 from engine.run.stand_in import BlockAccountingEngine
@@ -50,10 +51,11 @@ class Watched:
             self.below_exact.append((self.engine.step_count, self.scheduler.blocks_in_flight, held))
 
 
-def run(batch, groups, max_tokens, num_blocks, **scheduler_kw):
-    engine = BlockAccountingEngine(num_blocks, BLOCK)
+def run(batch, groups, max_tokens, num_blocks, kv_groups=KVGroups(), **scheduler_kw):
+    engine = BlockAccountingEngine(num_blocks, BLOCK, kv_groups=kv_groups)
     scheduler = GroupScheduler(
-        batch, np.asarray(max_tokens), groups, SchedulerSettings(**scheduler_kw), BLOCK, num_blocks
+        batch, np.asarray(max_tokens), groups, SchedulerSettings(**scheduler_kw), BLOCK, num_blocks,
+        kv_groups=kv_groups,
     )
     watch = Watched(engine, scheduler)
     totals = StepTotals()
@@ -264,12 +266,18 @@ def random_plans(draw):
     return make_batch(rows), groups, np.array(max_tokens)
 
 
-@settings(max_examples=150, deadline=None)
+# A model's KV cache groups (``KVGroups``): one full-attention group (most models); a sliding-window
+# group beside it whose cap long rows reach (Gemma 3's kind, in miniature); two full and two windows;
+# windows alone (Mistral's kind).
+KV_LAYOUTS = [KVGroups(), KVGroups(1, (3,)), KVGroups(2, (2, 6)), KVGroups(0, (4,))]
+
+
+@settings(max_examples=200, deadline=None)
 @given(plan=random_plans(), num_blocks=st.integers(4, 80), reserve=st.sampled_from(["full", "lookahead"]),
-       prefix_requests=st.booleans())
-def test_every_row_is_submitted_exactly_once_or_rejected(plan, num_blocks, reserve, prefix_requests):
+       prefix_requests=st.booleans(), kv_groups=st.sampled_from(KV_LAYOUTS))
+def test_every_row_is_submitted_exactly_once_or_rejected(plan, num_blocks, reserve, prefix_requests, kv_groups):
     batch, groups, max_tokens = plan
-    engine, scheduler, out, watch, _ = run(batch, groups, max_tokens, num_blocks, reserve_output=reserve,
+    engine, scheduler, out, watch, _ = run(batch, groups, max_tokens, num_blocks, kv_groups, reserve_output=reserve,
                                            prefix_requests=prefix_requests)
     submitted_rows = [sub.row for _, sub in engine.submitted if sub.kind is RequestKind.ROW]
     rejected = [o.row for o in out if isinstance(o, Rejected)]

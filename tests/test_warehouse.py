@@ -4,6 +4,7 @@ import multiprocessing
 
 import duckdb
 import pyarrow as pa
+import pytest
 from dagster_duckdb import DuckDBResource
 
 from batchllm_dagster.output_table import OutputTable
@@ -32,6 +33,7 @@ def test_rerun_replaces_a_partition_and_a_moved_id_is_not_kept_twice(tmp_path):
     assert got == [("1", "a", "new"), ("2", "b", "new"), ("3", "b", "new")]
 
 
+@pytest.mark.slow  # three spawned processes: ~4.6 s here, at the fast suite's limit
 def test_two_partitions_writing_at_once_lose_nothing(tmp_path):
     database = str(tmp_path / "w.duckdb")
     ctx = multiprocessing.get_context("spawn")

@@ -31,6 +31,7 @@ from ..jobs.job_options import (
     prompt_fields_from,
     response_format_from,
 )
+from ..models import BUILT_IN
 from ..run.console import ProgressBar, run_summary, summary_table
 from ..settings import EngineSettings, SamplingSettings, SchedulerSettings
 from ..table.dataset import Columns, DatasetError, load_prompts, read_source, validate
@@ -279,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     run.set_defaults(func=cmd_run)
 
     prep = sub.add_parser("prepare-model", help="build a built-in offline model")
-    prep.add_argument("name", nargs="?", default="smollm2", choices=["smollm2", "tiny"])
+    prep.add_argument("name", nargs="?", default="smollm2", choices=sorted(BUILT_IN))
     prep.add_argument("--to", type=Path, metavar="DIR", help="also copy the prepared model into DIR (to carry it "
                       "to a node without a package index)")
     prep.set_defaults(func=cmd_prepare_model)

@@ -24,7 +24,7 @@ from ..plan.block_hashes import RowBlocks
 from ..plan.prefix_tree import common_whole_blocks
 from ..plan.tokenizing import TokenizedBatch
 from ..settings import Admission
-from .kv_budget import KVBudget
+from .kv_budget import KVBudget, KVGroups
 from .requests import RequestKind, Submission
 from .stand_in import BlockAccountingEngine
 
@@ -55,12 +55,19 @@ class EngineLimits:
     max_num_seqs: int
     max_num_batched_tokens: int | None
     steps_ahead: int = 0
+    kv_groups: KVGroups = KVGroups()  # the KV cache groups sharing the pool (``kv_budget``)
 
     @classmethod
     def of(cls, engine) -> "EngineLimits":
-        # An engine that does not say (a test double over no vLLM): vLLM's default 256 rows, no token budget.
+        # An engine that does not say (a test double over no vLLM): vLLM's default 256 rows, no token
+        # budget, one full-attention KV cache group.
         return cls(engine.block_size, engine.kv_capacity_blocks, getattr(engine, "max_num_seqs", None) or 256,
-                   getattr(engine, "max_num_batched_tokens", None), engine.steps_ahead)
+                   getattr(engine, "max_num_batched_tokens", None), engine.steps_ahead,
+                   getattr(engine, "kv_groups", None) or KVGroups())
+
+    @property
+    def kv(self) -> KVBudget:
+        return KVBudget(self.capacity_blocks, self.block_size, self.kv_groups)
 
 
 def choose_admission(batch: TokenizedBatch, max_tokens: np.ndarray, rows_in_plan_order: list[int],
@@ -68,9 +75,9 @@ def choose_admission(batch: TokenizedBatch, max_tokens: np.ndarray, rows_in_plan
     """Group-wise where it can gain over vLLM admitting ``rows_in_plan_order`` itself, else vLLM."""
     if prefix_requests:
         return AdmissionChoice(Admission.GROUP_WISE, "prefix requests are on (scheduler.prefix_requests)")
-    blocks, shared = _row_blocks(batch, max_tokens, rows_in_plan_order, limits.block_size)
+    blocks, shared = _row_blocks(batch, max_tokens, rows_in_plan_order, limits.kv)
     demand = int(blocks.sum())
-    usable = KVBudget(limits.capacity_blocks, limits.block_size).usable
+    usable = limits.kv.usable
     if demand <= usable:
         return AdmissionChoice(Admission.VLLM, f"the whole batch fits the KV cache ({demand} of {usable} blocks): "
                                                "nothing is evicted or preempted")
@@ -92,18 +99,19 @@ def choose_admission(batch: TokenizedBatch, max_tokens: np.ndarray, rows_in_plan
 
 
 def _row_blocks(batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[int],
-                block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per row in plan order: the KV blocks it adds when all are in flight at the end of their output
-    (each whole prompt block shared with the row before it counted once), and those shared blocks."""
+                kv: KVBudget) -> tuple[np.ndarray, np.ndarray]:
+    """Per row in plan order: the pool's KV blocks it adds when all are in flight at the end of their
+    output (each whole prompt block shared with the row before it counted once in each full-attention
+    group; a sliding-window group's counted whole), and those shared blocks."""
     shared = np.zeros(len(rows), dtype=np.int64)
     previous = None
     for i, row in enumerate(rows):
         tokens = batch.tokens_of(row)
         if previous is not None:
-            shared[i] = common_whole_blocks(tokens, previous, block_size)
+            shared[i] = common_whole_blocks(tokens, previous, kv.block_size)
         previous = tokens
     ends = batch.lengths[rows].astype(np.int64) + np.asarray(max_tokens)[rows]
-    return -(-ends // block_size) - shared, shared
+    return kv.alone_blocks(ends) - kv.groups.full * shared, shared
 
 
 def _simulated_count(blocks: np.ndarray, max_tokens: np.ndarray, usable: int) -> tuple[int, int]:
@@ -121,7 +129,7 @@ def simulate_vllm_admission(batch: TokenizedBatch, max_tokens: np.ndarray, rows:
     """Prompt tokens vLLM computes for ``rows`` submitted at once in this order, and its
     preemptions: on the stand-in."""
     engine = BlockAccountingEngine(limits.capacity_blocks, limits.block_size, limits.max_num_seqs,
-                        limits.max_num_batched_tokens, limits.steps_ahead)
+                                   limits.max_num_batched_tokens, limits.steps_ahead, limits.kv_groups)
     # The rows' block hashes in one vectorized pass (row by row, hashing was most of a 10,000-row run's set-up).
     tokens = [batch.tokens_of(row) for row in rows]
     offsets = np.concatenate([[0], np.cumsum([len(t) for t in tokens])]).astype(np.int64)

@@ -36,7 +36,7 @@ from ..plan.prepared import PreparedBatch
 from ..plan.tokenizing import TokenizedBatch
 from ..settings import Admission, ReserveOutput, SchedulerSettings
 from .admission import AdmissionChoice, EngineLimits, choose_admission
-from .kv_budget import KVBudget
+from .kv_budget import KVBudget, KVGroups
 from .requests import Finished, RequestKey, RequestKind, Submission
 
 
@@ -151,6 +151,7 @@ class _RowAccount:
 
     base: int
     hit_blocks: int  # whole blocks of its prompt it finds cached (its group's, or its neighbour's)
+    weight: int = 1  # pool blocks its count grows by per block of tokens (every group it does not cap)
     first_growth: int | None = None
     growths: int = 0
     growing: bool = False  # counted in its phase's growing rows
@@ -168,14 +169,18 @@ class GroupScheduler:
         block_size: int,
         capacity_blocks: int,
         steps_ahead: int = 0,
+        kv_groups: KVGroups = KVGroups(),
     ):
         """``steps_ahead``: steps the engine may run beyond the last report read (vLLM's async
         scheduling plans step s + 1 before step s's outputs are read): each row may hold that many
-        tokens more than the reports show, so it is counted with as many more of its output."""
+        tokens more than the reports show, so it is counted with as many more of its output. The count
+        is in the pool's blocks, which ``kv_groups`` (the model's KV cache groups) share."""
         self._batch, self._settings, self._block = batch, settings, block_size
         # Python ints: read once per admission, a numpy scalar costs more than the arithmetic.
         self._lengths, self._max_tokens = batch.lengths.tolist(), [int(m) for m in max_tokens]
-        self._kv = KVBudget(capacity_blocks, block_size)
+        self._kv = KVBudget(capacity_blocks, block_size, kv_groups)
+        # Pool blocks per shared prefix block; what the prefix requests in the engine hold beyond those.
+        self._per_shared, self._prefix_blocks = self._kv.per_shared_block, 0
         self._capacity, self._budget = self._kv.usable, self._kv.share(settings.kv_budget_fraction)
         self._lookahead = (settings.lookahead_tokens + steps_ahead
                            if settings.reserve_output is ReserveOutput.LOOKAHEAD else None)
@@ -185,23 +190,7 @@ class GroupScheduler:
             _GroupState(position, g, keys.chain(position)) for position, g in enumerate(groups) if g.rows
         )
         self._open: list[_GroupState] = []  # admitted groups with rows left to admit, in plan order
-        # Rows sharing more than their group's prefix with the row before them (a document asked
-        # two questions inside a larger group): row -> (that row, whole-block tokens they share).
-        self._shares_deeper: dict[int, tuple[int, int]] = {}
-        # Groups whose rows all begin with their prefix's tokens (every one the planner makes): their
-        # rows' prompts are built on one list of the prefix's ids (``Submission.shared_ids``), which
-        # is only ever done where the tokens were compared here.
-        self._prefix_shared: set[int] = set()
-        for position, g in enumerate(groups):
-            shared = len(g.rows) > 1 and g.prefix_tokens > 0
-            for previous, row in zip(g.rows, g.rows[1:]):
-                same = common_tokens(batch.tokens_of(previous), batch.tokens_of(row))
-                shared = shared and same >= g.prefix_tokens
-                common = same - same % block_size
-                if common > g.prefix_tokens:
-                    self._shares_deeper[row] = (previous, common)
-            if shared:
-                self._prefix_shared.add(position)
+        self._shares_deeper, self._prefix_shared = self._compare_neighbours(groups)
         self._next_sharer = {previous: row for row, (previous, _) in self._shares_deeper.items()}
         self._holders: Counter[int] = Counter()  # prefix block key -> groups holding it
         self._rows: dict[int, _GroupState] = {}  # rows in the engine
@@ -218,12 +207,32 @@ class GroupScheduler:
         self._growth_ends: dict[int, list[int]] = {}  # step -> rows whose count grows for the last time then
         self.stats = SchedulerStats(budget_blocks=self._budget)
 
+    def _compare_neighbours(self, groups: list[PlannedGroup]) -> tuple[dict[int, tuple[int, int]], set[int]]:
+        """Each row against the row before it in its group: the rows sharing more than their group's
+        prefix with it (a document asked two questions inside a larger group), row -> (that row,
+        whole-block tokens they share); and the groups whose rows all begin with their prefix's tokens
+        (every one the planner makes), whose rows' prompts are built on one list of the prefix's ids
+        (``Submission.shared_ids``), which is only ever done where the tokens were compared here."""
+        shares_deeper: dict[int, tuple[int, int]] = {}
+        prefix_shared: set[int] = set()
+        for position, g in enumerate(groups):
+            shared = len(g.rows) > 1 and g.prefix_tokens > 0
+            for previous, row in zip(g.rows, g.rows[1:]):
+                same = common_tokens(self._batch.tokens_of(previous), self._batch.tokens_of(row))
+                shared = shared and same >= g.prefix_tokens
+                common = same - same % self._block
+                if common > g.prefix_tokens:
+                    shares_deeper[row] = (previous, common)
+            if shared:
+                prefix_shared.add(position)
+        return shares_deeper, prefix_shared
+
     def _row_constants(self, groups: list[PlannedGroup]) -> tuple[list[int], list[int], dict[int, int]]:
         """What admitting a row reads, computed for every row at once: the blocks its prompt and its
         reserved output end in at admission (``_blocks_at`` with nothing generated, before its cache
         hit), the whole blocks of its group's prefix it finds cached (``_cache_hit``), and the rows
         that need more blocks than the whole cache even alone, with what they need (rejected when
-        their turn comes)."""
+        their turn comes). Each row's weight and constant (``KVBudget.row_weights``) are kept too."""
         block, lengths = self._block, np.asarray(self._lengths, dtype=np.int64)
         max_tokens = np.asarray(self._max_tokens, dtype=np.int64)
         prefix = np.zeros(lengths.size, dtype=np.int64)
@@ -231,7 +240,12 @@ class GroupScheduler:
             prefix[g.rows] = g.prefix_tokens
         ahead = max_tokens if self._lookahead is None else np.minimum(max_tokens, self._lookahead)
         hit_blocks = np.maximum(0, np.minimum(prefix, (lengths - 1) // block * block)) // block
-        alone = prefix // block + np.maximum(1, -(-(lengths + max_tokens) // block) - hit_blocks)
+        # Alone, a row holds its whole prompt and output; a copy of a cached prefix (hit capped at
+        # length - 1) one block more in each full-attention group.
+        alone = self._kv.alone_blocks(lengths + max_tokens) + self._kv.groups.full * (prefix // block - hit_blocks)
+        growing, constant = self._kv.window_weights(lengths + max_tokens)  # sliding-window groups, per row
+        self._window_growing, self._constant = growing.tolist(), constant.tolist()
+        self._weight = (growing + self._kv.groups.full).tolist()
         entry_blocks = -(-(lengths + ahead) // block)
         too_large = np.flatnonzero(alone > self._capacity)
         return entry_blocks.tolist(), hit_blocks.tolist(), dict(zip(too_large.tolist(), alone[too_large].tolist()))
@@ -266,9 +280,9 @@ class GroupScheduler:
 
     @property
     def blocks_in_flight(self) -> int:
-        """What admission counts now: prefix blocks once, each prefix request's output block, and
-        each row's blocks by the upper bound on its generated tokens (never fewer than it holds)."""
-        return len(self._holders) + len(self._prefixes) + self._row_blocks
+        """What admission counts now, in pool blocks: prefix blocks once, each prefix request's output
+        block, and each row's blocks by the upper bound on its generated tokens (never fewer than it holds)."""
+        return self._per_shared * len(self._holders) + self._prefix_blocks + self._row_blocks
 
     def _blocks_at(self, row: int, generated: int, hit_blocks: int) -> int:
         """A row's blocks beyond its cache hit when it has generated ``generated`` tokens: what it
@@ -276,7 +290,13 @@ class GroupScheduler:
         length = self._lengths[row]
         remaining = self._max_tokens[row] - generated
         ahead = remaining if self._lookahead is None else min(remaining, self._lookahead)
-        return max(1, -(-(length + generated + ahead) // self._block) - hit_blocks)
+        return self._pool_blocks(row, -(-(length + generated + ahead) // self._block), hit_blocks)
+
+    def _pool_blocks(self, row: int, blocks: int, hit_blocks: int) -> int:
+        """A row's count when its tokens and reservation end in its ``blocks``-th block: each full-attention
+        group's blocks beyond its cache hit, and the sliding-window groups' blocks, none shared."""
+        full = self._kv.groups.full * max(1, blocks - hit_blocks)
+        return full + self._window_growing[row] * blocks + self._constant[row]
 
     def after_step(self, started) -> None:
         """An engine step ran; ``started``: the requests that got their first output token in it.
@@ -296,7 +316,7 @@ class GroupScheduler:
             account = self._accounts.get(row)
             if account is not None and account.growing:
                 account.growing = False
-                self._growing[account.first_growth % self._block] -= 1
+                self._growing[account.first_growth % self._block] -= account.weight
 
     def _start_growing(self, row: int, account: _RowAccount) -> None:
         length, max_tokens = self._lengths[row], self._max_tokens[row]
@@ -307,14 +327,15 @@ class GroupScheduler:
         g1 = (self._block - reach % self._block) % self._block + 1  # first g whose end is in a new block
         account.first_growth = self._steps - 1 + g1  # the step after which the row has g1 tokens
         account.growths, account.growing = growths, True
-        self._growing[account.first_growth % self._block] += 1
+        self._growing[account.first_growth % self._block] += account.weight
         self._growth_ends.setdefault(account.first_growth + (growths - 1) * self._block, []).append(row)
 
     def _blocks_of(self, account: _RowAccount) -> int:
         """The account's blocks now: its base and the growths applied up to this step."""
         if account.first_growth is None or self._steps < account.first_growth:
             return account.base
-        return account.base + min(account.growths, (self._steps - account.first_growth) // self._block + 1)
+        grown = min(account.growths, (self._steps - account.first_growth) // self._block + 1)
+        return account.base + account.weight * grown
 
     def _release_row(self, row: int) -> None:
         """The row left the engine: its blocks are free, and the row that shared more than its
@@ -322,13 +343,14 @@ class GroupScheduler:
         account = self._accounts.pop(row)
         self._row_blocks -= self._blocks_of(account)
         if account.growing:
-            self._growing[account.first_growth % self._block] -= 1
+            self._growing[account.first_growth % self._block] -= account.weight
         sharer = self._next_sharer.get(row)
         neighbour = self._accounts.get(sharer) if sharer is not None else None
         if neighbour is not None:
             own_hit = self._cache_hit(sharer, self._rows[sharer].planned.prefix_tokens) // self._block
-            self._row_blocks += neighbour.hit_blocks - own_hit
-            neighbour.base += neighbour.hit_blocks - own_hit
+            more = self._kv.groups.full * (neighbour.hit_blocks - own_hit)
+            self._row_blocks += more
+            neighbour.base += more
             neighbour.hit_blocks = own_hit
 
     def blocks_held(self, generated: Mapping[RequestKey, int]) -> int:
@@ -338,7 +360,7 @@ class GroupScheduler:
         rows = sum(
             self._row_demand(row, group, generated.get((RequestKind.ROW, row), 0)) for row, group in self._rows.items()
         )
-        return len(self._holders) + len(self._prefixes) + rows
+        return self._per_shared * len(self._holders) + self._prefix_blocks + rows
 
     def _hold(self, group: _GroupState) -> int:
         """The group now holds its prefix blocks; returns how many were not held before."""
@@ -401,18 +423,21 @@ class GroupScheduler:
         planned = group.planned
         new_blocks = sum(1 for key in group.block_keys if key not in self._holders)
         first = planned.rows[0]
-        need = new_blocks + 1 + self._entry_cost(first, self._prefix_hit_blocks[first])
+        need = (self._per_shared * new_blocks + self._prefix_request_blocks(group)
+                + self._entry_cost(first, self._prefix_hit_blocks[first]))
         if self._busy() and self.blocks_in_flight + need > self._budget:
             return False
         # A prefix request computes the prefix before the rows need it: not when every block of it is
         # already held (a shared system prompt cached by the groups in flight), nor when all its rows
         # enter now and share it in this step anyway.
-        needs_computing = new_blocks > 0 and self.blocks_in_flight + new_blocks + self._rows_cost(group) > self._budget
+        needs_computing = (new_blocks > 0 and self.blocks_in_flight + self._per_shared * new_blocks
+                           + self._rows_cost(group) > self._budget)
         self._hold(group)
         if self._uses_prefix_request(group) and needs_computing:
             prefix = self._batch.tokens_of(first)[: planned.prefix_tokens]
             decision.submit.append(Submission(RequestKind.PREFIX, group.position, prefix, 1, self._prefix_ids(group)))
-            self._prefixes[group.position] = group  # counts the prefix request's own output block
+            self._prefixes[group.position] = group
+            self._prefix_blocks += self._prefix_request_blocks(group)
             self.stats.prefix_requests += 1
             group.state = _PrefixState.RUNNING
         else:
@@ -432,7 +457,7 @@ class GroupScheduler:
 
     def _entry_cost(self, row: int, hit_blocks: int) -> int:
         """The row's blocks at admission beyond its cache hit: ``_blocks_at(row, 0, hit_blocks)``."""
-        return max(1, self._entry_blocks[row] - hit_blocks)
+        return self._pool_blocks(row, self._entry_blocks[row], hit_blocks)
 
     def _admit_rows(self, group: _GroupState, decision: Decision) -> bool:
         """Submit the group's next rows while they fit the budget; False when one did not."""
@@ -454,7 +479,7 @@ class GroupScheduler:
             decision.submit.append(Submission(RequestKind.ROW, row, self._batch.tokens_of(row), self._max_tokens[row],
                                               self._prefix_ids(group)))
             self._rows[row] = group
-            self._accounts[row] = _RowAccount(cost, hit_blocks)
+            self._accounts[row] = _RowAccount(cost, hit_blocks, self._weight[row])
             self._row_blocks += cost
             group.outstanding += 1
             group.next_row += 1
@@ -473,6 +498,7 @@ class GroupScheduler:
         submission = finished.submission
         if submission.kind is RequestKind.PREFIX:
             group = self._prefixes.pop(submission.group_position)
+            self._prefix_blocks -= self._prefix_request_blocks(group)
             group.state = _PrefixState.READY
             self.stats.prefix_prompt_tokens += finished.prompt_tokens
             self.stats.prefix_cached_tokens += finished.cached_tokens
@@ -489,8 +515,14 @@ class GroupScheduler:
             self._settings.prefix_requests
             and planned.prefix_tokens >= self._block
             and len(planned.rows) >= self._settings.min_group_rows
-            and planned.prefix_tokens // self._block + 1 <= self._capacity
+            and self._per_shared * (planned.prefix_tokens // self._block) + self._prefix_request_blocks(group)
+            <= self._capacity
         )
+
+    def _prefix_request_blocks(self, group: _GroupState) -> int:
+        """A prefix request's blocks beyond the group's shared prefix: its output block in each
+        full-attention group, and its prompt and output in the sliding-window groups."""
+        return self._per_shared + int(self._kv.window_blocks(group.planned.prefix_tokens + 1))
 
 
 
@@ -547,8 +579,8 @@ class InOrderScheduler:
 def rows_too_large(batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[int],
                    limits: EngineLimits) -> dict[int, str]:
     """Rows that need more KV blocks than the whole cache even alone, with the reason."""
-    kv = KVBudget(limits.capacity_blocks, limits.block_size)
-    blocks = kv.blocks_for(batch.lengths[rows].astype(np.int64) + np.asarray(max_tokens)[rows])
+    kv = KVBudget(limits.capacity_blocks, limits.block_size, limits.kv_groups)
+    blocks = kv.alone_blocks(batch.lengths[rows].astype(np.int64) + np.asarray(max_tokens)[rows])
     return {int(rows[i]): kv.too_large_reason(int(blocks[i])) for i in np.flatnonzero(blocks > kv.usable)}
 
 
@@ -585,7 +617,7 @@ class Planned:
         else:
             groups = groups_in_run_order(rows_in_plan_order, prepared.group_of_row, prepared.prefix_tokens_of_row)
             scheduler = GroupScheduler(batch, max_tokens, groups, settings, limits.block_size,
-                                       limits.capacity_blocks, limits.steps_ahead)
+                                       limits.capacity_blocks, limits.steps_ahead, limits.kv_groups)
         scheduler.stats.admission, scheduler.stats.admission_reason = choice.admission.value, choice.reason
         return scheduler
 

@@ -12,6 +12,10 @@ cached (evictable, least recently freed first); when a running request cannot ge
 most recently admitted one is preempted (its blocks freed, recomputed later). The KV usage it
 reports is vLLM's: 1 - free / total, cached-but-unreferenced blocks counting as free.
 
+Several KV cache groups (``KVGroups``: a model mixing full and sliding-window attention) allocate
+from the one pool: a cached block stands for one block in each full-attention group, and each
+sliding-window group holds a request's blocks up to its cap (what vLLM reserves for it), never shared.
+
 With ``max_num_batched_tokens`` a step computes at most that many tokens, as vLLM V1 schedules
 them: running requests first (a prefill continues in chunks, a decode takes one token), then
 waiting ones while tokens are left, the last of them possibly a partial (chunked) prefill; a
@@ -30,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.plan.block_hashes import RowBlocks
-from engine.run.kv_budget import KVBudget
+from engine.run.kv_budget import KVBudget, KVGroups
 from engine.run.requests import Finished, StepReport, Submission
 
 
@@ -50,6 +54,7 @@ class _Request:
     computed: int = 0  # prompt tokens in the KV cache (hits and computed chunks)
     prefilled: bool = False
     prompt_hashes: list[int] | None = None  # its whole prompt blocks' chained hashes, computed once
+    window_blocks: int = 0  # what it holds in the sliding-window groups, all of them together
 
     @property
     def tokens(self) -> int:
@@ -62,13 +67,16 @@ class BlockAccountingEngine:
     the bench's ``--scheduler-only``."""
 
     def __init__(self, num_blocks: int, block_size: int = 4, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, steps_ahead: int = 0):
+                 max_num_batched_tokens: int | None = None, steps_ahead: int = 0,
+                 kv_groups: KVGroups = KVGroups()):
         """``steps_ahead``: how many steps it runs beyond the report it returns (vLLM's async
         scheduling: 1), so requests submitted after reading step s enter at step s + 1 + steps_ahead."""
         self.block_size, self.kv_capacity_blocks, self.max_num_seqs = block_size, num_blocks, max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self._budget = 0  # tokens left in the step being scheduled
-        self._kv = KVBudget(num_blocks, block_size)
+        self.kv_groups = kv_groups
+        self._kv = KVBudget(num_blocks, block_size, kv_groups)
+        self._full = kv_groups.full  # pool blocks a cached block stands for
         self._fresh = self._kv.usable  # never-used free blocks (vLLM's null block is not one)
         self._evictable: OrderedDict[int, _Block] = OrderedDict()  # cached, unreferenced, by id
         self._cache: dict[int, _Block] = {}  # block hash -> cached block
@@ -163,34 +171,52 @@ class BlockAccountingEngine:
     # -- block accounting ---------------------------------------------------------------------
     @property
     def free_blocks(self) -> int:
-        return self._fresh + len(self._evictable)
+        return self._fresh + self._full * len(self._evictable)
 
     @property
     def referenced_blocks(self) -> int:
         return self._kv.usable - self.free_blocks
 
+    def _reclaim(self, units: int) -> None:
+        """Evict cached, unreferenced blocks (least recently freed first) until ``units`` are fresh."""
+        while self._fresh < units and self._evictable:
+            _, block = self._evictable.popitem(last=False)
+            if self._cache.get(block.hash) is block:
+                del self._cache[block.hash]
+            self._fresh += self._full
+
     def _take(self) -> _Block:
-        if self._fresh:
-            self._fresh -= 1
-            return _Block(refs=1)
-        _, block = self._evictable.popitem(last=False)  # least recently freed
-        if block.hash is not None and self._cache.get(block.hash) is block:
-            del self._cache[block.hash]
-        block.hash, block.refs = None, 1
-        return block
+        self._reclaim(self._full)
+        self._fresh -= self._full
+        return _Block(refs=1)
+
+    def _take_window_blocks(self, request: _Request, blocks: int) -> None:
+        self._reclaim(blocks)
+        self._fresh -= blocks
+        request.window_blocks += blocks
 
     def _free(self, request: _Request) -> None:
         for block in reversed(request.blocks):  # vLLM frees tail blocks first
             block.refs -= 1
             if block.refs == 0:
                 if block.hash is None:
-                    self._fresh += 1
+                    self._fresh += self._full
                 else:
                     self._evictable[id(block)] = block
         request.blocks = []
+        self._fresh += request.window_blocks
+        request.window_blocks = 0
 
     def _blocks_needed(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
+
+    def _window_blocks_needed(self, tokens: int) -> int:
+        return int(self._kv.window_blocks(tokens))
+
+    def _missing(self, request: _Request) -> tuple[int, int]:
+        """Cached-kind blocks and sliding-window blocks the request lacks for its next token."""
+        return (self._blocks_needed(request.tokens) - len(request.blocks),
+                self._window_blocks_needed(request.tokens) - request.window_blocks)
 
     def _grow_running(self) -> int:
         """Each running request needs room for its next token; preempt the newest when full."""
@@ -199,8 +225,9 @@ class BlockAccountingEngine:
         for request in list(self._running):
             if id(request) in gone:
                 continue
-            while len(request.blocks) < self._blocks_needed(request.tokens):
-                if self.free_blocks == 0:
+            blocks, window = self._missing(request)
+            while blocks > 0 or window > 0:
+                if self.free_blocks < self._full * max(blocks, 0) + max(window, 0):
                     victim = max(self._running, key=lambda r: r.arrived)
                     self._running.remove(victim)
                     gone.add(id(victim))
@@ -211,7 +238,9 @@ class BlockAccountingEngine:
                     if victim is request:
                         break
                     continue
-                request.blocks.append(self._take())
+                request.blocks.extend(self._take() for _ in range(max(blocks, 0)))
+                self._take_window_blocks(request, max(window, 0))
+                blocks, window = self._missing(request)
         return preempted
 
     def _prompt_hashes(self, request: _Request) -> list[int]:
@@ -247,8 +276,9 @@ class BlockAccountingEngine:
             if len(hits) * self.block_size >= len(request.submission.token_ids):
                 hits = hits[:-1]  # vLLM recomputes the last token of a fully cached prompt
             need = self._blocks_needed(request.tokens) - len(hits)
+            window = self._window_blocks_needed(request.tokens)
             evictable_hits = sum(1 for b in hits if b.refs == 0)
-            if need > self.free_blocks - evictable_hits:
+            if self._full * need + window > self.free_blocks - self._full * evictable_hits:
                 if not self._running:
                     raise RuntimeError(f"{request.submission.request_id} can never fit the KV cache")
                 break
@@ -259,6 +289,7 @@ class BlockAccountingEngine:
                     del self._evictable[id(block)]
                 block.refs += 1
             request.blocks = hits + [self._take() for _ in range(need)]
+            self._take_window_blocks(request, window)
             if request.cached_tokens is None:
                 request.cached_tokens = len(hits) * self.block_size
             self.prefill_tokens += request.tokens - len(hits) * self.block_size

@@ -16,6 +16,7 @@ from ..machine import current_platform, vllm_version
 from ..models import model_context_len
 from ..node_checks import problems as node_problems
 from ..node_checks import read_node
+from ..run.kv_budget import KVGroups
 from ..run.requests import EngineGauges, Finished, StepReport, Submission
 from ..run.results import EngineInfo
 from ..settings import EngineSettings, Platform, SamplingSettings
@@ -80,47 +81,60 @@ def gauge_stat_logger(gauges: EngineGauges) -> type:
     return GaugeStatLogger
 
 
-def check_kv_cache_layout(engine, block_size: int) -> None:
-    """Refuse a KV cache the scheduler cannot count: it counts one pool of full-attention blocks of
-    ``block_size`` tokens. vLLM may choose another block size (a hybrid model aligns it) or several
-    KV cache groups (sliding-window or Mamba layers beside full attention), each its own pool: a
-    one-pool count would then admit more rows than fit."""
-    chosen = engine.vllm_config.cache_config.block_size
+# vLLM's kinds of KV cache group (``KVCacheSpecKind``) by how the scheduler counts them: every token of
+# a row (a chunked-local group holds no more than that), or at most a window's worth.
+_HOLDS_EVERY_TOKEN = {"full_attention", "mla_attention", "sink_full_attention", "chunked_local_attention"}
+_HOLDS_A_WINDOW = {"sliding_window", "sliding_window_mla"}
+
+
+def read_kv_groups(engine, block_size: int) -> KVGroups:
+    """The KV cache groups vLLM's core allocates from its pool, as ``KVGroups`` the scheduler counts;
+    EngineStartError where it cannot count them. Asked of the core itself, wherever it runs (in its
+    own process on a GPU): its ``get_kv_cache_group_metadata``, plain data a socket carries. A
+    sliding-window group is counted by the most blocks vLLM lets a row hold in it, computed by vLLM's
+    own ``SlidingWindowSpec.max_admission_blocks_per_request`` (the window and the tokens in flight).
+    Mamba's state and other kinds are refused: counted as neither, the scheduler would over-admit."""
+    config = engine.vllm_config
+    chosen = config.cache_config.block_size
     if chosen != block_size:
         raise EngineStartError(f"vLLM chose KV blocks of {chosen} tokens, not the {block_size} asked for (this "
                                f"model's layers need it): set block_size: {chosen}, or use another model")
-    groups = kv_cache_groups(engine)
-    if groups is not None and (len(groups) != 1 or type(groups[0].kv_cache_spec).__name__ != "FullAttentionSpec"):
-        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
-        raise EngineStartError(f"this model's KV cache has {len(groups)} group(s) ({kinds}); the scheduler counts "
-                               "one pool of full-attention blocks and would over-admit: not supported yet")
-    model = engine.vllm_config.model_config
-    if groups is None and (model.is_hybrid or model.get_sliding_window()):
-        raise EngineStartError("this model mixes attention kinds (hybrid or sliding window), so its KV cache has "
-                               "more than one pool; the scheduler counts one and would over-admit: not supported yet")
-    # With the core in its own process the groups are not readable, but the capacity it copies back
-    # is: vLLM counts a row at max_model_len as the sum of every group's blocks; for one
-    # full-attention group that is ceil(max_model_len / block_size) of ours.
-    cache = engine.vllm_config.cache_config
-    reported = getattr(cache, "kv_cache_size_tokens", None)
-    if reported is not None and cache.num_gpu_blocks:
-        one_pool = int(cache.num_gpu_blocks / -(-model.max_model_len // block_size) * model.max_model_len)
-        if reported != one_pool:
-            raise EngineStartError(
-                f"vLLM reports a KV cache of {reported:,} tokens, but one pool of {cache.num_gpu_blocks:,} blocks of "
-                f"{block_size} tokens holds {one_pool:,} for rows of {model.max_model_len:,}: "
-                "this model's KV cache has "
-                "more than one group (sliding-window, Mamba or other layers beside full attention); the scheduler "
-                "counts one pool and would over-admit: not supported yet"
-            )
+    full, caps, refused = 0, [], []
+    for group in _kv_group_metadata(engine):
+        if group["block_size"] != block_size:
+            refused.append(f"{group['kind']} in blocks of {group['block_size']} tokens")
+        elif group["kind"] in _HOLDS_A_WINDOW and group["sliding_window"]:
+            caps.append(_window_cap(config, group["sliding_window"], block_size))
+        elif group["kind"] in _HOLDS_EVERY_TOKEN:
+            full += 1
+        else:
+            refused.append(group["kind"])
+    if refused or full + len(caps) == 0:
+        raise EngineStartError(f"this model's KV cache has groups the scheduler cannot count ({', '.join(refused)}): "
+                               "it counts full-attention and sliding-window groups in blocks of "
+                               f"{block_size} tokens; Mamba and other state caches are not supported yet")
+    return KVGroups(full, tuple(caps))
 
 
-def kv_cache_groups(engine) -> list | None:
-    """The KV cache groups of an in-process engine core (None: it runs in its own process, whose
-    scheduler this process cannot read)."""
-    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
-    manager = getattr(getattr(core, "scheduler", None), "kv_cache_config", None)
-    return list(manager.kv_cache_groups) if manager is not None else None
+def _kv_group_metadata(engine) -> list[dict]:
+    """The core's KV cache groups (kind, block size, window): a utility call to a core in its own
+    process, a plain call to one in this process."""
+    client = engine.engine_core
+    if hasattr(client, "call_utility"):
+        return client.call_utility("get_kv_cache_group_metadata")
+    return client.engine_core.get_kv_cache_group_metadata()
+
+
+def _window_cap(config, sliding_window: int, block_size: int) -> int:
+    """The most blocks a row holds in a sliding-window group: vLLM's own bound, on a spec of that window
+    (its heads and dtype do not enter it)."""
+    import torch
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    spec = SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32,
+                             sliding_window=sliding_window)
+    return spec.max_admission_blocks_per_request(max_in_flight_tokens=config.max_in_flight_tokens,
+                                                 max_model_len=config.model_config.max_model_len)
 
 
 # With deltas, vLLM emits a request's first output and its last; in between only every this many
@@ -205,7 +219,7 @@ class VLLMEngine:
         self._core_watch = watch_core(self._engine)  # the core dies with this process, however it dies
         self._choice_reads = ChoiceReads(self._engine.get_tokenizer())
         try:
-            check_kv_cache_layout(self._engine, self.settings.block_size)
+            self.kv_groups = read_kv_groups(self._engine, self.settings.block_size)
         except EngineStartError:
             self.close()
             raise
@@ -244,9 +258,10 @@ class VLLMEngine:
         # vLLM sets its compile time on the config its core holds: ours where the core runs in this process.
         self.startup.compile_s = config.compilation_config.compilation_time or None
         log.info(
-            "vLLM %s started: KV capacity %d blocks x %d tokens, max_num_seqs=%d, max_num_batched_tokens=%d, "
-            "max_model_len=%d", self.version, self.kv_capacity_blocks, self.settings.block_size, self.max_num_seqs,
-            self.max_num_batched_tokens, config.model_config.max_model_len,
+            "vLLM %s started: KV capacity %d blocks x %d tokens (KV cache groups: %s), max_num_seqs=%d, "
+            "max_num_batched_tokens=%d, max_model_len=%d", self.version, self.kv_capacity_blocks,
+            self.settings.block_size, self.kv_groups.describe(), self.max_num_seqs, self.max_num_batched_tokens,
+            config.model_config.max_model_len,
         )
 
     @property
@@ -259,6 +274,7 @@ class VLLMEngine:
         """The handle's own bookkeeping of the requests it submitted."""
         self.block_size = block_size
         self.steps_ahead = 0
+        self.kv_groups = KVGroups()  # read from vLLM once it started (``read_kv_groups``)
         self._gauges = EngineGauges()
         self._in_flight: dict[str, _InFlight | ScoreRead] = {}  # unfinished requests by vLLM request id
         self._params: dict[tuple[int, int], tuple] = {}  # (id of sampling, max_tokens) -> (sampling, params)
