@@ -10,7 +10,9 @@ names no GPU, a list ending at one that names none) it compares the GPUs ``engin
 leaves with ``torch.cuda.device_count()`` in a process started with that value; it reports the
 driver's CUDA version against the one torch was built for (read from ``torch/version.py`` here,
 ``torch.version.cuda`` there), the platform detected, the node's problems as doctor names them,
-and whether reading all that loaded torch or opened a CUDA context in this process.
+and whether reading all that loaded torch or opened a CUDA context in this process. Then it holds
+24 GiB of GPU 0 in another process (torch) and reads the node's problems again: doctor must name
+the memory another process holds.
 """
 
 from __future__ import annotations
@@ -33,6 +35,22 @@ def torch_sees(cuda_visible_devices: str | None) -> dict:
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1:]}
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def problems_while_another_process_holds(gib: int) -> list[str]:
+    """The node's problems while a torch process holds ``gib`` GiB of GPU 0."""
+    from engine.node_checks import problems, read_node
+
+    code = (f"import sys, torch; x = torch.empty({gib} << 30, dtype=torch.uint8, device='cuda'); "
+            "torch.cuda.synchronize(); print('held', flush=True); sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        if holder.stdout.readline().strip() != "held":
+            return ["the holder did not start"]
+        return problems(read_node())
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def compute_processes_of_this_process() -> list | str:
@@ -83,6 +101,8 @@ def main() -> dict:
                      "agree": len(ours) == theirs.get("count"), "torch_detail": theirs})
     report["visible"] = rows
     report["all_agree"] = all(r["agree"] for r in rows)
+    if node_gpus:
+        report["problems_while_24_gib_are_held"] = problems_while_another_process_holds(24)
     return report
 
 

