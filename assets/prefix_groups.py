@@ -16,6 +16,7 @@ from batchllm_dagster.shard_sizing import ShardSize, last_partitions_metadata, m
 from engine.jobs.plan_job import PlanJob
 from engine.models import preparation_notice
 from engine.plan.plan_stamp import stale_reasons
+from engine.plan.plan_table import PlanFile
 from engine.plan.tokenize_workers import TokenizeWorkers
 from engine.settings import fingerprint
 from engine.table.dataset import DatasetError
@@ -89,8 +90,8 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         removed_answers = 0 if config.keep_deleted_answers else remove_deleted_answers(config, warehouse, live_ids,
                                                                                        used)
         # A removed key's checkpoint stays while it holds answers the new plan's shards can reuse.
-        config.files.checkpoints.prune(OutputTableStore(config, warehouse, context.log), set(used),
-                                       live_ids.combine_chunks())
+        config.files.checkpoints.prune(OutputTableStore(config, warehouse, context.log),
+                                       PlanFile.open(config.files.plan_path))
         context.log.info(f"{made.planned.plan.num_groups} groups in {len(used)} shards; partitions added {added}, "
                          f"removed {removed}; plan {plan_bytes} bytes; shard size: "
                          f"{size.why if size else 'set by the job'}")

@@ -65,19 +65,19 @@ class JobCheckpoints:
         return sorted(part for folder in self.root.glob("*") if folder.name != key
                       for part in checkpoint_parts(folder))
 
-    def prune(self, store: AnswerStore, live_keys: set[str], live_ids: pa.Array) -> int:
+    def prune(self, store: AnswerStore, plan: PlanFile) -> int:
         """Remove the folders no plan can use (see the class doc); returns how many."""
-        removed = 0
+        removed, live_keys = 0, plan.live_keys()
         for folder in self.root.glob("*"):
             if folder.name in live_keys:
                 continue
             ids = _ids_in(folder)
             if len(ids):
                 try:
-                    ids = ids.cast(live_ids.type)
+                    ids = ids.cast(plan.id_type)
                 except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
                     continue  # ids of another type (the id column changed type): not judged, kept
-                wanted = pc.filter(ids, pc.is_in(ids, value_set=live_ids))
+                wanted = plan.ids_among(ids)
                 if len(wanted) and len(store.answered_ids(wanted, live_keys)) < len(pc.unique(wanted)):
                     continue  # a row of the plan whose answer is only here
             shutil.rmtree(folder, ignore_errors=True)
@@ -181,7 +181,7 @@ class ShardJob:
         if not len(stale):
             shutil.rmtree(self.checkpoint, ignore_errors=True)  # the store now holds every row of the shard
         if self.job_checkpoints is not None and plan is not None:
-            self.job_checkpoints.prune(self.store, *plan.live_keys())
+            self.job_checkpoints.prune(self.store, plan)
         return ShardWritten(table, rows_now, stale)
 
     def _superseded(self, plan: PlanFile | None) -> pa.Array:

@@ -1,6 +1,7 @@
 """The plan table: the one file planning hands to running, and the one module that knows its shape.
 
-One row per prompt row, in input order:
+One row per prompt row, the rows of each shard together in row groups of their own (a shard reads
+its rows, not the file: ``PlanFile``):
 
     id, position (run order), group, prefix_tokens (the group's shared prefix, whole blocks),
     max_tokens, error, response_format, duplicate_set (rows identical to each other: one runs,
@@ -25,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ..atomic import write_parquet
+from ..atomic import Staged
 from ..response_format import ResponseFormat
 from ..table.prompt_snapshot import CONTENT_KEY
 from .duplicates import NO_SET
@@ -97,9 +98,22 @@ def plan_table(planned: PlannedBatch, content_keys: pa.ChunkedArray | pa.Array, 
                                           MAX_MODEL_LEN: str(max_model_len), **stamp, PLAN_RUN: plan_run})
 
 
+# A shard's rows are split into row groups of at most this many (a row group is read whole).
+PLAN_ROW_GROUP_ROWS = 1 << 20
+
+
 def write_plan(table: pa.Table, path: Path) -> int:
-    """Publish the plan whole (readers see the old plan or the new one); returns its bytes."""
-    write_parquet(table, path)
+    """Publish the plan whole (readers see the old plan or the new one), each shard's rows in row
+    groups of their own, in shard order (Parquet's statistics then name each row group's one
+    partition key: ``PlanFile`` reads a shard's rows alone); returns its bytes."""
+    table = table.take(pc.sort_indices(table, sort_keys=[("shard", "ascending")]))  # stable: input order within
+    shards = table.column("shard").to_numpy()
+    starts = np.flatnonzero(np.diff(shards, prepend=-1)) if shards.size else np.zeros(0, np.int64)
+    with Staged(path) as staged, pq.ParquetWriter(staged.path, table.schema) as writer:
+        for start, stop in zip(starts, [*starts[1:], shards.size]):
+            writer.write_table(table.slice(start, stop - start), row_group_size=PLAN_ROW_GROUP_ROWS)
+        if not shards.size:
+            writer.write_table(table)
     return path.stat().st_size
 
 
@@ -217,19 +231,26 @@ class PlannedShard:
 
 
 class PlanFile:
-    """The plan on disk, read once: its counts, the run that made it, a shard's rows, the rows a newer
-    plan superseded, the live keys. It is the plan as it was when opened; a plan published since
-    (by a rename) is another file, seen by the next ``open``."""
+    """The plan on disk, opened once: its counts, the run that made it, a shard's rows, the rows a
+    newer plan superseded, the live keys, which of some ids it holds. It reads from the file as it
+    was when opened (a plan published since, by a rename, is another file, seen by the next
+    ``open``), and never the whole file: its footer at ``open``, then a shard's row groups (``write_plan``
+    keeps each shard's rows apart; a plan written otherwise, its rows of any key in one row group,
+    is read by row group and filtered), or one column a row group at a time."""
 
-    def __init__(self, path: Path, rows: pa.Table):
-        self.path, self.rows = path, rows
-        self.metadata = rows.schema.metadata or {}
+    def __init__(self, path: Path, for_writing: bool = False):
+        if not path.exists():
+            raise FileNotFoundError(f"plan not found at {path}: materialize prefix_groups first")
+        self.path, self._file = path, pq.ParquetFile(path)  # holds the file open: the plan as opened
+        self.metadata = self._file.schema_arrow.metadata or {}
+        self._columns = _ANSWER_COLUMNS + ["partition_key"] if for_writing else None
+        self._row_groups_of, self._mixed = _row_groups_by_key(self._file)
 
     @classmethod
     def open(cls, path: Path, for_writing: bool = False) -> "PlanFile":
         """The plan at ``path`` (``FileNotFoundError`` saying what to do if there is none);
         ``for_writing``: only what a shard's write checks (``superseded``, ``live_keys``)."""
-        return cls(path, _read(path, columns=_ANSWER_COLUMNS + ["partition_key"] if for_writing else None))
+        return cls(path, for_writing)
 
     @classmethod
     def at_write(cls, path: Path) -> "PlanFile | None":
@@ -254,7 +275,11 @@ class PlanFile:
         return _plan_run(self.metadata)
 
     def _of_key(self, key: str) -> pa.Table:
-        return self.rows.filter(pc.equal(self.rows.column("partition_key"), key))
+        groups = sorted(self._row_groups_of.get(key, []) + self._mixed)
+        rows = self._file.read_row_groups(groups, columns=self._columns) if groups else \
+            self._file.schema_arrow.empty_table().select(self._columns or self._file.schema_arrow.names)
+        rows = rows.filter(pc.equal(rows.column("partition_key"), key)) if self._mixed else rows
+        return rows.replace_schema_metadata(self.metadata)
 
     def shards(self, keys: list[str], stamp: dict[str, str]) -> list[PlannedShard]:
         """The shards of ``keys`` with their rows' token ids (call inside ``opened_for_running``).
@@ -288,7 +313,39 @@ class PlanFile:
             kept = pc.and_(kept, pc.fill_null(pc.or_kleene(equal, both_null), False))
         return pc.filter(ran.column("id"), pc.invert(kept))
 
-    def live_keys(self) -> tuple[set[str], pa.Array]:
-        """The plan's partition keys and its row ids: what the job's checkpoints may still serve."""
-        keys = self.rows.column("partition_key")
-        return set(pc.unique(keys).to_pylist()), self.rows.column("id").combine_chunks()
+    def live_keys(self) -> set[str]:
+        """The plan's partition keys: what the job's checkpoints may still serve (from the footer)."""
+        keys = set(self._row_groups_of)
+        for group in self._mixed:
+            keys.update(pc.unique(self._file.read_row_group(group, columns=["partition_key"])
+                                  .column("partition_key")).to_pylist())
+        keys.discard(None)
+        return keys
+
+    @property
+    def id_type(self) -> pa.DataType:
+        return self._file.schema_arrow.field("id").type
+
+    def ids_among(self, ids: pa.Array) -> pa.Array:
+        """Those of ``ids`` (of the plan's ``id_type``) the plan holds, read one row group's ids at a
+        time: never all of a plan's ids at once."""
+        found = np.zeros(len(ids), dtype=bool)
+        for group in range(self._file.num_row_groups):
+            planned = self._file.read_row_group(group, columns=["id"]).column("id")
+            found |= pc.is_in(ids, value_set=planned).to_numpy(zero_copy_only=False)
+        return pc.filter(ids, pa.array(found))
+
+
+def _row_groups_by_key(parquet: pq.ParquetFile) -> tuple[dict[str, list[int]], list[int]]:
+    """From the footer: the row groups of each partition key that holds a row group alone (its
+    statistics' minimum equals its maximum), and the row groups of several keys or no statistics."""
+    column = parquet.schema_arrow.get_field_index("partition_key")
+    alone: dict[str, list[int]] = {}
+    mixed: list[int] = []
+    for group in range(parquet.num_row_groups):
+        stats = parquet.metadata.row_group(group).column(column).statistics if column >= 0 else None
+        if stats is not None and stats.has_min_max and stats.min == stats.max and stats.null_count == 0:
+            alone.setdefault(stats.min, []).append(group)
+        elif parquet.metadata.row_group(group).num_rows:
+            mixed.append(group)
+    return alone, mixed
