@@ -156,12 +156,14 @@ def kv_groups_with_the_core_apart(engine_settings):
               "from engine.vllm.vllm_engine import open_engine\n"
               "if __name__ == '__main__':\n"
               f"    with open_engine(EngineSettings.model_validate_json({engine_settings.model_dump_json()!r})) as e:\n"
-              "        print(e.kv_groups.full, *e.kv_groups.window_caps, type(e._engine.engine_core).__name__)\n")
+              "        queued = e._engine.engine_core.outputs_queue.qsize()  # what step() reads as queued_steps\n"
+              "        client = type(e._engine.engine_core).__name__\n"
+              "        print(e.kv_groups.full, *e.kv_groups.window_caps, queued, client)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT,
                           env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
                                "VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
-    *counts, client = done.stdout.strip().splitlines()[-1].split()
-    assert client == "SyncMPClient"
+    *counts, queued, client = done.stdout.strip().splitlines()[-1].split()
+    assert client == "SyncMPClient" and queued == "0"  # the client's queue of the core's outputs, read
     from engine.run.kv_budget import KVGroups
 
     return KVGroups(int(counts[0]), tuple(int(c) for c in counts[1:]))
@@ -185,7 +187,9 @@ def test_a_model_with_a_sliding_window_beside_full_attention_runs_group_wise_as_
         (window, cap), full = core_groups(engine)
         assert window == "SlidingWindowSpec" and full == ("FullAttentionSpec", None)
         assert engine.kv_groups == KVGroups(1, (cap,))
-    if max_num_batched_tokens:  # the core in its own process (a GPU's) is read the same, over its socket
+    # The core in its own process (a GPU's) is read the same, over its socket; its queue of step
+    # outputs is where the handle reads how far it ran ahead (``StepReport.queued_steps``).
+    if max_num_batched_tokens:
         assert kv_groups_with_the_core_apart(engine_settings) == KVGroups(1, (cap,))
     prepared = prepare_batch(table, load_tokenizer(model), engine_settings, SAMPLING)
     longest = int(prepared.batch.lengths.max()) + SAMPLING.max_tokens

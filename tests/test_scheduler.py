@@ -351,6 +351,36 @@ def test_an_engine_that_runs_a_step_ahead_of_its_reports_preempts_no_more(reserv
         assert preemptions(1, counted=False) > in_step  # what counting one step behind cost
 
 
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_steps_the_engine_ran_ahead_of_the_reports_read_are_counted_from_its_queue(ahead):
+    """vLLM's core in its own process steps without waiting for the reader: when the reader takes a
+    step's outputs, later steps' may be queued (``queued_steps``), rows holding tokens the reports do
+    not show yet. Counted from the queue, a scheduler that was not told of them at its start
+    (``steps_ahead`` 0) preempts no more than one whose engine never runs ahead; ignored, it does."""
+    from engine.run.requests import StepReport
+
+    batch, groups = nested_batch(documents=8, rows_per_document=6, system_blocks=2, document_blocks=2, own_tokens=4)
+    max_tokens = np.full(len(batch.lengths), 9)
+
+    class Unsaid(BlockAccountingEngine):
+        def step(self) -> StepReport:
+            report = super().step()
+            report.queued_steps = 0  # the queue not read
+            return report
+
+    def preemptions(engine: BlockAccountingEngine) -> int:
+        scheduler = GroupScheduler(batch, max_tokens, groups, SchedulerSettings(), BLOCK, 40)
+        watch = Watched(engine, scheduler)
+        out = list(drive(scheduler, engine, SAMPLING, StepTotals(), on_step=watch))
+        assert sorted(f.submission.row for f in out) == list(range(len(batch.lengths)))
+        assert (watch.below_exact == []) == (type(engine) is BlockAccountingEngine)
+        return engine.preemptions
+
+    in_step = preemptions(BlockAccountingEngine(40, BLOCK))
+    assert preemptions(BlockAccountingEngine(40, BLOCK, steps_ahead=ahead, says_queued=True)) <= in_step
+    assert preemptions(Unsaid(40, BLOCK, steps_ahead=ahead, says_queued=True)) > in_step
+
+
 def test_steps_in_which_the_engine_ran_nothing_are_counted_apart():
     """vLLM holds back a constrained request while its grammar compiles, and a step then runs
     nothing: 4 choice rows took 326 such steps (engine_steps 326, rows_per_step 0.02). Those are

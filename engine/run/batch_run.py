@@ -129,6 +129,7 @@ class BatchRun:
             startup_s=started - (self.started_at or started),  # before the run: none of wall_s
             run_setup_s=(totals.first_submit_at or started) - started,  # of wall_s
             preemptions=totals.preemptions, engine_steps=totals.steps, idle_steps=totals.idle_steps,
+            max_queued_steps=totals.max_queued_steps,
             recomputed_tokens=totals.recomputed_tokens,
             mean_kv_usage=totals.mean_kv_usage, rows_per_step=totals.rows_per_step,
             prefix_requests=scheduled.prefix_requests,

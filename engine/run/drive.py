@@ -30,9 +30,11 @@ class StepTotals:
     running_sum: int = 0
     preemptions: int = 0
     recomputed_tokens: int = 0  # computed again after a preemption (see EngineGauges)
+    max_queued_steps: int = 0  # the most steps the engine ran ahead of a report read (``StepReport.queued_steps``)
     first_submit_at: float | None = None  # perf_counter() when the first request entered the engine
 
     def add(self, report: StepReport) -> None:
+        self.max_queued_steps = max(self.max_queued_steps, report.queued_steps)
         if report.idle:
             self.idle_steps += 1
             return
@@ -91,7 +93,7 @@ def drive(
         report = engine.step()
         report.seconds = time.perf_counter() - started
         totals.add(report)
-        scheduler.after_step(report.started)
+        scheduler.after_step(report.started, report.queued_steps)
         for finished in report.finished:
             scheduler.finish(finished)
             if finished.submission.kind is RequestKind.ROW:

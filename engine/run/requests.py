@@ -119,6 +119,9 @@ class StepReport(EngineGauges):
     finished: list[Finished] = field(default_factory=list)
     started: list[RequestKey] = field(default_factory=list)  # unfinished requests that got their first token now
     seconds: float = 0.0
+    # Steps the engine has run beyond this one, their outputs not read yet (vLLM's core in its own
+    # process steps without waiting for the reader): rows hold that many tokens more than reported.
+    queued_steps: int = 0
 
     @property
     def idle(self) -> bool:

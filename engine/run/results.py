@@ -83,6 +83,7 @@ class RunStats:
     recomputed_tokens: int = 0
     engine_steps: int = 0
     idle_steps: int = 0  # engine steps that ran nothing: requests waiting for a grammar compile
+    max_queued_steps: int = 0  # the most steps vLLM's core ran ahead of the reports read (counted by admission)
     mean_kv_usage: float = 0.0
     rows_per_step: float = 0.0
     startup_s: float = 0.0
@@ -136,7 +137,7 @@ def merge_stats(parts: list[RunStats]) -> RunStats:
     """One RunStats of runs that ran side by side: counts add up, times are the longest, the
     per-step gauges are averaged over all their steps."""
     merged = {f.name: sum(getattr(p, f.name) for p in parts) for f in fields(RunStats) if f.type in ("int", int)}
-    longest = ("wall_s", "startup_s", "run_setup_s", "engine_start_s", "engine_stop_s")
+    longest = ("wall_s", "startup_s", "run_setup_s", "engine_start_s", "engine_stop_s", "max_queued_steps")
     merged.update({name: max((getattr(p, name) for p in parts), default=0.0) for name in longest})
     if merged["engine_steps"]:
         merged["mean_kv_usage"] = sum(p.mean_kv_usage * p.engine_steps for p in parts) / merged["engine_steps"]

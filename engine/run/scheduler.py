@@ -107,8 +107,9 @@ class Scheduler(Protocol):
         """What to submit before the next engine step, and the rows that can never run."""
         ...
 
-    def after_step(self, started: list[RequestKey]) -> None:
-        """An engine step ran; ``started``: the requests that got their first output token in it."""
+    def after_step(self, started: list[RequestKey], queued_steps: int = 0) -> None:
+        """An engine step ran; ``started``: the requests that got their first output token in it;
+        ``queued_steps``: steps the engine ran beyond it whose reports are still to be read."""
         ...
 
     def finish(self, finished: Finished) -> None:
@@ -200,7 +201,8 @@ class GroupScheduler:
         # function of how many tokens it has generated, bounded above by the engine steps since its
         # first token (one token per step at most: vLLM without speculative decoding), so a row's
         # count grows by one block every block_size steps while its lookahead window still grows.
-        self._steps = 0  # engine steps so far
+        self._steps = 0  # engine steps run so far: those read, and those the engine ran ahead of them
+        self._reports = 0  # engine steps whose reports were read
         self._row_blocks = 0  # blocks of the rows in the engine
         self._accounts: dict[int, _RowAccount] = {}  # row -> how its blocks are counted
         self._growing = [0] * block_size  # rows whose count grows after steps of this phase (step % block_size)
@@ -298,19 +300,28 @@ class GroupScheduler:
         full = self._kv.groups.full * max(1, blocks - hit_blocks)
         return full + self._window_growing[row] * blocks + self._constant[row]
 
-    def after_step(self, started) -> None:
-        """An engine step ran; ``started``: the requests that got their first output token in it.
-        A row that got its first token in step f has generated at most s - f + 1 tokens after step
-        s (one token per step at most: vLLM without speculative decoding), so its reserved end
+    def after_step(self, started, queued_steps: int = 0) -> None:
+        """An engine step's report was read; ``started``: the requests that got their first output
+        token in it; ``queued_steps``: steps the engine ran beyond it, not read yet (vLLM's core in
+        its own process steps without waiting). A row that got its first token in step f has
+        generated at most s - f + 1 tokens after step s (one token per step at most: vLLM without
+        speculative decoding), s counting the steps run, read or queued, so its reserved end
         L + g + lookahead crosses into a new block at g = g1, g1 + B, ... until it reaches
         L + max_tokens: its count grows by one block every B steps, kept per phase (step % B) so
         that a step costs O(1) plus the rows that start or stop growing. A full reservation never grows."""
-        self._steps += 1
+        self._reports += 1
+        first_token_step = self._reports  # never behind the count: ``_steps >= first_token_step - 1``
         if self._lookahead is not None:
             for kind, row in started:
                 account = self._accounts.get(row) if kind is RequestKind.ROW else None
                 if account is not None and account.first_growth is None:
-                    self._start_growing(row, account)
+                    self._start_growing(row, account, first_token_step)
+        while self._steps < first_token_step + queued_steps:
+            self._advance()
+
+    def _advance(self) -> None:
+        """One more engine step on the count: the rows of its phase grow, some for the last time."""
+        self._steps += 1
         self._row_blocks += self._growing[self._steps % self._block]
         for row in self._growth_ends.pop(self._steps, ()):
             account = self._accounts.get(row)
@@ -318,17 +329,24 @@ class GroupScheduler:
                 account.growing = False
                 self._growing[account.first_growth % self._block] -= account.weight
 
-    def _start_growing(self, row: int, account: _RowAccount) -> None:
+    def _start_growing(self, row: int, account: _RowAccount, first_token_step: int) -> None:
+        """The row got its first token in ``first_token_step``: its growths from then on, those the
+        engine's steps run ahead already reached counted now."""
         length, max_tokens = self._lengths[row], self._max_tokens[row]
         reach = length + min(max_tokens, self._lookahead)  # its reserved end at g = 0
         growths = -(-(length + max_tokens) // self._block) - -(-reach // self._block)
         if growths <= 0:
             return
         g1 = (self._block - reach % self._block) % self._block + 1  # first g whose end is in a new block
-        account.first_growth = self._steps - 1 + g1  # the step after which the row has g1 tokens
-        account.growths, account.growing = growths, True
-        self._growing[account.first_growth % self._block] += account.weight
-        self._growth_ends.setdefault(account.first_growth + (growths - 1) * self._block, []).append(row)
+        account.first_growth = first_token_step - 1 + g1  # the step after which the row has g1 tokens
+        account.growths = growths
+        grown = self._blocks_of(account) - account.base  # reached already (the engine ran ahead)
+        self._row_blocks += grown
+        last = account.first_growth + (growths - 1) * self._block
+        if last > self._steps:
+            account.growing = True
+            self._growing[account.first_growth % self._block] += account.weight
+            self._growth_ends.setdefault(last, []).append(row)
 
     def _blocks_of(self, account: _RowAccount) -> int:
         """The account's blocks now: its base and the growths applied up to this step."""
@@ -564,7 +582,7 @@ class InOrderScheduler:
             self._in_flight += 1
         return decision
 
-    def after_step(self, started) -> None:
+    def after_step(self, started, queued_steps: int = 0) -> None:
         pass
 
     def finish(self, finished: Finished) -> None:

@@ -68,9 +68,11 @@ class BlockAccountingEngine:
 
     def __init__(self, num_blocks: int, block_size: int = 4, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, steps_ahead: int = 0,
-                 kv_groups: KVGroups = KVGroups()):
+                 kv_groups: KVGroups = KVGroups(), says_queued: bool = False):
         """``steps_ahead``: how many steps it runs beyond the report it returns (vLLM's async
-        scheduling: 1), so requests submitted after reading step s enter at step s + 1 + steps_ahead."""
+        scheduling: 1), so requests submitted after reading step s enter at step s + 1 + steps_ahead.
+        ``says_queued``: each report says how many (``queued_steps``), as vLLM's core in its own
+        process shows them (its outputs queued for the client); async scheduling does not."""
         self.block_size, self.kv_capacity_blocks, self.max_num_seqs = block_size, num_blocks, max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self._budget = 0  # tokens left in the step being scheduled
@@ -91,7 +93,7 @@ class BlockAccountingEngine:
         self.peak_referenced = 0
         self.preemptions = 0
         self.prefill_tokens = 0
-        self.steps_ahead = steps_ahead
+        self.steps_ahead, self._says_queued = steps_ahead, says_queued
         self._unread: deque[StepReport] = deque()  # steps run, their reports not yet returned
         self.refuses: dict[str, str] = {}  # a response format's text -> why it is refused (a test sets it)
         self.asked: list[str] = []  # the formats asked about, in order
@@ -138,7 +140,9 @@ class BlockAccountingEngine:
         the step ``steps_ahead`` behind the last one run."""
         while (self._waiting or self._running) and len(self._unread) <= self.steps_ahead:
             self._unread.append(self._run_step())
-        return self._unread.popleft() if self._unread else StepReport()
+        report = self._unread.popleft() if self._unread else StepReport()
+        report.queued_steps = len(self._unread) if self._says_queued else 0
+        return report
 
     def _run_step(self) -> StepReport:
         self.step_count += 1

@@ -416,6 +416,10 @@ class VLLMEngine:
             self._grammars_submitted = False
         outputs = self._engine.step() if self._engine.has_unfinished_requests() else []
         report = StepReport(**vars(self._gauges))  # what vLLM's stat logger recorded of this step
+        # A core in its own process steps without waiting for this handle; each ``step`` takes one
+        # step's outputs from the client's queue: what is left there are steps run and not read.
+        queue = getattr(self._engine.engine_core, "outputs_queue", None)
+        report.queued_steps = queue.qsize() if queue is not None else 0
         report.finished, self._done_at_submit = self._done_at_submit, []
         for out in outputs:
             request = self._in_flight[out.request_id]
