@@ -106,12 +106,12 @@ def write_plan(table: pa.Table, path: Path) -> int:
     """Publish the plan whole (readers see the old plan or the new one), each shard's rows in row
     groups of their own, in shard order (Parquet's statistics then name each row group's one
     partition key: ``PlanFile`` reads a shard's rows alone); returns its bytes."""
-    table = table.take(pc.sort_indices(table, sort_keys=[("shard", "ascending")]))  # stable: input order within
     shards = table.column("shard").to_numpy()
-    starts = np.flatnonzero(np.diff(shards, prepend=-1)) if shards.size else np.zeros(0, np.int64)
+    order = np.argsort(shards, kind="stable")  # input order within a shard; one shard copied at a time
+    starts = np.flatnonzero(np.diff(shards[order], prepend=-1)) if shards.size else np.zeros(0, np.int64)
     with Staged(path) as staged, pq.ParquetWriter(staged.path, table.schema) as writer:
         for start, stop in zip(starts, [*starts[1:], shards.size]):
-            writer.write_table(table.slice(start, stop - start), row_group_size=PLAN_ROW_GROUP_ROWS)
+            writer.write_table(table.take(order[start:stop]), row_group_size=PLAN_ROW_GROUP_ROWS)
         if not shards.size:
             writer.write_table(table)
     return path.stat().st_size
