@@ -426,3 +426,26 @@ def test_choice_reads_are_what_both_of_vllms_model_runners_read():
     params = ChoiceReads(tokenizer=None)._read_params((7, 8, 9))
     assert (params.max_tokens, params.logprobs, params.logprob_token_ids) == (1, None, [7, 8, 9])
     assert params.num_logprobs == 3  # what vLLM's output processor returns for it
+
+
+@pytest.mark.slow  # imports vLLM
+def test_on_an_h200_a_sliding_window_group_holds_every_token_of_a_row_under_its_cap():
+    """What a GPU's admission counts in a sliding-window group (Gemma 3: a 1,024-token window, blocks
+    of 16, 128k context), by vLLM's own bound at an H200's offline settings: 16,384 batched tokens a
+    step, two steps in flight with async scheduling. The cap is the window and the tokens in flight:
+    2,113 blocks (33,808 tokens), so a batch row shorter than that holds every token in each window
+    group, as in a full-attention one; only longer rows hold less."""
+    from vllm.config import VllmConfig
+
+    from engine.vllm.vllm_engine import _window_cap
+
+    config = types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(pipeline_parallel_size=1), use_v2_model_runner=True,
+        scheduler_config=types.SimpleNamespace(async_scheduling=True, max_num_batched_tokens=16_384),
+        model_config=types.SimpleNamespace(max_model_len=131_072))
+    config.max_concurrent_batches = VllmConfig.max_concurrent_batches.fget(config)
+    config.max_in_flight_tokens = VllmConfig.max_in_flight_tokens.fget(config)
+    assert config.max_in_flight_tokens == 32_768
+    assert _window_cap(config, 1024, 16) == -(-(1023 + 32_768) // 16) + 1 == 2113
+    config.model_config.max_model_len = 8192  # a shorter context bounds it
+    assert _window_cap(config, 1024, 16) == 8192 // 16 + 1
