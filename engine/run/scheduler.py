@@ -234,7 +234,7 @@ class GroupScheduler:
         reserved output end in at admission (``_blocks_at`` with nothing generated, before its cache
         hit), the whole blocks of its group's prefix it finds cached (``_cache_hit``), and the rows
         that need more blocks than the whole cache even alone, with what they need (rejected when
-        their turn comes). Each row's weight and constant (``KVBudget.row_weights``) are kept too."""
+        their turn comes). Each row's sliding-window counts (``KVBudget.window_weights``) are kept too."""
         block, lengths = self._block, np.asarray(self._lengths, dtype=np.int64)
         max_tokens = np.asarray(self._max_tokens, dtype=np.int64)
         prefix = np.zeros(lengths.size, dtype=np.int64)
