@@ -1,6 +1,7 @@
 """The token cache: a rerun tokenizes only new or changed rows and gets the same token ids."""
 
 import json
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -276,6 +277,7 @@ def test_workers_on_ray_make_the_entries_one_process_makes_in_its_order(tmp_path
     from engine.plan.tokenize_workers import TokenizeWorkers
 
     monkeypatch.setattr(engine.plan.token_cache, "_TEXT_BATCH", 16)  # several batches in flight
+    monkeypatch.setattr(engine.plan.token_cache, "_WORKER_BATCH", 16)
     prompts, messages = rows(range(200), 60)
     prompts[7] = ""  # an error row, kept in its place
     path = tmp_path / "prompts.parquet"
@@ -289,6 +291,10 @@ def test_workers_on_ray_make_the_entries_one_process_makes_in_its_order(tmp_path
                                                             BLOCK, progress=lines.append, workers=workers)
     assert same_rows(alone, fresh) and same_rows(spread, fresh) and 7 in spread.errors
     assert spread.tokenized_rows == alone.tokenized_rows and "on 2 workers" in lines[-1]
+    # Each worker wrote its batches' parts itself (the part's name carries the writer's pid).
+    writers = {int(p.stem.rsplit("-", 1)[1]) for p in (tmp_path / "spread" / "fp").glob("part-*.arrow")}
+    assert len(list((tmp_path / "spread" / "fp").glob("part-*.arrow"))) > 1  # a part per batch with new contents
+    assert writers and os.getpid() not in writers
     assert TokenizeWorkers(2, min_rows=10_000).used_for(spread.tokenized_rows) == 1  # a small night: here
 
 

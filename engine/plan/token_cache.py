@@ -14,6 +14,7 @@ shard's partition reads just its rows' ids from them.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ _HASHED_AS = b"batchllm.block_hashes"  # a part's metadata: how its hashes were 
 _SCHEMA = pa.schema([("key", KEY_TYPE), ("token_ids", pa.large_list(pa.int32())),
                      ("block_hashes", pa.large_list(pa.uint64())), ("error", pa.string())])
 _TEXT_BATCH = 16_384  # rows read and tokenized at a time
+_WORKER_BATCH = 65_536  # rows a worker tokenizes and writes as one part (~10 s of its work)
 _ID_COLUMNS = ["key", "token_ids", "error"]  # what a partition's lookup reads (any part version has them)
 _PART_ROWS = 262_144  # new entries per published part: what a crash can lose
 _REPORT_S = 10.0  # seconds between progress lines while tokenizing
@@ -93,6 +95,42 @@ def entries_of(batch: pa.Table, tokenizer, prompt_column: str, messages_column: 
     tokenized = tokenize_rows(tokenizer, prompts, messages)
     errors = pa.array([tokenized.errors.get(i) for i in range(batch.num_rows)], pa.string())
     return _entries(batch.column(CONTENT_KEY).cast(KEY_TYPE), tokenized.tokens, tokenized.offsets, errors, block_size)
+
+
+def write_part(folder: Path, name: str, batches, block_size: int, max_rows: int | None = None) -> int:
+    """Write record batches from an iterator as one part of the cache in ``folder``, up to about
+    ``max_rows`` rows (the rest stay in the iterator), published whole (staged, then renamed);
+    returns the rows written (0: no part was written)."""
+    schema = _SCHEMA.with_metadata({_HASHED_AS: _hashed_as(block_size)})
+    rows = 0
+    with Staged(folder / name) as staged:
+        with pa.OSFile(str(staged.path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+            for batch in batches:
+                writer.write_batch(batch.replace_schema_metadata(schema.metadata))
+                rows += batch.num_rows
+                if max_rows is not None and rows >= max_rows:
+                    break
+        if not rows:
+            staged.discard()
+    return rows
+
+
+def _part_name() -> str:
+    """A new part's name: parts sort by when they were written (a worker's pid keeps two apart)."""
+    return f"part-{time.time_ns():020d}-{os.getpid()}.arrow"
+
+
+def _token_count(entries: pa.RecordBatch) -> int:
+    return pc.sum(pc.list_value_length(entries.column("token_ids"))).as_py() or 0
+
+
+def written_by_worker(batch: pa.Table, tokenizer, folder: str, prompt_column: str, messages_column: str,
+                      block_size: int) -> tuple[int, int]:
+    """A worker's task (``TokenizeWorkers.map``): the batch's entries written as a part of the cache
+    in ``folder`` by the worker itself, so only two numbers travel back: its rows and tokens."""
+    entries = entries_of(batch, tokenizer, prompt_column, messages_column, block_size)
+    write_part(Path(folder), _part_name(), [entries], block_size)
+    return entries.num_rows, _token_count(entries)
 
 
 @dataclass
@@ -178,20 +216,7 @@ class TokenCache:
         return position.to_numpy()
 
     def _write(self, batches, name: str, block_size: int, max_rows: int | None = None) -> int:
-        """Write record batches from an iterator as one part, up to about ``max_rows`` rows (the rest
-        stay in the iterator); returns the rows written (0: no part was written)."""
-        schema = _SCHEMA.with_metadata({_HASHED_AS: _hashed_as(block_size)})
-        rows = 0
-        with Staged(self.folder / name) as staged:
-            with pa.OSFile(str(staged.path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-                for batch in batches:
-                    writer.write_batch(batch.replace_schema_metadata(schema.metadata))
-                    rows += batch.num_rows
-                    if max_rows is not None and rows >= max_rows:
-                        break
-            if not rows:
-                staged.discard()
-        return rows
+        return write_part(self.folder, name, batches, block_size, max_rows)
 
     def rows_for(self, snapshot: Path, tokenizer, prompt_column: str, messages_column: str, block_size: int,
                  progress: Callable[[str], None] = log.info,
@@ -219,12 +244,10 @@ class TokenCache:
         tokenized = 0
         if len(missing):
             # Streamed into new parts batch by batch, then mapped with the rest: the first night
-            # never holds the table's token ids in memory, and a part is published every
-            # _PART_ROWS rows, so a crash loses at most one part's tokenizing.
-            batches = self._tokenize(snapshot, missing, tokenizer, prompt_column, messages_column, block_size,
-                                     progress, workers)
-            while written := self._write(batches, f"part-{time.time_ns():020d}.arrow", block_size, _PART_ROWS):
-                tokenized += written
+            # never holds the table's token ids in memory, and parts are published as they are
+            # written, so a crash loses at most one part's tokenizing.
+            tokenized = self._tokenize(snapshot, missing, tokenizer, prompt_column, messages_column, block_size,
+                                       progress, workers)
             loaded = self._parts()
             cache = self.load(block_size)
         position = self._positions(keys, cache) if tokenized else found.to_numpy()  # nothing new: already found
@@ -240,38 +263,31 @@ class TokenCache:
                           cached_rows, tokenized)
 
     def _tokenize(self, snapshot: Path, missing: pa.Array, tokenizer, prompt_column: str, messages_column: str,
-                  block_size: int, progress: Callable[[str], None], workers: TokenizeWorkers):
-        """Cache entries of the missing keys' rows, tokenized a batch at a time (never the whole
-        text at once), here or on ``workers``; a content found twice is tokenized once."""
-        seen = set()
-
-        def todo() -> Iterator[pa.Table]:
-            for batch in texts_of(snapshot, missing, prompt_column, messages_column, _TEXT_BATCH):
-                key_list = batch.column(CONTENT_KEY).to_pylist()
-                new = [i for i, k in enumerate(key_list) if not (k in seen or seen.add(k))]
-                if new:  # a batch of contents seen before has none (and take([]) has no type)
-                    yield batch.take(pa.array(new, pa.int64()))
-
+                  block_size: int, progress: Callable[[str], None], workers: TokenizeWorkers) -> int:
+        """The missing keys' rows tokenized into new parts, a batch at a time (never the whole text
+        at once), a content found twice once; returns the rows written. Here, parts of up to
+        ``_PART_ROWS``; on ``workers``, each writes its batch's part itself (only counts come back:
+        no token ids through the driver)."""
         columns = (prompt_column, messages_column, block_size)
         used = workers.used_for(len(missing))
+        report = _Progress(len(missing), used, progress)
         if used > 1:
-            entries = workers.map(todo(), getattr(tokenizer, "model_path", None) or tokenizer.name_or_path, entries_of,
-                                  *columns)
-        else:
-            entries = (entries_of(batch, tokenizer, *columns) for batch in todo())
-        started = last_report = time.perf_counter()
-        tokens = rows = 0
-        for batch in entries:
-            yield batch
-            tokens += pc.sum(pc.list_value_length(batch.column("token_ids"))).as_py() or 0
-            rows += batch.num_rows
-            now = time.perf_counter()
-            if now - last_report >= _REPORT_S or rows == len(missing):
-                last_report, elapsed = now, now - started
-                eta = (len(missing) - rows) * elapsed / max(rows, 1)
-                progress(f"tokenized {rows:,} of {len(missing):,} new contents ({tokens:,} tokens, "
-                         f"{tokens / max(elapsed, 1e-9):,.0f} tokens/s{f' on {used} workers' if used > 1 else ''}, "
-                         f"eta {eta:.0f}s)")
+            model = getattr(tokenizer, "model_path", None) or tokenizer.name_or_path
+            contents = _new_contents(snapshot, missing, prompt_column, messages_column, _WORKER_BATCH)
+            for rows, tokens in workers.map(contents, model, written_by_worker, str(self.folder), *columns):
+                report(rows, tokens)
+            return report.rows
+
+        def entries() -> Iterator[pa.RecordBatch]:
+            for batch in _new_contents(snapshot, missing, prompt_column, messages_column, _TEXT_BATCH):
+                out = entries_of(batch, tokenizer, *columns)
+                report(out.num_rows, _token_count(out))
+                yield out
+
+        batches, written = entries(), 0
+        while rows := self._write(batches, _part_name(), block_size, _PART_ROWS):
+            written += rows
+        return written
 
     def _compact(self, cache: pa.Table, loaded: list[Path], keys: pa.Array, block_size: int,
                  still_needed: Callable[[], pa.Array | None]) -> None:
@@ -282,6 +298,36 @@ class TokenCache:
             if needed is not None and len(needed):
                 keys = pa.concat_arrays([keys, needed.cast(KEY_TYPE)])
             kept = cache.filter(pc.is_in(cache.column("key"), value_set=keys))
-            self._write(kept.to_batches(), f"part-{time.time_ns():020d}.arrow", block_size)
+            self._write(kept.to_batches(), _part_name(), block_size)
             for path in loaded:
                 path.unlink(missing_ok=True)
+
+
+def _new_contents(snapshot: Path, missing: pa.Array, prompt_column: str, messages_column: str,
+                  batch_rows: int) -> Iterator[pa.Table]:
+    """The missing keys' rows in batches of up to ``batch_rows``, each content once."""
+    seen = set()
+    for batch in texts_of(snapshot, missing, prompt_column, messages_column, batch_rows):
+        key_list = batch.column(CONTENT_KEY).to_pylist()
+        new = [i for i, k in enumerate(key_list) if not (k in seen or seen.add(k))]
+        if new:  # a batch of contents seen before has none (and take([]) has no type)
+            yield batch.take(pa.array(new, pa.int64()))
+
+
+class _Progress:
+    """Progress lines while tokenizing: rows and tokens so far, the rate and what is left."""
+
+    def __init__(self, total: int, workers: int, say: Callable[[str], None]):
+        self.total, self.workers, self.say = total, workers, say
+        self.rows = self.tokens = 0
+        self.started = self.last = time.perf_counter()
+
+    def __call__(self, rows: int, tokens: int) -> None:
+        self.rows, self.tokens = self.rows + rows, self.tokens + tokens
+        now = time.perf_counter()
+        if now - self.last >= _REPORT_S or self.rows == self.total:
+            self.last, elapsed = now, now - self.started
+            eta = (self.total - self.rows) * elapsed / max(self.rows, 1)
+            on = f" on {self.workers} workers" if self.workers > 1 else ""
+            self.say(f"tokenized {self.rows:,} of {self.total:,} new contents ({self.tokens:,} tokens, "
+                     f"{self.tokens / max(elapsed, 1e-9):,.0f} tokens/s{on}, eta {eta:.0f}s)")

@@ -4,8 +4,9 @@ Tokenizing is nearly all of a first night's plan step (1M rows of ~300 tokens: 1
 process, docs/scale.md). With ``tokenize_workers: N`` above 1, batches of new rows go to N Ray
 tasks at a time (a local Ray of N CPUs, or the job's ``ray_address`` cluster), each loading the
 tokenizer once per worker process, tokenizing and hashing its batch with one thread (N workers, not
-N times the tokenizer's own thread pool); their entries come back in the batches' order, at most
-2 x N batches in flight, and the caller writes them into the token cache as one process does. A
+N times the tokenizer's own thread pool) and writing its entries as a part of the token cache itself
+(the cache's folder must be one the workers reach: a shared volume on a cluster); what comes back,
+in the batches' order with at most 2 x N batches in flight, is the task's result (its counts). A
 night with fewer new rows than ``min_rows`` (a rerun's few changed rows) is tokenized in the
 process: starting Ray costs seconds.
 """
@@ -35,8 +36,9 @@ class TokenizeWorkers:
         """How many workers tokenize ``rows`` new rows (1: this process)."""
         return self.count if self.count > 1 and rows >= self.min_rows else 1
 
-    def map(self, batches: Iterator[pa.Table], model_path: str, work: Callable, *args) -> Iterator[pa.RecordBatch]:
-        """``work(batch, tokenizer, *args)`` of every batch, in the batches' order, on Ray tasks."""
+    def map(self, batches: Iterator[pa.Table], model_path: str, work: Callable, *args) -> Iterator:
+        """``work(batch, tokenizer, *args)`` of every batch, in the batches' order, on Ray tasks
+        (``token_cache.written_by_worker``: the entries written where the worker runs)."""
         import ray
 
         if not ray.is_initialized():
@@ -52,7 +54,7 @@ class TokenizeWorkers:
             yield ray.get(in_flight.popleft())
 
 
-def _in_worker(batch: pa.Table, model_path: str, work: Callable, *args) -> pa.RecordBatch:
+def _in_worker(batch: pa.Table, model_path: str, work: Callable, *args):
     return work(batch, _worker_tokenizer(model_path), *args)
 
 
