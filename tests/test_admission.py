@@ -77,6 +77,23 @@ def test_where_vllm_alone_computes_prefixes_twice_group_wise_admission_keeps_its
         assert engine.prefill_tokens < alone.prefill_tokens and engine.preemptions < alone.preemptions
 
 
+def test_a_model_with_sliding_window_groups_is_admitted_by_vllm_where_the_engine_would_gain():
+    """The groups shape, where group-wise admission gains on one full-attention group: with a
+    sliding-window group beside it (which the engine counts per row, vLLM sharing it), vLLM admits,
+    in plan order, saying why; a job may still ask for group-wise admission."""
+    from engine.run.kv_budget import KVGroups
+
+    batch, max_tokens = synthetic_tokens(Workload(), VOCAB)
+    planned, prepared = planned_prompt_set(batch, max_tokens, BLOCK)
+    rows = [int(r) for r in prepared.order]
+    kv_blocks = max(64, int(planned.plan.unique_tokens // BLOCK) // 3)
+    one_group = choose_admission(batch, max_tokens, rows, EngineLimits(BLOCK, kv_blocks, 64, 2048))
+    assert one_group.admission is Admission.GROUP_WISE
+    hybrid = EngineLimits(BLOCK, 2 * kv_blocks, 64, 2048, kv_groups=KVGroups(1, (1000,)))
+    choice = choose_admission(batch, max_tokens, rows, hybrid)
+    assert choice.admission is Admission.VLLM and "sliding-window groups (1 full-attention, 1 sliding" in choice.reason
+
+
 def test_the_admission_can_be_set_and_prefix_requests_need_the_group_wise_scheduler():
     prepared = prepared_of(*shares_nothing())
     _, forced, _ = run_on_stand_in(prepared, 120, admission="group_wise")

@@ -75,6 +75,13 @@ def choose_admission(batch: TokenizedBatch, max_tokens: np.ndarray, rows_in_plan
     """Group-wise where it can gain over vLLM admitting ``rows_in_plan_order`` itself, else vLLM."""
     if prefix_requests:
         return AdmissionChoice(Admission.GROUP_WISE, "prefix requests are on (scheduler.prefix_requests)")
+    if limits.kv_groups.window_caps:
+        # The count of a window group is each row's own (kv_budget): an upper bound, where vLLM shares
+        # the prefix's blocks while they are in the window. Group-wise admission would then run
+        # fuller batches only by luck, and the stand-in would overstate vLLM's own preemptions.
+        return AdmissionChoice(Admission.VLLM, f"this model's KV cache has sliding-window groups "
+                               f"({limits.kv_groups.describe()}), which the engine counts per row while vLLM "
+                               "shares their prefix blocks: vLLM admits, in plan order")
     blocks, shared = _row_blocks(batch, max_tokens, rows_in_plan_order, limits.kv)
     demand = int(blocks.sum())
     usable = limits.kv.usable
