@@ -418,7 +418,7 @@ class VLLMEngine:
         report = StepReport(**vars(self._gauges))  # what vLLM's stat logger recorded of this step
         # A core in its own process steps without waiting for this handle; each ``step`` takes one
         # step's outputs from the client's queue: what is left there are steps run and not read.
-        queue = getattr(self._engine.engine_core, "outputs_queue", None)
+        queue = getattr(getattr(self._engine, "engine_core", None), "outputs_queue", None)
         report.queued_steps = queue.qsize() if queue is not None else 0
         report.finished, self._done_at_submit = self._done_at_submit, []
         for out in outputs:
