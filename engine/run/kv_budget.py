@@ -29,10 +29,6 @@ class KVGroups:
         if self.full < 0 or self.full + len(self.window_caps) < 1 or any(c < 1 for c in self.window_caps):
             raise ValueError(f"no KV cache group to count: {self}")
 
-    @property
-    def count(self) -> int:
-        return self.full + len(self.window_caps)
-
     def describe(self) -> str:
         windows = f", {len(self.window_caps)} sliding-window (at most {min(self.window_caps)} blocks a row)" \
             if self.window_caps else ""

@@ -242,6 +242,9 @@ class VLLMEngine:
         # vLLM adds its LoggingStatLogger beside ours whenever its logger takes INFO lines (a routed
         # run's log file does; vLLM's start configures its logging again, so a level set before is
         # undone): work every step for a throughput line nobody reads. Only ours is kept.
+        # A core in its own process steps without waiting for this handle; each ``step`` takes one
+        # step's outputs from the client's queue: what is left there are steps run and not read.
+        self._core_queue = getattr(self._engine.engine_core, "outputs_queue", None)
         manager = self._engine.logger_manager
         manager.stat_loggers = [logger for logger in manager.stat_loggers if isinstance(logger, ours)]
 
@@ -275,6 +278,7 @@ class VLLMEngine:
         self.block_size = block_size
         self.steps_ahead = 0
         self.kv_groups = KVGroups()  # read from vLLM once it started (``read_kv_groups``)
+        self._core_queue = None  # the client's queue of a core in its own process (``_start``)
         self._gauges = EngineGauges()
         self._in_flight: dict[str, _InFlight | ScoreRead] = {}  # unfinished requests by vLLM request id
         self._params: dict[tuple[int, int], tuple] = {}  # (id of sampling, max_tokens) -> (sampling, params)
@@ -416,10 +420,7 @@ class VLLMEngine:
             self._grammars_submitted = False
         outputs = self._engine.step() if self._engine.has_unfinished_requests() else []
         report = StepReport(**vars(self._gauges))  # what vLLM's stat logger recorded of this step
-        # A core in its own process steps without waiting for this handle; each ``step`` takes one
-        # step's outputs from the client's queue: what is left there are steps run and not read.
-        queue = getattr(getattr(self._engine, "engine_core", None), "outputs_queue", None)
-        report.queued_steps = queue.qsize() if queue is not None else 0
+        report.queued_steps = self._core_queue.qsize() if self._core_queue is not None else 0
         report.finished, self._done_at_submit = self._done_at_submit, []
         for out in outputs:
             request = self._in_flight[out.request_id]
