@@ -3,6 +3,8 @@ on the block-accounting fake engine that submits each content once and answers e
 
 import numpy as np
 import pyarrow as pa
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.plan.duplicates import NO_SET, answer_sources, count_duplicates, duplicate_sets, token_keys
 from engine.plan.plan_table import prepared_batch, rows_table
@@ -56,6 +58,33 @@ def test_error_rows_never_join_a_set():
     assert keys[0] == keys[1]
     assert duplicate_sets(keys, np.array([4, 4]), [None, None], np.array([True, False])).tolist() == [NO_SET, NO_SET]
     assert duplicate_sets(keys, np.array([4, 4]), [None, None], np.array([True, True])).tolist() == [0, 0]
+
+
+def _sets_by_dict(keys: list[bytes], max_tokens, formats, runnable) -> list[int]:
+    """The sets spelled out: rows with equal (key, max_tokens, format), numbered by their first row."""
+    members: dict = {}
+    for row, identity in enumerate(zip(keys, max_tokens, formats)):
+        if runnable[row]:
+            members.setdefault(identity, []).append(row)
+    out = [NO_SET] * len(keys)
+    for number, rows in enumerate(sorted((rows for rows in members.values() if len(rows) > 1), key=min)):
+        for row in rows:
+            out[row] = number
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 2), st.sampled_from([None, "a", "b"]), st.booleans()),
+                max_size=40))
+def test_duplicate_sets_are_the_rows_equal_in_key_max_tokens_and_format(rows):
+    keys = [bytes([k]) * 16 for k, *_ in rows]
+    max_tokens = np.array([m for _, m, _, _ in rows], dtype=np.int64)
+    formats = [f for *_, f, _ in rows]
+    ok = np.array([r for *_, r in rows], dtype=bool)
+    got = duplicate_sets(pa.array(keys, pa.binary(16)), max_tokens, formats, ok)
+    assert got.tolist() == _sets_by_dict(keys, max_tokens.tolist(), formats, ok)
+    sliced = pa.array([b"x" * 16] + keys, pa.binary(16)).slice(1)  # read from the buffer at the slice's offset
+    assert duplicate_sets(sliced, max_tokens, formats, ok).tolist() == got.tolist()
 
 
 def test_a_set_runs_its_first_row_present_so_a_shard_without_the_first_still_runs_one():

@@ -133,6 +133,25 @@ def test_gathering_rows_in_any_order_across_parts_copies_the_right_ids():
     assert [tokens[offsets[i]:offsets[i + 1]].tolist() for i in range(position.size)] == [rows[p] for p in position]
 
 
+def test_hashes_are_gathered_part_by_part_for_rows_in_any_order(tmp_path, tiny_model):
+    """A plan reads its rows' hashes one part at a time (each part mapped on its own, let go before
+    the next): rows of several parts, shuffled and repeated, get the hashes fresh token ids give."""
+    prompts, messages = rows(range(30), count=30)
+    path = tmp_path / "prompts.parquet"
+    cache = TokenCache(tmp_path / "cache", "fp")
+    tokenizer = load_tokenizer(tiny_model)
+    snapshot(path, prompts[:12], messages[:12])
+    cache.rows_for(path, tokenizer, "prompt", "messages", BLOCK)  # part one
+    snapshot(path, prompts[12:], messages[12:])
+    cache.rows_for(path, tokenizer, "prompt", "messages", BLOCK)  # part two
+    order = np.random.default_rng(1).permutation(30).tolist() + [3, 20, 3]
+    shuffled = ([prompts[i] for i in order], [messages[i] for i in order])
+    snapshot(path, *shuffled)
+    got = cache.rows_for(path, NoTokenizer(), "prompt", "messages", BLOCK)
+    assert len(list((tmp_path / "cache" / "fp").glob("part-*"))) == 2
+    assert same_rows(got, tokenize_rows(tokenizer, *shuffled))
+
+
 LOAD = """
 import json, sys
 from engine.plan.tokenizing import load_tokenizer

@@ -134,9 +134,11 @@ class PlanJob:
         """Tokens (only new or changed rows tokenized), the plan, ``shard_count(rows)`` shards that
         keep what the plan on disk had where they can, and each shard's key (``key_of(shard, ids)``)."""
         tokenizer = LazyTokenizer(self.settings.model_path)  # loaded only if a row is new or changed
+        pa.default_memory_pool().release_unused()  # what reading the snapshot's rows left in Arrow's pool
         rows = self.cache.rows_for(self.snapshot, tokenizer, self.columns.prompt, self.columns.messages,
                               self.settings.block_size, progress=progress,
                               still_needed=lambda: plan_content_keys(self.plan_path), workers=self.tokenize_workers)
+        pa.default_memory_pool().release_unused()  # Arrow keeps what the lookup freed: the planner's peak follows
         planned = plan_tokenized(meta, rows, self.settings, self.sampling, self.columns, self.scheduler)
         count = shard_count(planned.plan.num_rows)
         shards = assign_shards(planned.plan, count,

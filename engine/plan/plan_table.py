@@ -93,7 +93,7 @@ def plan_table(planned: PlannedBatch, content_keys: pa.ChunkedArray | pa.Array, 
     table = (rows_table(planned)
              .append_column(CONTENT_KEY, content_keys)
              .append_column("shard", pa.array(shard_of_row, pa.int64()))
-             .append_column("partition_key", pa.array([partition_keys[s] for s in shard_of_row], pa.string())))
+             .append_column("partition_key", pa.array(partition_keys, pa.string()).take(pa.array(shard_of_row))))
     return table.replace_schema_metadata({**table.schema.metadata, TOKEN_CACHE: str(token_cache.folder),
                                           MAX_MODEL_LEN: str(max_model_len), **stamp, PLAN_RUN: plan_run})
 

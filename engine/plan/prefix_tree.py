@@ -37,9 +37,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Level:
-    """The tree's nodes at one depth: which rows reach it and which node each row is in."""
+    """The tree's nodes at one depth: which rows reach it and which node each row is in. Node
+    numbers and counts are int32: the levels are most of a plan's memory (a row's every shared block)."""
 
-    rows: np.ndarray  # row indices with a full block at this depth
+    rows: np.ndarray  # row indices with a full block at this depth (a view of one array for every depth)
     node: np.ndarray  # node index (0..n_nodes-1) of each of those rows
     counts: np.ndarray  # rows per node
 
@@ -94,7 +95,7 @@ def _build_levels(blocks: RowBlocks) -> list[_Level]:
     for depth in range(reaching.size - 1):
         rows = deepest_first[: reaching[depth + 1]]
         _, node, counts = np.unique(blocks.hashes[first[rows] + depth], return_inverse=True, return_counts=True)
-        levels.append(_Level(rows=rows, node=node.astype(np.int64), counts=counts))
+        levels.append(_Level(rows=rows, node=node.astype(np.int32), counts=counts.astype(np.int32)))
         if counts.max() < 2:
             break
     return levels
@@ -177,7 +178,7 @@ def unique_tokens_per_row(plan: PrefixPlan, order: np.ndarray, part: np.ndarray 
         # unless nodes x shards is large (the deepest levels), where the pairs present are numbered.
         key, size = level.node, level.counts.size
         if part is not None:
-            key, size = key * shards + part[level.rows], size * shards
+            key, size = key.astype(np.int64) * shards + part[level.rows], size * shards
             if size > 4 * n:
                 _, key = np.unique(key, return_inverse=True)
                 size = int(key.max(initial=-1)) + 1
@@ -232,7 +233,37 @@ def plan_blocks(blocks: RowBlocks, decode_tokens: np.ndarray, min_group_rows: in
                 duplicate_set: np.ndarray | None = None) -> PrefixPlan:
     """Plan a batch from its rows' lengths and block hashes (no token ids needed). Rows of one
     ``duplicate_set`` (engine.plan.duplicates) are planned once: the others follow the first in its group."""
-    lengths, block_size = blocks.lengths, blocks.block_size
+    return PrefixTree.of(blocks, duplicate_set).plan(decode_tokens, min_group_rows)
+
+
+@dataclass
+class PrefixTree:
+    """A batch's prefix tree (its levels) with its rows' lengths: what a plan is made of, without
+    the block hashes it was built from, which a caller that holds no other reference frees before
+    planning (a plan step's hashes are 8 bytes a block: 225 MB at 3M rows)."""
+
+    block_size: int
+    lengths: np.ndarray  # prompt tokens per row
+    levels: list[_Level]
+    source: np.ndarray  # each row's source: itself, or the lowest row of its duplicate set
+    copies: np.ndarray  # rows identical to an earlier row (their source)
+
+    @classmethod
+    def of(cls, blocks: RowBlocks, duplicate_set: np.ndarray | None = None) -> "PrefixTree":
+        """The tree of the distinct rows: a row of a ``duplicate_set`` other than its first is left out."""
+        n = blocks.num_rows
+        source = lowest_row_of_set(duplicate_set, n)
+        copies = source != np.arange(n)
+        tree_blocks = blocks.without(np.flatnonzero(copies)) if copies.any() else blocks
+        return cls(blocks.block_size, blocks.lengths, _build_levels(tree_blocks) if n else [], source, copies)
+
+    def plan(self, decode_tokens: np.ndarray, min_group_rows: int = 2) -> PrefixPlan:
+        """Groups (MaximizeReuse) and the run order (see the module doc)."""
+        return _plan_tree(self, decode_tokens, min_group_rows)
+
+
+def _plan_tree(tree: PrefixTree, decode_tokens: np.ndarray, min_group_rows: int) -> PrefixPlan:
+    lengths, block_size, levels, source, copies = tree.lengths, tree.block_size, tree.levels, tree.source, tree.copies
     n = lengths.size
     decode_tokens = np.asarray(decode_tokens, dtype=np.int64)
     if decode_tokens.size != n:
@@ -241,12 +272,8 @@ def plan_blocks(blocks: RowBlocks, decode_tokens: np.ndarray, min_group_rows: in
         empty = np.zeros(0, dtype=np.int64)
         return PrefixPlan(block_size, lengths, decode_tokens, empty, empty, empty, empty, empty, 0)
 
-    source = lowest_row_of_set(duplicate_set, n)
-    copies = source != np.arange(n)
-    if copies.any():  # the tree of the distinct rows; a copy decodes nothing
-        blocks = blocks.without(np.flatnonzero(copies))
+    if copies.any():  # a copy decodes nothing
         decode_tokens = np.where(copies, 0, decode_tokens)
-    levels = _build_levels(blocks)
     depth, group_node = _group_depths(levels, n, min_group_rows)
     depth, group_node = depth[source], group_node[source]
     ratio = decode_tokens / np.maximum(lengths, 1)

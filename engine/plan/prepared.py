@@ -31,7 +31,7 @@ from ..table.dataset import Columns
 from ..table.prompt_snapshot import CONTENT_KEY
 from .block_hashes import RowBlocks
 from .duplicates import count_duplicates, duplicate_sets, token_keys
-from .prefix_tree import PrefixPlan, plan_blocks
+from .prefix_tree import PrefixPlan, PrefixTree, plan_blocks
 from .row_checks import output_budgets, row_response_formats
 from .token_cache import CachedRows
 from .tokenizing import TokenizedBatch, tokenize_rows
@@ -188,7 +188,9 @@ def plan_tokenized(
     runnable = np.ones(n, dtype=bool)
     runnable[list(errors)] = False
     same = duplicate_sets(keys, max_tokens, _column(table, columns.response_format) or [None] * n, runnable)
-    plan = plan_blocks(blocks, decode, scheduler.min_group_rows, same)
+    tree = PrefixTree.of(blocks, same)
+    del blocks  # the hashes: the tree is built (``CachedRows`` handed them over and kept none)
+    plan = tree.plan(decode, scheduler.min_group_rows)
     plan_s = hash_s + time.perf_counter() - started
     log.info(
         "planned %d rows: %d groups, %d prompt tokens, shared %.1f%%, %d identical to another row "
