@@ -317,9 +317,10 @@ def test_workers_on_ray_make_the_entries_one_process_makes_in_its_order(tmp_path
     assert TokenizeWorkers(2, min_rows=10_000).used_for(spread.tokenized_rows) == 1  # a small night: here
 
 
-def test_a_batch_whose_contents_all_came_before_is_skipped(tmp_path, tiny_model, monkeypatch):
-    """A night whose second batch of new rows repeats the first's contents (copied rows) tokenizes
-    each content once; such a batch has nothing to tokenize (it once failed the night: take([]))."""
+def test_rows_repeating_a_content_are_not_read_again(tmp_path, tiny_model, monkeypatch):
+    """A night whose new rows repeat contents (copied rows), over several batches, reads and
+    tokenizes each content once: only a content's first row is read (a batch of contents seen
+    before once failed the night: take([]))."""
     import engine.plan.token_cache
 
     monkeypatch.setattr(engine.plan.token_cache, "_TEXT_BATCH", 4)

@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 from ..atomic import Staged
 from ..damaged import DAMAGE, set_aside
 from ..locks import locked
-from ..table.prompt_snapshot import CONTENT_KEY, KEY_TYPE, snapshot_keys, texts_of
+from ..table.prompt_snapshot import CONTENT_KEY, KEY_TYPE, snapshot_keys, texts_at
 from .block_hashes import HASH_VERSION, RowBlocks
 from .tokenize_workers import TokenizeWorkers
 from .tokenizing import tokenize_rows
@@ -281,7 +281,7 @@ class TokenCache:
         cache = _concat(parts, block_size)
         found = pc.index_in(keys, value_set=cache.column("key"))
         cached_rows = len(keys) - found.null_count
-        missing = pc.unique(pc.filter(keys, pc.is_null(found)))
+        missing = _first_rows_missing(keys, found)
         pa.default_memory_pool().release_unused()  # the lookup's hash table: Arrow would keep its pages
         tokenized = 0
         if len(missing):
@@ -307,8 +307,8 @@ class TokenCache:
 
     def _tokenize(self, snapshot: Path, missing: pa.Array, tokenizer, prompt_column: str, messages_column: str,
                   block_size: int, progress: Callable[[str], None], workers: TokenizeWorkers) -> int:
-        """The missing keys' rows tokenized into new parts, a batch at a time (never the whole text
-        at once), a content found twice once; returns the rows written. Here, parts of up to
+        """The ``missing`` rows (a content's first row, once) tokenized into new parts, a batch at a
+        time (never the whole text at once); returns the rows written. Here, parts of up to
         ``_PART_ROWS``; on ``workers``, each writes its batch's part itself (only counts come back:
         no token ids through the driver)."""
         columns = (prompt_column, messages_column, block_size)
@@ -346,15 +346,18 @@ class TokenCache:
                 path.unlink(missing_ok=True)
 
 
-def _new_contents(snapshot: Path, missing: pa.Array, prompt_column: str, messages_column: str,
-                  batch_rows: int) -> Iterator[pa.Table]:
-    """The missing keys' rows in batches of up to ``batch_rows``, each content once."""
-    seen = set()
-    for batch in texts_of(snapshot, missing, prompt_column, messages_column, batch_rows):
-        key_list = batch.column(CONTENT_KEY).to_pylist()
-        new = [i for i, k in enumerate(key_list) if not (k in seen or seen.add(k))]
-        if new:  # a batch of contents seen before has none (and take([]) has no type)
-            yield batch.take(pa.array(new, pa.int64()))
+def _first_rows_missing(keys: pa.Array, found: pa.Array) -> pa.Array:
+    """The rows whose content the cache lacks, each content's first row alone (int64 row numbers)."""
+    first = pc.index_in(keys, value_set=keys).to_numpy()  # each row's content's first row
+    return pa.array(np.flatnonzero(pc.is_null(found).to_numpy(zero_copy_only=False) & (first == np.arange(len(keys)))))
+
+
+def _new_contents(snapshot: Path, rows: pa.Array, prompt_column: str, messages_column: str,
+                  batch_rows: int) -> Iterator[pa.RecordBatch]:
+    """The snapshot's ``rows`` (each a content the cache lacks, once) in batches of up to ``batch_rows``."""
+    for batch in texts_at(snapshot, rows, prompt_column, messages_column, batch_rows):
+        if batch.num_rows:
+            yield batch
 
 
 class _Progress:
