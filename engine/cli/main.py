@@ -160,7 +160,8 @@ def cmd_plan(args) -> int:
     print(f"{'group':>6} {'rows':>6} {'prefix':>7}  first id")
     starts = plan.group_starts()
     for g in range(min(plan.num_groups, args.top)):
-        print(f"{g:>6} {plan.group_sizes[g]:>6} {plan.group_prefix_tokens[g]:>7}  {planned.ids[plan.order[starts[g]]]}")
+        first_id = planned.ids[int(plan.order[starts[g]])].as_py()
+        print(f"{g:>6} {plan.group_sizes[g]:>6} {plan.group_prefix_tokens[g]:>7}  {first_id}")
     if plan.num_groups > args.top:
         print(f"   ... {plan.num_groups - args.top} more groups")
     for s in summary["shards"]:

@@ -9,7 +9,7 @@ what they are called, partitions, removals and pruning, and how a plan is report
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,12 +57,12 @@ class JobPlan:
     rows: CachedRows  # what the token cache gave (cached and tokenized rows)
     shards: ShardPlan
     keys: list[str]  # each shard's partition key
-    ids_by_shard: list[list]  # each shard's row ids in run order
+    rows_by_shard: list[int]  # each shard's rows
 
     @property
     def used_keys(self) -> list[str]:
         """The keys of the shards that have rows (fewer groups than shards leave some empty)."""
-        return [key for key, ids in zip(self.keys, self.ids_by_shard) if ids]
+        return [key for key, rows in zip(self.keys, self.rows_by_shard) if rows]
 
     def summary(self) -> dict:
         return {**plan_summary(self.planned), "token_cache_rows": self.rows.cached_rows,
@@ -87,7 +87,7 @@ class JobPlan:
             "prompt_tokens": weights["prompt"],
             "estimated_prefill_tokens": weights["prefill"],
             "estimated_decode_tokens": weights["decode"],
-            "first_id": pa.array([self.planned.ids[r] for r in first_rows]).cast(pa.string()),
+            "first_id": self.planned.ids.take(pa.array(first_rows, pa.int64())).cast(pa.string()),
         })
 
 
@@ -143,9 +143,11 @@ class PlanJob:
         count = shard_count(planned.plan.num_rows)
         shards = assign_shards(planned.plan, count,
                                previous=previous_shards(self.plan_path, meta.column(self.columns.id)))
-        ids_by_shard = _ids_by_shard(planned, shards.shard_of_row, count)
-        return JobPlan(planned, meta, rows, shards, [key_of(s, ids) for s, ids in enumerate(ids_by_shard)],
-                       ids_by_shard)
+        keys, rows_by_shard = [], []
+        for shard, ids in enumerate(_ids_by_shard(planned, shards.shard_of_row, count)):  # a shard's ids at a time
+            keys.append(key_of(shard, ids))
+            rows_by_shard.append(len(ids))
+        return JobPlan(planned, meta, rows, shards, keys, rows_by_shard)
 
     def write(self, made: JobPlan, stamp: dict[str, str], plan_run: str) -> int:
         """Publish the plan whole: every row with its group, shard, run position and content key (its
@@ -156,11 +158,11 @@ class PlanJob:
         return write_plan(table, self.plan_path)
 
 
-def _ids_by_shard(planned: PlannedBatch, shard_of_row: np.ndarray, shard_count: int) -> list[list]:
-    """Each shard's row ids in run order."""
+def _ids_by_shard(planned: PlannedBatch, shard_of_row: np.ndarray, shard_count: int) -> Iterator[list]:
+    """Each shard's row ids in run order, one shard at a time."""
     in_order = shard_of_row[planned.order]
     by_shard = np.argsort(in_order, kind="stable")
     bounds = np.searchsorted(in_order[by_shard], np.arange(shard_count + 1))
     by_shard = planned.order[by_shard]
-    ids = planned.ids
-    return [[ids[r] for r in by_shard[bounds[s]:bounds[s + 1]].tolist()] for s in range(shard_count)]
+    for s in range(shard_count):
+        yield planned.ids.take(pa.array(by_shard[bounds[s]:bounds[s + 1]], pa.int64())).to_pylist()

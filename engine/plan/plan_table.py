@@ -72,7 +72,8 @@ def rows_table(prepared: PlannedBatch | PreparedBatch) -> pa.Table:
     position = np.empty(n, dtype=np.int64)
     position[prepared.order] = np.arange(prepared.order.size)
     return pa.table({
-        "id": pa.array(prepared.ids, prepared.id_type),
+        "id": prepared.ids if isinstance(prepared.ids, pa.ChunkedArray | pa.Array)
+        else pa.array(prepared.ids, prepared.id_type),
         "position": position,
         "group": prepared.group_of_row.astype(np.int64),
         "prefix_tokens": prepared.prefix_tokens_of_row.astype(np.int64),

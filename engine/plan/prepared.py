@@ -80,7 +80,7 @@ class PreparedBatch:
 class PlannedBatch:
     """What planning made of a table (see the module doc): no token ids."""
 
-    ids: list  # row ids in input order
+    ids: pa.ChunkedArray | pa.Array  # row ids in input order (Arrow: no Python object a row at 10M rows)
     id_type: pa.DataType | None
     max_tokens: np.ndarray
     errors: dict[int, str]
@@ -113,8 +113,9 @@ class PlannedBatch:
     def runnable(self, batch: TokenizedBatch) -> PreparedBatch:
         """This plan with its rows' token ids (``batch``, in input order): the batch a run takes.
         A row planned as an error has no tokens in it, whatever ``batch`` holds."""
-        return PreparedBatch(ids=self.ids, id_type=self.id_type, batch=_without_rows(batch, set(self.errors)),
-                             max_tokens=self.max_tokens, errors=self.errors, order=self.order,
+        return PreparedBatch(ids=self.ids.to_pylist(), id_type=self.id_type,
+                             batch=_without_rows(batch, set(self.errors)), max_tokens=self.max_tokens,
+                             errors=self.errors, order=self.order,
                              group_of_row=self.group_of_row, prefix_tokens_of_row=self.prefix_tokens_of_row,
                              block_size=self.block_size, response_formats=self.response_formats,
                              duplicate_set=self.duplicate_set)
@@ -169,7 +170,7 @@ def plan_tokenized(
     just their lengths and block hashes from the token cache (``CachedRows``). ``table`` needs only
     the id, ``max_tokens`` and ``response_format`` columns."""
     engine_settings = engine_settings.with_block_size()  # a plan counts in whole KV blocks
-    ids = table.column(columns.id).to_pylist()
+    ids = table.column(columns.id)
     n = len(ids)
     errors = dict(rows.errors)
 
