@@ -95,6 +95,23 @@ def _instance(work: Path):
     return dg.DagsterInstance.get()
 
 
+def _reset_peak_rss() -> None:
+    """Start the process's peak resident memory (VmHWM) again from now (Linux: ``clear_refs``)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_since_reset() -> int | None:
+    """The process's peak resident memory since ``_reset_peak_rss`` (None where Linux's is not read)."""
+    try:
+        status = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM")), None)
+
+
 def phase_plan(work: Path, model: str, partition_rows: int, tokenize_workers: int = 1) -> dict:
     """prompts, then prefix_groups, in this process (its Ray workers, if any, in their own)."""
     import dagster as dg
@@ -106,10 +123,12 @@ def phase_plan(work: Path, model: str, partition_rows: int, tokenize_workers: in
     instance = _instance(work)
     timings = {}
     for name in ("prompts", "prefix_groups"):
+        _reset_peak_rss()
         started = time.perf_counter()
         result = dg.materialize([graph.assets_def_for_key(dg.AssetKey(["scale", name]))], instance=instance)
         assert result.success, name
         timings[f"{name}_s"] = round(time.perf_counter() - started, 2)
+        timings[f"{name}_peak_rss_bytes"] = _peak_rss_since_reset()
     meta = result.asset_materializations_for_node("scale__prefix_groups")[0].metadata
     return {
         **timings,
@@ -175,7 +194,10 @@ def plan_only_report(rows: int, shape: dict, generate_s: float, first: dict, wor
         "first_tokenize_s": first["tokenize_s"], "first_planning_s": first["plan_s"],
         "tokenize_tokens_per_s": round(first["prompt_tokens"] / max(first["tokenize_s"], 1e-9)),
         "workers": workers,  # tokenize_workers (1: the step's process, with the tokenizer's own threads)
-        "first_peak_rss_bytes": first["peak_rss_bytes"], "token_array_bytes": token_array_bytes,
+        "first_peak_rss_bytes": first["peak_rss_bytes"],  # the process: prompts, then the plan step
+        "first_prompts_peak_rss_bytes": first["prompts_peak_rss_bytes"],  # each step's own peak, from its start
+        "first_plan_step_peak_rss_bytes": first["prefix_groups_peak_rss_bytes"],
+        "token_array_bytes": token_array_bytes,
         "first_peak_rss_vs_token_array": round(first["peak_rss_bytes"] / token_array_bytes, 2),
         "groups": first["groups"], "shards": first["shards"],
     }

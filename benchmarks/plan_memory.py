@@ -1,0 +1,94 @@
+"""Where a plan step's memory goes: ``prefix_groups`` on a scale bench's table, its resident memory
+sampled every 20 ms, the peak of each stage (the token cache's rows, the tree, the plan, the shards,
+the plan table and file, the groups table) and of the whole step, in this process.
+
+    batchllm bench --scale 3000000 --plan-only --tokens-per-row 300   # the table and its token cache
+    PYTHONPATH=. python benchmarks/plan_memory.py --work .cache/scale/3000000
+
+The plan on disk is removed first, so the step plans afresh (a first night's planning) from the
+token cache the bench's first night filled: the tokenizing is not in it (``--scale`` measures that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import resource
+import threading
+import time
+from pathlib import Path
+
+
+class _Sampler:
+    """Resident memory sampled in a thread: the peak while each stage ran."""
+
+    def __init__(self):
+        self.stage, self.peaks = "the rest", {}
+        threading.Thread(target=self._run, daemon=True).start()
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS"))
+
+    def _run(self) -> None:
+        while True:
+            self.peaks[self.stage] = max(self.peaks.get(self.stage, 0), self.rss())
+            time.sleep(0.02)
+
+    def around(self, owner, name: str, stage: str) -> None:
+        """Count the peak while ``owner.name`` runs under ``stage`` (then the stage it ran from)."""
+        function = getattr(owner, name)
+
+        @functools.wraps(function)
+        def staged(*args, **kwargs):
+            before, self.stage = self.stage, stage
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.stage = before
+
+        setattr(owner, name, staged)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, required=True, help="a `batchllm bench --scale` working folder")
+    args = parser.parse_args()
+    sampler = _Sampler()
+
+    import dagster as dg
+
+    import engine.jobs.plan_job as plan_job
+    import engine.plan.prefix_tree as prefix_tree
+    import engine.plan.prepared as prepared
+    from assets import build_batch_defs
+    from dagster_project import scale_bench
+    from engine.models import resolve_model
+
+    for owner, name, stage in [
+        (plan_job.PlanJob, "read_rows", "snapshot rows"), (plan_job.TokenCache, "rows_for", "token cache rows"),
+        (prepared, "duplicate_sets", "identical rows"), (prefix_tree.PrefixTree, "of", "tree"),
+        (prefix_tree.PrefixTree, "plan", "plan"), (plan_job, "assign_shards", "shards"),
+        (plan_job, "plan_table", "plan table"),
+        (plan_job, "write_plan", "plan file"), (plan_job.JobPlan, "groups_table", "groups table"),
+    ]:
+        sampler.around(owner, name, stage)
+    work = args.work.resolve()
+    (work / "jobs" / "scale" / "plan.parquet").unlink(missing_ok=True)
+    config = scale_bench._config(work, resolve_model("tiny"), 10_000)
+    graph = build_batch_defs(config).resolve_asset_graph()
+    started = time.perf_counter()
+    result = dg.materialize([graph.assets_def_for_key(dg.AssetKey(["scale", "prefix_groups"]))],
+                            instance=scale_bench._instance(work))
+    meta = result.asset_materializations_for_node("scale__prefix_groups")[0].metadata
+    print(json.dumps({"rows": meta["rows"].value, "tokenized_rows": meta["tokenized_rows"].value,
+                      "groups": meta["groups"].value, "shards": meta["shards"].value,
+                      "step_s": round(time.perf_counter() - started, 1),
+                      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                      "stage_peak_rss_bytes": sampler.peaks}))
+
+
+if __name__ == "__main__":
+    main()
