@@ -249,7 +249,7 @@ def test_a_night_on_ray_with_a_replica_killed_loses_nothing(cluster, tiny_model,
         assert dg.materialize(assets[:2], instance=instance).success
         (key,) = instance.get_dynamic_partitions(config.names.partitions_name)
         planned = prepared_batch(tiny_model, table, sampling)
-        first_sub_shard = {planned.ids[int(i)].as_py() for i in np.flatnonzero(split_prepared(planned, 2) == 0)}
+        first_sub_shard = {planned.ids[i] for i in np.flatnonzero(split_prepared(planned, 2) == 0)}
         folder = config.files.checkpoints.of(key)
         killed = []
 

@@ -147,7 +147,8 @@ def tokenize_rows(tokenizer, prompts: list[str | None], messages: list[str | Non
         todo = [i for i in range(n) if is_chat[i] == chat_rows and i not in errors]
         for lo in range(0, len(todo), _BATCH):
             chunk = todo[lo : lo + _BATCH]
-            encoded = tokenizer([texts[i] for i in chunk], add_special_tokens=not chat_rows)["input_ids"]
+            encoded = tokenizer([texts[i] for i in chunk], add_special_tokens=not chat_rows,
+                                return_attention_mask=False)["input_ids"]  # a mask is a Python list per row
             for i, row_ids in zip(chunk, encoded):
                 rows[i] = np.asarray(row_ids, dtype=np.int32)
     for i in range(n):
