@@ -70,7 +70,7 @@ def main() -> None:
     for owner, name, stage in [
         (plan_job.PlanJob, "read_rows", "snapshot rows"), (plan_job.TokenCache, "rows_for", "token cache rows"),
         (prepared, "duplicate_sets", "identical rows"), (prefix_tree.PrefixTree, "of", "tree"),
-        (prefix_tree.PrefixTree, "plan", "plan"), (plan_job, "assign_shards", "shards"),
+        (prefix_tree.PrefixTree, "planned", "tree without copies"), (prefix_tree.PrefixTree, "plan", "plan"), (plan_job, "assign_shards", "shards"),
         (plan_job, "plan_table", "plan table"),
         (plan_job, "write_plan", "plan file"), (plan_job.JobPlan, "groups_table", "groups table"),
     ]:

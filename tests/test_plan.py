@@ -2,8 +2,12 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from engine.plan.prefix_tree import build_plan
+from engine.plan.block_hashes import RowBlocks
+from engine.plan.duplicates import NO_SET, lowest_row_of_set
+from engine.plan.prefix_tree import PrefixTree, build_plan
 
 from .conftest import group_rows
 
@@ -157,3 +161,27 @@ def test_each_shard_pays_for_the_prefixes_it_reaches_first(shards):
     part = rng.integers(0, shards, len(rows))
     assert unique_tokens_per_row(plan, order, part).tolist() == brute_force_paid(rows, 4, order, part)
     assert unique_tokens_per_row(plan, order).tolist() == brute_force_paid(rows, 4, order, np.zeros(len(rows), int))
+
+
+def _levels(tree):
+    return [(level.rows.tolist(), level.node.tolist(), level.counts.tolist()) for level in tree.levels]
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(0, 3), max_size=12), min_size=1, max_size=40), data=st.data())
+def test_a_tree_without_some_rows_is_the_tree_built_from_the_others_alone(rows, data):
+    """The plan step builds the tree of every row (the token cache's rows, a depth at a time) and
+    then leaves out the rows that cannot run and all but the first of identical rows: the same
+    levels (rows, nodes, counts, depth) as a tree built from the rows left alone."""
+    n = len(rows)
+    blocks = RowBlocks.of_tokens(np.array([t for r in rows for t in r], np.int32),
+                                 np.concatenate([[0], np.cumsum([len(r) for r in rows])]), 2)
+    dropped = np.array(sorted(data.draw(st.sets(st.integers(0, n - 1)))), dtype=np.int64)
+    sets = data.draw(st.lists(st.integers(-1, 4), min_size=n, max_size=n))
+    duplicate_set = np.array([NO_SET if s < 0 or i in set(dropped.tolist()) else s for i, s in enumerate(sets)])
+    got = PrefixTree.of(blocks).planned(dropped, duplicate_set)
+    copies = lowest_row_of_set(duplicate_set, n) != np.arange(n)
+    alone = PrefixTree.of(blocks.without(np.flatnonzero(copies).tolist() + dropped.tolist()))
+    assert _levels(got) == _levels(alone)
+    assert got.lengths[dropped].sum() == 0 and np.array_equal(got.copies, copies)
+    assert np.array_equal(PrefixTree.of(blocks, duplicate_set).copies, copies)

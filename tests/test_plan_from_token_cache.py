@@ -1,4 +1,4 @@
-"""The plan step's planner (rows from the token cache, the hashes freed once the tree is built,
+"""The plan step's planner (rows from the token cache, their tree built a depth at a time,
 duplicates by content key) makes the plan the in-memory planner makes from token ids: the same
 groups, run order, prefixes and shards."""
 
@@ -55,7 +55,7 @@ def test_the_plan_from_the_token_cache_is_the_plan_from_token_ids(tmp_path, tiny
     rows = TokenCache(tmp_path / "cache", "fp").rows_for(path, tokenizer, "prompt", "messages", 8)
     from_cache = plan_tokenized(table.drop_columns(["prompt", "messages"]), rows, settings, sampling,
                                 scheduler=scheduler)
-    assert rows.blocks is None  # handed to the planner, freed with its tree
+    assert rows.tree is None  # handed to the planner: its copy is the only one
     a, b = in_memory.plan, from_cache.plan
     assert in_memory.errors == from_cache.errors and len(a.order) == 300
     for name in ("order", "group_of_row", "group_prefix_tokens", "group_sizes", "row_unique_tokens"):

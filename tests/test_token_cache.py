@@ -8,7 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.plan.token_cache import TokenCache
+from engine.plan.block_hashes import rows_by_depth
+from engine.plan.token_cache import TokenCache, _PartChains
 from engine.plan.tokenizing import load_tokenizer, tokenize_rows
 from engine.table.prompt_snapshot import CONTENT_KEY, content_keys
 
@@ -51,10 +52,12 @@ def rows(prompts, count):
 
 
 def same_rows(cached, fresh, block_size=BLOCK):
-    """The cache's view of the rows is the one computed from fresh token ids."""
-    expected = fresh.row_blocks(block_size)
-    return (np.array_equal(cached.blocks.lengths, expected.lengths)
-            and np.array_equal(cached.blocks.hashes, expected.hashes) and cached.errors == fresh.errors)
+    """The cache's view of the rows (their lengths and prefix tree) is the one computed from fresh token ids."""
+    got, expected = cached.tree, fresh.prefix_tree(block_size)
+    return (np.array_equal(got.lengths, expected.lengths) and len(got.levels) == len(expected.levels)
+            and all(np.array_equal(a.rows, b.rows) and np.array_equal(a.node, b.node)
+                    and np.array_equal(a.counts, b.counts) for a, b in zip(got.levels, expected.levels))
+            and cached.errors == fresh.errors)
 
 
 def test_a_rerun_tokenizes_only_changed_rows_and_gets_fresh_token_ids(tmp_path, tiny_model):
@@ -133,6 +136,17 @@ def test_gathering_rows_in_any_order_across_parts_copies_the_right_ids():
     assert [tokens[offsets[i]:offsets[i + 1]].tolist() for i in range(position.size)] == [rows[p] for p in position]
 
 
+def test_an_item_of_lists_in_any_order_across_chunks_is_the_right_one():
+    from engine.plan.token_cache import _items_at
+
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, 2**60, rng.integers(3, 7), dtype=np.uint64).tolist() for _ in range(50)]
+    chunks = [pa.array(rows[:20], pa.large_list(pa.uint64())), pa.array(rows[20:], pa.large_list(pa.uint64()))]
+    entries = np.concatenate([np.arange(10, 30), rng.permutation(50)])
+    for index in (0, 2):
+        assert _items_at(pa.chunked_array(chunks), entries, index).tolist() == [rows[e][index] for e in entries]
+
+
 def test_hashes_are_gathered_part_by_part_for_rows_in_any_order(tmp_path, tiny_model):
     """A plan reads its rows' hashes one part at a time (each part mapped on its own, let go before
     the next): rows of several parts, shuffled and repeated, get the hashes fresh token ids give."""
@@ -149,7 +163,18 @@ def test_hashes_are_gathered_part_by_part_for_rows_in_any_order(tmp_path, tiny_m
     snapshot(path, *shuffled)
     got = cache.rows_for(path, NoTokenizer(), "prompt", "messages", BLOCK)
     assert len(list((tmp_path / "cache" / "fp").glob("part-*"))) == 2
-    assert same_rows(got, tokenize_rows(tokenizer, *shuffled))
+    fresh = tokenize_rows(tokenizer, *shuffled)
+    assert same_rows(got, fresh)
+    # The hashes themselves, depth by depth, as the tree reads them: fresh token ids' at every depth.
+    parts = cache._mapped(BLOCK)
+    position = cache._positions(pq.read_table(path).column(CONTENT_KEY).combine_chunks(),
+                                cache.load(BLOCK))
+    expected = fresh.row_blocks(BLOCK)
+    chains = _PartChains.of(parts, position, expected.lengths, BLOCK)
+    deepest_first, reaching = rows_by_depth(expected.blocks)
+    depths = list(zip(chains.hashes_by_depth(deepest_first, reaching),
+                      expected.hashes_by_depth(deepest_first, reaching), strict=True))
+    assert len(depths) > 3 and all(np.array_equal(a, b) for a, b in depths)
 
 
 LOAD = """

@@ -23,8 +23,9 @@ the steps each order took: docs/benchmark-history.md, "Measurements behind code 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -87,18 +88,50 @@ class PrefixPlan:
         return np.concatenate([[0], np.cumsum(self.group_sizes)])
 
 
-def _build_levels(blocks: RowBlocks) -> list[_Level]:
-    """Tree levels from the root down, stopping once no node is shared (deeper ones cannot be)."""
-    first = blocks.offsets
-    deepest_first, reaching = rows_by_depth(blocks.blocks)
+class RowChains(Protocol):
+    """What a tree is built from: rows' lengths and, depth by depth, their chained block hashes
+    (``RowBlocks`` in memory; the token cache's rows read a depth at a time from its parts)."""
+
+    block_size: int
+    lengths: np.ndarray
+
+    def hashes_by_depth(self, deepest_first: np.ndarray, reaching: np.ndarray) -> Iterator[np.ndarray]: ...
+
+
+def _build_levels(chains: RowChains) -> tuple[np.ndarray, list[_Level]]:
+    """Tree levels from the root down, stopping once no node is shared (deeper ones cannot be), and
+    the rows deepest first (each level's rows are a prefix of it)."""
+    deepest_first, reaching = rows_by_depth(chains.lengths // chains.block_size)
     levels: list[_Level] = []
-    for depth in range(reaching.size - 1):
-        rows = deepest_first[: reaching[depth + 1]]
-        _, node, counts = np.unique(blocks.hashes[first[rows] + depth], return_inverse=True, return_counts=True)
-        levels.append(_Level(rows=rows, node=node.astype(np.int32), counts=counts.astype(np.int32)))
+    for depth, hashes in enumerate(chains.hashes_by_depth(deepest_first, reaching)):
+        _, node, counts = np.unique(hashes, return_inverse=True, return_counts=True)
+        del hashes
+        levels.append(_Level(rows=deepest_first[: reaching[depth + 1]], node=node.astype(np.int32),
+                             counts=counts.astype(np.int32)))
         if counts.max() < 2:
             break
-    return levels
+    return deepest_first, levels
+
+
+def _levels_without(levels: list[_Level], deepest_first: np.ndarray,
+                    removed: np.ndarray) -> tuple[np.ndarray, list[_Level]]:
+    """The levels of the tree of the rows not ``removed`` (a mask over rows): what ``_build_levels``
+    makes of them alone. A level's rows keep their order (a prefix of one array, as built), its
+    nodes keep theirs (numbered by hash), those no row reaches now dropped; it stops where the tree
+    of fewer rows stops (a depth no node of which two rows share now)."""
+    deepest_first = deepest_first[~removed[deepest_first]]
+    out: list[_Level] = []
+    for level in levels:
+        kept = ~removed[level.rows]
+        if not kept.any():
+            break
+        counts = np.bincount(level.node[kept], minlength=level.counts.size)
+        renumbered = (np.cumsum(counts > 0) - 1).astype(np.int32)
+        out.append(_Level(rows=deepest_first[: int(kept.sum())], node=renumbered[level.node[kept]],
+                          counts=counts[counts > 0].astype(np.int32)))
+        if out[-1].counts.max() < 2:
+            break
+    return deepest_first, out
 
 
 def _group_depths(levels: list[_Level], n: int, min_group_rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -239,23 +272,40 @@ def plan_blocks(blocks: RowBlocks, decode_tokens: np.ndarray, min_group_rows: in
 @dataclass
 class PrefixTree:
     """A batch's prefix tree (its levels) with its rows' lengths: what a plan is made of, without
-    the block hashes it was built from, which a caller that holds no other reference frees before
-    planning (a plan step's hashes are 8 bytes a block: 225 MB at 3M rows)."""
+    the block hashes it was built from (read a depth at a time: 8 bytes a block, 225 MB at 3M rows,
+    never all held at once by the token cache's rows)."""
 
     block_size: int
     lengths: np.ndarray  # prompt tokens per row
     levels: list[_Level]
+    deepest_first: np.ndarray  # the rows by whole blocks, most first: each level's rows are a prefix
     source: np.ndarray  # each row's source: itself, or the lowest row of its duplicate set
     copies: np.ndarray  # rows identical to an earlier row (their source)
 
     @classmethod
-    def of(cls, blocks: RowBlocks, duplicate_set: np.ndarray | None = None) -> "PrefixTree":
+    def of(cls, chains: RowChains, duplicate_set: np.ndarray | None = None) -> "PrefixTree":
         """The tree of the distinct rows: a row of a ``duplicate_set`` other than its first is left out."""
-        n = blocks.num_rows
+        n = chains.lengths.size
+        deepest_first, levels = _build_levels(chains) if n else (np.zeros(0, np.int64), [])
+        tree = cls(chains.block_size, np.asarray(chains.lengths, dtype=np.int64), levels, deepest_first,
+                   np.arange(n), np.zeros(n, dtype=bool))
+        return tree.planned(np.zeros(0, np.int64), duplicate_set) if duplicate_set is not None else tree
+
+    def planned(self, dropped: np.ndarray, duplicate_set: np.ndarray | None) -> "PrefixTree":
+        """The tree the plan runs: ``dropped`` rows (they cannot run) emptied, and of each
+        ``duplicate_set`` only its first row in the tree, the others its copies. The same tree as
+        one built from those rows alone (``tests/test_prefix_tree.py``), made from this one's levels
+        without reading a hash again."""
+        n = self.lengths.size
         source = lowest_row_of_set(duplicate_set, n)
         copies = source != np.arange(n)
-        tree_blocks = blocks.without(np.flatnonzero(copies)) if copies.any() else blocks
-        return cls(blocks.block_size, blocks.lengths, _build_levels(tree_blocks) if n else [], source, copies)
+        removed = copies | self.copies
+        removed[dropped] = True
+        lengths = self.lengths.copy()
+        lengths[dropped] = 0
+        deepest_first, levels = (_levels_without(self.levels, self.deepest_first, removed) if removed.any()
+                                 else (self.deepest_first, self.levels))
+        return PrefixTree(self.block_size, lengths, levels, deepest_first, source, copies)
 
     def plan(self, decode_tokens: np.ndarray, min_group_rows: int = 2) -> PrefixPlan:
         """Groups (MaximizeReuse) and the run order (see the module doc)."""

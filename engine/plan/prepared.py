@@ -31,7 +31,7 @@ from ..table.dataset import Columns
 from ..table.prompt_snapshot import CONTENT_KEY
 from .block_hashes import RowBlocks
 from .duplicates import count_duplicates, duplicate_sets, token_keys
-from .prefix_tree import PrefixPlan, PrefixTree, plan_blocks
+from .prefix_tree import PrefixPlan, plan_blocks
 from .row_checks import output_budgets, row_response_formats
 from .token_cache import CachedRows
 from .tokenizing import TokenizedBatch, tokenize_rows
@@ -175,24 +175,22 @@ def plan_tokenized(
     errors = dict(rows.errors)
 
     started = time.perf_counter()
-    blocks = rows.row_blocks(engine_settings.block_size)
-    hash_s = time.perf_counter() - started
+    tree = rows.prefix_tree(engine_settings.block_size)  # the token cache's rows built theirs: ``tree_s``
+    tree_s = time.perf_counter() - started + (rows.tree_s if isinstance(rows, CachedRows) else 0.0)
     formats = row_response_formats(_column(table, columns.response_format), errors)
-    max_tokens = output_budgets(_column(table, columns.max_tokens), sampling.max_tokens, blocks.lengths,
+    max_tokens = output_budgets(_column(table, columns.max_tokens), sampling.max_tokens, tree.lengths,
                                 engine_settings, errors, formats, sampling.response_format, sampling.score_choices)
-    dropped = set(errors) - set(rows.errors)  # rows that tokenized but cannot run: planned as empty
-    blocks = blocks.without(dropped)
-    decode = np.where(blocks.lengths > 0, max_tokens, 0)
+    dropped = np.array(sorted(set(errors) - set(rows.errors)), dtype=np.int64)  # tokenized, cannot run: planned empty
     started = time.perf_counter()
     keys = (table.column(CONTENT_KEY).combine_chunks() if CONTENT_KEY in table.column_names
             else token_keys(rows.tokens, rows.offsets))
     runnable = np.ones(n, dtype=bool)
     runnable[list(errors)] = False
     same = duplicate_sets(keys, max_tokens, _column(table, columns.response_format) or [None] * n, runnable)
-    tree = PrefixTree.of(blocks, same)
-    del blocks  # the hashes: the tree is built (``CachedRows`` handed them over and kept none)
+    tree = tree.planned(dropped, same)
+    decode = np.where(tree.lengths > 0, max_tokens, 0)
     plan = tree.plan(decode, scheduler.min_group_rows)
-    plan_s = hash_s + time.perf_counter() - started
+    plan_s = tree_s + time.perf_counter() - started
     log.info(
         "planned %d rows: %d groups, %d prompt tokens, shared %.1f%%, %d identical to another row "
         "(tokenize %.2fs, plan %.2fs)",

@@ -29,6 +29,7 @@ from ..damaged import DAMAGE, set_aside
 from ..locks import locked
 from ..table.prompt_snapshot import CONTENT_KEY, KEY_TYPE, snapshot_keys, texts_at
 from .block_hashes import HASH_VERSION, RowBlocks
+from .prefix_tree import PrefixTree
 from .tokenize_workers import TokenizeWorkers
 from .tokenizing import tokenize_rows
 
@@ -83,30 +84,56 @@ def _concat(parts: list[tuple[Path, pa.Table]], block_size: int | None) -> pa.Ta
     return pa.concat_tables([table for _, table in parts])
 
 
-def _hashes_by_part(parts: list[tuple[Path, pa.Table]], position: np.ndarray) -> np.ndarray:
-    """The block hashes of the entries at ``position`` (entry numbers over ``parts``, in their
-    order), one after the other. Each part is read through a mapping of its own, let go before the
-    next: the pages copied from never all stay in memory beside the copy (225 MB more at 3M rows)."""
-    starts = np.cumsum([0] + [table.num_rows for _, table in parts])
-    blocks = np.concatenate([_lengths(table.column("block_hashes")) for _, table in parts]
-                            or [np.zeros(0, np.int64)])[position]
-    offsets = np.concatenate([[0], np.cumsum(blocks)]).astype(np.int64)
-    out = np.empty(int(offsets[-1]), dtype=np.uint64)
-    part_of = np.searchsorted(starts, position, side="right") - 1
-    by_part = np.argsort(part_of, kind="stable")
-    bounds = np.searchsorted(part_of[by_part], np.arange(len(parts) + 1))
-    for number, (path, _) in enumerate(parts):
-        rows = by_part[bounds[number]:bounds[number + 1]]
-        if not rows.size:
-            continue
-        with pa.memory_map(str(path)) as source:
-            hashes = pa.ipc.open_file(source).read_all().column("block_hashes")
-            flat, _ = _gather(hashes, position[rows] - starts[number])
-            del hashes
-        # Each row's hashes to where its row's go: its offset, then one after the other.
-        row_start = np.repeat(offsets[rows] - (np.cumsum(blocks[rows]) - blocks[rows]), blocks[rows])
-        out[row_start + np.arange(flat.size)] = flat
+def _items_at(lists: pa.ChunkedArray, entries: np.ndarray, index: int) -> np.ndarray:
+    """Item ``index`` of the lists at ``entries`` (entry numbers over the chunks), no list copied."""
+    starts = np.cumsum([0] + [len(c) for c in lists.chunks])
+    chunk_of = np.searchsorted(starts, entries, side="right") - 1
+    out = np.empty(entries.size, dtype=lists.type.value_type.to_pandas_dtype())
+    for number, chunk in enumerate(lists.chunks):
+        here = chunk_of == number
+        if here.any():
+            out[here] = chunk.values.to_numpy()[chunk.offsets.to_numpy()[entries[here] - starts[number]] + index]
     return out
+
+
+@dataclass
+class _PartChains:
+    """Rows' block hashes where they lie, in the cache's parts (a ``prefix_tree.RowChains``): a
+    tree reads them a depth at a time, each part mapped on its own and let go before the next, so
+    neither a row's whole chain nor the pages it came from stay in memory (8 bytes a block: 750 MB
+    at 10M rows). Read under the writer lock: no compaction deletes a part meanwhile."""
+
+    block_size: int
+    lengths: np.ndarray
+    paths: list[Path]
+    part: np.ndarray  # each row's part (index into ``paths``)
+    entry: np.ndarray  # each row's entry in its part
+
+    @classmethod
+    def of(cls, parts: list[tuple[Path, pa.Table]], position: np.ndarray, lengths: np.ndarray,
+           block_size: int) -> "_PartChains":
+        """The rows at ``position`` (entry numbers over ``parts``, in their order)."""
+        starts = np.cumsum([0] + [table.num_rows for _, table in parts])
+        part = (np.searchsorted(starts, position, side="right") - 1).astype(np.int32)
+        return cls(block_size, lengths, [path for path, _ in parts], part, (position - starts[part]).astype(np.int64))
+
+    def hashes_by_depth(self, deepest_first: np.ndarray, reaching: np.ndarray) -> Iterator[np.ndarray]:
+        # Each part's rows as places in ``deepest_first``, ascending: those reaching a depth are a prefix.
+        part_in_order = self.part[deepest_first]
+        by_part = np.argsort(part_in_order, kind="stable")
+        bounds = np.searchsorted(part_in_order[by_part], np.arange(len(self.paths) + 1))
+        del part_in_order
+        for depth in range(reaching.size - 1):
+            out = np.empty(int(reaching[depth + 1]), dtype=np.uint64)
+            for number, path in enumerate(self.paths):
+                places = by_part[bounds[number]:bounds[number + 1]]
+                places = places[: np.searchsorted(places, out.size)]
+                if places.size:
+                    with pa.memory_map(str(path)) as source:
+                        hashes = pa.ipc.open_file(source).read_all().column("block_hashes")
+                        out[places] = _items_at(hashes, self.entry[deepest_first[places]], depth)
+                        del hashes
+            yield out
 
 
 def _entries(
@@ -169,23 +196,25 @@ def written_by_worker(batch: pa.Table, tokenizer, folder: str, prompt_column: st
 
 @dataclass
 class CachedRows:
-    """A snapshot's rows as the planner needs them, from the cache: lengths and block hashes, no ids."""
+    """A snapshot's rows as the planner needs them, from the cache: their lengths and prefix tree,
+    built from the block hashes in the cache (no token ids, and no row's chain kept)."""
 
-    blocks: RowBlocks | None  # None once handed to a plan (``row_blocks``)
+    tree: PrefixTree | None  # None once handed to a plan (``prefix_tree``)
     errors: dict[int, str]  # row index -> why it has no tokens
     seconds: float  # looking up and tokenizing
+    tree_s: float  # building the tree
     cached_rows: int  # rows whose content was in the cache
     tokenized_rows: int  # distinct contents tokenized now
 
-    def row_blocks(self, block_size: int) -> RowBlocks:
-        """The rows' lengths and hashes, handed over once: these rows keep none after, so the
-        planner frees the hashes once its tree is built (8 bytes a block: 225 MB at 3M rows)."""
-        if self.blocks is None:
-            raise ValueError("these rows' block hashes were handed to a plan already")
-        if block_size != self.blocks.block_size:
-            raise ValueError(f"rows hashed in blocks of {self.blocks.block_size}, planned in blocks of {block_size}")
-        blocks, self.blocks = self.blocks, None
-        return blocks
+    def prefix_tree(self, block_size: int) -> PrefixTree:
+        """The rows' prefix tree, handed over once: these rows keep no reference, so the plan's
+        copy of it (``PrefixTree.planned``) is the only one."""
+        if self.tree is None:
+            raise ValueError("these rows' prefix tree was handed to a plan already")
+        if block_size != self.tree.block_size:
+            raise ValueError(f"rows hashed in blocks of {self.tree.block_size}, planned in blocks of {block_size}")
+        tree, self.tree = self.tree, None
+        return tree
 
 
 class TokenCache:
@@ -294,16 +323,18 @@ class TokenCache:
             parts = self._mapped(block_size)
             cache = _concat(parts, block_size)
         position = self._positions(keys, cache) if tokenized else found.to_numpy()  # nothing new: already found
-        hashes = _hashes_by_part(parts, position)
         lengths = _lengths(cache.column("token_ids"))[position]
         error_column = cache.column("error").take(position)
         errors = {} if error_column.null_count == len(error_column) else {
             i: e for i, e in enumerate(error_column.to_pylist()) if e is not None}
+        seconds, started = time.perf_counter() - started, time.perf_counter()
+        tree = PrefixTree.of(_PartChains.of(parts, position, lengths, block_size))  # before compaction: its parts
+        tree_s = time.perf_counter() - started
+        del position
         stale = cache.num_rows - len(pc.unique(keys))
         if len(loaded) > 1 and 2 * stale >= cache.num_rows:  # half of it rows the table no longer has
             self._compact(cache, loaded, keys, block_size, still_needed)
-        return CachedRows(RowBlocks(block_size, lengths, hashes), errors, time.perf_counter() - started,
-                          cached_rows, tokenized)
+        return CachedRows(tree, errors, seconds, tree_s, cached_rows, tokenized)
 
     def _tokenize(self, snapshot: Path, missing: pa.Array, tokenizer, prompt_column: str, messages_column: str,
                   block_size: int, progress: Callable[[str], None], workers: TokenizeWorkers) -> int:
