@@ -1,6 +1,6 @@
 """Where a plan step's memory goes: ``prefix_groups`` on a scale bench's table, its resident memory
 sampled every 20 ms, the peak of each stage (the token cache's rows, the tree, the plan, the shards,
-the plan table and file, the groups table) and of the whole step, in this process.
+the plan file, the groups table) and of the whole step, in this process.
 
     batchllm bench --scale 3000000 --plan-only --tokens-per-row 300   # the table and its token cache
     PYTHONPATH=. python benchmarks/plan_memory.py --work .cache/scale/3000000
@@ -68,11 +68,13 @@ def main() -> None:
     from engine.models import resolve_model
 
     for owner, name, stage in [
+        (plan_job.PlanJob, "plan", "plan step, between stages"),
+        (plan_job, "plan_tokenized", "planning, between stages"),
         (plan_job.PlanJob, "read_rows", "snapshot rows"), (plan_job.TokenCache, "rows_for", "token cache rows"),
         (prepared, "duplicate_sets", "identical rows"), (prefix_tree.PrefixTree, "of", "tree"),
-        (prefix_tree.PrefixTree, "planned", "tree without copies"), (prefix_tree.PrefixTree, "plan", "plan"), (plan_job, "assign_shards", "shards"),
-        (plan_job, "plan_table", "plan table"),
-        (plan_job, "write_plan", "plan file"), (plan_job.JobPlan, "groups_table", "groups table"),
+        (prefix_tree.PrefixTree, "planned", "tree without copies"), (prefix_tree.PrefixTree, "plan", "plan"),
+        (plan_job, "assign_shards", "shards"), (plan_job, "write_plan", "plan file"),
+        (plan_job.JobPlan, "groups_table", "groups table"),
     ]:
         sampler.around(owner, name, stage)
     work = args.work.resolve()

@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from ..damaged import readable_or_set_aside
 from ..plan.duplicates import count_duplicates
-from ..plan.plan_table import plan_content_keys, plan_table, previous_shards, read_previous_plan, write_plan
+from ..plan.plan_table import plan_content_keys, plan_tables, previous_shards, read_previous_plan, write_plan
 from ..plan.prepared import PlannedBatch, plan_tokenized
 from ..plan.shards import ShardPlan, assign_shards
 from ..plan.token_cache import CachedRows, TokenCache
@@ -153,9 +153,9 @@ class PlanJob:
         """Publish the plan whole: every row with its group, shard, run position and content key (its
         token ids are in the token cache the plan names), stamped with what it was made from. Returns
         its bytes."""
-        table = plan_table(made.planned, made.meta.column(CONTENT_KEY), self.cache, made.shards.shard_of_row,
-                           made.keys, stamp, plan_run, self.settings.max_model_len)
-        return write_plan(table, self.plan_path)
+        return write_plan(plan_tables(made.planned, made.meta.column(CONTENT_KEY), self.cache,
+                                      made.shards.shard_of_row, made.keys, stamp, plan_run,
+                                      self.settings.max_model_len), self.plan_path)
 
 
 def _ids_by_shard(planned: PlannedBatch, shard_of_row: np.ndarray, shard_count: int) -> Iterator[list]:

@@ -18,6 +18,8 @@ and refuses a plan whose stamp no longer holds.
 from __future__ import annotations
 
 import contextlib
+import itertools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,63 +61,98 @@ class StalePlan(PlanError):
 
 
 # -- writing -----------------------------------------------------------------------------------
-def _sparse_strings(values: dict[int, str], n: int) -> pa.Array:
-    """A string column of ``n`` rows, NULL except at ``values``' rows (usually none of a million)."""
+def _sparse_strings(values: dict[int, str], rows: np.ndarray) -> pa.Array:
+    """A string column of ``rows``, NULL except where ``values`` has one (usually none of a million)."""
     if not values:
-        return pa.nulls(n, pa.string())
-    return pa.array([values.get(i) for i in range(n)], pa.string())
+        return pa.nulls(rows.size, pa.string())
+    return pa.array([values.get(int(r)) for r in rows], pa.string())
+
+
+def _run_positions(prepared: PlannedBatch | PreparedBatch) -> np.ndarray:
+    position = np.empty(prepared.num_rows, dtype=np.int64)
+    position[prepared.order] = np.arange(prepared.order.size)
+    return position
+
+
+def _format_texts(prepared: PlannedBatch | PreparedBatch) -> dict[int, str]:
+    return {i: f.to_text() for i, f in prepared.response_formats.items()}
+
+
+def _rows_columns(prepared: PlannedBatch | PreparedBatch, rows: np.ndarray, position: np.ndarray,
+                  format_texts: dict[int, str]) -> dict:
+    """The run-side columns of ``rows`` (row indices): ``position`` is each row's place in run
+    order, ``format_texts`` the rows' own response formats (``_format_texts``)."""
+    ids = prepared.ids if isinstance(prepared.ids, pa.ChunkedArray | pa.Array) else pa.array(prepared.ids,
+                                                                                              prepared.id_type)
+    return {
+        "id": ids.take(pa.array(rows, pa.int64())),
+        "position": position[rows],
+        "group": prepared.group_of_row[rows].astype(np.int64),
+        "prefix_tokens": prepared.prefix_tokens_at(rows).astype(np.int64),
+        "max_tokens": prepared.max_tokens[rows].astype(np.int64),
+        "error": _sparse_strings(prepared.errors, rows),
+        "response_format": _sparse_strings(format_texts, rows),
+        "duplicate_set": (np.full(rows.size, NO_SET, dtype=np.int64) if prepared.duplicate_set is None
+                          else prepared.duplicate_set[rows].astype(np.int64)),
+    }
 
 
 def rows_table(prepared: PlannedBatch | PreparedBatch) -> pa.Table:
     """The run-side columns of a plan table (no token ids, no shards): what ``prepared_batch`` reads back."""
-    n = prepared.num_rows
-    position = np.empty(n, dtype=np.int64)
-    position[prepared.order] = np.arange(prepared.order.size)
-    return pa.table({
-        "id": prepared.ids if isinstance(prepared.ids, pa.ChunkedArray | pa.Array)
-        else pa.array(prepared.ids, prepared.id_type),
-        "position": position,
-        "group": prepared.group_of_row.astype(np.int64),
-        "prefix_tokens": prepared.prefix_tokens_of_row.astype(np.int64),
-        "max_tokens": prepared.max_tokens.astype(np.int64),
-        "error": _sparse_strings(prepared.errors, n),
-        "response_format": _sparse_strings({i: f.to_text() for i, f in prepared.response_formats.items()}, n),
-        "duplicate_set": (np.full(n, NO_SET, dtype=np.int64) if prepared.duplicate_set is None
-                          else prepared.duplicate_set.astype(np.int64)),
-    }, metadata={BLOCK_SIZE: str(prepared.block_size)})
+    rows = np.arange(prepared.num_rows)
+    return pa.table(_rows_columns(prepared, rows, _run_positions(prepared), _format_texts(prepared)),
+                    metadata={BLOCK_SIZE: str(prepared.block_size)})
 
 
-def plan_table(planned: PlannedBatch, content_keys: pa.ChunkedArray | pa.Array, token_cache: TokenCache,
-               shard_of_row: np.ndarray, partition_keys: list[str], stamp: dict[str, str], plan_run: str,
-               max_model_len: int) -> pa.Table:
-    """The whole plan table of a planned batch: its rows, their content keys in ``token_cache``,
-    their shards and partition keys (``partition_keys[shard]``), stamped, with the context length
-    it checked rows against (``max_model_len``; the block size is ``rows_table``'s)."""
-    table = (rows_table(planned)
-             .append_column(CONTENT_KEY, content_keys)
-             .append_column("shard", pa.array(shard_of_row, pa.int64()))
-             .append_column("partition_key", pa.array(partition_keys, pa.string()).take(pa.array(shard_of_row))))
-    return table.replace_schema_metadata({**table.schema.metadata, TOKEN_CACHE: str(token_cache.folder),
-                                          MAX_MODEL_LEN: str(max_model_len), **stamp, PLAN_RUN: plan_run})
+def plan_tables(planned: PlannedBatch, content_keys: pa.ChunkedArray | pa.Array, token_cache: TokenCache,
+                shard_of_row: np.ndarray, partition_keys: list[str], stamp: dict[str, str], plan_run: str,
+                max_model_len: int) -> Iterator[pa.Table]:
+    """The plan table of a planned batch a shard at a time (each shard's rows in input order, as
+    ``write_plan`` writes them; the whole table is never built): its rows, their content keys in
+    ``token_cache``, their shards and partition keys (``partition_keys[shard]``), stamped, with the
+    context length it checked rows against (``max_model_len``)."""
+    metadata = {BLOCK_SIZE: str(planned.block_size), TOKEN_CACHE: str(token_cache.folder),
+                MAX_MODEL_LEN: str(max_model_len), **stamp, PLAN_RUN: plan_run}
+    position, format_texts = _run_positions(planned), _format_texts(planned)
+    by_shard = np.argsort(shard_of_row, kind="stable")
+    bounds = np.flatnonzero(np.diff(shard_of_row[by_shard], prepend=-1, append=-1))
+    for start, stop in zip(bounds[:-1], bounds[1:]) if shard_of_row.size else [(0, 0)]:
+        rows = by_shard[start:stop]
+        shard = int(shard_of_row[rows[0]]) if rows.size else 0
+        key = partition_keys[shard] if rows.size else ""
+        columns = {**_rows_columns(planned, rows, position, format_texts),
+                   CONTENT_KEY: content_keys.take(pa.array(rows, pa.int64())),
+                   "shard": np.full(rows.size, shard, dtype=np.int64),
+                   "partition_key": pa.array([key] * rows.size, pa.string())}
+        yield pa.table(columns, metadata=metadata)
 
 
 # A shard's rows are split into row groups of at most this many (a row group is read whole).
 PLAN_ROW_GROUP_ROWS = 1 << 20
 
 
-def write_plan(table: pa.Table, path: Path) -> int:
+def write_plan(table: pa.Table | Iterable[pa.Table], path: Path) -> int:
     """Publish the plan whole (readers see the old plan or the new one), each shard's rows in row
     groups of their own, in shard order (Parquet's statistics then name each row group's one
-    partition key: ``PlanFile`` reads a shard's rows alone); returns its bytes."""
-    shards = table.column("shard").to_numpy()
-    order = np.argsort(shards, kind="stable")  # input order within a shard; one shard copied at a time
-    starts = np.flatnonzero(np.diff(shards[order], prepend=-1)) if shards.size else np.zeros(0, np.int64)
-    with Staged(path) as staged, pq.ParquetWriter(staged.path, table.schema) as writer:
-        for start, stop in zip(starts, [*starts[1:], shards.size]):
-            writer.write_table(table.take(order[start:stop]), row_group_size=PLAN_ROW_GROUP_ROWS)
-        if not shards.size:
-            writer.write_table(table)
+    partition key: ``PlanFile`` reads a shard's rows alone); returns its bytes. ``table``: the whole
+    plan table, or its shards' tables in shard order (``plan_tables``)."""
+    shards = _by_shard(table) if isinstance(table, pa.Table) else iter(table)
+    first = next(shards)
+    with Staged(path) as staged, pq.ParquetWriter(staged.path, first.schema) as writer:
+        for shard in itertools.chain([first], shards):
+            writer.write_table(shard, row_group_size=PLAN_ROW_GROUP_ROWS)
     return path.stat().st_size
+
+
+def _by_shard(table: pa.Table) -> Iterator[pa.Table]:
+    """A whole plan table's shards, in shard order, each its rows in input order (one copied at a time)."""
+    shards = table.column("shard").to_numpy()
+    order = np.argsort(shards, kind="stable")
+    starts = np.flatnonzero(np.diff(shards[order], prepend=-1)) if shards.size else np.zeros(0, np.int64)
+    for start, stop in zip(starts, [*starts[1:], shards.size]):
+        yield table.take(order[start:stop])
+    if not shards.size:
+        yield table
 
 
 # -- reading -----------------------------------------------------------------------------------

@@ -59,6 +59,10 @@ class PreparedBatch:
     def num_rows(self) -> int:
         return len(self.ids)
 
+    def prefix_tokens_at(self, rows: np.ndarray) -> np.ndarray:
+        """The group prefix of each of ``rows``."""
+        return self.prefix_tokens_of_row[rows]
+
     def subset(self, rows) -> "PreparedBatch":
         """The same batch restricted to ``rows`` (kept in input order, plan order preserved)."""
         rows = np.sort(np.asarray(rows, dtype=np.int64))
@@ -105,6 +109,10 @@ class PlannedBatch:
     @property
     def prefix_tokens_of_row(self) -> np.ndarray:
         return self.plan.group_prefix_tokens[self.plan.group_of_row]
+
+    def prefix_tokens_at(self, rows: np.ndarray) -> np.ndarray:
+        """The group prefix of each of ``rows`` (no array of every row's)."""
+        return self.plan.group_prefix_tokens[self.plan.group_of_row[rows]]
 
     @property
     def block_size(self) -> int:
