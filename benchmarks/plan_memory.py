@@ -6,7 +6,8 @@ the plan file, the groups table) and of the whole step, in this process.
     PYTHONPATH=. python benchmarks/plan_memory.py --work .cache/scale/3000000
 
 The plan on disk is removed first, so the step plans afresh (a first night's planning) from the
-token cache the bench's first night filled: the tokenizing is not in it (``--scale`` measures that).
+token cache the bench's first night filled: the tokenizing is not in it (``--scale`` measures that),
+unless ``--first-night``: the token cache is set aside, so the step tokenizes every row again.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import functools
 import json
 import resource
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -55,17 +57,15 @@ class _Sampler:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, required=True, help="a `batchllm bench --scale` working folder")
+    parser.add_argument("--first-night", action="store_true",
+                        help="tokenize too: the token cache is set aside for the step (and put back after)")
     args = parser.parse_args()
     sampler = _Sampler()
-
-    import dagster as dg
 
     import engine.jobs.plan_job as plan_job
     import engine.plan.prefix_tree as prefix_tree
     import engine.plan.prepared as prepared
-    from assets import build_batch_defs
-    from dagster_project import scale_bench
-    from engine.models import resolve_model
+    import engine.plan.token_cache as token_cache
 
     for owner, name, stage in [
         (plan_job.PlanJob, "plan", "plan step, between stages"),
@@ -75,21 +75,41 @@ def main() -> None:
         (prefix_tree.PrefixTree, "planned", "tree without copies"), (prefix_tree.PrefixTree, "plan", "plan"),
         (plan_job, "assign_shards", "shards"), (plan_job, "write_plan", "plan file"),
         (plan_job.JobPlan, "groups_table", "groups table"),
+        (plan_job.TokenCache, "_tokenize", "tokenizing"), (token_cache, "tokenize_rows", "tokenizer"),
     ]:
         sampler.around(owner, name, stage)
     work = args.work.resolve()
     (work / "jobs" / "scale" / "plan.parquet").unlink(missing_ok=True)
+    cache, aside = work / "jobs" / "scale" / "token_cache", work / "jobs" / "scale" / "token_cache.aside"
+    if args.first_night:
+        cache.rename(aside)
+    try:
+        report = _plan_step(work, sampler)
+    finally:
+        if args.first_night:
+            shutil.rmtree(cache, ignore_errors=True)
+            aside.rename(cache)
+    print(json.dumps(report))
+
+
+def _plan_step(work: Path, sampler: _Sampler) -> dict:
+    import dagster as dg
+
+    from assets import build_batch_defs
+    from dagster_project import scale_bench
+    from engine.models import resolve_model
+
     config = scale_bench._config(work, resolve_model("tiny"), 10_000)
     graph = build_batch_defs(config).resolve_asset_graph()
     started = time.perf_counter()
     result = dg.materialize([graph.assets_def_for_key(dg.AssetKey(["scale", "prefix_groups"]))],
                             instance=scale_bench._instance(work))
     meta = result.asset_materializations_for_node("scale__prefix_groups")[0].metadata
-    print(json.dumps({"rows": meta["rows"].value, "tokenized_rows": meta["tokenized_rows"].value,
-                      "groups": meta["groups"].value, "shards": meta["shards"].value,
-                      "step_s": round(time.perf_counter() - started, 1),
-                      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                      "stage_peak_rss_bytes": sampler.peaks}))
+    return {"rows": meta["rows"].value, "tokenized_rows": meta["tokenized_rows"].value,
+            "groups": meta["groups"].value, "shards": meta["shards"].value,
+            "step_s": round(time.perf_counter() - started, 1),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "stage_peak_rss_bytes": sampler.peaks}
 
 
 if __name__ == "__main__":
