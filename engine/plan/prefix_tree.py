@@ -136,10 +136,11 @@ def _levels_without(levels: list[_Level], deepest_first: np.ndarray,
 
 def _group_depths(levels: list[_Level], n: int, min_group_rows: int) -> tuple[np.ndarray, np.ndarray]:
     """MaximizeReuse: each row's group depth (in blocks; 0 = no group) and node at that depth."""
-    shared_depth = np.zeros(n, dtype=np.int64)  # deepest depth shared with min_group_rows - 1 others
-    shared_count = np.zeros(n, dtype=np.int64)
-    root_depth = np.zeros(n, dtype=np.int64)  # depth of the root child's compressed edge
-    root_count = np.zeros(n, dtype=np.int64)
+    # Depths and counts of rows fit int32 (n < 2^31): these arrays are a plan's largest transient.
+    shared_depth = np.zeros(n, dtype=np.int32)  # deepest depth shared with min_group_rows - 1 others
+    shared_count = np.zeros(n, dtype=np.int32)
+    root_depth = np.zeros(n, dtype=np.int32)  # depth of the root child's compressed edge
+    root_count = np.zeros(n, dtype=np.int32)
     for depth, level in enumerate(levels):
         count = level.counts[level.node]
         if depth == 0:
@@ -149,8 +150,9 @@ def _group_depths(levels: list[_Level], n: int, min_group_rows: int) -> tuple[np
         shared_count[level.rows[shared]] = count[shared]
         same_as_root = shared & (count == root_count[level.rows])
         root_depth[level.rows[same_as_root]] = depth + 1
-    worth_own_group = (shared_count - 1) * (shared_depth - root_depth) - root_depth > 0
+    worth_own_group = (shared_count - 1).astype(np.int64) * (shared_depth - root_depth) - root_depth > 0
     depth = np.where(worth_own_group, shared_depth, root_depth)
+    del shared_count, worth_own_group
 
     node_at_depth = np.full(n, -1, dtype=np.int64)
     node_base = 0  # global node ids: levels numbered one after the other
@@ -161,15 +163,20 @@ def _group_depths(levels: list[_Level], n: int, min_group_rows: int) -> tuple[np
     return depth, node_at_depth
 
 
-def _interleaved_ranks(values: np.ndarray) -> np.ndarray:
-    """Each value's rank in the order highest, lowest, second highest, second lowest, ... (ties by index)."""
+def _interleaved(values: np.ndarray) -> np.ndarray:
+    """Indices of ``values`` in the order highest, lowest, second highest, second lowest, ... (ties by index)."""
     k = values.size
-    by_value = np.lexsort((np.arange(k), -values))
+    by_value = np.argsort(-values, kind="stable")
     sequence = np.empty(k, dtype=np.int64)
     sequence[0::2] = by_value[: (k + 1) // 2]
     sequence[1::2] = by_value[::-1][: k // 2]
-    rank = np.empty(k, dtype=np.int64)
-    rank[sequence] = np.arange(k)
+    return sequence
+
+
+def _interleaved_ranks(values: np.ndarray) -> np.ndarray:
+    """Each value's rank in that order (``_interleaved``)."""
+    rank = np.empty(values.size, dtype=np.int64)
+    rank[_interleaved(values)] = np.arange(values.size)
     return rank
 
 
@@ -180,13 +187,13 @@ def _mixed_decode_ratio_order(levels: list[_Level], ratio: np.ndarray) -> np.nda
     A stable sort per depth from the deepest up (LSD radix style) keeps memory at O(rows).
     """
     n = ratio.size
-    order = np.argsort(_interleaved_ranks(ratio), kind="stable")  # last tie-break: the row's own ratio
+    order = _interleaved(ratio)  # last tie-break: the row's own ratio
     for level in reversed(levels):
         node_ratio = np.bincount(level.node, weights=ratio[level.rows]) / level.counts
         rank_of_node = _interleaved_ranks(node_ratio)
         # Rows ending above this depth come first (-1). Few nodes: 16-bit keys, which numpy's
         # stable sort orders by radix, far faster than a comparison sort on a million rows.
-        key = np.full(n, -1, dtype=np.int16 if node_ratio.size < 2**15 else np.int64)
+        key = np.full(n, -1, dtype=np.int16 if node_ratio.size < 2**15 else np.int32)
         key[level.rows] = rank_of_node[level.node]
         order = order[np.argsort(key[order], kind="stable")]
     return order
@@ -325,7 +332,8 @@ def _plan_tree(tree: PrefixTree, decode_tokens: np.ndarray, min_group_rows: int)
     if copies.any():  # a copy decodes nothing
         decode_tokens = np.where(copies, 0, decode_tokens)
     depth, group_node = _group_depths(levels, n, min_group_rows)
-    depth, group_node = depth[source], group_node[source]
+    if copies.any():  # a copy is in its source's group
+        depth, group_node = depth[source], group_node[source]
     ratio = decode_tokens / np.maximum(lengths, 1)
     dfs = _mixed_decode_ratio_order(levels, ratio)
     if copies.any():  # each copy right after its source
