@@ -1,9 +1,10 @@
 """A plan file at scale: written by ``write_plan`` with each shard's rows apart, then read by a shard
 as a shard reads it (``PlanFile``: its rows for running, its answer columns at write time, the
 pruning check of some ids), each read in a fresh process, its time and peak RSS against reading the
-whole file.
+whole file; or the same reads on a plan a plan step wrote (``--plan``).
 
     PYTHONPATH=. python benchmarks/plan_file_scale.py --rows 10000000 --shards 100 [--dir DIR]
+    PYTHONPATH=. python benchmarks/plan_file_scale.py --plan .cache/scale/10000000/jobs/scale/plan.parquet
 
 The table has a plan's columns and types (string ids, a 16-byte content key, the integer columns,
 sparse error and format columns, the shard and its partition key); token ids are not in a plan.
@@ -28,7 +29,8 @@ READERS = {
     "shard_rows": "plan = PlanFile.open(path); rows = plan._of_key(key); n = rows.num_rows",
     # What a shard's write reads: its rows' answer columns, the live keys, which of 1,000 ids are planned.
     "shard_write": ("plan = PlanFile.open(path, for_writing=True); rows = plan._of_key(key); keys = plan.live_keys(); "
-                    "n = len(plan.ids_among(pa.array([f'row-{i}' for i in range(0, 10**7, 10**4)])))"),
+                    "some = range(0, 10**7, 10**4); ids = pa.array(list(some) if pa.types.is_integer(plan.id_type) "
+                    "else [f'row-{i}' for i in some], plan.id_type); n = len(plan.ids_among(ids))"),
     # What the plan did before: the whole file read at open.
     "whole_file": "import pyarrow.parquet as pq; rows = pq.read_table(path); n = rows.num_rows",
 }
@@ -74,7 +76,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=10_000_000)
     parser.add_argument("--shards", type=int, default=100)
     parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument("--plan", type=Path, help="read this plan file (a real plan step's) instead of writing one")
     args = parser.parse_args()
+    if args.plan:
+        _read_only(args.plan)
+        return
     from engine.plan.plan_table import write_plan
 
     folder = args.dir or Path(tempfile.mkdtemp(prefix="plan-scale-"))
@@ -90,6 +96,19 @@ def main() -> None:
     del table
     key = f"h200|{args.shards // 2:05d}"
     report["reads"] = {reader: read_in_fresh_process(path, key, reader) for reader in READERS}
+    print(json.dumps(report, indent=2))
+
+
+def _read_only(path: Path) -> None:
+    """Each reader on a plan file a plan step wrote, a shard from its middle."""
+    import pyarrow.parquet as pq
+
+    from engine.plan.plan_table import PlanFile
+
+    keys = sorted(PlanFile.open(path).live_keys())
+    key = keys[len(keys) // 2]
+    report = {"rows": pq.ParquetFile(path).metadata.num_rows, "shards": len(keys), "file_bytes": path.stat().st_size,
+              "key": key, "reads": {reader: read_in_fresh_process(path, key, reader) for reader in READERS}}
     print(json.dumps(report, indent=2))
 
 
