@@ -5,6 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from engine.table import dataset
 from engine.table.dataset import DatasetError, load_prompts, read_sql
 
 
@@ -120,3 +121,21 @@ def test_single_query_drops_a_trailing_semicolon_and_comments_but_not_inside_str
 
     assert single_query("SELECT id, '--x;' AS p FROM t; -- the whole batch") == "SELECT id, '--x;' AS p FROM t"
     assert single_query("WITH a AS (SELECT 1) SELECT * FROM a /* note */ ;\n") == "WITH a AS (SELECT 1) SELECT * FROM a"
+
+
+def test_a_job_scan_works_in_bounded_memory_and_spills_into_the_job_folder(tmp_path, database, monkeypatch):
+    """DuckDB's default is 80% of the machine, its buffer pool keeping what a scan read (3.1 GB
+    streaming 10M prompts): a job's stream is bounded, and a sort larger than the bound spills into
+    the folder the job names."""
+    monkeypatch.setattr(dataset, "DUCKDB_MEMORY_LIMIT", "100MB")
+    spill = tmp_path / "spill"
+    sql = "SELECT i, repeat('x', 200) || i::VARCHAR AS s FROM range(1000000) t(i) ORDER BY s DESC"
+    seen_spilled, rows, last = False, 0, None
+    with dataset.stream_sql(sql, database, spill_dir=spill) as (_, batches):
+        for batch in batches:
+            seen_spilled = seen_spilled or any(spill.iterdir())
+            rows += batch.num_rows
+            last = batch.column("s")[-1].as_py()
+    assert rows == 1_000_000 and last == "x" * 200 + "0" and seen_spilled
+    with dataset.stream_sql("SELECT current_setting('memory_limit') AS m", database, spill_dir=spill) as (_, batches):
+        assert next(batches).column("m")[0].as_py() == "95.3 MiB"

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 from ..digests import digest as new_digest
 from ..digests import row_key
 from ..sql import quote_identifier
+from .dataset import bounded_memory
 
 CONTENT_KEY = "_content_key"  # the snapshot column holding each row's content key
 KEY_TYPE = pa.binary(16)
@@ -126,6 +127,7 @@ def texts_at(path: Path, rows: pa.Array, prompt_column: str, messages_column: st
     names = set(pq.ParquetFile(path).schema_arrow.names)
     columns = [CONTENT_KEY] + [c for c in (prompt_column, messages_column) if c in names]
     with duckdb.connect() as con:
+        bounded_memory(con, path.parent / ".duckdb_spill")
         con.register("wanted_rows", pa.table({"row": rows.cast(pa.int64())}))
         selected = ", ".join(quote_identifier(c) for c in columns)
         yield from con.sql(f"SELECT {selected} FROM read_parquet($path, file_row_number = true) "
