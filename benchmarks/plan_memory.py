@@ -8,6 +8,7 @@ the plan file, the groups table) and of the whole step, in this process.
 The plan on disk is removed first, so the step plans afresh (a first night's planning) from the
 token cache the bench's first night filled: the tokenizing is not in it (``--scale`` measures that),
 unless ``--first-night``: the token cache is set aside, so the step tokenizes every row again.
+``--prompts``: the prompts step instead (streaming the table into the snapshot).
 """
 
 from __future__ import annotations
@@ -59,8 +60,12 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True, help="a `batchllm bench --scale` working folder")
     parser.add_argument("--first-night", action="store_true",
                         help="tokenize too: the token cache is set aside for the step (and put back after)")
+    parser.add_argument("--prompts", action="store_true", help="the prompts step instead (the snapshot taken again)")
     args = parser.parse_args()
     sampler = _Sampler()
+    if args.prompts:
+        print(json.dumps(_prompts_step(args.work.resolve(), sampler)))
+        return
 
     import engine.jobs.plan_job as plan_job
     import engine.plan.prefix_tree as prefix_tree
@@ -92,7 +97,21 @@ def main() -> None:
     print(json.dumps(report))
 
 
-def _plan_step(work: Path, sampler: _Sampler) -> dict:
+def _prompts_step(work: Path, sampler: _Sampler) -> dict:
+    import assets.prompts as prompts
+
+    for owner, name, stage in [(prompts, "snapshot_dataset", "streaming the table"),
+                               (prompts.SnapshotWriter, "write", "writing a batch"),
+                               (prompts, "check_unique_ids", "unique ids")]:
+        sampler.around(owner, name, stage)
+    started = time.perf_counter()
+    meta = _materialize(work, "prompts")
+    return {"rows": meta["dagster/row_count"].value, "step_s": round(time.perf_counter() - started, 1),
+            "stage_peak_rss_bytes": sampler.peaks}
+
+
+def _materialize(work: Path, asset: str):
+    """The scale bench's ``asset`` materialized in this process; its metadata."""
     import dagster as dg
 
     from assets import build_batch_defs
@@ -101,10 +120,14 @@ def _plan_step(work: Path, sampler: _Sampler) -> dict:
 
     config = scale_bench._config(work, resolve_model("tiny"), 10_000)
     graph = build_batch_defs(config).resolve_asset_graph()
-    started = time.perf_counter()
-    result = dg.materialize([graph.assets_def_for_key(dg.AssetKey(["scale", "prefix_groups"]))],
+    result = dg.materialize([graph.assets_def_for_key(dg.AssetKey(["scale", asset]))],
                             instance=scale_bench._instance(work))
-    meta = result.asset_materializations_for_node("scale__prefix_groups")[0].metadata
+    return result.asset_materializations_for_node(f"scale__{asset}")[0].metadata
+
+
+def _plan_step(work: Path, sampler: _Sampler) -> dict:
+    started = time.perf_counter()
+    meta = _materialize(work, "prefix_groups")
     return {"rows": meta["rows"].value, "tokenized_rows": meta["tokenized_rows"].value,
             "groups": meta["groups"].value, "shards": meta["shards"].value,
             "step_s": round(time.perf_counter() - started, 1),
