@@ -330,8 +330,7 @@ class TokenCache:
         seconds, started = time.perf_counter() - started, time.perf_counter()
         tree = PrefixTree.of(_PartChains.of(parts, position, lengths, block_size))  # before compaction: its parts
         tree_s = time.perf_counter() - started
-        del position
-        stale = cache.num_rows - len(pc.unique(keys))
+        stale = cache.num_rows - _distinct(position, cache.num_rows)
         if len(loaded) > 1 and 2 * stale >= cache.num_rows:  # half of it rows the table no longer has
             self._compact(cache, loaded, keys, block_size, still_needed)
         return CachedRows(tree, errors, seconds, tree_s, cached_rows, tokenized)
@@ -377,8 +376,18 @@ class TokenCache:
                 path.unlink(missing_ok=True)
 
 
+def _distinct(position: np.ndarray, entries: int) -> int:
+    """How many of ``entries`` the rows at ``position`` name: the table's distinct contents (a byte
+    an entry, where hashing every row's key again would build a table of them all)."""
+    named = np.zeros(entries, dtype=bool)
+    named[position] = True
+    return int(np.count_nonzero(named))
+
+
 def _first_rows_missing(keys: pa.Array, found: pa.Array) -> pa.Array:
     """The rows whose content the cache lacks, each content's first row alone (int64 row numbers)."""
+    if not found.null_count:  # every row's content is cached: no keys hashed to find first rows
+        return pa.array([], pa.int64())
     first = pc.index_in(keys, value_set=keys).to_numpy()  # each row's content's first row
     return pa.array(np.flatnonzero(pc.is_null(found).to_numpy(zero_copy_only=False) & (first == np.arange(len(keys)))))
 
