@@ -127,7 +127,8 @@ def test_a_job_scan_works_in_bounded_memory_and_spills_into_the_job_folder(tmp_p
     """DuckDB's default is 80% of the machine, its buffer pool keeping what a scan read (3.1 GB
     streaming 10M prompts): a job's stream is bounded, and a sort larger than the bound spills into
     the folder the job names."""
-    monkeypatch.setattr(dataset, "DUCKDB_MEMORY_LIMIT", "100MB")
+    monkeypatch.setattr(dataset, "DUCKDB_MEMORY_MIB", 100)
+    monkeypatch.setattr(dataset, "DUCKDB_MEMORY_PER_THREAD_MIB", 1)
     spill = tmp_path / "spill"
     sql = "SELECT i, repeat('x', 200) || i::VARCHAR AS s FROM range(1000000) t(i) ORDER BY s DESC"
     seen_spilled, rows, last = False, 0, None
@@ -138,4 +139,15 @@ def test_a_job_scan_works_in_bounded_memory_and_spills_into_the_job_folder(tmp_p
             last = batch.column("s")[-1].as_py()
     assert rows == 1_000_000 and last == "x" * 200 + "0" and seen_spilled
     with dataset.stream_sql("SELECT current_setting('memory_limit') AS m", database, spill_dir=spill) as (_, batches):
-        assert next(batches).column("m")[0].as_py() == "95.3 MiB"
+        assert next(batches).column("m")[0].as_py() == "100.0 MiB"
+
+
+def test_the_bound_grows_with_duckdbs_threads(tmp_path):
+    """Spilling needs memory per thread: a sort of 3M prompts failed at 64 threads in 1 GB."""
+    with duckdb.connect() as con:
+        con.execute("SET threads = 64")
+        dataset.bounded_memory(con, tmp_path)
+        assert con.execute("SELECT current_setting('memory_limit')").fetchone()[0] == "4.0 GiB"  # 64 x 64 MiB
+        con.execute("SET threads = 2")
+        dataset.bounded_memory(con, tmp_path)
+        assert con.execute("SELECT current_setting('memory_limit')").fetchone()[0] == "1.0 GiB"

@@ -66,13 +66,18 @@ def read_sql(sql: str, database: str | None = None, allowed_paths: list[str] = (
 # DuckDB's own limit is 80% of the machine's memory, and its buffer pool keeps every block a scan
 # read until that fills: streaming a table of 10M prompts (2.5 GB) held 3.1 GB. A job's scans work
 # in this much instead, and what does not fit (a large sort or join in dataset SQL) spills to disk.
-DUCKDB_MEMORY_LIMIT = "1GB"
+# Spilling needs memory per thread (a sort of 3M prompts failed at 64 threads in 1 GB, ran in 2):
+# on a machine of many cores the bound grows with DuckDB's threads.
+DUCKDB_MEMORY_MIB = 1024
+DUCKDB_MEMORY_PER_THREAD_MIB = 64
 
 
 def bounded_memory(con, spill_dir: Path) -> None:
-    """Hold a DuckDB connection to ``DUCKDB_MEMORY_LIMIT``, spilling into ``spill_dir`` (the job's
-    own folder: never beside a user's database, nor the working directory, DuckDB's defaults)."""
-    con.execute(f"SET memory_limit = '{DUCKDB_MEMORY_LIMIT}'")
+    """Hold a DuckDB connection to ``DUCKDB_MEMORY_MIB`` (or ``DUCKDB_MEMORY_PER_THREAD_MIB`` a
+    thread, if more), spilling into ``spill_dir`` (the job's own folder: never beside a user's
+    database, nor the working directory, DuckDB's defaults)."""
+    threads = int(con.execute("SELECT current_setting('threads')").fetchone()[0])
+    con.execute(f"SET memory_limit = '{max(DUCKDB_MEMORY_MIB, DUCKDB_MEMORY_PER_THREAD_MIB * threads)}MiB'")
     con.execute("SET temp_directory = ?", [str(spill_dir)])
 
 
