@@ -136,7 +136,7 @@ def _levels_without(levels: list[_Level], deepest_first: np.ndarray,
 
 def _group_depths(levels: list[_Level], n: int, min_group_rows: int) -> tuple[np.ndarray, np.ndarray]:
     """MaximizeReuse: each row's group depth (in blocks; 0 = no group) and node at that depth."""
-    # Depths and counts of rows fit int32 (n < 2^31): these arrays are a plan's largest transient.
+    # Depths and counts of rows fit int32 (n < 2^31): half the memory of int64 per-row arrays.
     shared_depth = np.zeros(n, dtype=np.int32)  # deepest depth shared with min_group_rows - 1 others
     shared_count = np.zeros(n, dtype=np.int32)
     root_depth = np.zeros(n, dtype=np.int32)  # depth of the root child's compressed edge
