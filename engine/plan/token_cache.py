@@ -327,6 +327,8 @@ class TokenCache:
         error_column = cache.column("error").take(position)
         errors = {} if error_column.null_count == len(error_column) else {
             i: e for i, e in enumerate(error_column.to_pylist()) if e is not None}
+        del found, missing, error_column
+        pa.default_memory_pool().release_unused()  # the second lookup's hash table, before the tree
         seconds, started = time.perf_counter() - started, time.perf_counter()
         tree = PrefixTree.of(_PartChains.of(parts, position, lengths, block_size))  # before compaction: its parts
         tree_s = time.perf_counter() - started
