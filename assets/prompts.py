@@ -70,7 +70,7 @@ def snapshot_dataset(config: BatchJobConfig, path: Path, log=None, before_landin
     columns, fields = config.dataset.columns, config.dataset.prompt
     preview, choice = None, None
     with Staged(path) as staged:
-        with stream_sql(*dataset_sql(config), spill_dir=config.files.job_dir / ".duckdb_spill") as (schema, batches):
+        with stream_sql(*dataset_sql(config), job_dir=config.files.job_dir) as (schema, batches):
             if fields is not None:
                 batches, schema, choice = rendered_batches(batches, schema, fields, columns,
                                                            _prefill_counter(config, log), config.files.field_order_path)

@@ -129,16 +129,18 @@ def test_a_job_scan_works_in_bounded_memory_and_spills_into_the_job_folder(tmp_p
     the folder the job names."""
     monkeypatch.setattr(dataset, "DUCKDB_MEMORY_MIB", 100)
     monkeypatch.setattr(dataset, "DUCKDB_MEMORY_PER_THREAD_MIB", 1)
-    spill = tmp_path / "spill"
+    job = tmp_path / "job"  # a job's folder exists before its scans
+    job.mkdir()
+    spill = job / ".duckdb_spill"
     sql = "SELECT i, repeat('x', 200) || i::VARCHAR AS s FROM range(1000000) t(i) ORDER BY s DESC"
     seen_spilled, rows, last = False, 0, None
-    with dataset.stream_sql(sql, database, spill_dir=spill) as (_, batches):
+    with dataset.stream_sql(sql, database, job_dir=job) as (_, batches):
         for batch in batches:
-            seen_spilled = seen_spilled or any(spill.iterdir())
+            seen_spilled = seen_spilled or (spill.exists() and any(spill.iterdir()))
             rows += batch.num_rows
             last = batch.column("s")[-1].as_py()
     assert rows == 1_000_000 and last == "x" * 200 + "0" and seen_spilled
-    with dataset.stream_sql("SELECT current_setting('memory_limit') AS m", database, spill_dir=spill) as (_, batches):
+    with dataset.stream_sql("SELECT current_setting('memory_limit') AS m", database, job_dir=job) as (_, batches):
         assert next(batches).column("m")[0].as_py() == "100.0 MiB"
 
 

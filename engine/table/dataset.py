@@ -70,34 +70,35 @@ def read_sql(sql: str, database: str | None = None, allowed_paths: list[str] = (
 # on a machine of many cores the bound grows with DuckDB's threads.
 DUCKDB_MEMORY_MIB = 1024
 DUCKDB_MEMORY_PER_THREAD_MIB = 64
+_SPILL = ".duckdb_spill"  # DuckDB's spill files, in the job's folder
 
 
-def bounded_memory(con, spill_dir: Path) -> None:
+def bounded_memory(con, job_dir: Path) -> None:
     """Hold a DuckDB connection to ``DUCKDB_MEMORY_MIB`` (or ``DUCKDB_MEMORY_PER_THREAD_MIB`` a
-    thread, if more), spilling into ``spill_dir`` (the job's own folder: never beside a user's
-    database, nor the working directory, DuckDB's defaults)."""
+    thread, if more), spilling into the job's folder ``job_dir`` (never beside a user's database,
+    nor the working directory, DuckDB's defaults)."""
     threads = int(con.execute("SELECT current_setting('threads')").fetchone()[0])
     con.execute(f"SET memory_limit = '{max(DUCKDB_MEMORY_MIB, DUCKDB_MEMORY_PER_THREAD_MIB * threads)}MiB'")
-    con.execute("SET temp_directory = ?", [str(spill_dir)])
+    con.execute("SET temp_directory = ?", [str(Path(job_dir) / _SPILL)])
 
 
 @contextmanager
 def stream_sql(sql: str, database: str | None = None, allowed_paths: list[str] = (),
-               batch_rows: int = 65_536, spill_dir: Path | None = None
+               batch_rows: int = 65_536, job_dir: Path | None = None
                ) -> Iterator[tuple[pa.Schema, Iterator[pa.RecordBatch]]]:
     """Run dataset SQL in DuckDB's sandbox and stream its rows as Arrow record batches (the schema,
     and the batches while the connection is open): exactly one query; the database (if any)
     read-only; no file outside ``allowed_paths`` (and the database's folder) readable; no extension
-    installed or loaded; the configuration locked so the SQL cannot undo any of it. With
-    ``spill_dir``, in bounded memory (``bounded_memory``): a stream's reader never holds the table."""
+    installed or loaded; the configuration locked so the SQL cannot undo any of it. With the
+    job's folder ``job_dir``, in bounded memory (``bounded_memory``): a stream's reader never holds the table."""
     import duckdb
 
     query = single_query(sql)
     if database and not Path(database).exists():
         raise DatasetError(f"DuckDB database {database!r} does not exist")
     con = _connect_read_only(database) if database else duckdb.connect(config=_NO_EXTENSIONS)
-    if spill_dir is not None:
-        bounded_memory(con, spill_dir)
+    if job_dir is not None:
+        bounded_memory(con, job_dir)
 
     def translated(call):
         try:
@@ -245,11 +246,11 @@ def validate(table: pa.Table, columns: Columns = Columns()) -> pa.Table:
 
 def check_unique_ids(parquet: str | Path, id_column: str) -> None:
     """No id twice in a (streamed, so batch-wise checked) Parquet snapshot; DuckDB counts out of
-    core, spilling beside the snapshot."""
+    core, spilling into the snapshot's (the job's) folder."""
     import duckdb
 
     with duckdb.connect(config=_NO_EXTENSIONS) as con:
-        bounded_memory(con, Path(parquet).parent / ".duckdb_spill")
+        bounded_memory(con, Path(parquet).parent)
         column = quote_identifier(id_column)
         duplicated = con.execute(
             f"SELECT {column} FROM read_parquet(?) GROUP BY {column} HAVING count(*) > 1 LIMIT 5", [str(parquet)]

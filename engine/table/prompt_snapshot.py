@@ -127,7 +127,7 @@ def texts_at(path: Path, rows: pa.Array, prompt_column: str, messages_column: st
     names = set(pq.ParquetFile(path).schema_arrow.names)
     columns = [CONTENT_KEY] + [c for c in (prompt_column, messages_column) if c in names]
     with duckdb.connect() as con:
-        bounded_memory(con, path.parent / ".duckdb_spill")
+        bounded_memory(con, path.parent)
         con.register("wanted_rows", pa.table({"row": rows.cast(pa.int64())}))
         selected = ", ".join(quote_identifier(c) for c in columns)
         yield from con.sql(f"SELECT {selected} FROM read_parquet($path, file_row_number = true) "
