@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.plan.block_hashes import RowBlocks
+from engine.plan.block_hashes import RowBlocks, rows_by_depth
 from engine.plan.duplicates import NO_SET, lowest_row_of_set
-from engine.plan.prefix_tree import PrefixTree, build_plan
+from engine.plan.prefix_tree import PrefixTree, _depth_count, _Level, build_plan, unique_tokens_per_row
 
 from .conftest import group_rows
 
@@ -150,8 +150,6 @@ def brute_force_paid(rows, block, order, part):
 
 @pytest.mark.parametrize("shards", [1, 3, 40])  # 40 shards: more (node, shard) pairs than rows
 def test_each_shard_pays_for_the_prefixes_it_reaches_first(shards):
-    from engine.plan.prefix_tree import unique_tokens_per_row
-
     rng = np.random.default_rng(shards)
     stems = [rng.integers(0, 50, 12).tolist() for _ in range(4)]
     rows = [stems[rng.integers(4)][: rng.integers(4, 13)] + rng.integers(0, 50, rng.integers(0, 9)).tolist()
@@ -164,7 +162,7 @@ def test_each_shard_pays_for_the_prefixes_it_reaches_first(shards):
 
 
 def _levels(tree):
-    return [(level.rows.tolist(), level.node.tolist(), level.counts.tolist()) for level in tree.levels]
+    return [(level.rows.tolist(), level.node.tolist(), level.counts.tolist(), level.depths) for level in tree.levels]
 
 
 @settings(max_examples=200, deadline=None)
@@ -185,3 +183,46 @@ def test_a_tree_without_some_rows_is_the_tree_built_from_the_others_alone(rows, 
     assert _levels(got) == _levels(alone)
     assert got.lengths[dropped].sum() == 0 and np.array_equal(got.copies, copies)
     assert np.array_equal(PrefixTree.of(blocks, duplicate_set).copies, copies)
+
+
+def _one_level_per_depth(tree: PrefixTree, blocks: RowBlocks) -> PrefixTree:
+    """The same tree with a level at every depth, each node numbered by its hash at that depth (the
+    levels before stretches of the same nodes became one level)."""
+    _, reaching = rows_by_depth(blocks.blocks)
+    levels = []
+    for depth in range(_depth_count(tree.levels)):
+        rows = tree.deepest_first[: reaching[depth + 1]]
+        hashes = np.array([blocks.chain(int(r))[depth] for r in rows], dtype=np.uint64)
+        _, node, counts = np.unique(hashes, return_inverse=True, return_counts=True)
+        levels.append(_Level(rows, node.astype(np.int32), counts.astype(np.int32)))
+    return PrefixTree(tree.block_size, tree.lengths, levels, tree.deepest_first, tree.source, tree.copies)
+
+
+@settings(max_examples=200, deadline=None)
+@given(shared=st.lists(st.integers(0, 1), max_size=10),
+       rows=st.lists(st.lists(st.integers(0, 1), max_size=10), min_size=1, max_size=30), data=st.data())
+def test_a_stretch_of_the_same_nodes_is_one_level_and_plans_as_a_level_per_depth(shared, rows, data):
+    """Where no row ends and no node splits (a system prompt, a document) the tree keeps one level:
+    the plan (groups, order, prefixes, tokens each row and each shard computes) is the one of a
+    level per depth."""
+    rows = [shared + r if data.draw(st.booleans()) else r for r in rows]
+    blocks = RowBlocks.of_tokens(*flat(rows), 2)
+    tree = PrefixTree.of(blocks)
+    per_depth = _one_level_per_depth(tree, blocks)
+    assert _depth_count(tree.levels) == len(per_depth.levels)
+    decode = np.array(data.draw(st.lists(st.integers(0, 9), min_size=len(rows), max_size=len(rows))))
+    got, expected = tree.plan(decode), per_depth.plan(decode)
+    for name in ("order", "group_of_row", "group_prefix_tokens", "group_sizes", "row_unique_tokens"):
+        assert np.array_equal(getattr(got, name), getattr(expected, name)), name
+    part = np.array(data.draw(st.lists(st.integers(0, 2), min_size=len(rows), max_size=len(rows))))
+    assert np.array_equal(unique_tokens_per_row(got, got.order, part), unique_tokens_per_row(expected, got.order, part))
+
+
+def test_a_long_shared_prompt_is_one_level():
+    """40 rows behind 30 blocks of one system prompt, 4 documents of 10 blocks each asked 10
+    questions: three levels (the prompt, the documents, the questions), not one per block."""
+    system = list(range(1000, 1060))
+    rows = [system + [d] * 20 + [100 + q, 200 + d] for d in range(4) for q in range(10)]
+    tree = PrefixTree.of(RowBlocks.of_tokens(*flat(rows), 2))
+    assert [(level.depths, level.counts.size) for level in tree.levels] == [(30, 1), (10, 4), (1, 40)]
+    assert plan_of(rows, block=2).unique_tokens == brute_force_unique_tokens(rows, 2)

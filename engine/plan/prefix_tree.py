@@ -38,12 +38,32 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Level:
-    """The tree's nodes at one depth: which rows reach it and which node each row is in. Node
-    numbers and counts are int32: the levels are most of a plan's memory (a row's every shared block)."""
+    """The tree's nodes at one depth, or at ``depths`` consecutive depths with the same rows and the
+    same nodes (a stretch where no row ends and no node splits: a system prompt, a document): which
+    rows reach them and which node each row is in. One level for such a stretch is a radix tree's
+    compressed edge: the levels hold 4 bytes a row per depth where the tree branches, not per
+    shared block (a 1,000-token system prompt is 31 blocks of 32 and one level). Node numbers and
+    counts are int32."""
 
-    rows: np.ndarray  # row indices with a full block at this depth (a view of one array for every depth)
+    rows: np.ndarray  # row indices with a full block at these depths (a view of one array for every level)
     node: np.ndarray  # node index (0..n_nodes-1) of each of those rows
     counts: np.ndarray  # rows per node
+    depths: int = 1  # consecutive depths this level stands for
+
+
+def _depth_count(levels: list[_Level]) -> int:
+    return sum(level.depths for level in levels)
+
+
+def _appended(levels: list[_Level], level: _Level) -> None:
+    """``level`` (the next depth) added to ``levels``, as one more depth of the last level where it
+    has the same rows and nodes. The nodes of a depth refine the ones above (chained hashes: rows in
+    one node share every block above it), so the same rows in as many nodes are the same nodes."""
+    last = levels[-1] if levels else None
+    if last is not None and last.rows.size == level.rows.size and last.counts.size == level.counts.size:
+        last.depths += level.depths
+    else:
+        levels.append(level)
 
 
 @dataclass
@@ -106,8 +126,8 @@ def _build_levels(chains: RowChains) -> tuple[np.ndarray, list[_Level]]:
     for depth, hashes in enumerate(chains.hashes_by_depth(deepest_first, reaching)):
         _, node, counts = np.unique(hashes, return_inverse=True, return_counts=True)
         del hashes
-        levels.append(_Level(rows=deepest_first[: reaching[depth + 1]], node=node.astype(np.int32),
-                             counts=counts.astype(np.int32)))
+        _appended(levels, _Level(rows=deepest_first[: reaching[depth + 1]], node=node.astype(np.int32),
+                                 counts=counts.astype(np.int32)))
         if counts.max() < 2:
             break
     return deepest_first, levels
@@ -117,8 +137,9 @@ def _levels_without(levels: list[_Level], deepest_first: np.ndarray,
                     removed: np.ndarray) -> tuple[np.ndarray, list[_Level]]:
     """The levels of the tree of the rows not ``removed`` (a mask over rows): what ``_build_levels``
     makes of them alone. A level's rows keep their order (a prefix of one array, as built), its
-    nodes keep theirs (numbered by hash), those no row reaches now dropped; it stops where the tree
-    of fewer rows stops (a depth no node of which two rows share now)."""
+    nodes keep theirs (numbered by hash), those no row reaches now dropped; levels that became the
+    same nodes are one; it stops where the tree of fewer rows stops (a depth no node of which two
+    rows share now)."""
     deepest_first = deepest_first[~removed[deepest_first]]
     out: list[_Level] = []
     for level in levels:
@@ -127,9 +148,11 @@ def _levels_without(levels: list[_Level], deepest_first: np.ndarray,
             break
         counts = np.bincount(level.node[kept], minlength=level.counts.size)
         renumbered = (np.cumsum(counts > 0) - 1).astype(np.int32)
-        out.append(_Level(rows=deepest_first[: int(kept.sum())], node=renumbered[level.node[kept]],
-                          counts=counts[counts > 0].astype(np.int32)))
-        if out[-1].counts.max() < 2:
+        counts = counts[counts > 0].astype(np.int32)
+        shared = counts.max() >= 2  # else the tree stops at the first of these depths
+        _appended(out, _Level(rows=deepest_first[: int(kept.sum())], node=renumbered[level.node[kept]],
+                              counts=counts, depths=level.depths if shared else 1))
+        if not shared:
             break
     return deepest_first, out
 
@@ -141,23 +164,26 @@ def _group_depths(levels: list[_Level], n: int, min_group_rows: int) -> tuple[np
     shared_count = np.zeros(n, dtype=np.int32)
     root_depth = np.zeros(n, dtype=np.int32)  # depth of the root child's compressed edge
     root_count = np.zeros(n, dtype=np.int32)
-    for depth, level in enumerate(levels):
+    end = 0  # the deepest depth of this level (its last, counted from 1)
+    for k, level in enumerate(levels):
+        end += level.depths
         count = level.counts[level.node]
-        if depth == 0:
+        if k == 0:
             root_count[level.rows] = count
         shared = count >= min_group_rows
-        shared_depth[level.rows[shared]] = depth + 1
+        shared_depth[level.rows[shared]] = end
         shared_count[level.rows[shared]] = count[shared]
         same_as_root = shared & (count == root_count[level.rows])
-        root_depth[level.rows[same_as_root]] = depth + 1
+        root_depth[level.rows[same_as_root]] = end
     worth_own_group = (shared_count - 1).astype(np.int64) * (shared_depth - root_depth) - root_depth > 0
     depth = np.where(worth_own_group, shared_depth, root_depth)
     del shared_count, worth_own_group
 
     node_at_depth = np.full(n, -1, dtype=np.int64)
-    node_base = 0  # global node ids: levels numbered one after the other
-    for k, level in enumerate(levels):
-        here = depth[level.rows] == k + 1
+    node_base, end = 0, 0  # global node ids: levels numbered one after the other
+    for level in levels:
+        end += level.depths  # a group's depth is a level's deepest (a node's rows share all of its depths)
+        here = depth[level.rows] == end
         node_at_depth[level.rows[here]] = node_base + level.node[here]
         node_base += level.counts.size
     return depth, node_at_depth
@@ -184,7 +210,9 @@ def _mixed_decode_ratio_order(levels: list[_Level], ratio: np.ndarray) -> np.nda
     """Depth-first order of the tree, siblings by the mean decode ratio of their subtree,
     interleaved (see the module doc).
 
-    A stable sort per depth from the deepest up (LSD radix style) keeps memory at O(rows).
+    A stable sort per depth from the deepest up (LSD radix style) keeps memory at O(rows). A level
+    of several depths is sorted by once: rows equal at its first depth are in one node at each of
+    its depths, so its deeper depths break no tie.
     """
     n = ratio.size
     order = _interleaved(ratio)  # last tie-break: the row's own ratio
@@ -209,7 +237,7 @@ def unique_tokens_per_row(plan: PrefixPlan, order: np.ndarray, part: np.ndarray 
     n = lengths.size
     position = np.empty(n, dtype=np.int64)
     position[order] = np.arange(n)
-    paid_blocks = lengths // block_size - len(plan.levels)
+    paid_blocks = lengths // block_size - _depth_count(plan.levels)
     paid = np.maximum(paid_blocks, 0) * block_size + lengths % block_size  # unshared depths and tails
     shards = 1 if part is None else int(part.max(initial=0)) + 1
     for level in plan.levels:
@@ -224,7 +252,7 @@ def unique_tokens_per_row(plan: PrefixPlan, order: np.ndarray, part: np.ndarray 
                 size = int(key.max(initial=-1)) + 1
         first = np.full(size, n, dtype=np.int64)
         np.minimum.at(first, key, at)
-        paid[level.rows[at == first[key]]] += block_size
+        paid[level.rows[at == first[key]]] += block_size * level.depths  # the same first row at each depth
     if plan.copies is not None:
         paid[plan.copies] = 0  # identical to the row before them: its answer, nothing computed
     return paid
