@@ -235,24 +235,36 @@ def unique_tokens_per_row(plan: PrefixPlan, order: np.ndarray, part: np.ndarray 
     """
     lengths, block_size = plan.lengths, plan.block_size
     n = lengths.size
-    position = np.empty(n, dtype=np.int64)
-    position[order] = np.arange(n)
-    paid_blocks = lengths // block_size - _depth_count(plan.levels)
-    paid = np.maximum(paid_blocks, 0) * block_size + lengths % block_size  # unshared depths and tails
+    positions = np.int32 if n < 2**31 else np.int64  # half the bytes a row of int64 while the levels are read
+    position = np.empty(n, dtype=positions)
+    position[order] = np.arange(n, dtype=positions)
+    paid = lengths // block_size - _depth_count(plan.levels)  # in place: one array of every row at a time
+    np.maximum(paid, 0, out=paid)
+    paid *= block_size
+    paid += lengths % block_size  # unshared depths and tails
     shards = 1 if part is None else int(part.max(initial=0)) + 1
     for level in plan.levels:
-        at = position[level.rows]
-        # Key each row by (node, shard); node ids are dense, so the pairs index an array directly
-        # unless nodes x shards is large (the deepest levels), where the pairs present are numbered.
-        key, size = level.node, level.counts.size
+        rows, key, size = level.rows, level.node, level.counts.size
         if part is not None:
-            key, size = key.astype(np.int64) * shards + part[level.rows], size * shards
+            # Key each row by (node, shard); node ids are dense, so the pairs index an array directly
+            # unless nodes x shards is large (the deepest levels), where the pairs present are
+            # numbered, after the rows alone in their node (most there) pay, wherever they run.
+            if size * shards > 4 * n:
+                alone = level.counts[key] == 1
+                paid[rows[alone]] += block_size * level.depths
+                rows, key = rows[~alone], key[~alone]
+                del alone
+            key, size = key.astype(np.int64), size * shards
+            key *= shards
+            key += part[rows]
             if size > 4 * n:
                 _, key = np.unique(key, return_inverse=True)
                 size = int(key.max(initial=-1)) + 1
-        first = np.full(size, n, dtype=np.int64)
+        at = position[rows]
+        first = np.full(size, n, dtype=positions)
         np.minimum.at(first, key, at)
-        paid[level.rows[at == first[key]]] += block_size * level.depths  # the same first row at each depth
+        paid[rows[at == first[key]]] += block_size * level.depths  # the same first row at each depth
+        del at, first, key
     if plan.copies is not None:
         paid[plan.copies] = 0  # identical to the row before them: its answer, nothing computed
     return paid
@@ -364,24 +376,30 @@ def _plan_tree(tree: PrefixTree, decode_tokens: np.ndarray, min_group_rows: int)
         depth, group_node = depth[source], group_node[source]
     ratio = decode_tokens / np.maximum(lengths, 1)
     dfs = _mixed_decode_ratio_order(levels, ratio)
+    del ratio  # each array of every row let go once used: what planning holds at once is its memory
     if copies.any():  # each copy right after its source
         position = np.empty(n, dtype=np.int64)
         position[dfs] = 2 * np.arange(n)
         dfs = np.argsort(np.where(copies, position[source] + 1, position), kind="stable")
+        del position
 
     # Rows without a group get a key of their own; groups are numbered by first appearance in dfs.
     group_key = np.where(group_node >= 0, group_node, -1 - source)
+    del group_node
     _, first_pos, key_of_row = np.unique(group_key[dfs], return_index=True, return_inverse=True)
+    del group_key
     group_rank = np.empty(first_pos.size, dtype=np.int64)
     group_rank[np.argsort(first_pos, kind="stable")] = np.arange(first_pos.size)
     group_in_dfs = group_rank[key_of_row]
-    run = np.argsort(group_in_dfs, kind="stable")
-    order = dfs[run]
+    del key_of_row, group_rank
     group_of_row = np.empty(n, dtype=np.int64)
     group_of_row[dfs] = group_in_dfs
     group_sizes = np.bincount(group_of_row, minlength=first_pos.size)
     group_prefix_tokens = np.zeros(first_pos.size, dtype=np.int64)
     group_prefix_tokens[group_of_row] = depth * block_size
+    del depth
+    order = dfs[np.argsort(group_in_dfs, kind="stable")]
+    del dfs, group_in_dfs
 
     plan = PrefixPlan(
         block_size=block_size,
@@ -391,7 +409,7 @@ def _plan_tree(tree: PrefixTree, decode_tokens: np.ndarray, min_group_rows: int)
         group_of_row=group_of_row,
         group_prefix_tokens=group_prefix_tokens,
         group_sizes=group_sizes,
-        row_unique_tokens=np.zeros(n, dtype=np.int64),
+        row_unique_tokens=np.zeros(0, dtype=np.int64),  # counted next, from the plan's order and levels
         unique_tokens=0,
         levels=levels,
         copies=copies if copies.any() else None,
