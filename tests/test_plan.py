@@ -7,7 +7,15 @@ from hypothesis import strategies as st
 
 from engine.plan.block_hashes import RowBlocks, rows_by_depth
 from engine.plan.duplicates import NO_SET, lowest_row_of_set
-from engine.plan.prefix_tree import PrefixTree, _depth_count, _Level, build_plan, unique_tokens_per_row
+from engine.plan.prefix_tree import (
+    PrefixTree,
+    _depth_count,
+    _depth_first_order,
+    _Level,
+    build_plan,
+    plan_blocks,
+    unique_tokens_per_row,
+)
 
 from .conftest import group_rows
 
@@ -102,25 +110,63 @@ def test_order_keeps_groups_and_every_shared_prefix_within_a_group_contiguous(se
                 last = p
 
 
-def test_decode_heavy_groups_run_first():
-    light = [[1] * 8 + [i] for i in range(3)]
-    heavy = [[2] * 8 + [i] for i in range(3)]
-    plan = plan_of(light + heavy, decode=[5, 5, 5, 200, 200, 200])
-    assert set(plan.order[:3].tolist()) == {3, 4, 5}
+@settings(max_examples=200, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(0, 3), max_size=12), min_size=1, max_size=40))
+def test_the_depth_first_order_is_the_rows_sorted_by_their_block_hashes(rows):
+    """Siblings by hash, a row that ends above a depth before the rows that reach it, then by index:
+    each subtree ordered on its own, so a sort of hash chains (out of core too) makes this order."""
+    blocks = RowBlocks.of_tokens(*flat(rows), 2)
+    tree = PrefixTree.of(blocks)
+    depths = _depth_count(tree.levels)
+
+    def key(row):
+        chain = blocks.chain(row)
+        return tuple(chain[d] if d < len(chain) else -1 for d in range(depths)) + (row,)
+
+    assert _depth_first_order(tree.levels, len(rows)).tolist() == sorted(range(len(rows)), key=key)
 
 
-def test_rows_within_a_group_mix_long_and_short_answers():
-    rows = [[7] * 8 + [i] for i in range(4)]
-    plan = plan_of(rows, decode=[1, 50, 10, 30])
-    assert plan.order.tolist() == [1, 0, 3, 2]  # the longest, the shortest, the second longest, ...
+def _identical_rows(rows) -> np.ndarray:
+    first = {}
+    return np.array([first.setdefault(tuple(r), i) if rows.count(r) > 1 else NO_SET for i, r in enumerate(rows)])
 
 
-def test_groups_interleave_by_decode_ratio_so_no_stretch_of_the_run_is_all_long_answers():
-    groups = [[[g + 1] * 8 + [i] for i in range(2)] for g in range(4)]
-    decode = [20, 20, 200, 200, 5, 5, 80, 80]
-    plan = plan_of([row for group in groups for row in group], decode=decode)
-    first_rows = plan.order[::2].tolist()  # each group's first row, in run order
-    assert [decode[r] for r in first_rows] == [200, 5, 80, 20]
+@settings(max_examples=200, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(0, 2), max_size=10), min_size=1, max_size=40), data=st.data())
+def test_buckets_of_whole_subtrees_planned_apart_make_the_plan_of_the_whole(rows, data):
+    """What a planner out of core relies on: rows cut by the hash of their first block into ranges
+    (rows without a whole block first) and each range planned on its own give the whole batch's
+    plan: the ranges' orders one after the other, groups numbered on, the same prefixes and tokens."""
+    blocks = RowBlocks.of_tokens(*flat(rows), 2)
+    n = len(rows)
+    decode = np.array(data.draw(st.lists(st.integers(1, 50), min_size=n, max_size=n)))
+    same = _identical_rows(rows)
+    whole = plan_blocks(blocks, decode, duplicate_set=same)
+
+    first_hash = {r: blocks.chain(r)[0] for r in range(n) if blocks.blocks[r]}
+    cuts = sorted(data.draw(st.sets(st.sampled_from(sorted(set(first_hash.values())) or [0]))))
+    bucket = np.array([0 if r not in first_hash else 1 + sum(first_hash[r] >= c for c in cuts) for r in range(n)])
+    order, groups_before = [], 0
+    for b in range(len(cuts) + 2):
+        members = np.flatnonzero(bucket == b)
+        if not members.size:
+            continue
+        part = plan_blocks(RowBlocks.of_tokens(*flat([rows[r] for r in members]), 2), decode[members],
+                           duplicate_set=_identical_rows([rows[r] for r in members]))
+        order += members[part.order].tolist()
+        assert whole.group_of_row[members].tolist() == (part.group_of_row + groups_before).tolist()
+        assert (whole.group_prefix_tokens[whole.group_of_row[members]].tolist()
+                == part.group_prefix_tokens[part.group_of_row].tolist())
+        assert whole.row_unique_tokens[members].tolist() == part.row_unique_tokens.tolist()
+        groups_before += part.num_groups
+    assert order == whole.order.tolist() and groups_before == whole.num_groups
+
+
+def test_the_order_and_groups_do_not_depend_on_the_expected_answer_lengths():
+    rows = [[g + 1] * 8 + [i] for g in range(4) for i in range(3)] + [[9] * 3]
+    short, long_ = plan_of(rows, decode=[5] * 13), plan_of(rows, decode=list(range(1, 400, 31)))
+    assert short.order.tolist() == long_.order.tolist()
+    assert short.group_of_row.tolist() == long_.group_of_row.tolist()
 
 
 def test_empty_and_zero_length_rows():

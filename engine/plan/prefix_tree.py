@@ -11,14 +11,12 @@ longest prefix all rows of that first block share), unless the deepest node ``g`
 other rows is worth a group of its own: ``(rows(g) - 1) * (len(g) - len(c)) - len(c) > 0``.
 
 Order is depth first (nested prefixes, a system prompt shared by all rows and a document shared by
-a few, stay contiguous and every level can be reused), siblings by the mean ratio of estimated
-output to prompt tokens of their subtree, **interleaved**: the highest, the lowest, the second
-highest, the second lowest... BatchLLM orders decode-ratio-first (the highest first, so their
-decodes fill later prefill chunks); but that runs all long answers together at the start, when
-the engine's sequence limit fills with rows that each add one token per step while the token
-budget goes unused, and all prompt-heavy rows at the end. Interleaved, every stretch of the run
-mixes rows that decode long with rows that mostly prefill (BlendServe's point, arXiv 2411.16102;
-the steps each order took: docs/benchmark-history.md, "Measurements behind code choices").
+a few, stay contiguous and every level can be reused), siblings by hash: the rows sorted by their
+chained block hashes, as sorting rows by text puts sharers together, and each subtree ordered on
+its own. No order by expected output: BatchLLM runs the rows that decode longest first and an
+earlier version of this planner interleaved them with rows that mostly prefill (BlendServe's point,
+arXiv 2411.16102); measured, neither ran fewer steps than this order, and under vLLM's own admission
+the interleave ran ~5% slower on CPU (docs/benchmark-history.md, "Measurements behind code choices").
 """
 
 from __future__ import annotations
@@ -189,40 +187,21 @@ def _group_depths(levels: list[_Level], n: int, min_group_rows: int) -> tuple[np
     return depth, node_at_depth
 
 
-def _interleaved(values: np.ndarray) -> np.ndarray:
-    """Indices of ``values`` in the order highest, lowest, second highest, second lowest, ... (ties by index)."""
-    k = values.size
-    by_value = np.argsort(-values, kind="stable")
-    sequence = np.empty(k, dtype=np.int64)
-    sequence[0::2] = by_value[: (k + 1) // 2]
-    sequence[1::2] = by_value[::-1][: k // 2]
-    return sequence
-
-
-def _interleaved_ranks(values: np.ndarray) -> np.ndarray:
-    """Each value's rank in that order (``_interleaved``)."""
-    rank = np.empty(values.size, dtype=np.int64)
-    rank[_interleaved(values)] = np.arange(values.size)
-    return rank
-
-
-def _mixed_decode_ratio_order(levels: list[_Level], ratio: np.ndarray) -> np.ndarray:
-    """Depth-first order of the tree, siblings by the mean decode ratio of their subtree,
-    interleaved (see the module doc).
+def _depth_first_order(levels: list[_Level], n: int) -> np.ndarray:
+    """Depth-first order of the tree: rows by their chain of nodes (siblings by hash, rows that end
+    above a depth before those that reach it), then by index: the rows sorted by their block
+    hashes. Each subtree's order is its own, so the order is a sort a planner out of core can make.
 
     A stable sort per depth from the deepest up (LSD radix style) keeps memory at O(rows). A level
     of several depths is sorted by once: rows equal at its first depth are in one node at each of
     its depths, so its deeper depths break no tie.
     """
-    n = ratio.size
-    order = _interleaved(ratio)  # last tie-break: the row's own ratio
+    order = np.arange(n)
     for level in reversed(levels):
-        node_ratio = np.bincount(level.node, weights=ratio[level.rows]) / level.counts
-        rank_of_node = _interleaved_ranks(node_ratio)
         # Rows ending above this depth come first (-1). Few nodes: 16-bit keys, which numpy's
         # stable sort orders by radix, far faster than a comparison sort on a million rows.
-        key = np.full(n, -1, dtype=np.int16 if node_ratio.size < 2**15 else np.int32)
-        key[level.rows] = rank_of_node[level.node]
+        key = np.full(n, -1, dtype=np.int16 if level.counts.size < 2**15 else np.int32)
+        key[level.rows] = level.node
         order = order[np.argsort(key[order], kind="stable")]
     return order
 
@@ -374,9 +353,7 @@ def _plan_tree(tree: PrefixTree, decode_tokens: np.ndarray, min_group_rows: int)
     depth, group_node = _group_depths(levels, n, min_group_rows)
     if copies.any():  # a copy is in its source's group
         depth, group_node = depth[source], group_node[source]
-    ratio = decode_tokens / np.maximum(lengths, 1)
-    dfs = _mixed_decode_ratio_order(levels, ratio)
-    del ratio  # each array of every row let go once used: what planning holds at once is its memory
+    dfs = _depth_first_order(levels, n)
     if copies.any():  # each copy right after its source
         position = np.empty(n, dtype=np.int64)
         position[dfs] = 2 * np.arange(n)
@@ -385,7 +362,7 @@ def _plan_tree(tree: PrefixTree, decode_tokens: np.ndarray, min_group_rows: int)
 
     # Rows without a group get a key of their own; groups are numbered by first appearance in dfs.
     group_key = np.where(group_node >= 0, group_node, -1 - source)
-    del group_node
+    del group_node  # each array of every row let go once used: what planning holds at once is its memory
     _, first_pos, key_of_row = np.unique(group_key[dfs], return_index=True, return_inverse=True)
     del group_key
     group_rank = np.empty(first_pos.size, dtype=np.int64)
