@@ -13,10 +13,11 @@ other rows is worth a group of its own: ``(rows(g) - 1) * (len(g) - len(c)) - le
 Order is depth first (nested prefixes, a system prompt shared by all rows and a document shared by
 a few, stay contiguous and every level can be reused), siblings by hash: the rows sorted by their
 chained block hashes, as sorting rows by text puts sharers together, and each subtree ordered on
-its own. No order by expected output: BatchLLM runs the rows that decode longest first and an
-earlier version of this planner interleaved them with rows that mostly prefill (BlendServe's point,
-arXiv 2411.16102); measured, neither ran fewer steps than this order, and under vLLM's own admission
-the interleave ran ~5% slower on CPU (docs/benchmark-history.md, "Measurements behind code choices").
+its own. No order by expected output: BatchLLM runs the rows that decode longest first (more steps
+than this order on the bench's stand-in) and an earlier version of this planner interleaved them
+with rows that mostly prefill (BlendServe's point, arXiv 2411.16102), which on real vLLM ran no
+faster on any bench shape and 3-6% slower where vLLM admits (docs/benchmark.md, "The plan order by
+hash"). An order of its own per subtree is also what lets a plan be made out of core.
 """
 
 from __future__ import annotations
