@@ -278,8 +278,12 @@ def test_a_term_ends_the_gpu_checks_running_step_with_its_processes_and_keeps_th
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "gpu_check.json"
     env = {**os.environ, "MODEL": tiny_model, "PYTHON": sys.executable}
+    # TERM at its default, as a shell starts the script: bash cannot trap a signal ignored when it
+    # starts, and this process may ignore TERM (Dagster's in-process runs copy SIGINT's handler to
+    # SIGTERM: SIG_IGN when pytest runs as a background job, which ignores SIGINT).
     script = subprocess.Popen([str(root / "benchmarks" / "gpu_check.sh"), str(out)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     warm = tmp_path / "gpu_check.steps" / "doctor.err"
     deadline = time.monotonic() + 240
     while not warm.exists() and time.monotonic() < deadline:  # the second doctor has started
