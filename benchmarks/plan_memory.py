@@ -8,13 +8,16 @@ the plan file, the groups table) and of the whole step, in this process.
 The plan on disk is removed first, so the step plans afresh (a first night's planning) from the
 token cache the bench's first night filled: the tokenizing is not in it (``--scale`` measures that),
 unless ``--first-night``: the token cache is set aside, so the step tokenizes every row again.
-``--prompts``: the prompts step instead (streaming the table into the snapshot).
+``--prompts``: the prompts step instead (streaming the table into the snapshot). ``--sorted``: the
+plan made on disk (``engine.plan.sorted_plan``) from the snapshot and the token cache, compared row by
+row with the plan the step wrote last (run without ``--sorted`` first).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import resource
 import shutil
@@ -61,10 +64,14 @@ def main() -> None:
     parser.add_argument("--first-night", action="store_true",
                         help="tokenize too: the token cache is set aside for the step (and put back after)")
     parser.add_argument("--prompts", action="store_true", help="the prompts step instead (the snapshot taken again)")
+    parser.add_argument("--sorted", action="store_true", help="the plan made on disk, compared with the step's")
     args = parser.parse_args()
     sampler = _Sampler()
     if args.prompts:
         print(json.dumps(_prompts_step(args.work.resolve(), sampler)))
+        return
+    if args.sorted:
+        print(json.dumps(_sorted_plan(args.work.resolve(), sampler)))
         return
 
     import engine.jobs.plan_job as plan_job
@@ -107,6 +114,57 @@ def _prompts_step(work: Path, sampler: _Sampler) -> dict:
     started = time.perf_counter()
     meta = _materialize(work, "prompts")
     return {"rows": meta["dagster/row_count"].value, "step_s": round(time.perf_counter() - started, 1),
+            "stage_peak_rss_bytes": sampler.peaks}
+
+
+def _sorted_plan(work: Path, sampler: _Sampler) -> dict:
+    """The plan by sorts on disk from the snapshot's content keys and the token cache's entries,
+    each row's source its content's first row (the scale table: one budget, no format, no error)."""
+    import tempfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dagster_project import scale_bench
+    from engine.models import resolve_model
+    from engine.plan.sorted_plan import open_plan_database, plan_rows
+    from engine.plan.token_cache import TokenCache
+
+    job = work / "jobs" / "scale"
+    snapshot, step_plan = job / "prompts.parquet", job / "plan.parquet"
+    stamp = pq.read_schema(step_plan).metadata
+    block_size, cache = int(stamp[b"batchllm.block_size"]), TokenCache.at(stamp[b"batchllm.token_cache"].decode())
+    max_tokens = scale_bench._config(work, resolve_model("tiny"), 10_000).sampling.max_tokens
+    with tempfile.TemporaryDirectory(dir=job, prefix="sorted-plan-") as folder:
+        started = time.perf_counter()
+        con = open_plan_database(Path(folder))
+        sampler.stage = "token cache entries"
+        entries = cache.entry_blocks(block_size)
+        first = next(entries)
+        con.register("entries", pa.RecordBatchReader.from_batches(first.schema, itertools.chain([first], entries)))
+        con.execute("CREATE TABLE cache AS SELECT key, length, block_hashes FROM entries")
+        con.unregister("entries")
+        sampler.stage = "rows"
+        con.execute(f"""CREATE TABLE rows_in AS
+            SELECT s.file_row_number AS row, c.length, c.block_hashes AS hashes,
+                   min(s.file_row_number) OVER (PARTITION BY s._content_key) AS source, {max_tokens} AS decode
+            FROM read_parquet('{snapshot}', file_row_number = true) s JOIN cache c ON c.key = s._content_key""")
+        con.execute("DROP TABLE cache")
+        sampler.stage = "planning"
+        plan_rows(con, block_size)
+        plan_s = time.perf_counter() - started
+        sampler.stage = "comparing"
+        rows, groups, unique, differ = con.execute(f"""
+            SELECT count(*), max(p.grp) + 1, sum(p.unique_tokens),
+                   count(*) FILTER (WHERE p.position != q.position OR p.grp != q."group"
+                                    OR p.prefix_tokens != q.prefix_tokens)
+            FROM plan p JOIN read_parquet('{snapshot}', file_row_number = true) s ON s.file_row_number = p.row
+                 JOIN read_parquet('{step_plan}') q ON q.id = s.id""").fetchone()
+        memory_limit = con.execute("SELECT current_setting('memory_limit')").fetchone()[0]
+        con.close()
+    return {"rows": rows, "groups": groups, "unique_tokens": int(unique), "rows_unlike_the_steps_plan": differ,
+            "plan_s": round(plan_s, 1), "duckdb_memory_limit": memory_limit,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "stage_peak_rss_bytes": sampler.peaks}
 
 

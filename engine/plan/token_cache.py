@@ -270,6 +270,20 @@ class TokenCache:
             tables.append((path, table if block_size is not None else table.select(_ID_COLUMNS)))
         return tables
 
+    def entry_blocks(self, block_size: int) -> Iterator[pa.RecordBatch]:
+        """Every entry's ``(key, length, block_hashes, error)``, a record batch at a time, each part
+        mapped only while it is read (what a plan made on disk reads: no token id is touched, and
+        no part's pages stay in memory after it)."""
+        for path in [path for path, _ in self._mapped(block_size)]:  # checked, hashed in these blocks
+            reader = pa.ipc.open_file(pa.memory_map(str(path)))
+            for i in range(reader.num_record_batches):
+                batch = reader.get_batch(i)
+                lengths = np.diff(batch.column("token_ids").offsets.to_numpy())
+                yield pa.record_batch([batch.column("key"), pa.array(lengths, pa.int64()),
+                                       batch.column("block_hashes"), batch.column("error")],
+                                      names=["key", "length", "block_hashes", "error"])
+            del reader
+
     def lookup(self, keys: pa.Array) -> tuple[np.ndarray, np.ndarray, pa.Array]:
         """Token ids (flat int32), offsets and errors of ``keys``, in their order; every key must
         be in the cache."""

@@ -1,0 +1,77 @@
+"""The plan made by sorts on disk (DuckDB) is the in-memory planner's plan, row for row."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.plan.block_hashes import RowBlocks
+from engine.plan.duplicates import NO_SET
+from engine.plan.prefix_tree import PrefixTree
+from engine.plan.sorted_plan import plan_by_sort, plan_in_a_temporary_folder, rows_table
+
+from .test_plan import flat
+
+_PLAN_ARRAYS = ["order", "group_of_row", "group_prefix_tokens", "group_sizes", "row_unique_tokens", "decode_tokens"]
+
+
+def _sets_of_identical(rows, chosen) -> np.ndarray:
+    """Duplicate sets of the ``chosen`` rows that have an identical chosen row (what ``duplicate_sets``
+    makes of rows with one key, budget and format)."""
+    first, out = {}, np.full(len(rows), NO_SET)
+    for i in chosen:
+        first.setdefault(tuple(rows[i]), []).append(i)
+    for number, members in enumerate(m for m in first.values() if len(m) > 1):
+        out[members] = number
+    return out
+
+
+@pytest.mark.slow  # a database file an example: ~60 ms each
+@settings(max_examples=150, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(0, 2), max_size=12), max_size=40), block=st.integers(1, 3),
+       min_group_rows=st.integers(2, 3), data=st.data())
+def test_the_plan_by_sort_is_the_prefix_trees_plan(rows, block, min_group_rows, data):
+    """Order, groups, group prefixes, tokens per row and decode estimates equal ``PrefixTree``'s, with
+    identical rows planned once (copies) and rows that cannot run emptied (dropped)."""
+    n = len(rows)
+    some_rows = st.sets(st.integers(0, n - 1)) if n else st.just(set())
+    dropped = np.array(sorted(data.draw(some_rows))[:3], dtype=np.int64)
+    sharing = [i for i in data.draw(some_rows) if i not in set(dropped.tolist())]
+    same = _sets_of_identical(rows, sorted(sharing))
+    blocks = RowBlocks.of_tokens(*flat(rows), block)
+    tree = PrefixTree.of(blocks).planned(dropped, same)
+    decode = np.where(tree.lengths > 0, np.array(data.draw(st.lists(st.integers(1, 50), min_size=n, max_size=n)),
+                                                 dtype=np.int64), 0)
+    expected = tree.plan(decode, min_group_rows)
+
+    got = plan_in_a_temporary_folder(rows_table(blocks, decode, same, dropped), block, min_group_rows)
+
+    for name in _PLAN_ARRAYS:
+        assert got[name].tolist() == getattr(expected, name).tolist(), name
+
+
+def test_a_batch_with_groups_nested_prefixes_and_copies_plans_as_the_tree(tmp_path):
+    """A hand-made batch with every kind of row: a system prompt all share, documents some share
+    (a group each), a copy, a row too short for a block and one dropped."""
+    system, docs = [7] * 8, [[1] * 8, [2] * 8]
+    rows = [system + docs[i % 2] + [i] * 3 for i in range(6)] + [system + [5] * 4, [3], system + docs[0] + [0] * 3,
+                                                                [9] * 12]
+    same, dropped = _sets_of_identical(rows, [0, 8]), np.array([9])
+    blocks = RowBlocks.of_tokens(*flat(rows), 4)
+    tree = PrefixTree.of(blocks).planned(dropped, same)
+    expected = tree.plan(np.where(tree.lengths > 0, 5, 0))
+    assert expected.num_groups >= 3 and expected.copies is not None  # the batch is what it says
+
+    plan = plan_by_sort(rows_table(blocks, expected.decode_tokens, same, dropped), 4, tmp_path / "plan")
+    try:
+        got = plan.arrays()
+    finally:
+        plan.close()
+    for name in _PLAN_ARRAYS:
+        assert got[name].tolist() == getattr(expected, name).tolist(), name
+    assert (tmp_path / "plan" / "plan.duckdb").exists()
+
+
+def test_min_group_rows_below_two_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="min_group_rows"):
+        plan_by_sort(rows_table(RowBlocks.of_tokens(*flat([[1, 2]]), 1), np.array([1])), 1, tmp_path, 1)
