@@ -1,6 +1,10 @@
 """The plan made by sorts on disk (DuckDB) is the in-memory planner's plan, row for row."""
 
+import tempfile
+from pathlib import Path
+
 import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -8,7 +12,9 @@ from hypothesis import strategies as st
 from engine.plan.block_hashes import RowBlocks
 from engine.plan.duplicates import NO_SET
 from engine.plan.prefix_tree import PrefixTree
+from engine.plan.shards import assign_shards
 from engine.plan.sorted_plan import plan_by_sort, plan_in_a_temporary_folder, rows_table
+from engine.plan.sorted_shards import assign_shards_by_sort
 
 from .test_plan import flat
 
@@ -75,3 +81,56 @@ def test_a_batch_with_groups_nested_prefixes_and_copies_plans_as_the_tree(tmp_pa
 def test_min_group_rows_below_two_is_refused(tmp_path):
     with pytest.raises(ValueError, match="min_group_rows"):
         plan_by_sort(rows_table(RowBlocks.of_tokens(*flat([[1, 2]]), 1), np.array([1])), 1, tmp_path, 1)
+
+
+@pytest.mark.slow  # a database file an example
+@settings(max_examples=100, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(0, 2), max_size=12), max_size=40), shards=st.integers(1, 5),
+       data=st.data())
+def test_the_shards_by_sort_are_assign_shards_cut_fresh_or_kept_from_the_previous_night(rows, shards, data):
+    """Each row's shard, each shard's tokens computed, decode estimate and cost, and the groups
+    split equal ``assign_shards``'s on the tree's plan: a fresh cut (weighted or not), and with a
+    previous night's shards (some rows new, some shards gone), kept or cut afresh when unbalanced."""
+    n = len(rows)
+    blocks = RowBlocks.of_tokens(*flat(rows), 2)
+    decode = np.array(data.draw(st.lists(st.integers(1, 30), min_size=n, max_size=n)), dtype=np.int64)
+    same = _sets_of_identical(rows, range(n))
+    expected_plan = PrefixTree.of(blocks).planned(np.zeros(0, np.int64), same).plan(decode)
+    weights = data.draw(st.none() | st.lists(st.floats(0.5, 4), min_size=shards, max_size=shards))
+    previous = data.draw(st.none() | st.lists(st.integers(-1, shards), min_size=n, max_size=n))
+    previous = None if previous is None else np.array(previous, dtype=np.int64)
+    expected = assign_shards(expected_plan, shards, weights, previous=previous)
+
+    with tempfile.TemporaryDirectory() as folder:
+        plan = plan_by_sort(rows_table(blocks, decode, same), 2, Path(folder))
+        try:
+            if previous is not None:
+                plan.connection.register("previous_rows", pa.table({"row": np.arange(n), "shard": previous}))
+                plan.connection.execute("CREATE TABLE previous_shards AS SELECT * FROM previous_rows")
+            got = assign_shards_by_sort(plan, shards, weights, previous=previous is not None)
+            shard_of_row = plan.connection.sql("SELECT shard FROM shards ORDER BY row").to_arrow_table()
+        finally:
+            plan.close()
+    assert shard_of_row.column("shard").to_pylist() == expected.shard_of_row.tolist()
+    assert got.prefill_tokens.tolist() == expected.prefill_tokens.tolist()
+    assert got.decode_tokens.tolist() == expected.decode_tokens.tolist()
+    assert got.estimated_cost.tolist() == expected.estimated_cost.tolist()
+    assert got.split_groups == expected.split_groups
+
+
+def test_a_group_centred_on_a_shard_bound_goes_to_the_later_shard_in_both(tmp_path):
+    """Three rows sharing nothing, of equal cost, two shards: the middle row's centre is the bound
+    (numpy's searchsorted, side right: the later shard). The tie the random batches rarely draw."""
+    rows = [[1] * 4, [2] * 4, [3] * 4]
+    blocks, decode = RowBlocks.of_tokens(*flat(rows), 2), np.array([3, 3, 3])
+    tree_plan = PrefixTree.of(blocks).plan(decode)
+    expected = assign_shards(tree_plan, 2)
+    plan = plan_by_sort(rows_table(blocks, decode), 2, tmp_path)
+    try:
+        assign_shards_by_sort(plan, 2)
+        got = plan.connection.sql("SELECT shard FROM shards ORDER BY row").to_arrow_table().column("shard").to_pylist()
+    finally:
+        plan.close()
+    middle = int(tree_plan.order[1])
+    assert expected.shard_of_row[middle] == 1  # centred on the bound
+    assert got == expected.shard_of_row.tolist()

@@ -73,18 +73,20 @@ _STEPS = [
              GROUP BY b.hash)
        GROUP BY payer""",
     """CREATE TABLE plan AS
-       SELECT o.row, o.position, o.grp, o.depth * {b} AS prefix_tokens,
+       SELECT o.row, o.source, o.length, o.position, o.grp, o.depth * {b} AS prefix_tokens,
               CASE WHEN o.row = o.source THEN coalesce(p.blocks, 0) * {b} + o.length % {b} ELSE 0 END AS unique_tokens,
               CASE WHEN o.row = o.source THEN o.decode ELSE 0 END AS decode
        FROM ordered o LEFT JOIN paid p ON p.row = o.row""",
 ]
-_SCRATCH = ["blocks", "nodes", "group_depth", "depth_first", "ordered", "paid"]
+_SCRATCH = ["nodes", "group_depth", "depth_first", "ordered", "paid"]  # ``blocks`` stays: shards count from it
 
 
 @dataclass
 class SortedPlan:
-    """A plan in a DuckDB database file: the table ``plan`` of ``(row, position, grp,
-    prefix_tokens, unique_tokens, decode)``, one entry per input row. ``connection`` is open on it."""
+    """A plan in a DuckDB database file: the table ``plan`` of ``(row, source, length, position,
+    grp, prefix_tokens, unique_tokens, decode)``, one entry per input row, and ``blocks`` (each block of
+    the rows the tree holds: ``row, depth, hash``), which a shard's first reach of a node is counted
+    from. ``connection`` is open on it."""
 
     connection: object  # duckdb.DuckDBPyConnection
     block_size: int
