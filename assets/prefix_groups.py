@@ -76,14 +76,14 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         meta = job.read_rows()
         refuse_a_costly_night(config, warehouse, meta.column(ids_column))
         size = measured_shard_size(context.instance, config)
-        made = job.plan(meta, lambda rows: config.shard_count(rows, *([size.rows_per_shard] if size else [])),
-                        lambda s, ids: shard_key(config.hardware_of_shard(s), s, ids), context.log.info)
-        changed = stale_reasons({k.encode(): v.encode() for k, v in stamp.items()}, config.plan_stamp(settings))
-        if changed:
-            raise dg.Failure(f"{config.name}: {', '.join(changed)} changed while this plan was being made (prompts "
-                             "materialized meanwhile?): no plan written; materialize prefix_groups again")
-        plan_bytes = job.write(made, stamp, context.run.run_id)  # the contract completions runs as written
-        config.output(warehouse).replace_groups(made.groups_table(lambda s: config.hardware_of_shard(s).name))
+        with job.plan(meta, lambda rows: config.shard_count(rows, *([size.rows_per_shard] if size else [])),
+                      lambda s, ids: shard_key(config.hardware_of_shard(s), s, ids), context.log.info) as made:
+            changed = stale_reasons({k.encode(): v.encode() for k, v in stamp.items()}, config.plan_stamp(settings))
+            if changed:
+                raise dg.Failure(f"{config.name}: {', '.join(changed)} changed while this plan was being made "
+                                 "(prompts materialized meanwhile?): no plan written; materialize prefix_groups again")
+            plan_bytes = job.write(made, stamp, context.run.run_id)  # the contract completions runs as written
+            config.output(warehouse).replace_groups(made.groups_table(lambda s: config.hardware_of_shard(s).name))
         used = made.used_keys
         added, removed = sync_partitions(context.instance, config.names.partitions_name, by_hardware(config, used))
         live_ids = meta.column(ids_column)
@@ -92,7 +92,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         # A removed key's checkpoint stays while it holds answers the new plan's shards can reuse.
         config.files.checkpoints.prune(OutputTableStore(config, warehouse, context.log),
                                        PlanFile.open(config.files.plan_path))
-        context.log.info(f"{made.planned.plan.num_groups} groups in {len(used)} shards; partitions added {added}, "
+        context.log.info(f"{made.counts['groups']} groups in {len(used)} shards; partitions added {added}, "
                          f"removed {removed}; plan {plan_bytes} bytes; shard size: "
                          f"{size.why if size else 'set by the job'}")
         # The plan's data version is what it was made from (model, snapshot, settings) and its shards.

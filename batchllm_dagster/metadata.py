@@ -21,17 +21,17 @@ def table_preview(table: pa.Table, columns: list[str], rows: int = 5, width: int
 def plan_metadata(made, plan_bytes: int, removed_answers: int, size) -> dict:
     """A plan's materialization (``made``: a ``PlanJob``'s ``JobPlan``): its summary, what the plan
     step did besides, and each shard's rows and estimated prefill."""
-    plan, keys, rows_by_shard = made.planned.plan, made.keys, made.rows_by_shard
+    summary, keys, rows_by_shard = made.summary(), made.keys, made.rows_by_shard
     return {
-        **made.summary(),
+        **summary,
         "removed_answers": removed_answers,  # answers of rows deleted at the source, removed now
         "plan_bytes": plan_bytes,
-        "plan_bytes_per_prompt_token": float(round(plan_bytes / max(plan.prompt_tokens, 1), 3)),
+        "plan_bytes_per_prompt_token": float(round(plan_bytes / max(summary["prompt_tokens"], 1), 3)),
         **({"rows_per_shard": size.rows_per_shard, "rows_per_shard_why": size.why} if size else {}),
         "partition_keys": dg.MetadataValue.json({keys[s]: rows for s, rows in enumerate(rows_by_shard) if rows}),
         "estimated_prefill_tokens_per_shard": dg.MetadataValue.json(
             {keys[s]: int(made.shards.prefill_tokens[s]) for s, rows in enumerate(rows_by_shard) if rows}),
-        "dagster/row_count": plan.num_groups,
+        "dagster/row_count": summary["groups"],
     }
 
 

@@ -105,7 +105,7 @@ def test_prompts_wait_for_a_plan_being_made_and_a_plan_is_made_from_one_snapshot
 
         import engine.jobs.plan_job as plan_job_module
 
-        plan_tokenized = plan_job_module.plan_tokenized
+        check_rows = plan_job_module.check_rows
         old_snapshot = tmp_path / "old.parquet"
         old_snapshot.write_bytes(config.files.prompts_path.read_bytes())
         pq.write_table(pa.table({"id": [1, 2, 3], "prompt": ["again", "b", "c"]}), source)
@@ -113,15 +113,15 @@ def test_prompts_wait_for_a_plan_being_made_and_a_plan_is_made_from_one_snapshot
 
         def replaced_meanwhile(*args, **kwargs):  # by something that takes no lock (a hand-made copy)
             config.files.prompts_path.write_bytes(old_snapshot.read_bytes())
-            return plan_tokenized(*args, **kwargs)
+            return check_rows(*args, **kwargs)
 
-        monkeypatch.setattr(plan_job_module, "plan_tokenized", replaced_meanwhile)
+        monkeypatch.setattr(plan_job_module, "check_rows", replaced_meanwhile)
         result = dg.materialize([groups], instance=instance, raise_on_error=False)
         assert not result.success
         failure = result.get_step_failure_events()[0].step_failure_data.error.message
         assert "the prompt snapshot changed while this plan was being made" in failure
         assert not config.files.plan_path.exists()
-        monkeypatch.setattr(plan_job_module, "plan_tokenized", plan_tokenized)
+        monkeypatch.setattr(plan_job_module, "check_rows", check_rows)
         assert dg.materialize([groups], instance=instance).success and config.files.plan_path.exists()
 
 

@@ -178,26 +178,6 @@ def test_hashes_are_gathered_part_by_part_for_rows_in_any_order(tmp_path, tiny_m
 
 
 
-def test_the_entries_blocks_stream_every_part_with_the_lengths_and_hashes_of_fresh_token_ids(tmp_path, tiny_model):
-    """What a plan made on disk reads (``entry_blocks``): every entry of every part, a batch at a
-    time, each key's length and chained hashes those of its row tokenized afresh."""
-    prompts, messages = rows(range(20), count=20)
-    path = tmp_path / "prompts.parquet"
-    cache = TokenCache(tmp_path / "cache", "fp")
-    tokenizer = load_tokenizer(tiny_model)
-    for part in (slice(0, 8), slice(8, 20)):
-        written = snapshot(path, prompts[part], messages[part])
-        cache.rows_for(path, tokenizer, "prompt", "messages", BLOCK)
-    keys = content_keys(pa.array(prompts, pa.string()), pa.array(messages, pa.string()), 20).to_pylist()
-    fresh = tokenize_rows(tokenizer, prompts, messages).row_blocks(BLOCK)
-    streamed = pa.Table.from_batches(list(cache.entry_blocks(BLOCK)))
-    assert len(list((tmp_path / "cache" / "fp").glob("part-*"))) == 2 and written.num_rows == 12
-    entry = {key: i for i, key in enumerate(streamed.column("key").to_pylist())}
-    assert sorted(entry) == sorted(set(keys))
-    for row, key in enumerate(keys):
-        assert streamed.column("length")[entry[key]].as_py() == fresh.lengths[row]
-        assert streamed.column("block_hashes")[entry[key]].as_py() == fresh.chain(row)
-
 LOAD = """
 import json, sys
 from engine.plan.tokenizing import load_tokenizer

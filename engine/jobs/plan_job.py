@@ -1,7 +1,7 @@
 """A job's plan step, the same way wherever it runs (the ``prefix_groups`` asset; ``ShardJob``'s
-counterpart): the prompt snapshot's rows through the token cache, the plan over the whole batch, its
-shards and their keys, and the plan file, with one summary that the asset's metadata, ``batchllm
-plan`` and the bench all print (``plan_summary``).
+counterpart): the prompt snapshot's rows through the token cache, the plan over the whole batch made
+on disk (``engine.plan.plan_on_disk``), its shards and their keys, and the plan file, with one
+summary that the asset's metadata, ``batchllm plan`` and the bench all print (``plan_summary``).
 
 The caller keeps what is its own: its lock, the guards that refuse a night, how many shards and
 what they are called, partitions, removals and pruning, and how a plan is reported.
@@ -9,53 +9,78 @@ what they are called, partitions, removals and pruning, and how a plan is report
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 
+from ..atomic import Staged
 from ..damaged import readable_or_set_aside
 from ..plan.duplicates import count_duplicates
-from ..plan.plan_table import plan_content_keys, plan_tables, previous_shards, read_previous_plan, write_plan
-from ..plan.prepared import PlannedBatch, plan_tokenized
-from ..plan.shards import ShardPlan, assign_shards
-from ..plan.token_cache import CachedRows, TokenCache
+from ..plan.plan_on_disk import PlanOnDisk
+from ..plan.plan_table import (
+    PlanRows,
+    format_texts,
+    plan_content_keys,
+    plan_file_metadata,
+    previous_shards,
+    read_previous_plan,
+    shard_table,
+    write_plan,
+)
+from ..plan.prepared import PlannedBatch, check_rows
+from ..plan.sorted_shards import ShardTotals
+from ..plan.token_cache import TokenCache
 from ..plan.tokenize_workers import TokenizeWorkers
 from ..plan.tokenizing import LazyTokenizer, tokenizer_fingerprint
 from ..settings import EngineSettings, SamplingSettings, SchedulerSettings
 from ..table.dataset import Columns, DatasetError
 from ..table.prompt_snapshot import CONTENT_KEY, columns_without_text, read_snapshot
 
+log = logging.getLogger(__name__)
+
 
 def plan_summary(planned: PlannedBatch) -> dict:
     """What a plan is, in numbers: the one summary the asset's metadata, ``batchllm plan`` and the
     bench print."""
     plan = planned.plan
+    return summary_of(plan.num_rows, len(planned.errors), count_duplicates(planned.duplicate_set), plan.num_groups,
+                      int((plan.group_prefix_tokens > 0).sum()), plan.prompt_tokens, plan.unique_tokens,
+                      planned.tokenize_s, planned.plan_s)
+
+
+def summary_of(rows: int, error_rows: int, duplicate_rows: int, groups: int, shared_groups: int, prompt_tokens: int,
+               unique_tokens: int, tokenize_s: float, plan_s: float) -> dict:
+    """``plan_summary`` from its counts (a plan in memory or on disk)."""
+    shared = prompt_tokens - unique_tokens  # prompt tokens the prefix tree shares
     return {
-        "rows": plan.num_rows,
-        "error_rows": len(planned.errors),
-        "duplicate_rows": count_duplicates(planned.duplicate_set),  # identical to another row: computed once
-        "groups": plan.num_groups,
-        "shared_groups": int((plan.group_prefix_tokens > 0).sum()),
-        "prompt_tokens": plan.prompt_tokens,
-        "unique_tokens": plan.unique_tokens,
-        "shared_prompt_tokens": plan.shared_prompt_tokens,
-        "shared_fraction": round(float(plan.shared_fraction), 4),
-        "tokenize_s": round(planned.tokenize_s, 3),
-        "plan_s": round(planned.plan_s, 4),
+        "rows": rows,
+        "error_rows": error_rows,
+        "duplicate_rows": duplicate_rows,  # identical to another row: computed once
+        "groups": groups,
+        "shared_groups": shared_groups,
+        "prompt_tokens": prompt_tokens,
+        "unique_tokens": unique_tokens,
+        "shared_prompt_tokens": shared,
+        "shared_fraction": round(shared / prompt_tokens if prompt_tokens else 0.0, 4),
+        "tokenize_s": round(tokenize_s, 3),
+        "plan_s": round(plan_s, 4),
     }
 
 
 @dataclass(frozen=True)
 class JobPlan:
-    """A plan made, not yet written: the planned batch, its rows' metadata, its shards and keys."""
+    """A plan made, not yet published: its database (``PlanOnDisk``, open while ``PlanJob.plan``'s
+    block runs), every row's columns of the plan file, its shards' totals and keys."""
 
-    planned: PlannedBatch
-    meta: pa.Table  # the snapshot's rows without their text (id, content key, max_tokens, formats)
-    rows: CachedRows  # what the token cache gave (cached and tokenized rows)
-    shards: ShardPlan
+    disk: PlanOnDisk
+    rows: PlanRows
+    counts: dict  # the summary (``summary``), less the shards'
+    shards: ShardTotals
     keys: list[str]  # each shard's partition key
     rows_by_shard: list[int]  # each shard's rows
 
@@ -65,30 +90,29 @@ class JobPlan:
         return [key for key, rows in zip(self.keys, self.rows_by_shard) if rows]
 
     def summary(self) -> dict:
-        return {**plan_summary(self.planned), "token_cache_rows": self.rows.cached_rows,
-                "tokenized_rows": self.rows.tokenized_rows, "shards": len(self.used_keys),
-                "split_groups": self.shards.split_groups}
+        return {**self.counts, "shards": len(self.used_keys), "split_groups": self.shards.split_groups}
 
     def groups_table(self, hardware_of_shard: Callable[[int], str]) -> pa.Table:
         """One row per group: its shard, prefix length, rows and estimated tokens."""
-        plan = self.planned.plan
-        first_rows = plan.order[plan.group_starts()[:-1]]
-        shard = self.shards.shard_of_row[first_rows]
-        weights = {name: np.bincount(plan.group_of_row, weights=values, minlength=plan.num_groups).astype(np.int64)
-                   for name, values in (("prompt", plan.lengths), ("prefill", plan.row_unique_tokens),
-                                        ("decode", plan.decode_tokens))}
+        groups = self.disk.groups()
+        shard = groups.column("shard").to_pylist()
         return pa.table({
-            "group": np.arange(plan.num_groups),
-            "shard": shard,
+            "group": groups.column("group"),
+            "shard": groups.column("shard"),
             "partition_key": [self.keys[s] for s in shard],
             "hardware": [hardware_of_shard(int(s)) for s in shard],
-            "rows": plan.group_sizes,
-            "prefix_tokens": plan.group_prefix_tokens,
-            "prompt_tokens": weights["prompt"],
-            "estimated_prefill_tokens": weights["prefill"],
-            "estimated_decode_tokens": weights["decode"],
-            "first_id": self.planned.ids.take(pa.array(first_rows, pa.int64())).cast(pa.string()),
+            **{name: groups.column(name) for name in ("rows", "prefix_tokens", "prompt_tokens",
+                                                      "estimated_prefill_tokens", "estimated_decode_tokens")},
+            "first_id": self.rows.ids.take(groups.column("first_row")).cast(pa.string()),
         })
+
+    def plan_tables(self, metadata: dict[str, str]):
+        """The plan file's tables, a shard (or part of one) at a time, in shard order (``write_plan``)."""
+        for shard, rows in self.disk.file_rows(len(self.keys)):
+            if rows.num_rows or shard == 0:  # an empty plan is one empty table: the file's schema
+                yield shard_table(self.rows, rows.column("row").to_numpy(), rows.column("position").to_numpy(),
+                                  rows.column("grp").to_numpy(), rows.column("prefix_tokens").to_numpy(), shard,
+                                  self.keys[shard] if rows.num_rows else "", metadata)
 
 
 @dataclass
@@ -129,40 +153,60 @@ class PlanJob:
     def _rows_of(self, path: Path) -> pa.Table:
         return read_snapshot(path, columns=columns_without_text(path, self.columns.prompt, self.columns.messages))
 
+    @contextlib.contextmanager
     def plan(self, meta: pa.Table, shard_count: Callable[[int], int], key_of: Callable[[int, list], str],
-             progress: Callable[[str], None]) -> JobPlan:
+             progress: Callable[[str], None]) -> Iterator[JobPlan]:
         """Tokens (only new or changed rows tokenized), the plan, ``shard_count(rows)`` shards that
-        keep what the plan on disk had where they can, and each shard's key (``key_of(shard, ids)``)."""
+        keep what the plan on disk had where they can, and each shard's key (``key_of(shard, ids)``):
+        ``with job.plan(...) as made:``, its database in a staging folder beside the plan, removed
+        when the block ends (a crash's, by the next plan)."""
+        settings = self.settings.with_block_size()  # a plan counts in whole KV blocks
+        with Staged(self.plan_path.with_name("plan_work")) as work:
+            disk = PlanOnDisk(work.path, settings.block_size)
+            try:
+                yield self._plan(disk, meta, settings, shard_count, key_of, progress)
+            finally:
+                disk.close()
+                work.discard()
+
+    def _plan(self, disk: PlanOnDisk, meta: pa.Table, settings: EngineSettings, shard_count: Callable[[int], int],
+              key_of: Callable[[int, list], str], progress: Callable[[str], None]) -> JobPlan:
         tokenizer = LazyTokenizer(self.settings.model_path)  # loaded only if a row is new or changed
         pa.default_memory_pool().release_unused()  # what reading the snapshot's rows left in Arrow's pool
         rows = self.cache.rows_for(self.snapshot, tokenizer, self.columns.prompt, self.columns.messages,
-                              self.settings.block_size, progress=progress,
-                              still_needed=lambda: plan_content_keys(self.plan_path), workers=self.tokenize_workers)
+                                   settings.block_size, progress=progress,
+                                   still_needed=lambda: plan_content_keys(self.plan_path),
+                                   workers=self.tokenize_workers, read_chains=disk.load_chains)
+        lengths, rows.tree = rows.tree, None  # what ``load_chains`` returned: the rows' lengths
         pa.default_memory_pool().release_unused()  # Arrow keeps what the lookup freed: the planner's peak follows
-        planned = plan_tokenized(meta, rows, self.settings, self.sampling, self.columns, self.scheduler)
-        count = shard_count(planned.plan.num_rows)
-        shards = assign_shards(planned.plan, count,
-                               previous=previous_shards(self.plan_path, meta.column(self.columns.id)))
-        keys, rows_by_shard = [], []
-        for shard, ids in enumerate(_ids_by_shard(planned, shards.shard_of_row, count)):  # a shard's ids at a time
-            keys.append(key_of(shard, ids))
-            rows_by_shard.append(len(ids))
-        return JobPlan(planned, meta, rows, shards, keys, rows_by_shard)
+        ids, keys = meta.column(self.columns.id), meta.column(CONTENT_KEY).combine_chunks()
+        checked = check_rows(meta, lengths, rows.errors, settings, self.sampling, self.columns, keys)
+        started = time.perf_counter()
+        disk.make(lengths, checked, self.scheduler.min_group_rows)
+        plan_s = rows.tree_s + time.perf_counter() - started
+        del lengths
+        count = shard_count(ids.length())
+        shards = disk.shard(count, previous_shards(self.plan_path, ids))
+        partition_keys, rows_by_shard = [], []
+        for shard, in_order in disk.rows_in_run_order(count):  # a shard's ids at a time
+            partition_keys.append(key_of(shard, ids.take(pa.array(in_order, pa.int64())).to_pylist()))
+            rows_by_shard.append(int(in_order.size))
+        numbers = disk.numbers()
+        counts = {**summary_of(ids.length(), len(checked.errors), count_duplicates(checked.duplicate_set),
+                               numbers["groups"], numbers["shared_groups"], numbers["prompt_tokens"],
+                               numbers["unique_tokens"], rows.seconds, plan_s),
+                  "token_cache_rows": rows.cached_rows, "tokenized_rows": rows.tokenized_rows}
+        log.info("planned %d rows: %d groups, %d prompt tokens, shared %.1f%%, %d identical to another row "
+                 "(tokenize %.2fs, plan %.2fs)", counts["rows"], counts["groups"], counts["prompt_tokens"],
+                 100 * counts["shared_fraction"], counts["duplicate_rows"], rows.seconds, plan_s)
+        plan_rows = PlanRows(ids, checked.max_tokens, checked.errors, format_texts(checked.formats),
+                             checked.duplicate_set, keys)
+        return JobPlan(disk, plan_rows, counts, shards, partition_keys, rows_by_shard)
 
     def write(self, made: JobPlan, stamp: dict[str, str], plan_run: str) -> int:
         """Publish the plan whole: every row with its group, shard, run position and content key (its
         token ids are in the token cache the plan names), stamped with what it was made from. Returns
         its bytes."""
-        return write_plan(plan_tables(made.planned, made.meta.column(CONTENT_KEY), self.cache,
-                                      made.shards.shard_of_row, made.keys, stamp, plan_run,
-                                      self.settings.max_model_len), self.plan_path)
-
-
-def _ids_by_shard(planned: PlannedBatch, shard_of_row: np.ndarray, shard_count: int) -> Iterator[list]:
-    """Each shard's row ids in run order, one shard at a time."""
-    in_order = shard_of_row[planned.order]
-    by_shard = np.argsort(in_order, kind="stable")
-    bounds = np.searchsorted(in_order[by_shard], np.arange(shard_count + 1))
-    by_shard = planned.order[by_shard]
-    for s in range(shard_count):
-        yield planned.ids.take(pa.array(by_shard[bounds[s]:bounds[s + 1]], pa.int64())).to_pylist()
+        metadata = plan_file_metadata(made.disk.plan.block_size, self.cache, self.settings.max_model_len, stamp,
+                                      plan_run)
+        return write_plan(made.plan_tables(metadata), self.plan_path)

@@ -75,56 +75,73 @@ def _run_positions(prepared: PlannedBatch | PreparedBatch) -> np.ndarray:
 
 
 def _format_texts(prepared: PlannedBatch | PreparedBatch) -> dict[int, str]:
-    return {i: f.to_text() for i, f in prepared.response_formats.items()}
+    return format_texts(prepared.response_formats)
 
 
-def _rows_columns(prepared: PlannedBatch | PreparedBatch, rows: np.ndarray, position: np.ndarray,
-                  format_texts: dict[int, str]) -> dict:
-    """The run-side columns of ``rows`` (row indices): ``position`` is each row's place in run
-    order, ``format_texts`` the rows' own response formats (``_format_texts``)."""
-    ids = prepared.ids if isinstance(prepared.ids, pa.ChunkedArray | pa.Array) else pa.array(prepared.ids,
-                                                                                              prepared.id_type)
+def format_texts(formats: dict[int, ResponseFormat]) -> dict[int, str]:
+    """Rows' own response formats as the plan table holds them."""
+    return {i: f.to_text() for i, f in formats.items()}
+
+
+def _rows_columns(ids: pa.Array | pa.ChunkedArray, rows: np.ndarray, position: np.ndarray, group: np.ndarray,
+                  prefix_tokens: np.ndarray, max_tokens: np.ndarray, errors: dict[int, str],
+                  format_texts: dict[int, str], duplicate_set: np.ndarray | None) -> dict:
+    """The run-side columns of ``rows`` (row indices): ``position`` (each one's place in run order),
+    ``group`` and ``prefix_tokens`` are theirs already; ``ids``, ``max_tokens`` and ``duplicate_set``
+    every row's; ``errors`` and ``format_texts`` (``_format_texts``) the rows' that have one."""
     return {
         "id": ids.take(pa.array(rows, pa.int64())),
-        "position": position[rows],
-        "group": prepared.group_of_row[rows].astype(np.int64),
-        "prefix_tokens": prepared.prefix_tokens_at(rows).astype(np.int64),
-        "max_tokens": prepared.max_tokens[rows].astype(np.int64),
-        "error": _sparse_strings(prepared.errors, rows),
+        "position": np.asarray(position, dtype=np.int64),
+        "group": np.asarray(group, dtype=np.int64),
+        "prefix_tokens": np.asarray(prefix_tokens, dtype=np.int64),
+        "max_tokens": max_tokens[rows].astype(np.int64),
+        "error": _sparse_strings(errors, rows),
         "response_format": _sparse_strings(format_texts, rows),
-        "duplicate_set": (np.full(rows.size, NO_SET, dtype=np.int64) if prepared.duplicate_set is None
-                          else prepared.duplicate_set[rows].astype(np.int64)),
+        "duplicate_set": (np.full(rows.size, NO_SET, dtype=np.int64) if duplicate_set is None
+                          else duplicate_set[rows].astype(np.int64)),
     }
 
 
 def rows_table(prepared: PlannedBatch | PreparedBatch) -> pa.Table:
     """The run-side columns of a plan table (no token ids, no shards): what ``prepared_batch`` reads back."""
     rows = np.arange(prepared.num_rows)
-    return pa.table(_rows_columns(prepared, rows, _run_positions(prepared), _format_texts(prepared)),
-                    metadata={BLOCK_SIZE: str(prepared.block_size)})
+    ids = prepared.ids if isinstance(prepared.ids, pa.ChunkedArray | pa.Array) else pa.array(prepared.ids,
+                                                                                              prepared.id_type)
+    columns = _rows_columns(ids, rows, _run_positions(prepared), prepared.group_of_row, prepared.prefix_tokens_at(rows),
+                            prepared.max_tokens, prepared.errors, _format_texts(prepared), prepared.duplicate_set)
+    return pa.table(columns, metadata={BLOCK_SIZE: str(prepared.block_size)})
 
 
-def plan_tables(planned: PlannedBatch, content_keys: pa.ChunkedArray | pa.Array, token_cache: TokenCache,
-                shard_of_row: np.ndarray, partition_keys: list[str], stamp: dict[str, str], plan_run: str,
-                max_model_len: int) -> Iterator[pa.Table]:
-    """The plan table of a planned batch a shard at a time (each shard's rows in input order, as
-    ``write_plan`` writes them; the whole table is never built): its rows, their content keys in
-    ``token_cache``, their shards and partition keys (``partition_keys[shard]``), stamped, with the
-    context length it checked rows against (``max_model_len``)."""
-    metadata = {BLOCK_SIZE: str(planned.block_size), TOKEN_CACHE: str(token_cache.folder),
-                MAX_MODEL_LEN: str(max_model_len), **stamp, PLAN_RUN: plan_run}
-    position, format_texts = _run_positions(planned), _format_texts(planned)
-    by_shard = np.argsort(shard_of_row, kind="stable")
-    bounds = np.flatnonzero(np.diff(shard_of_row[by_shard], prepend=-1, append=-1))
-    for start, stop in zip(bounds[:-1], bounds[1:]) if shard_of_row.size else [(0, 0)]:
-        rows = by_shard[start:stop]
-        shard = int(shard_of_row[rows[0]]) if rows.size else 0
-        key = partition_keys[shard] if rows.size else ""
-        columns = {**_rows_columns(planned, rows, position, format_texts),
-                   CONTENT_KEY: content_keys.take(pa.array(rows, pa.int64())),
-                   "shard": np.full(rows.size, shard, dtype=np.int64),
-                   "partition_key": pa.array([key] * rows.size, pa.string())}
-        yield pa.table(columns, metadata=metadata)
+@dataclass(frozen=True)
+class PlanRows:
+    """Every row's columns of a plan table that are not the plan's (``ids``, budgets, errors, own
+    formats as text, duplicate sets, content keys), for ``shard_table``."""
+
+    ids: pa.Array | pa.ChunkedArray
+    max_tokens: np.ndarray
+    errors: dict[int, str]
+    format_texts: dict[int, str]
+    duplicate_set: np.ndarray | None
+    content_keys: pa.Array | pa.ChunkedArray
+
+
+def plan_file_metadata(block_size: int, token_cache: TokenCache, max_model_len: int, stamp: dict[str, str],
+                       plan_run: str) -> dict[str, str]:
+    """A plan file's schema metadata: what it counts in, where its content keys point, its stamp, its run."""
+    return {BLOCK_SIZE: str(block_size), TOKEN_CACHE: str(token_cache.folder), MAX_MODEL_LEN: str(max_model_len),
+            **stamp, PLAN_RUN: plan_run}
+
+
+def shard_table(rows: PlanRows, shard_rows: np.ndarray, position: np.ndarray, group: np.ndarray,
+                prefix_tokens: np.ndarray, shard: int, partition_key: str, metadata: dict[str, str]) -> pa.Table:
+    """Part of one shard's plan table: its rows ``shard_rows`` (in input order) with their run
+    position, group and group prefix, as ``write_plan`` writes them."""
+    columns = {**_rows_columns(rows.ids, shard_rows, position, group, prefix_tokens, rows.max_tokens, rows.errors,
+                               rows.format_texts, rows.duplicate_set),
+               CONTENT_KEY: rows.content_keys.take(pa.array(shard_rows, pa.int64())),
+               "shard": np.full(shard_rows.size, shard, dtype=np.int64),
+               "partition_key": pa.array([partition_key] * shard_rows.size, pa.string())}
+    return pa.table(columns, metadata=metadata)
 
 
 # A shard's rows are split into row groups of at most this many (a row group is read whole).

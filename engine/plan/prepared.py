@@ -166,6 +166,36 @@ def prepare_batch(*args, **kwargs) -> PreparedBatch:
     return plan_prompts(*args, **kwargs)[1]
 
 
+@dataclass
+class CheckedRows:
+    """What the row checks make of a table's rows before any plan: each row's output budget, error
+    and own response format, the rows that were tokenized but cannot run, and the sets of identical
+    rows (``duplicates``). The same for a plan in memory and one made on disk."""
+
+    max_tokens: np.ndarray
+    errors: dict[int, str]  # the tokenizer's and the checks'
+    formats: dict[int, ResponseFormat]
+    dropped: np.ndarray  # tokenized, cannot run: planned empty
+    duplicate_set: np.ndarray
+
+
+def check_rows(table: pa.Table, lengths: np.ndarray, tokenizer_errors: dict[int, str],
+               engine_settings: EngineSettings, sampling: SamplingSettings, columns: Columns,
+               keys: pa.Array) -> CheckedRows:
+    """The row checks of rows of ``lengths`` prompt tokens (``table``: their id, ``max_tokens`` and
+    ``response_format`` columns; ``keys``: each row's content identity)."""
+    errors = dict(tokenizer_errors)
+    n = lengths.size
+    formats = row_response_formats(_column(table, columns.response_format), errors)
+    max_tokens = output_budgets(_column(table, columns.max_tokens), sampling.max_tokens, lengths,
+                                engine_settings, errors, formats, sampling.response_format, sampling.score_choices)
+    dropped = np.array(sorted(set(errors) - set(tokenizer_errors)), dtype=np.int64)
+    runnable = np.ones(n, dtype=bool)
+    runnable[list(errors)] = False
+    same = duplicate_sets(keys, max_tokens, _column(table, columns.response_format) or [None] * n, runnable)
+    return CheckedRows(max_tokens, errors, formats, dropped, same)
+
+
 def plan_tokenized(
     table: pa.Table,
     rows: TokenizedBatch | CachedRows,
@@ -180,23 +210,17 @@ def plan_tokenized(
     engine_settings = engine_settings.with_block_size()  # a plan counts in whole KV blocks
     ids = table.column(columns.id)
     n = len(ids)
-    errors = dict(rows.errors)
 
     started = time.perf_counter()
     tree = rows.prefix_tree(engine_settings.block_size)  # the token cache's rows built theirs: ``tree_s``
     tree_s = time.perf_counter() - started + (rows.tree_s if isinstance(rows, CachedRows) else 0.0)
-    formats = row_response_formats(_column(table, columns.response_format), errors)
-    max_tokens = output_budgets(_column(table, columns.max_tokens), sampling.max_tokens, tree.lengths,
-                                engine_settings, errors, formats, sampling.response_format, sampling.score_choices)
-    dropped = np.array(sorted(set(errors) - set(rows.errors)), dtype=np.int64)  # tokenized, cannot run: planned empty
-    started = time.perf_counter()
     keys = (table.column(CONTENT_KEY).combine_chunks() if CONTENT_KEY in table.column_names
             else token_keys(rows.tokens, rows.offsets))
-    runnable = np.ones(n, dtype=bool)
-    runnable[list(errors)] = False
-    same = duplicate_sets(keys, max_tokens, _column(table, columns.response_format) or [None] * n, runnable)
-    tree = tree.planned(dropped, same)
-    decode = np.where(tree.lengths > 0, max_tokens, 0)
+    checked = check_rows(table, tree.lengths, rows.errors, engine_settings, sampling, columns, keys)
+    started = time.perf_counter()
+    same = checked.duplicate_set
+    tree = tree.planned(checked.dropped, same)
+    decode = np.where(tree.lengths > 0, checked.max_tokens, 0)
     plan = tree.plan(decode, scheduler.min_group_rows)
     plan_s = tree_s + time.perf_counter() - started
     log.info(
@@ -205,8 +229,8 @@ def plan_tokenized(
         n, plan.num_groups, plan.prompt_tokens, 100 * plan.shared_fraction, count_duplicates(same), rows.seconds,
         plan_s,
     )
-    return PlannedBatch(ids, table.schema.field(columns.id).type, max_tokens, errors, plan, response_formats=formats,
-                        duplicate_set=same, tokenize_s=rows.seconds, plan_s=plan_s)
+    return PlannedBatch(ids, table.schema.field(columns.id).type, checked.max_tokens, checked.errors, plan,
+                        response_formats=checked.formats, duplicate_set=same, tokenize_s=rows.seconds, plan_s=plan_s)
 
 
 def sorted_prefill_counter(tokenizer, block_size: int):

@@ -34,6 +34,11 @@ from ..table.dataset import bounded_memory
 from .block_hashes import RowBlocks
 from .duplicates import lowest_row_of_set
 
+# DuckDB's memory for a plan (more on many threads: ``bounded_memory``). It spills the rest: at 3M
+# rows the plan took 24 s in 256 MiB as in 1 GiB, the process's peak 469 MB against 1.24 GB; at
+# 128 MiB an aggregate ran out of memory (2 threads; benchmarks/plan_memory.py).
+PLAN_MEMORY_MIB = 256
+
 ROWS_SCHEMA = pa.schema([("row", pa.int64()), ("length", pa.int64()), ("hashes", pa.large_list(pa.uint64())),
                          ("source", pa.int64()), ("decode", pa.int64())])
 
@@ -116,7 +121,7 @@ def open_plan_database(folder: Path):
     folder.mkdir(parents=True, exist_ok=True)
     con = duckdb.connect(str(folder / "plan.duckdb"),
                          config={"autoinstall_known_extensions": False, "autoload_known_extensions": False})
-    bounded_memory(con, folder)
+    bounded_memory(con, folder, PLAN_MEMORY_MIB)
     con.execute("SET preserve_insertion_order = false")  # no step needs it; keeping it costs memory
     return con
 

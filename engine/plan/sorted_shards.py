@@ -57,7 +57,7 @@ def assign_shards_by_sort(plan: SortedPlan, num_shards: int, weights: list[float
     con.execute("""CREATE OR REPLACE TABLE group_cost AS
         SELECT grp, sum(cost) AS cost, max(cum_end) AS cum_end FROM costed GROUP BY grp""")
     too_big = None
-    previous = previous and con.execute("SELECT count(*) FROM previous_shards WHERE shard >= 0").fetchone()[0] > 0
+    previous = previous and con.execute("SELECT count(*) FROM previous_shards WHERE shard >= 0").fetchall()[0][0] > 0
     if not (previous and _kept_previous(con, weight, num_shards, max_imbalance)):
         too_big = _cut(con, weight)
     con.execute("DROP TABLE costed")
@@ -67,7 +67,7 @@ def assign_shards_by_sort(plan: SortedPlan, num_shards: int, weights: list[float
 
 def _cut(con, weight: np.ndarray) -> str:
     """``shards.assign_shards``'s fresh cut into ``shards``; returns the table of groups it may split."""
-    total = con.execute("SELECT coalesce(max(cum_end), 0) FROM group_cost").fetchone()[0]
+    total = con.execute("SELECT coalesce(max(cum_end), 0) FROM group_cost").fetchall()[0][0]
     bounds = (np.cumsum(weight)[:-1] / weight.sum() * total).tolist()
     shares = (weight / weight.sum() * total).tolist()
     # A shard is the number of bounds at or below a point (numpy's searchsorted, side="right").
@@ -134,6 +134,6 @@ def _totals(plan: SortedPlan, parts: int, decode_cost: float, too_big: str | Non
     if too_big is not None:
         split = con.execute(f"""SELECT count(*) FROM (
             SELECT p.grp FROM plan p JOIN shards s ON s.row = p.row JOIN {too_big} g ON g.grp = p.grp
-            WHERE g.too_big GROUP BY p.grp HAVING count(DISTINCT s.shard) > 1)""").fetchone()[0]
+            WHERE g.too_big GROUP BY p.grp HAVING count(DISTINCT s.shard) > 1)""").fetchall()[0][0]
         con.execute(f"DROP TABLE {too_big}")
     return ShardTotals(prefill, decode, prefill + decode_cost * decode, int(split))

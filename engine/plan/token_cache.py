@@ -135,6 +135,26 @@ class _PartChains:
                         del hashes
             yield out
 
+    def row_batches(self, batch_rows: int = _WORKER_BATCH) -> Iterator[pa.RecordBatch]:
+        """Every row's ``(row, length, hashes)``, a part's rows at a time (each part mapped while its
+        rows are read, then let go), in batches of at most ``batch_rows``: a plan made on disk
+        (``sorted_plan``) loads them so."""
+        by_part = np.argsort(self.part, kind="stable")
+        bounds = np.searchsorted(self.part[by_part], np.arange(len(self.paths) + 1))
+        for number, path in enumerate(self.paths):
+            rows = by_part[bounds[number]:bounds[number + 1]]
+            if not rows.size:
+                continue
+            with pa.memory_map(str(path)) as source:
+                hashes = pa.ipc.open_file(source).read_all().column("block_hashes")
+                for lo in range(0, rows.size, batch_rows):
+                    some = rows[lo:lo + batch_rows]
+                    flat, offsets = _gather(hashes, self.entry[some])
+                    yield pa.record_batch([pa.array(some, pa.int64()), pa.array(self.lengths[some], pa.int64()),
+                                           pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()),
+                                                                         pa.array(flat, pa.uint64()))],
+                                          names=["row", "length", "hashes"])
+                del hashes
 
 def _entries(
     keys: pa.Array, tokens: np.ndarray, offsets: np.ndarray, errors: pa.Array, block_size: int
@@ -270,20 +290,6 @@ class TokenCache:
             tables.append((path, table if block_size is not None else table.select(_ID_COLUMNS)))
         return tables
 
-    def entry_blocks(self, block_size: int) -> Iterator[pa.RecordBatch]:
-        """Every entry's ``(key, length, block_hashes, error)``, a record batch at a time, each part
-        mapped only while it is read (what a plan made on disk reads: no token id is touched, and
-        no part's pages stay in memory after it)."""
-        for path in [path for path, _ in self._mapped(block_size)]:  # checked, hashed in these blocks
-            reader = pa.ipc.open_file(pa.memory_map(str(path)))
-            for i in range(reader.num_record_batches):
-                batch = reader.get_batch(i)
-                lengths = np.diff(batch.column("token_ids").offsets.to_numpy())
-                yield pa.record_batch([batch.column("key"), pa.array(lengths, pa.int64()),
-                                       batch.column("block_hashes"), batch.column("error")],
-                                      names=["key", "length", "block_hashes", "error"])
-            del reader
-
     def lookup(self, keys: pa.Array) -> tuple[np.ndarray, np.ndarray, pa.Array]:
         """Token ids (flat int32), offsets and errors of ``keys``, in their order; every key must
         be in the cache."""
@@ -304,19 +310,21 @@ class TokenCache:
     def rows_for(self, snapshot: Path, tokenizer, prompt_column: str, messages_column: str, block_size: int,
                  progress: Callable[[str], None] = log.info,
                  still_needed: Callable[[], pa.Array | None] = lambda: None,
-                 workers: TokenizeWorkers = TokenizeWorkers()) -> CachedRows:
+                 workers: TokenizeWorkers = TokenizeWorkers(),
+                 read_chains: Callable[["_PartChains"], object] = PrefixTree.of) -> CachedRows:
         """Lengths and block hashes of every row of a prompt snapshot (written with a
         ``CONTENT_KEY`` column), in its order: cached rows are looked up, the others tokenized
         (and cached; ``progress`` hears how far that got), on ``workers`` where there are many. No
         token ids are read back: the plan does not need them. ``still_needed``: keys that
         compaction must keep besides the snapshot's (those of the plan partitions may still be
-        running), read under its lock."""
+        running), read under its lock. ``read_chains``: what is made of the rows' chains while
+        their parts are sure to be there (the prefix tree, or a plan's table on disk)."""
         with locked(self.root / ".writer.lock", shared=False):  # one writer at a time
             return self._rows_for(snapshot, tokenizer, prompt_column, messages_column, block_size, progress,
-                                  still_needed, workers)
+                                  still_needed, workers, read_chains)
 
     def _rows_for(self, snapshot, tokenizer, prompt_column, messages_column, block_size, progress,
-                  still_needed, workers) -> CachedRows:
+                  still_needed, workers, read_chains) -> CachedRows:
         started = time.perf_counter()
         keys = snapshot_keys(snapshot)
         loaded = self._parts()
@@ -344,7 +352,7 @@ class TokenCache:
         del found, missing, error_column
         pa.default_memory_pool().release_unused()  # the second lookup's hash table, before the tree
         seconds, started = time.perf_counter() - started, time.perf_counter()
-        tree = PrefixTree.of(_PartChains.of(parts, position, lengths, block_size))  # before compaction: its parts
+        tree = read_chains(_PartChains.of(parts, position, lengths, block_size))  # before compaction: its parts
         tree_s = time.perf_counter() - started
         stale = cache.num_rows - _distinct(position, cache.num_rows)
         if len(loaded) > 1 and 2 * stale >= cache.num_rows:  # half of it rows the table no longer has

@@ -1,0 +1,118 @@
+"""A job's plan made on disk: its rows' chains from the token cache into a DuckDB database, the plan
+(``sorted_plan``) and its shards (``sorted_shards``) made there by sorts that spill, and read back a
+shard at a time (its keys, the plan file) or a group a row (the groups table).
+
+What stays in memory is what the row checks need, a few numbers a row (lengths, budgets, duplicate
+sets: ``prepared.check_rows``, the one code for a plan in memory and on disk), never the tree, the
+order, the groups or the shards: the plan step's peak stops growing with the rows by the ~200 bytes
+a row those held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from .duplicates import lowest_row_of_set
+from .prepared import CheckedRows
+from .sorted_plan import SortedPlan, open_plan_database, plan_rows
+from .sorted_shards import ShardTotals, assign_shards_by_sort
+
+ROW_CHAINS = pa.schema([("row", pa.int64()), ("length", pa.int64()), ("hashes", pa.large_list(pa.uint64()))])
+_BATCH_ROWS = 65_536  # rows read back at a time
+
+
+class PlanOnDisk:
+    """One plan's database in ``folder`` (the caller removes the folder after ``close``)."""
+
+    def __init__(self, folder: Path, block_size: int):
+        self.plan = SortedPlan(open_plan_database(folder), block_size)
+        self.con = self.plan.connection
+
+    def load_chains(self, chains) -> np.ndarray:
+        """``TokenCache.rows_for``'s ``read_chains``: every row's chain into the table ``row_chains``
+        (read while the cache's parts are sure to be there); returns the rows' lengths."""
+        self.con.register("chains", pa.RecordBatchReader.from_batches(ROW_CHAINS, chains.row_batches(_BATCH_ROWS)))
+        self.con.execute("CREATE TABLE row_chains AS SELECT * FROM chains")
+        self.con.unregister("chains")
+        return chains.lengths
+
+    def make(self, lengths: np.ndarray, checked: CheckedRows, min_group_rows: int) -> None:
+        """The plan of the loaded rows: those that cannot run (``checked.dropped``) emptied, each
+        duplicate set planned once, a row's decode estimate its budget (``plan_tokenized``'s)."""
+        n = lengths.size
+        lengths = lengths.copy()
+        lengths[checked.dropped] = 0
+        self.con.register("row_plan", pa.table({
+            "row": np.arange(n, dtype=np.int64), "length": lengths,
+            "source": lowest_row_of_set(checked.duplicate_set, n),
+            "decode": np.where(lengths > 0, checked.max_tokens, 0).astype(np.int64)}))
+        self.con.execute("""CREATE TABLE rows_in AS
+            SELECT r.row, r.length, CASE WHEN r.length > 0 THEN c.hashes ELSE []::UBIGINT[] END AS hashes,
+                   r.source, r.decode
+            FROM row_plan r JOIN row_chains c ON c.row = r.row""")
+        self.con.unregister("row_plan")
+        self.con.execute("DROP TABLE row_chains")
+        plan_rows(self.con, self.plan.block_size, min_group_rows)
+        self.con.execute("DROP TABLE rows_in")
+
+    def shard(self, count: int, previous: np.ndarray | None) -> ShardTotals:
+        """``count`` shards into the table ``shards``, kept from ``previous`` (each row's shard in
+        the plan on disk, -1 for a new row) where they can be."""
+        if previous is not None:
+            self.con.register("previous_rows", pa.table({"row": np.arange(previous.size, dtype=np.int64),
+                                                         "shard": np.asarray(previous, dtype=np.int64)}))
+            self.con.execute("CREATE TABLE previous_shards AS SELECT * FROM previous_rows")
+            self.con.unregister("previous_rows")
+        return assign_shards_by_sort(self.plan, count, previous=previous is not None)
+
+    def _by_shard(self, query: str, count: int) -> Iterator[tuple[int, pa.Table]]:
+        """Each shard's rows of ``query`` (ordered by shard), one shard at a time, every shard of
+        ``count`` (empty ones too)."""
+        reader = self.con.cursor().sql(query).to_arrow_reader(_BATCH_ROWS)  # its own cursor: callers may query
+        next_shard, held = 0, []
+        for batch in reader:
+            shards = batch.column("shard").to_numpy()
+            cuts = np.flatnonzero(np.diff(shards)) + 1
+            for lo, hi in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [shards.size]])):
+                while next_shard < shards[lo]:
+                    yield next_shard, pa.Table.from_batches(held, reader.schema)
+                    next_shard, held = next_shard + 1, []
+                held.append(batch.slice(lo, hi - lo))
+        while next_shard < count:
+            yield next_shard, pa.Table.from_batches(held, reader.schema)
+            next_shard, held = next_shard + 1, []
+
+    def rows_in_run_order(self, count: int) -> Iterator[tuple[int, np.ndarray]]:
+        """Each shard's rows in run order (what its partition key is made of)."""
+        query = "SELECT s.shard, p.row FROM plan p JOIN shards s ON s.row = p.row ORDER BY s.shard, p.position"
+        for shard, rows in self._by_shard(query, count):
+            yield shard, rows.column("row").to_numpy()
+
+    def file_rows(self, count: int) -> Iterator[tuple[int, pa.Table]]:
+        """Each shard's rows in input order with their run position, group and group prefix."""
+        query = """SELECT s.shard, p.row, p.position, p.grp, p.prefix_tokens FROM plan p JOIN shards s ON s.row = p.row
+                   ORDER BY s.shard, p.row"""
+        yield from self._by_shard(query, count)
+
+    def groups(self) -> pa.Table:
+        """One row per group, in run order: its shard (its first row's), rows, prefix and tokens."""
+        return self.con.sql("""
+            SELECT p.grp AS "group", arg_min(s.shard, p.position) AS shard, count(*) AS rows,
+                   any_value(p.prefix_tokens) AS prefix_tokens, sum(p.length)::BIGINT AS prompt_tokens,
+                   sum(p.unique_tokens)::BIGINT AS estimated_prefill_tokens,
+                   sum(p.decode)::BIGINT AS estimated_decode_tokens, arg_min(p.row, p.position) AS first_row
+            FROM plan p JOIN shards s ON s.row = p.row GROUP BY p.grp ORDER BY p.grp""").to_arrow_table()
+
+    def numbers(self) -> dict[str, int]:
+        """The plan's groups, groups with a shared prefix, prompt tokens and tokens it computes."""
+        groups, shared, prompt, unique = self.con.execute("""
+            SELECT count(DISTINCT grp), count(DISTINCT grp) FILTER (WHERE prefix_tokens > 0),
+                   coalesce(sum(length), 0)::BIGINT, coalesce(sum(unique_tokens), 0)::BIGINT FROM plan""").fetchall()[0]
+        return {"groups": groups, "shared_groups": shared, "prompt_tokens": prompt, "unique_tokens": unique}
+
+    def close(self) -> None:
+        self.plan.close()

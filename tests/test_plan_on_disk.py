@@ -1,0 +1,115 @@
+"""The plan step made on disk (``PlanJob``: DuckDB sorts) writes the plan the in-memory planner
+makes of the same rows: every row's run position, group, prefix, budget, error, format, duplicate
+set, shard and partition key, the same groups table and summary, on a first night and on a night
+after edits that keeps the previous night's shards."""
+
+import hashlib
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from engine.jobs.plan_job import PlanJob, plan_summary
+from engine.plan.plan_table import previous_shards
+from engine.plan.prepared import plan_tokenized
+from engine.plan.shards import assign_shards
+from engine.plan.token_cache import TokenCache
+from engine.plan.tokenizing import tokenizer_fingerprint
+from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
+from engine.table.dataset import Columns
+from engine.table.prompt_snapshot import CONTENT_KEY, content_keys
+
+from .test_plan_from_token_cache import table_of
+
+
+def _key(shard: int, ids: list) -> str:
+    """A partition key that depends on the shard's ids in run order, as a job's does."""
+    return f"s{shard}-" + hashlib.sha256("\n".join(ids).encode()).hexdigest()[:8]
+
+
+def _night(seed: int, n: int) -> pa.Table:
+    """``table_of``'s rows, some that cannot run besides its empty ones: a budget of 0, a prompt
+    longer than the context."""
+    table = table_of(seed, n)
+    prompts, budgets = table["prompt"].to_pylist(), table["max_tokens"].to_pylist()
+    for i in range(0, n, 37):
+        budgets[i] = 0
+    for i in range(5, n, 53):
+        prompts[i] = "far too long " * 200
+    table = table.set_column(table.schema.get_field_index("prompt"), "prompt", pa.array(prompts, pa.string()))
+    table = table.set_column(table.schema.get_field_index("max_tokens"), "max_tokens", pa.array(budgets, pa.int64()))
+    return table.set_column(table.schema.get_field_index(CONTENT_KEY), CONTENT_KEY,
+                            content_keys(table["prompt"].combine_chunks(), table["messages"].combine_chunks(), n))
+
+
+def _expected(job: PlanJob, meta: pa.Table, previous: np.ndarray | None,
+              shards_count: int) -> tuple[dict, pa.Table, dict, bool]:
+    """The plan file's rows by id, the groups table and the summary, by the planner in memory, and
+    whether its shards differ from a fresh cut (the previous night's kept)."""
+    cache = TokenCache(job.token_cache_dir, tokenizer_fingerprint(job.settings.model_path))
+    rows = cache.rows_for(job.snapshot, None, "prompt", "messages", job.settings.block_size)  # all cached already
+    planned = plan_tokenized(meta, rows, job.settings, job.sampling, job.columns, job.scheduler)
+    plan = planned.plan
+    shards = assign_shards(plan, shards_count, previous=previous)
+    ids = meta.column("id").to_pylist()
+    in_order = [int(r) for r in plan.order]
+    keys = [_key(s, [ids[r] for r in in_order if shards.shard_of_row[r] == s]) for s in range(shards_count)]
+    position = np.empty(len(ids), dtype=np.int64)
+    position[plan.order] = np.arange(len(ids))
+    formats = {i: f.to_text() for i, f in planned.response_formats.items()}
+    by_id = {ids[r]: {"position": int(position[r]), "group": int(plan.group_of_row[r]),
+                      "prefix_tokens": int(plan.group_prefix_tokens[plan.group_of_row[r]]),
+                      "max_tokens": int(planned.max_tokens[r]), "error": planned.errors.get(r),
+                      "response_format": formats.get(r), "duplicate_set": int(planned.duplicate_set[r]),
+                      "shard": int(shards.shard_of_row[r]), "partition_key": keys[shards.shard_of_row[r]]}
+             for r in range(len(ids))}
+    first_rows = plan.order[plan.group_starts()[:-1]]
+    shard = shards.shard_of_row[first_rows]
+    groups = pa.table({
+        "group": np.arange(plan.num_groups), "shard": shard, "partition_key": [keys[s] for s in shard],
+        "hardware": ["cpu"] * plan.num_groups, "rows": plan.group_sizes, "prefix_tokens": plan.group_prefix_tokens,
+        **{name: np.bincount(plan.group_of_row, weights=values, minlength=plan.num_groups).astype(np.int64)
+           for name, values in (("prompt_tokens", plan.lengths), ("estimated_prefill_tokens", plan.row_unique_tokens),
+                                ("estimated_decode_tokens", plan.decode_tokens))},
+        "first_id": [ids[r] for r in first_rows]})
+    summary = {**plan_summary(planned),
+               "shards": sum(1 for s in range(shards_count) if (shards.shard_of_row == s).any()),
+               "split_groups": shards.split_groups}
+    cut_afresh = not np.array_equal(shards.shard_of_row, assign_shards(plan, shards_count).shard_of_row)
+    return by_id, groups, summary, cut_afresh
+
+
+@pytest.mark.parametrize(("seed", "shards"), [(0, 5), (1, 16)])  # 16: groups larger than a shard's share, cut
+def test_the_plan_on_disk_is_the_plan_in_memory_on_a_first_night_and_after_edits(tmp_path, tiny_model, seed, shards):
+    settings = EngineSettings(model_path=tiny_model, block_size=8, max_model_len=256)
+    job = PlanJob(tmp_path / "prompts.parquet", tmp_path / "plan.parquet", tmp_path / "cache", settings,
+                  SamplingSettings(max_tokens=5), SchedulerSettings(min_group_rows=2), Columns(), print)
+    first = _night(seed, 300)
+    new = _night(seed + 10, 20)
+    new = new.set_column(0, "id", pa.array([f"new{i}" for i in range(20)]))
+    edited = pa.concat_tables([first.slice(10), new])  # rows gone, rows new: shards kept
+    for night, table in enumerate([first, edited]):
+        pq.write_table(table, job.snapshot)
+        meta = job.read_rows()
+        previous = previous_shards(job.plan_path, meta.column("id"))
+        with job.plan(meta, lambda rows: shards, _key, print) as made:
+            job.write(made, {"batchllm.snapshot": str(night)}, f"run-{night}")
+            groups = made.groups_table(lambda shard: "cpu")
+            summary = made.summary()
+        assert not list(tmp_path.glob(".plan_work*"))  # the plan's database is gone with the block
+        by_id, expected_groups, expected_summary, kept = _expected(job, meta, previous, shards)
+
+        written = pq.read_table(job.plan_path)
+        got = {row.pop("id"): row for row in written.drop_columns([CONTENT_KEY]).to_pylist()}
+        assert got == by_id
+        assert written.column(CONTENT_KEY).to_pylist() == [
+            meta.column(CONTENT_KEY)[meta.column("id").to_pylist().index(i)].as_py() for i in written["id"].to_pylist()]
+        assert groups.to_pylist() == expected_groups.to_pylist()
+        assert {k: v for k, v in summary.items() if not k.endswith("_s")} == {
+            k: v for k, v in expected_summary.items() if not k.endswith("_s")} | {
+            "token_cache_rows": summary["token_cache_rows"], "tokenized_rows": summary["tokenized_rows"]}
+        assert summary["error_rows"] > 10 and summary["duplicate_rows"] > 0 and summary["shared_groups"] > 3
+        assert (summary["split_groups"] > 0) == (shards == 16)  # 16 shards: cut afresh each night, groups split
+    # 5 shards: the second night's are the first night's where groups stayed whole, not a fresh cut.
+    assert kept == (shards == 5)
