@@ -1,7 +1,7 @@
 """Where a plan step's memory goes: ``prefix_groups`` on a scale bench's table, its resident memory
 sampled every 20 ms, the peak of each stage (the token cache's rows, their chains into the plan's
 database, the row checks, the plan, the shards, the plan file, the groups table) and of the whole
-step, in this process.
+step, in this process, and each stage's seconds (a stage's time includes the stages it calls).
 
     batchllm bench --scale 3000000 --plan-only --tokens-per-row 300   # the table and its token cache
     PYTHONPATH=. python benchmarks/plan_memory.py --work .cache/scale/3000000
@@ -28,7 +28,7 @@ class _Sampler:
     """Resident memory sampled in a thread: the peak while each stage ran."""
 
     def __init__(self):
-        self.stage, self.peaks = "the rest", {}
+        self.stage, self.peaks, self.seconds = "the rest", {}, {}
         threading.Thread(target=self._run, daemon=True).start()
 
     @staticmethod
@@ -41,17 +41,34 @@ class _Sampler:
             self.peaks[self.stage] = max(self.peaks.get(self.stage, 0), self.rss())
             time.sleep(0.02)
 
+    def watch_disk(self, folder: Path) -> None:
+        """Also sample the bytes of the plan's scratch folders (``.plan_work*``) in ``folder``."""
+        self.disk_peak = 0
+
+        def run():
+            while True:
+                try:
+                    size = sum(f.stat().st_size for work in folder.glob(".plan_work*") for f in work.rglob("*")
+                               if f.is_file())
+                except OSError:  # a file removed while counted
+                    size = 0
+                self.disk_peak = max(self.disk_peak, size)
+                time.sleep(0.25)
+
+        threading.Thread(target=run, daemon=True).start()
+
     def around(self, owner, name: str, stage: str) -> None:
         """Count the peak while ``owner.name`` runs under ``stage`` (then the stage it ran from)."""
         function = getattr(owner, name)
 
         @functools.wraps(function)
         def staged(*args, **kwargs):
-            before, self.stage = self.stage, stage
+            before, self.stage, started = self.stage, stage, time.perf_counter()
             try:
                 return function(*args, **kwargs)
             finally:
                 self.stage = before
+                self.seconds[stage] = round(self.seconds.get(stage, 0.0) + time.perf_counter() - started, 2)
 
         setattr(owner, name, staged)
 
@@ -127,13 +144,15 @@ def _materialize(work: Path, asset: str):
 
 
 def _plan_step(work: Path, sampler: _Sampler) -> dict:
+    sampler.watch_disk(work / "jobs" / "scale")
     started = time.perf_counter()
     meta = _materialize(work, "prefix_groups")
     return {"rows": meta["rows"].value, "tokenized_rows": meta["tokenized_rows"].value,
             "groups": meta["groups"].value, "shards": meta["shards"].value,
             "step_s": round(time.perf_counter() - started, 1),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "stage_peak_rss_bytes": sampler.peaks}
+            "stage_peak_rss_bytes": sampler.peaks, "stage_s": sampler.seconds,
+            "peak_plan_work_bytes": sampler.disk_peak}
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@
 
 A ``PlannedBatch`` is what planning made of a table: the plan (groups, run order, the tokens it
 shares), each row's output budget, error, response format and duplicate set, and how long it took.
-It holds no token ids: planning from the token cache (``plan_tokenized`` with ``CachedRows``, what
-``prefix_groups`` does) needs only lengths and block hashes.
+It holds no token ids: planning from the token cache (``plan_tokenized`` with ``CachedRows``) needs
+only lengths and block hashes. (``prefix_groups`` makes the same plan on disk, ``plan_on_disk``, with
+the same row checks: ``check_rows``.)
 
 A ``PreparedBatch`` is everything a run needs and nothing it must recompute: token ids, output
 budgets, errors, run order, group and group prefix of each row. It is a ``PlannedBatch`` joined with

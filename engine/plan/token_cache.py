@@ -217,9 +217,10 @@ def written_by_worker(batch: pa.Table, tokenizer, folder: str, prompt_column: st
 @dataclass
 class CachedRows:
     """A snapshot's rows as the planner needs them, from the cache: their lengths and prefix tree,
-    built from the block hashes in the cache (no token ids, and no row's chain kept)."""
+    built from the block hashes in the cache (no token ids, and no row's chain kept), or what
+    ``rows_for``'s ``read_chains`` made of the chains instead (a plan on disk: the rows' lengths)."""
 
-    tree: PrefixTree | None  # None once handed to a plan (``prefix_tree``)
+    tree: PrefixTree | np.ndarray | None  # None once handed to a plan (``prefix_tree``)
     errors: dict[int, str]  # row index -> why it has no tokens
     seconds: float  # looking up and tokenizing
     tree_s: float  # building the tree
