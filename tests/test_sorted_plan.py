@@ -134,3 +134,21 @@ def test_a_group_centred_on_a_shard_bound_goes_to_the_later_shard_in_both(tmp_pa
     middle = int(tree_plan.order[1])
     assert expected.shard_of_row[middle] == 1  # centred on the bound
     assert got == expected.shard_of_row.tolist()
+
+
+def test_a_plans_database_holds_duckdb_to_the_plans_memory_and_spills_in_its_folder(tmp_path):
+    """The plan's DuckDB memory is ``PLAN_MEMORY_MIB`` (more only on many threads), spilling into the
+    plan's own folder, not a job's scan bound of 1 GiB."""
+    from engine.plan.sorted_plan import PLAN_MEMORY_MIB, open_plan_database
+    from engine.table.dataset import DUCKDB_MEMORY_PER_THREAD_MIB
+
+    con = open_plan_database(tmp_path / "plan")
+    try:
+        threads = int(con.execute("SELECT current_setting('threads')").fetchall()[0][0])
+        limit = con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+        spill = con.execute("SELECT current_setting('temp_directory')").fetchall()[0][0]
+    finally:
+        con.close()
+    number, unit = limit.split()
+    assert float(number) * {"MiB": 1, "GiB": 1024}[unit] == max(PLAN_MEMORY_MIB, DUCKDB_MEMORY_PER_THREAD_MIB * threads)
+    assert spill.startswith(str(tmp_path / "plan"))

@@ -73,11 +73,12 @@ DUCKDB_MEMORY_PER_THREAD_MIB = 64
 _SPILL = ".duckdb_spill"  # DuckDB's spill files, in the job's folder
 
 
-def bounded_memory(con, job_dir: Path, memory_mib: int = DUCKDB_MEMORY_MIB) -> None:
-    """Hold a DuckDB connection to ``memory_mib`` (or ``DUCKDB_MEMORY_PER_THREAD_MIB`` a thread,
-    if more), spilling into the job's folder ``job_dir`` (never beside a user's database, nor the
-    working directory, DuckDB's defaults)."""
+def bounded_memory(con, job_dir: Path, memory_mib: int | None = None) -> None:
+    """Hold a DuckDB connection to ``memory_mib`` (default ``DUCKDB_MEMORY_MIB``; or
+    ``DUCKDB_MEMORY_PER_THREAD_MIB`` a thread, if more), spilling into the job's folder ``job_dir``
+    (never beside a user's database, nor the working directory, DuckDB's defaults)."""
     threads = int(con.execute("SELECT current_setting('threads')").fetchone()[0])
+    memory_mib = DUCKDB_MEMORY_MIB if memory_mib is None else memory_mib
     con.execute(f"SET memory_limit = '{max(memory_mib, DUCKDB_MEMORY_PER_THREAD_MIB * threads)}MiB'")
     con.execute("SET temp_directory = ?", [str(Path(job_dir) / _SPILL)])
 
