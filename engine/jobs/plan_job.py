@@ -108,7 +108,7 @@ class JobPlan:
 
     def plan_tables(self, metadata: dict[str, str]):
         """The plan file's tables, a shard (or part of one) at a time, in shard order (``write_plan``)."""
-        for shard, rows in self.disk.file_rows(len(self.keys)):
+        for shard, rows in self.disk.shard_rows("row"):
             if rows.num_rows or shard == 0:  # an empty plan is one empty table: the file's schema
                 yield shard_table(self.rows, rows.column("row").to_numpy(), rows.column("position").to_numpy(),
                                   rows.column("grp").to_numpy(), rows.column("prefix_tokens").to_numpy(), shard,
@@ -188,9 +188,9 @@ class PlanJob:
         count = shard_count(ids.length())
         shards = disk.shard(count, previous_shards(self.plan_path, ids))
         partition_keys, rows_by_shard = [], []
-        for shard, in_order in disk.rows_in_run_order(count):  # a shard's ids at a time
-            partition_keys.append(key_of(shard, ids.take(pa.array(in_order, pa.int64())).to_pylist()))
-            rows_by_shard.append(int(in_order.size))
+        for shard, in_order in disk.shard_rows("position"):  # a shard's ids at a time
+            partition_keys.append(key_of(shard, ids.take(in_order.column("row")).to_pylist()))
+            rows_by_shard.append(in_order.num_rows)
         numbers = disk.numbers()
         counts = {**summary_of(ids.length(), len(checked.errors), count_duplicates(checked.duplicate_set),
                                numbers["groups"], numbers["shared_groups"], numbers["prompt_tokens"],

@@ -31,6 +31,7 @@ class PlanOnDisk:
     def __init__(self, folder: Path, block_size: int):
         self.plan = SortedPlan(open_plan_database(folder), block_size)
         self.con = self.plan.connection
+        self.count = 0  # shards (``shard``)
 
     def load_chains(self, chains) -> np.ndarray:
         """``TokenCache.rows_for``'s ``read_chains``: every row's chain into the table ``row_chains``
@@ -60,43 +61,29 @@ class PlanOnDisk:
         self.con.execute("DROP TABLE rows_in")
 
     def shard(self, count: int, previous: np.ndarray | None) -> ShardTotals:
-        """``count`` shards into the table ``shards``, kept from ``previous`` (each row's shard in
-        the plan on disk, -1 for a new row) where they can be."""
+        """``count`` shards, kept from ``previous`` (each row's shard in the plan on disk, -1 for a
+        new row) where they can be: the table ``planned``, each row's shard, run position, group and
+        group prefix, stored by shard (a shard's rows are then a few of its row groups: ``shard_rows``)."""
         if previous is not None:
             self.con.register("previous_rows", pa.table({"row": np.arange(previous.size, dtype=np.int64),
                                                          "shard": np.asarray(previous, dtype=np.int64)}))
             self.con.execute("CREATE TABLE previous_shards AS SELECT * FROM previous_rows")
             self.con.unregister("previous_rows")
-        return assign_shards_by_sort(self.plan, count, previous=previous is not None)
+        totals = assign_shards_by_sort(self.plan, count, previous=previous is not None)
+        self.count = count
+        self.con.execute("""CREATE TABLE planned AS
+            SELECT s.shard, p.row, p.position, p.grp, p.prefix_tokens FROM plan p JOIN shards s ON s.row = p.row
+            ORDER BY s.shard""")
+        return totals
 
-    def _by_shard(self, query: str, count: int) -> Iterator[tuple[int, pa.Table]]:
-        """Each shard's rows of ``query`` (ordered by shard), one shard at a time, every shard of
-        ``count`` (empty ones too)."""
-        reader = self.con.cursor().sql(query).to_arrow_reader(_BATCH_ROWS)  # its own cursor: callers may query
-        next_shard, held = 0, []
-        for batch in reader:
-            shards = batch.column("shard").to_numpy()
-            cuts = np.flatnonzero(np.diff(shards)) + 1
-            for lo, hi in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [shards.size]])):
-                while next_shard < shards[lo]:
-                    yield next_shard, pa.Table.from_batches(held, reader.schema)
-                    next_shard, held = next_shard + 1, []
-                held.append(batch.slice(lo, hi - lo))
-        while next_shard < count:
-            yield next_shard, pa.Table.from_batches(held, reader.schema)
-            next_shard, held = next_shard + 1, []
-
-    def rows_in_run_order(self, count: int) -> Iterator[tuple[int, np.ndarray]]:
-        """Each shard's rows in run order (what its partition key is made of)."""
-        query = "SELECT s.shard, p.row FROM plan p JOIN shards s ON s.row = p.row ORDER BY s.shard, p.position"
-        for shard, rows in self._by_shard(query, count):
-            yield shard, rows.column("row").to_numpy()
-
-    def file_rows(self, count: int) -> Iterator[tuple[int, pa.Table]]:
-        """Each shard's rows in input order with their run position, group and group prefix."""
-        query = """SELECT s.shard, p.row, p.position, p.grp, p.prefix_tokens FROM plan p JOIN shards s ON s.row = p.row
-                   ORDER BY s.shard, p.row"""
-        yield from self._by_shard(query, count)
+    def shard_rows(self, order_by: str) -> Iterator[tuple[int, pa.Table]]:
+        """Each shard's rows (``row, position, grp, prefix_tokens``) by ``order_by`` (``position``: run
+        order; ``row``: input order), one shard at a time, every shard (empty ones too). A query a
+        shard: a streamed sort of every row held more than the plan's memory at 10M rows."""
+        for shard in range(self.count):
+            yield shard, self.con.sql(
+                f"SELECT row, position, grp, prefix_tokens FROM planned WHERE shard = $shard ORDER BY {order_by}",
+                params={"shard": shard}).to_arrow_table()
 
     def groups(self) -> pa.Table:
         """One row per group, in run order: its shard (its first row's), rows, prefix and tokens."""
