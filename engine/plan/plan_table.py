@@ -152,7 +152,7 @@ def write_plan(table: pa.Table | Iterable[pa.Table], path: Path) -> int:
     """Publish the plan whole (readers see the old plan or the new one), each shard's rows in row
     groups of their own, in shard order (Parquet's statistics then name each row group's one
     partition key: ``PlanFile`` reads a shard's rows alone); returns its bytes. ``table``: the whole
-    plan table, or its shards' tables in shard order (``plan_tables``)."""
+    plan table, or its shards' tables in shard order (``JobPlan.plan_tables``)."""
     shards = _by_shard(table) if isinstance(table, pa.Table) else iter(table)
     first = next(shards)
     with Staged(path) as staged, pq.ParquetWriter(staged.path, first.schema) as writer:

@@ -36,15 +36,21 @@ class ShardPlan:
         return [int(r) for r in plan.order if self.shard_of_row[r] == shard]
 
 
+def shard_weights(weights: list[float] | None, parts: int) -> np.ndarray:
+    """Each shard's weight (equal when omitted), checked: at least one shard, one positive weight each."""
+    if parts < 1:
+        raise ValueError("the number of shards must be at least 1")
+    array = np.ones(parts) if weights is None else np.asarray(weights, dtype=float)
+    if array.size != parts or (array <= 0).any():
+        raise ValueError(f"need {parts} positive shard weights, got {weights}")
+    return array
+
+
 def _cut(row_cost: np.ndarray, group_starts: np.ndarray, weights: list[float] | None, parts: int):
     """Shard of each position of the run order: contiguous, balanced by cost, groups kept whole
     unless a group alone costs more than its shard's share. Returns (shard per position, too_big
     per group)."""
-    if parts < 1:
-        raise ValueError("the number of shards must be at least 1")
-    weights_arr = np.ones(parts) if weights is None else np.asarray(weights, dtype=float)
-    if weights_arr.size != parts or (weights_arr <= 0).any():
-        raise ValueError(f"need {parts} positive shard weights, got {weights}")
+    weights_arr = shard_weights(weights, parts)
     cum_end = np.cumsum(row_cost)
     total = float(cum_end[-1]) if cum_end.size else 0.0
     bounds = np.cumsum(weights_arr)[:-1] / weights_arr.sum() * total
@@ -69,7 +75,7 @@ def _keep_previous(row_cost: np.ndarray, starts: np.ndarray, previous_in_order: 
     """Shard per position with each group kept on its previous shard when all its rows were there;
     the other groups go, in plan order, to the shard least loaded for its weight. None when the
     result is unbalanced."""
-    weights_arr = np.ones(parts) if weights is None else np.asarray(weights, dtype=float)
+    weights_arr = shard_weights(weights, parts)
     group_cost = np.add.reduceat(row_cost, starts[:-1])
     low = np.minimum.reduceat(previous_in_order, starts[:-1])
     high = np.maximum.reduceat(previous_in_order, starts[:-1])

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from .shards import shard_weights
 from .sorted_plan import SortedPlan
 
 _GROUP_BATCH = 65_536  # groups placed at a time when they move
@@ -36,21 +37,12 @@ class ShardTotals:
     split_groups: int
 
 
-def _weights(weights: list[float] | None, parts: int) -> np.ndarray:
-    if parts < 1:
-        raise ValueError("the number of shards must be at least 1")
-    array = np.ones(parts) if weights is None else np.asarray(weights, dtype=float)
-    if array.size != parts or (array <= 0).any():
-        raise ValueError(f"need {parts} positive shard weights, got {weights}")
-    return array
-
-
 def assign_shards_by_sort(plan: SortedPlan, num_shards: int, weights: list[float] | None = None,
                           decode_cost: float = 2.0, previous: bool = False,
                           max_imbalance: float = 1.25) -> ShardTotals:
     """Each row's shard into the table ``shards``; the totals per shard. ``previous``: the plan's
     database holds ``previous_shards(row, shard)`` (-1 or no entry: a row new tonight)."""
-    con, weight = plan.connection, _weights(weights, num_shards)
+    con, weight = plan.connection, shard_weights(weights, num_shards)
     con.execute(f"""CREATE OR REPLACE TABLE costed AS
         SELECT row, position, grp, cost, sum(cost) OVER (ORDER BY position ROWS UNBOUNDED PRECEDING) AS cum_end
         FROM (SELECT row, position, grp, unique_tokens + {float(decode_cost)!r}::DOUBLE * decode AS cost FROM plan)""")
