@@ -46,19 +46,20 @@ ROWS_SCHEMA = pa.schema([("row", pa.int64()), ("length", pa.int64()), ("hashes",
 _STEPS = [
     # Every block of every row the tree holds (copies follow their source and hold none).
     """CREATE TABLE blocks AS
-       SELECT row, unnest(generate_series(1, len(hashes))) AS depth, unnest(hashes) AS hash, hashes[1] AS first
+       SELECT row, unnest(generate_series(1, len(hashes))) AS depth, unnest(hashes) AS hash
        FROM rows_in WHERE row = source AND len(hashes) > 0""",
-    "CREATE TABLE nodes AS SELECT hash, count(*)::BIGINT AS rows FROM blocks GROUP BY hash",
-    # MaximizeReuse per row: its root child's edge, or its deepest shared node where worth a group.
+    # The nodes of at least min_group_rows rows: the only ones a group can be (most nodes are one row's).
+    "CREATE TABLE nodes AS SELECT hash, count(*)::BIGINT AS rows FROM blocks GROUP BY hash HAVING count(*) >= {m}",
+    # MaximizeReuse per row over its shared nodes (a row with none is in no group): its root child's
+    # edge, or its deepest shared node where worth a group. Counts fall with depth, so the root
+    # child (depth 1) has the row's largest count, its edge the deepest depth of that count (the
+    # largest (rows, depth) pair), and the deepest shared node the smallest count.
     """CREATE TABLE group_depth AS
-       SELECT row, CASE WHEN (shared_count - 1) * (shared_depth - root_depth) - root_depth > 0
-                        THEN shared_depth ELSE root_depth END AS depth
-       FROM (SELECT b.row,
-                    coalesce(max(b.depth) FILTER (WHERE n.rows >= {m}), 0) AS shared_depth,
-                    coalesce(min(n.rows) FILTER (WHERE n.rows >= {m}), 0) AS shared_count,
-                    coalesce(max(b.depth) FILTER (WHERE n.rows >= {m} AND n.rows = r.rows), 0) AS root_depth
-             FROM blocks b JOIN nodes n ON n.hash = b.hash JOIN nodes r ON r.hash = b.first
-             GROUP BY b.row)""",
+       SELECT row, CASE WHEN (shared_count - 1) * (shared_depth - root.depth) - root.depth > 0
+                        THEN shared_depth ELSE root.depth END AS depth
+       FROM (SELECT b.row, max(b.depth) AS shared_depth, min(n.rows) AS shared_count,
+                    max({{'rows': n.rows, 'depth': b.depth}}) AS root
+             FROM blocks b JOIN nodes n ON n.hash = b.hash GROUP BY b.row)""",
     # The depth-first position, and each row's group: its node's hash, or the row itself (its source).
     """CREATE TABLE depth_first AS
        SELECT i.row, i.source, i.length, i.decode, coalesce(g.depth, 0) AS depth,
