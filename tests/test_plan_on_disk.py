@@ -113,3 +113,28 @@ def test_the_plan_on_disk_is_the_plan_in_memory_on_a_first_night_and_after_edits
         assert (summary["split_groups"] > 0) == (shards == 16)  # 16 shards: cut afresh each night, groups split
     # 5 shards: the second night's are the first night's where groups stayed whole, not a fresh cut.
     assert kept == (shards == 5)
+
+
+def test_a_plan_out_of_memory_says_where_and_what_it_needs_and_leaves_the_last_plan(tmp_path, tiny_model,
+                                                                                  monkeypatch):
+    """DuckDB out of its memory (or of disk: the same words) ends the step with where the plan's
+    database was and what a plan needs there, not a bare DuckDB error; the plan on disk is untouched
+    and no scratch folder is left."""
+    import engine.plan.plan_on_disk as plan_on_disk
+    import engine.plan.sorted_plan as sorted_plan
+    import engine.table.dataset as dataset
+
+    settings = EngineSettings(model_path=tiny_model, block_size=8, max_model_len=256)
+    job = PlanJob(tmp_path / "prompts.parquet", tmp_path / "plan.parquet", tmp_path / "cache", settings,
+                  SamplingSettings(max_tokens=5), SchedulerSettings(min_group_rows=2), Columns(), print)
+    pq.write_table(_night(0, 300), job.snapshot)
+    meta = job.read_rows()
+    with job.plan(meta, lambda rows: 2, _key, print) as made:
+        job.write(made, {"batchllm.snapshot": "0"}, "run-0")
+    before = job.plan_path.read_bytes()
+    monkeypatch.setattr(sorted_plan, "PLAN_MEMORY_MIB", 1)
+    monkeypatch.setattr(dataset, "DUCKDB_MEMORY_PER_THREAD_MIB", 0)
+    with pytest.raises(plan_on_disk.PlanResourcesError, match=r"ran out of memory: .*free disk per million rows"):
+        with job.plan(meta, lambda rows: 2, _key, print) as made:
+            job.write(made, {"batchllm.snapshot": "1"}, "run-1")
+    assert job.plan_path.read_bytes() == before and not list(tmp_path.glob(".plan_work*"))

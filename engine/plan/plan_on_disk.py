@@ -10,6 +10,7 @@ a row those held.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,88 +19,120 @@ import pyarrow as pa
 
 from .duplicates import lowest_row_of_set
 from .prepared import CheckedRows
-from .sorted_plan import SortedPlan, open_plan_database, plan_rows
+from .sorted_plan import PLAN_MEMORY_MIB, SortedPlan, open_plan_database, plan_rows
 from .sorted_shards import ShardTotals, assign_shards_by_sort
 
 ROW_CHAINS = pa.schema([("row", pa.int64()), ("length", pa.int64()), ("hashes", pa.large_list(pa.uint64()))])
 _BATCH_ROWS = 65_536  # rows read back at a time
+_DISK_PER_MILLION_ROWS_GB = 0.9  # the plan's scratch folder at its peak (docs/scale.md: 8.7 GB at 10M rows)
+
+
+class PlanResourcesError(RuntimeError):
+    """The plan's database ran out of disk or memory; the message says where and what it needs."""
 
 
 class PlanOnDisk:
     """One plan's database in ``folder`` (the caller removes the folder after ``close``)."""
 
     def __init__(self, folder: Path, block_size: int):
+        self.folder = Path(folder)
         self.plan = SortedPlan(open_plan_database(folder), block_size)
         self.con = self.plan.connection
         self.count = 0  # shards (``shard``)
 
+    @contextlib.contextmanager
+    def _resources(self):
+        """DuckDB out of disk or memory, said with where and what a plan needs (not a bare IO error)."""
+        import duckdb
+
+        try:
+            yield
+        except (duckdb.IOException, duckdb.OutOfMemoryException) as exc:
+            what = "memory" if isinstance(exc, duckdb.OutOfMemoryException) else "disk (or could not write)"
+            raise PlanResourcesError(
+                f"the plan's database in {self.folder.parent} ran out of {what}: {str(exc).splitlines()[0]} "
+                f"(a plan needs ~{_DISK_PER_MILLION_ROWS_GB} GB of free disk per million rows there while it is "
+                f"made, and DuckDB {PLAN_MEMORY_MIB} MiB of memory: engine.plan.sorted_plan.PLAN_MEMORY_MIB)"
+            ) from exc
+
     def load_chains(self, chains) -> np.ndarray:
         """``TokenCache.rows_for``'s ``read_chains``: every row's chain into the table ``row_chains``
         (read while the cache's parts are sure to be there); returns the rows' lengths."""
+        with self._resources():
+            self._load_chains(chains)
+        return chains.lengths
+
+    def _load_chains(self, chains) -> None:
         self.con.register("chains", pa.RecordBatchReader.from_batches(ROW_CHAINS, chains.row_batches(_BATCH_ROWS)))
         self.con.execute("CREATE TABLE row_chains AS SELECT * FROM chains")
         self.con.unregister("chains")
-        return chains.lengths
 
     def make(self, lengths: np.ndarray, checked: CheckedRows, min_group_rows: int) -> None:
         """The plan of the loaded rows: those that cannot run (``checked.dropped``) emptied, each
         duplicate set planned once, a row's decode estimate its budget (``plan_tokenized``'s)."""
-        n = lengths.size
-        lengths = lengths.copy()
-        lengths[checked.dropped] = 0
-        self.con.register("row_plan", pa.table({
-            "row": np.arange(n, dtype=np.int64), "length": lengths,
-            "source": lowest_row_of_set(checked.duplicate_set, n),
-            "decode": np.where(lengths > 0, checked.max_tokens, 0).astype(np.int64)}))
-        self.con.execute("""CREATE TABLE rows_in AS
-            SELECT r.row, r.length, CASE WHEN r.length > 0 THEN c.hashes ELSE []::UBIGINT[] END AS hashes,
-                   r.source, r.decode
-            FROM row_plan r JOIN row_chains c ON c.row = r.row""")
-        self.con.unregister("row_plan")
-        self.con.execute("DROP TABLE row_chains")
-        plan_rows(self.con, self.plan.block_size, min_group_rows)
-        self.con.execute("DROP TABLE rows_in")
+        with self._resources():
+            n = lengths.size
+            lengths = lengths.copy()
+            lengths[checked.dropped] = 0
+            self.con.register("row_plan", pa.table({
+                "row": np.arange(n, dtype=np.int64), "length": lengths,
+                "source": lowest_row_of_set(checked.duplicate_set, n),
+                "decode": np.where(lengths > 0, checked.max_tokens, 0).astype(np.int64)}))
+            self.con.execute("""CREATE TABLE rows_in AS
+                SELECT r.row, r.length, CASE WHEN r.length > 0 THEN c.hashes ELSE []::UBIGINT[] END AS hashes,
+                       r.source, r.decode
+                FROM row_plan r JOIN row_chains c ON c.row = r.row""")
+            self.con.unregister("row_plan")
+            self.con.execute("DROP TABLE row_chains")
+            plan_rows(self.con, self.plan.block_size, min_group_rows)
+            self.con.execute("DROP TABLE rows_in")
 
     def shard(self, count: int, previous: np.ndarray | None) -> ShardTotals:
         """``count`` shards, kept from ``previous`` (each row's shard in the plan on disk, -1 for a
         new row) where they can be: the table ``planned``, each row's shard, run position, group and
         group prefix, stored by shard (a shard's rows are then a few of its row groups: ``shard_rows``)."""
-        if previous is not None:
-            self.con.register("previous_rows", pa.table({"row": np.arange(previous.size, dtype=np.int64),
-                                                         "shard": np.asarray(previous, dtype=np.int64)}))
-            self.con.execute("CREATE TABLE previous_shards AS SELECT * FROM previous_rows")
-            self.con.unregister("previous_rows")
-        totals = assign_shards_by_sort(self.plan, count, previous=previous is not None)
-        self.count = count
-        self.con.execute("""CREATE TABLE planned AS
-            SELECT s.shard, p.row, p.position, p.grp, p.prefix_tokens FROM plan p JOIN shards s ON s.row = p.row
-            ORDER BY s.shard""")
-        return totals
+        with self._resources():
+            if previous is not None:
+                self.con.register("previous_rows", pa.table({"row": np.arange(previous.size, dtype=np.int64),
+                                                             "shard": np.asarray(previous, dtype=np.int64)}))
+                self.con.execute("CREATE TABLE previous_shards AS SELECT * FROM previous_rows")
+                self.con.unregister("previous_rows")
+            totals = assign_shards_by_sort(self.plan, count, previous=previous is not None)
+            self.count = count
+            self.con.execute("""CREATE TABLE planned AS
+                SELECT s.shard, p.row, p.position, p.grp, p.prefix_tokens FROM plan p JOIN shards s ON s.row = p.row
+                ORDER BY s.shard""")
+            return totals
 
     def shard_rows(self, order_by: str) -> Iterator[tuple[int, pa.Table]]:
         """Each shard's rows (``row, position, grp, prefix_tokens``) by ``order_by`` (``position``: run
         order; ``row``: input order), one shard at a time, every shard (empty ones too). A query a
         shard: a streamed sort of every row held more than the plan's memory at 10M rows."""
         for shard in range(self.count):
-            yield shard, self.con.sql(
-                f"SELECT row, position, grp, prefix_tokens FROM planned WHERE shard = $shard ORDER BY {order_by}",
-                params={"shard": shard}).to_arrow_table()
+            with self._resources():
+                rows = self.con.sql(
+                    f"SELECT row, position, grp, prefix_tokens FROM planned WHERE shard = $shard ORDER BY {order_by}",
+                    params={"shard": shard}).to_arrow_table()
+            yield shard, rows
 
     def groups(self) -> pa.Table:
         """One row per group, in run order: its shard (its first row's), rows, prefix and tokens."""
-        return self.con.sql("""
-            SELECT p.grp AS "group", arg_min(s.shard, p.position) AS shard, count(*) AS rows,
-                   any_value(p.prefix_tokens) AS prefix_tokens, sum(p.length)::BIGINT AS prompt_tokens,
-                   sum(p.unique_tokens)::BIGINT AS estimated_prefill_tokens,
-                   sum(p.decode)::BIGINT AS estimated_decode_tokens, arg_min(p.row, p.position) AS first_row
-            FROM plan p JOIN shards s ON s.row = p.row GROUP BY p.grp ORDER BY p.grp""").to_arrow_table()
+        with self._resources():
+            return self.con.sql("""
+                SELECT p.grp AS "group", arg_min(s.shard, p.position) AS shard, count(*) AS rows,
+                       any_value(p.prefix_tokens) AS prefix_tokens, sum(p.length)::BIGINT AS prompt_tokens,
+                       sum(p.unique_tokens)::BIGINT AS estimated_prefill_tokens,
+                       sum(p.decode)::BIGINT AS estimated_decode_tokens, arg_min(p.row, p.position) AS first_row
+                FROM plan p JOIN shards s ON s.row = p.row GROUP BY p.grp ORDER BY p.grp""").to_arrow_table()
 
     def numbers(self) -> dict[str, int]:
         """The plan's groups, groups with a shared prefix, prompt tokens and tokens it computes."""
-        groups, shared, prompt, unique = self.con.execute("""
-            SELECT count(DISTINCT grp), count(DISTINCT grp) FILTER (WHERE prefix_tokens > 0),
-                   coalesce(sum(length), 0)::BIGINT, coalesce(sum(unique_tokens), 0)::BIGINT FROM plan""").fetchall()[0]
-        return {"groups": groups, "shared_groups": shared, "prompt_tokens": prompt, "unique_tokens": unique}
+        with self._resources():
+            groups, shared, prompt, unique = self.con.execute("""
+                SELECT count(DISTINCT grp), count(DISTINCT grp) FILTER (WHERE prefix_tokens > 0),
+                       coalesce(sum(length), 0)::BIGINT, coalesce(sum(unique_tokens), 0)::BIGINT
+                FROM plan""").fetchall()[0]
+            return {"groups": groups, "shared_groups": shared, "prompt_tokens": prompt, "unique_tokens": unique}
 
     def close(self) -> None:
         self.plan.close()
