@@ -24,7 +24,7 @@ from .sorted_shards import ShardTotals, assign_shards_by_sort
 
 ROW_CHAINS = pa.schema([("row", pa.int64()), ("length", pa.int64()), ("hashes", pa.large_list(pa.uint64()))])
 _BATCH_ROWS = 65_536  # rows read back at a time
-_DISK_PER_MILLION_ROWS_GB = 0.9  # the plan's scratch folder at its peak (docs/scale.md: 8.7 GB at 10M rows)
+_DISK_PER_MILLION_ROWS_GB = 0.5  # the plan's scratch folder at its peak (docs/scale.md: 4.2 GB at 10M rows)
 
 
 class PlanResourcesError(RuntimeError):
