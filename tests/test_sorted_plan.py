@@ -13,7 +13,7 @@ from engine.plan.block_hashes import RowBlocks
 from engine.plan.duplicates import NO_SET
 from engine.plan.prefix_tree import PrefixTree
 from engine.plan.shards import assign_shards
-from engine.plan.sorted_plan import plan_by_sort, plan_in_a_temporary_folder, rows_table
+from engine.plan.sorted_plan import plan_by_sort, rows_of_blocks
 from engine.plan.sorted_shards import assign_shards_by_sort
 
 from .test_plan import flat
@@ -30,6 +30,16 @@ def _sets_of_identical(rows, chosen) -> np.ndarray:
     for number, members in enumerate(m for m in first.values() if len(m) > 1):
         out[members] = number
     return out
+
+
+def plan_in_a_temporary_folder(rows: pa.Table, block_size: int, min_group_rows: int = 2) -> dict[str, np.ndarray]:
+    """``plan_by_sort``'s arrays, its files removed after."""
+    with tempfile.TemporaryDirectory(prefix="batchllm-sorted-plan-") as folder:
+        plan = plan_by_sort(rows, block_size, Path(folder), min_group_rows)
+        try:
+            return plan.arrays()
+        finally:
+            plan.close()
 
 
 @pytest.mark.slow  # a database file an example: ~60 ms each
@@ -50,7 +60,7 @@ def test_the_plan_by_sort_is_the_prefix_trees_plan(rows, block, min_group_rows, 
                                                  dtype=np.int64), 0)
     expected = tree.plan(decode, min_group_rows)
 
-    got = plan_in_a_temporary_folder(rows_table(blocks, decode, same, dropped), block, min_group_rows)
+    got = plan_in_a_temporary_folder(rows_of_blocks(blocks, decode, same, dropped), block, min_group_rows)
 
     for name in _PLAN_ARRAYS:
         assert got[name].tolist() == getattr(expected, name).tolist(), name
@@ -68,7 +78,7 @@ def test_a_batch_with_groups_nested_prefixes_and_copies_plans_as_the_tree(tmp_pa
     expected = tree.plan(np.where(tree.lengths > 0, 5, 0))
     assert expected.num_groups >= 3 and expected.copies is not None  # the batch is what it says
 
-    plan = plan_by_sort(rows_table(blocks, expected.decode_tokens, same, dropped), 4, tmp_path / "plan")
+    plan = plan_by_sort(rows_of_blocks(blocks, expected.decode_tokens, same, dropped), 4, tmp_path / "plan")
     try:
         got = plan.arrays()
     finally:
@@ -80,7 +90,7 @@ def test_a_batch_with_groups_nested_prefixes_and_copies_plans_as_the_tree(tmp_pa
 
 def test_min_group_rows_below_two_is_refused(tmp_path):
     with pytest.raises(ValueError, match="min_group_rows"):
-        plan_by_sort(rows_table(RowBlocks.of_tokens(*flat([[1, 2]]), 1), np.array([1])), 1, tmp_path, 1)
+        plan_by_sort(rows_of_blocks(RowBlocks.of_tokens(*flat([[1, 2]]), 1), np.array([1])), 1, tmp_path, 1)
 
 
 @pytest.mark.slow  # a database file an example
@@ -102,7 +112,7 @@ def test_the_shards_by_sort_are_assign_shards_cut_fresh_or_kept_from_the_previou
     expected = assign_shards(expected_plan, shards, weights, previous=previous)
 
     with tempfile.TemporaryDirectory() as folder:
-        plan = plan_by_sort(rows_table(blocks, decode, same), 2, Path(folder))
+        plan = plan_by_sort(rows_of_blocks(blocks, decode, same), 2, Path(folder))
         try:
             if previous is not None:
                 plan.connection.register("previous_rows", pa.table({"row": np.arange(n), "shard": previous}))
@@ -125,7 +135,7 @@ def test_a_group_centred_on_a_shard_bound_goes_to_the_later_shard_in_both(tmp_pa
     blocks, decode = RowBlocks.of_tokens(*flat(rows), 2), np.array([3, 3, 3])
     tree_plan = PrefixTree.of(blocks).plan(decode)
     expected = assign_shards(tree_plan, 2)
-    plan = plan_by_sort(rows_table(blocks, decode), 2, tmp_path)
+    plan = plan_by_sort(rows_of_blocks(blocks, decode), 2, tmp_path)
     try:
         assign_shards_by_sort(plan, 2)
         got = plan.connection.sql("SELECT shard FROM shards ORDER BY row").to_arrow_table().column("shard").to_pylist()

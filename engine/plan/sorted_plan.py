@@ -23,7 +23,6 @@ Why each query is the in-memory planner's step (the tree is never built):
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,8 +150,8 @@ def plan_by_sort(rows: pa.Table | pa.RecordBatchReader, block_size: int, folder:
         con.unregister("rows_in")
 
 
-def rows_table(blocks: RowBlocks, decode_tokens: np.ndarray, duplicate_set: np.ndarray | None = None,
-               dropped: np.ndarray | None = None) -> pa.Table:
+def rows_of_blocks(blocks: RowBlocks, decode_tokens: np.ndarray, duplicate_set: np.ndarray | None = None,
+                   dropped: np.ndarray | None = None) -> pa.Table:
     """``plan_by_sort``'s input from rows in memory, as ``plan_blocks`` takes them: ``dropped`` rows
     (they cannot run) emptied, each ``duplicate_set`` planned once."""
     n = blocks.num_rows
@@ -163,13 +162,3 @@ def rows_table(blocks: RowBlocks, decode_tokens: np.ndarray, duplicate_set: np.n
     source = lowest_row_of_set(duplicate_set, n) if duplicate_set is not None else np.arange(n)
     return pa.table([pa.array(np.arange(n)), pa.array(blocks.lengths), hashes, pa.array(source),
                      pa.array(np.asarray(decode_tokens, dtype=np.int64))], schema=ROWS_SCHEMA)
-
-
-def plan_in_a_temporary_folder(rows: pa.Table, block_size: int, min_group_rows: int = 2) -> dict[str, np.ndarray]:
-    """``plan_by_sort``'s arrays, its files removed after (small batches)."""
-    with tempfile.TemporaryDirectory(prefix="batchllm-sorted-plan-") as folder:
-        plan = plan_by_sort(rows, block_size, Path(folder), min_group_rows)
-        try:
-            return plan.arrays()
-        finally:
-            plan.close()
