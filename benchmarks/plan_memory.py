@@ -87,7 +87,6 @@ def main() -> None:
 
     import engine.jobs.plan_job as plan_job
     import engine.plan.plan_on_disk as plan_on_disk
-    import engine.plan.prepared as prepared
     import engine.plan.token_cache as token_cache
 
     disk = plan_on_disk.PlanOnDisk
@@ -95,7 +94,7 @@ def main() -> None:
         (plan_job.PlanJob, "_plan", "plan step, between stages"),
         (plan_job.PlanJob, "read_rows", "snapshot rows"), (plan_job.TokenCache, "rows_for", "token cache rows"),
         (disk, "load_chains", "chains into the plan's database"), (plan_job, "check_rows", "row checks"),
-        (prepared, "duplicate_sets", "identical rows"), (disk, "make", "plan"), (disk, "shard", "shards"),
+        (disk, "duplicate_sets", "identical rows"), (disk, "make", "plan"), (disk, "shard", "shards"),
         (plan_job, "write_plan", "plan file"),
         (plan_job.JobPlan, "groups_table", "groups table"),
         (plan_job.TokenCache, "_tokenize", "tokenizing"), (token_cache, "tokenize_rows", "tokenizer"),

@@ -1,12 +1,25 @@
 """Identical rows computed once: which rows are identical, the plan that records it, and a run
 on the block-accounting fake engine that submits each content once and answers every id."""
 
+import tempfile
+from pathlib import Path
+from unittest import mock
+
 import numpy as np
 import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.plan.duplicates import NO_SET, answer_sources, count_duplicates, duplicate_sets, token_keys
+from engine.plan import plan_on_disk
+from engine.plan.duplicates import (
+    NO_SET,
+    answer_sources,
+    count_duplicates,
+    duplicate_sets,
+    lowest_row_of_set,
+    token_keys,
+)
+from engine.plan.plan_on_disk import PlanOnDisk
 from engine.plan.plan_table import prepared_batch, rows_table
 from engine.plan.prepared import plan_tokenized
 from engine.plan.tokenizing import TokenizedBatch
@@ -85,6 +98,29 @@ def test_duplicate_sets_are_the_rows_equal_in_key_max_tokens_and_format(rows):
     assert got.tolist() == _sets_by_dict(keys, max_tokens.tolist(), formats, ok)
     sliced = pa.array([b"x" * 16] + keys, pa.binary(16)).slice(1)  # read from the buffer at the slice's offset
     assert duplicate_sets(sliced, max_tokens, formats, ok).tolist() == got.tolist()
+    as_column = pa.chunked_array([pa.array(formats[:3], pa.string()), pa.array(formats[3:], pa.string())])
+    assert duplicate_sets(sliced, max_tokens, as_column, ok).tolist() == got.tolist()  # a snapshot's column
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 2), st.sampled_from([None, "a", "b"]), st.booleans()),
+                max_size=40), st.integers(1, 7))
+def test_a_plan_on_disk_finds_the_same_sets_and_plans_each_from_its_first_row(rows, batch_rows):
+    keys = pa.array([bytes([k]) * 16 for k, *_ in rows], pa.binary(16))
+    max_tokens = np.array([m for _, m, _, _ in rows], dtype=np.int64)
+    formats = pa.array([f for *_, f, _ in rows], pa.string())
+    ok = np.array([r for *_, r in rows], dtype=bool)
+    expected = duplicate_sets(keys, max_tokens, formats, ok)
+    with tempfile.TemporaryDirectory() as folder, mock.patch.object(plan_on_disk, "_BATCH_ROWS", batch_rows):
+        disk = PlanOnDisk(Path(folder), BLOCK)
+        try:
+            as_read = pa.chunked_array([keys[:batch_rows], keys[batch_rows:]], pa.binary(16))  # a snapshot's chunks
+            assert disk.duplicate_sets(as_read, max_tokens, formats, ok).tolist() == expected.tolist()
+            sources = dict(disk.con.execute("SELECT row, source FROM duplicate_rows").fetchall())
+        finally:
+            disk.close()
+    n = len(rows)
+    assert sources == {r: s for r, s in enumerate(lowest_row_of_set(expected, n)) if expected[r] != NO_SET}
 
 
 def test_a_set_runs_its_first_row_present_so_a_shard_without_the_first_still_runs_one():

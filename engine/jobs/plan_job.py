@@ -180,7 +180,8 @@ class PlanJob:
         lengths, rows.tree = rows.tree, None  # what ``load_chains`` returned: the rows' lengths
         pa.default_memory_pool().release_unused()  # Arrow keeps what the lookup freed: the planner's peak follows
         ids, keys = meta.column(self.columns.id), meta.column(CONTENT_KEY).combine_chunks()
-        checked = check_rows(meta, lengths, rows.errors, settings, self.sampling, self.columns, keys)
+        checked = check_rows(meta, lengths, rows.errors, settings, self.sampling, self.columns, keys,
+                             find_duplicates=disk.duplicate_sets)
         started = time.perf_counter()
         disk.make(lengths, checked, self.scheduler.min_group_rows)
         plan_s = rows.tree_s + time.perf_counter() - started

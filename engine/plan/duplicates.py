@@ -21,6 +21,7 @@ from ..digests import row_key
 from ..settings import SamplingSettings
 
 NO_SET = -1
+FormatTexts = pa.Array | pa.ChunkedArray | list | None  # each row's own response format as text, or no column
 
 
 def answers_are_shared(sampling: SamplingSettings) -> bool:
@@ -34,20 +35,21 @@ def token_keys(tokens: np.ndarray, offsets: np.ndarray) -> pa.Array:
                      for i in range(offsets.size - 1)], pa.binary(16))
 
 
-def duplicate_sets(keys: pa.Array, max_tokens: np.ndarray, response_formats: list[str | None],
+def duplicate_sets(keys: pa.Array, max_tokens: np.ndarray, response_formats: FormatTexts,
                    runnable: np.ndarray) -> np.ndarray:
     """Each row's set of identical rows (numbered from 0 by their first row; ``NO_SET`` for a row no
     other runnable row equals). ``keys`` is each row's content identity (16 bytes), ``response_formats``
-    its own format as text (None: the job's), ``runnable`` which rows run at all (error rows never
-    join a set). One sort of fixed-width columns: 40 bytes a row, where a hash grouping of the keys
-    held ~190 (a plan step's peak at 3M rows)."""
+    its own format as text (None: the job's; no column: every row's is the job's), ``runnable``
+    which rows run at all (error rows never join a set). One sort of fixed-width columns: 40 bytes a
+    row, where a hash grouping of the keys held ~190 (a plan step's peak at 3M rows). A plan made on
+    disk finds the same sets by a query (``plan_on_disk.PlanOnDisk.duplicate_sets``)."""
     n = len(keys)
     out = np.full(n, NO_SET, dtype=np.int64)
     rows = np.flatnonzero(np.asarray(runnable, dtype=bool))
     if rows.size < 2:
         return out
-    words = _key_words(keys)
-    formats = pc.fill_null(pa.array(response_formats, pa.string()).dictionary_encode().indices, -1).to_numpy()
+    words = key_words(keys)
+    formats = format_codes(response_formats, n)
     columns = (formats[rows], np.asarray(max_tokens, dtype=np.int64)[rows], words[rows, 1], words[rows, 0])
     in_order = rows[np.lexsort(columns)]  # stable: a set's rows ascending, its first row first
     del columns
@@ -69,7 +71,20 @@ def duplicate_sets(keys: pa.Array, max_tokens: np.ndarray, response_formats: lis
     return out
 
 
-def _key_words(keys: pa.Array | pa.ChunkedArray) -> np.ndarray:
+def format_codes(response_formats: FormatTexts, n: int) -> np.ndarray:
+    """Each row's own format as a number: equal texts equal numbers, -1 for none (the job's)."""
+    if response_formats is None:
+        return np.full(n, -1, dtype=np.int32)
+    if isinstance(response_formats, pa.ChunkedArray):
+        response_formats = response_formats.combine_chunks()
+    elif not isinstance(response_formats, pa.Array):
+        response_formats = pa.array(response_formats, pa.string())
+    if response_formats.type != pa.string():
+        response_formats = response_formats.cast(pa.string())
+    return pc.fill_null(response_formats.dictionary_encode().indices, -1).to_numpy()
+
+
+def key_words(keys: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """16-byte keys as two 64-bit words each (``(n, 2)``), read from the key column's buffer."""
     keys = keys.combine_chunks() if isinstance(keys, pa.ChunkedArray) else keys
     if keys.null_count:

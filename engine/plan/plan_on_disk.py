@@ -2,10 +2,10 @@
 (``sorted_plan``) and its shards (``sorted_shards``) made there by sorts that spill, and read back a
 shard at a time (its keys, the plan file) or a group a row (the groups table).
 
-What stays in memory is what the row checks need, a few numbers a row (lengths, budgets, duplicate
-sets: ``prepared.check_rows``, the one code for a plan in memory and on disk), never the tree, the
-order, the groups or the shards: the plan step's peak stops growing with the rows by the ~200 bytes
-a row those held.
+What stays in memory is what the row checks need, a few numbers a row (lengths, budgets, errors,
+formats: ``prepared.check_rows``, the one code for a plan in memory and on disk), and each row's
+duplicate set, found here by a query (``duplicate_sets``); never the tree, the order, the groups or
+the shards: the plan step's peak stops growing with the rows by the ~200 bytes a row those held.
 """
 
 from __future__ import annotations
@@ -17,12 +17,15 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from .duplicates import lowest_row_of_set
+from .duplicates import NO_SET, FormatTexts, format_codes
 from .prepared import CheckedRows
 from .sorted_plan import PLAN_MEMORY_MIB, SortedPlan, open_plan_database, plan_rows
 from .sorted_shards import ShardTotals, assign_shards_by_sort
 
 ROW_CHAINS = pa.schema([("row", pa.int64()), ("length", pa.int64()), ("hashes", pa.large_list(pa.uint64()))])
+_IDENTITY = pa.schema([("row", pa.int64()), ("key", pa.binary(16)), ("max_tokens", pa.int64()),
+                       ("format", pa.int32()), ("runnable", pa.bool_())])
+_ROW_PLAN = pa.schema([("row", pa.int64()), ("length", pa.int64()), ("decode", pa.int64())])
 _BATCH_ROWS = 65_536  # rows read back at a time
 _DISK_PER_MILLION_ROWS_GB = 0.5  # the plan's scratch folder at its peak (docs/scale.md: 4.2 GB at 10M rows)
 
@@ -67,21 +70,64 @@ class PlanOnDisk:
         self.con.execute("CREATE TABLE row_chains AS SELECT * FROM chains")
         self.con.unregister("chains")
 
+    def duplicate_sets(self, keys: pa.Array, max_tokens: np.ndarray, response_formats: FormatTexts,
+                       runnable: np.ndarray) -> np.ndarray:
+        """``duplicates.duplicate_sets`` (its arguments, its answer) found by a query: the sets, and
+        each member's source (its set's first row) kept in the table ``duplicate_rows`` for ``make``.
+        Nothing a row held in memory but the answer (the sort in memory held ~100 bytes a row)."""
+        keys = keys.cast(pa.binary(16))
+        if keys.null_count:
+            raise ValueError(f"{keys.null_count} rows have no content key")
+        formats, n = format_codes(response_formats, len(keys)), len(keys)
+        max_tokens, runnable = np.asarray(max_tokens, dtype=np.int64), np.asarray(runnable, dtype=bool)
+
+        def batches() -> Iterator[pa.RecordBatch]:
+            for lo in range(0, n, _BATCH_ROWS):
+                hi = min(n, lo + _BATCH_ROWS)
+                some_keys = keys.slice(lo, hi - lo)
+                some_keys = some_keys.combine_chunks() if isinstance(some_keys, pa.ChunkedArray) else some_keys
+                yield pa.record_batch([pa.array(np.arange(lo, hi, dtype=np.int64)), some_keys,
+                                       pa.array(max_tokens[lo:hi]), pa.array(formats[lo:hi]),
+                                       pa.array(runnable[lo:hi])], schema=_IDENTITY)
+
+        with self._resources():
+            self.con.register("identities", pa.RecordBatchReader.from_batches(_IDENTITY, batches()))
+            self.con.execute("CREATE TABLE runnable_identities AS SELECT * EXCLUDE (runnable) FROM identities "
+                             "WHERE runnable")
+            self.con.unregister("identities")
+            self.con.execute("""CREATE TABLE duplicate_rows AS
+                WITH sets AS (SELECT key, max_tokens, format, min(row) AS source FROM runnable_identities
+                              GROUP BY ALL HAVING count(*) > 1),
+                     numbered AS (SELECT *, (row_number() OVER (ORDER BY source) - 1)::BIGINT AS set FROM sets)
+                SELECT i.row, n.set, n.source FROM runnable_identities i JOIN numbered n USING (key, max_tokens, format)
+            """)
+            self.con.execute("DROP TABLE runnable_identities")
+            out = np.full(n, NO_SET, dtype=np.int64)
+            for batch in self.con.sql("SELECT row, set FROM duplicate_rows").to_arrow_reader(_BATCH_ROWS):
+                out[batch.column(0).to_numpy()] = batch.column(1).to_numpy()
+        return out
+
     def make(self, lengths: np.ndarray, checked: CheckedRows, min_group_rows: int) -> None:
         """The plan of the loaded rows: those that cannot run (``checked.dropped``) emptied, each
-        duplicate set planned once, a row's decode estimate its budget (``plan_tokenized``'s)."""
+        duplicate set planned once (from its first row: ``duplicate_sets``, which the row checks ran
+        here), a row's decode estimate its budget (``plan_tokenized``'s)."""
+        dropped = np.zeros(lengths.size, dtype=bool)
+        dropped[checked.dropped] = True
+
+        def batches() -> Iterator[pa.RecordBatch]:
+            for lo in range(0, lengths.size, _BATCH_ROWS):
+                hi = min(lengths.size, lo + _BATCH_ROWS)
+                length = np.where(dropped[lo:hi], 0, lengths[lo:hi]).astype(np.int64)
+                yield pa.record_batch([pa.array(np.arange(lo, hi, dtype=np.int64)), pa.array(length),
+                                       pa.array(np.where(length > 0, checked.max_tokens[lo:hi], 0).astype(np.int64))],
+                                      schema=_ROW_PLAN)
+
         with self._resources():
-            n = lengths.size
-            lengths = lengths.copy()
-            lengths[checked.dropped] = 0
-            self.con.register("row_plan", pa.table({
-                "row": np.arange(n, dtype=np.int64), "length": lengths,
-                "source": lowest_row_of_set(checked.duplicate_set, n),
-                "decode": np.where(lengths > 0, checked.max_tokens, 0).astype(np.int64)}))
+            self.con.register("row_plan", pa.RecordBatchReader.from_batches(_ROW_PLAN, batches()))
             self.con.execute("""CREATE TABLE rows_in AS
                 SELECT r.row, r.length, CASE WHEN r.length > 0 THEN c.hashes ELSE []::UBIGINT[] END AS hashes,
-                       r.source, r.decode
-                FROM row_plan r JOIN row_chains c ON c.row = r.row""")
+                       coalesce(d.source, r.row) AS source, r.decode
+                FROM row_plan r JOIN row_chains c ON c.row = r.row LEFT JOIN duplicate_rows d ON d.row = r.row""")
             self.con.unregister("row_plan")
             self.con.execute("DROP TABLE row_chains")
             plan_rows(self.con, self.plan.block_size, min_group_rows)

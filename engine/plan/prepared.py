@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -182,9 +183,10 @@ class CheckedRows:
 
 def check_rows(table: pa.Table, lengths: np.ndarray, tokenizer_errors: dict[int, str],
                engine_settings: EngineSettings, sampling: SamplingSettings, columns: Columns,
-               keys: pa.Array) -> CheckedRows:
+               keys: pa.Array, find_duplicates: Callable[..., np.ndarray] = duplicate_sets) -> CheckedRows:
     """The row checks of rows of ``lengths`` prompt tokens (``table``: their id, ``max_tokens`` and
-    ``response_format`` columns; ``keys``: each row's content identity)."""
+    ``response_format`` columns; ``keys``: each row's content identity). ``find_duplicates``: how the
+    sets of identical rows are found (``duplicate_sets``'s arguments; a plan on disk finds them there)."""
     errors = dict(tokenizer_errors)
     n = lengths.size
     formats = row_response_formats(_column(table, columns.response_format), errors)
@@ -193,7 +195,8 @@ def check_rows(table: pa.Table, lengths: np.ndarray, tokenizer_errors: dict[int,
     dropped = np.array(sorted(set(errors) - set(tokenizer_errors)), dtype=np.int64)
     runnable = np.ones(n, dtype=bool)
     runnable[list(errors)] = False
-    same = duplicate_sets(keys, max_tokens, _column(table, columns.response_format) or [None] * n, runnable)
+    own_formats = table.column(columns.response_format) if columns.response_format in table.column_names else None
+    same = find_duplicates(keys, max_tokens, own_formats, runnable)
     return CheckedRows(max_tokens, errors, formats, dropped, same)
 
 
