@@ -9,9 +9,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.jobs.plan_job import PlanJob, plan_summary
-from engine.plan.plan_table import previous_shards
+from engine.plan.plan_table import previous_shards, take_rows
 from engine.plan.prepared import plan_tokenized
 from engine.plan.shards import assign_shards
 from engine.plan.token_cache import TokenCache
@@ -138,3 +140,16 @@ def test_a_plan_out_of_memory_says_where_and_what_it_needs_and_leaves_the_last_p
         with job.plan(meta, lambda rows: 2, _key, print) as made:
             job.write(made, {"batchllm.snapshot": "1"}, "run-1")
     assert job.plan_path.read_bytes() == before and not list(tmp_path.glob(".plan_work*"))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 5), max_size=6), st.data())
+def test_rows_taken_from_a_column_in_chunks_are_those_taken_from_it_whole(chunk_sizes, data):
+    whole = pa.array(range(sum(chunk_sizes)), pa.int64())
+    starts = np.cumsum([0] + chunk_sizes)
+    chunked = pa.chunked_array([whole.slice(a, b - a) for a, b in zip(starts[:-1], starts[1:])], pa.int64())
+    n = len(whole)
+    rows = np.array(data.draw(st.lists(st.integers(0, n - 1), max_size=12) if n else st.just([])), dtype=np.int64)
+    assert take_rows(chunked, rows).to_pylist() == take_rows(whole, rows).to_pylist() == [int(r) for r in rows]
+    ascending = np.sort(rows)
+    assert take_rows(chunked, ascending).to_pylist() == [int(r) for r in ascending]

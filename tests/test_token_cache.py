@@ -170,7 +170,7 @@ def test_hashes_are_gathered_part_by_part_for_rows_in_any_order(tmp_path, tiny_m
     position = cache._positions(pq.read_table(path).column(CONTENT_KEY).combine_chunks(),
                                 cache.load(BLOCK))
     expected = fresh.row_blocks(BLOCK)
-    chains = _PartChains.of(parts, position, expected.lengths, BLOCK)
+    chains = _PartChains.of([(path, table.num_rows) for path, table in parts], position, expected.lengths, BLOCK)
     deepest_first, reaching = rows_by_depth(expected.blocks)
     depths = list(zip(chains.hashes_by_depth(deepest_first, reaching),
                       expected.hashes_by_depth(deepest_first, reaching), strict=True))
@@ -260,8 +260,10 @@ def test_compaction_keeps_what_the_plan_on_disk_names_and_waits_for_readers(tmp_
 
     compacted = threading.Event()
 
-    def plan_again():
-        cache.rows_for(path, tokenizer, "prompt", "messages", BLOCK, still_needed=lambda: planned)
+    def plan_again():  # the snapshot's keys as the plan step passes them: as read, in chunks
+        read = pq.read_table(path).column(CONTENT_KEY).combine_chunks()
+        as_read = pa.chunked_array([read.slice(0, 3), read.slice(3)])
+        cache.rows_for(path, tokenizer, "prompt", "messages", BLOCK, still_needed=lambda: planned, keys=as_read)
         compacted.set()
 
     with TokenCache.reading(tmp_path / "cache"):

@@ -30,6 +30,7 @@ from ..plan.plan_table import (
     previous_shards,
     read_previous_plan,
     shard_table,
+    take_rows,
     write_plan,
 )
 from ..plan.prepared import PlannedBatch, check_rows
@@ -103,7 +104,7 @@ class JobPlan:
             "hardware": [hardware_of_shard(int(s)) for s in shard],
             **{name: groups.column(name) for name in ("rows", "prefix_tokens", "prompt_tokens",
                                                       "estimated_prefill_tokens", "estimated_decode_tokens")},
-            "first_id": self.rows.ids.take(groups.column("first_row")).cast(pa.string()),
+            "first_id": take_rows(self.rows.ids, groups.column("first_row").to_numpy()).cast(pa.string()),
         })
 
     def plan_tables(self, metadata: dict[str, str]):
@@ -173,13 +174,13 @@ class PlanJob:
               key_of: Callable[[int, list], str], progress: Callable[[str], None]) -> JobPlan:
         tokenizer = LazyTokenizer(self.settings.model_path)  # loaded only if a row is new or changed
         pa.default_memory_pool().release_unused()  # what reading the snapshot's rows left in Arrow's pool
+        ids, keys = meta.column(self.columns.id), meta.column(CONTENT_KEY)  # as read: no copy
         rows = self.cache.rows_for(self.snapshot, tokenizer, self.columns.prompt, self.columns.messages,
                                    settings.block_size, progress=progress,
                                    still_needed=lambda: plan_content_keys(self.plan_path),
-                                   workers=self.tokenize_workers, read_chains=disk.load_chains)
+                                   workers=self.tokenize_workers, read_chains=disk.load_chains, keys=keys)
         lengths, rows.tree = rows.tree, None  # what ``load_chains`` returned: the rows' lengths
         pa.default_memory_pool().release_unused()  # Arrow keeps what the lookup freed: the planner's peak follows
-        ids, keys = meta.column(self.columns.id), meta.column(CONTENT_KEY).combine_chunks()
         checked = check_rows(meta, lengths, rows.errors, settings, self.sampling, self.columns, keys,
                              find_duplicates=disk.duplicate_sets)
         started = time.perf_counter()
@@ -190,7 +191,7 @@ class PlanJob:
         shards = disk.shard(count, previous_shards(self.plan_path, ids))
         partition_keys, rows_by_shard = [], []
         for shard, in_order in disk.shard_rows("position"):  # a shard's ids at a time
-            partition_keys.append(key_of(shard, ids.take(in_order.column("row")).to_pylist()))
+            partition_keys.append(key_of(shard, take_rows(ids, in_order.column("row").to_numpy()).to_pylist()))
             rows_by_shard.append(in_order.num_rows)
         numbers = disk.numbers()
         counts = {**summary_of(ids.length(), len(checked.errors), count_duplicates(checked.duplicate_set),

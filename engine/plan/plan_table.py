@@ -90,7 +90,7 @@ def _rows_columns(ids: pa.Array | pa.ChunkedArray, rows: np.ndarray, position: n
     ``group`` and ``prefix_tokens`` are theirs already; ``ids``, ``max_tokens`` and ``duplicate_set``
     every row's; ``errors`` and ``format_texts`` (``_format_texts``) the rows' that have one."""
     return {
-        "id": ids.take(pa.array(rows, pa.int64())),
+        "id": take_rows(ids, rows),
         "position": np.asarray(position, dtype=np.int64),
         "group": np.asarray(group, dtype=np.int64),
         "prefix_tokens": np.asarray(prefix_tokens, dtype=np.int64),
@@ -138,10 +138,31 @@ def shard_table(rows: PlanRows, shard_rows: np.ndarray, position: np.ndarray, gr
     position, group and group prefix, as ``write_plan`` writes them."""
     columns = {**_rows_columns(rows.ids, shard_rows, position, group, prefix_tokens, rows.max_tokens, rows.errors,
                                rows.format_texts, rows.duplicate_set),
-               CONTENT_KEY: rows.content_keys.take(pa.array(shard_rows, pa.int64())),
+               CONTENT_KEY: take_rows(rows.content_keys, shard_rows),
                "shard": np.full(shard_rows.size, shard, dtype=np.int64),
                "partition_key": pa.array([partition_key] * shard_rows.size, pa.string())}
     return pa.table(columns, metadata=metadata)
+
+
+def take_rows(column: pa.Array | pa.ChunkedArray, rows: np.ndarray) -> pa.Array:
+    """``column.take(rows)``, a chunked column's rows taken from each chunk alone: Arrow's take on a
+    column read in chunks (a snapshot's 49 row groups at 10M rows) cost ~25 ms a call, 25 s over a
+    plan's 1,000 shards, where holding the column whole costs its bytes again."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if isinstance(column, pa.Array):
+        return column.take(pa.array(rows))
+    order = np.argsort(rows, kind="stable")
+    ascending = rows[order]
+    starts = np.cumsum([0] + [len(chunk) for chunk in column.chunks])
+    cuts = np.searchsorted(ascending, starts)
+    pieces = [chunk.take(pa.array(ascending[cuts[i]:cuts[i + 1]] - starts[i]))
+              for i, chunk in enumerate(column.chunks) if cuts[i + 1] > cuts[i]]
+    taken = pa.concat_arrays(pieces) if pieces else pa.array([], column.type)
+    if np.array_equal(order, np.arange(rows.size)):  # asked in ascending order (a shard's rows in input order)
+        return taken
+    back = np.empty_like(order)
+    back[order] = np.arange(order.size)
+    return taken.take(pa.array(back))
 
 
 # A shard's rows are split into row groups of at most this many (a row group is read whole).

@@ -29,6 +29,7 @@ from ..damaged import DAMAGE, set_aside
 from ..locks import locked
 from ..table.prompt_snapshot import CONTENT_KEY, KEY_TYPE, snapshot_keys, texts_at
 from .block_hashes import HASH_VERSION, RowBlocks
+from .key_index import KeyIndex
 from .prefix_tree import PrefixTree
 from .tokenize_workers import TokenizeWorkers
 from .tokenizing import tokenize_rows
@@ -110,10 +111,11 @@ class _PartChains:
     entry: np.ndarray  # each row's entry in its part
 
     @classmethod
-    def of(cls, parts: list[tuple[Path, pa.Table]], position: np.ndarray, lengths: np.ndarray,
+    def of(cls, parts: list[tuple[Path, int]], position: np.ndarray, lengths: np.ndarray,
            block_size: int) -> "_PartChains":
-        """The rows at ``position`` (entry numbers over ``parts``, in their order)."""
-        starts = np.cumsum([0] + [table.num_rows for _, table in parts])
+        """The rows at ``position`` (entry numbers over ``parts``, each a path and its entries, in
+        their order)."""
+        starts = np.cumsum([0] + [entries for _, entries in parts])
         part = (np.searchsorted(starts, position, side="right") - 1).astype(np.int32)
         return cls(block_size, lengths, [path for path, _ in parts], part, (position - starts[part]).astype(np.int64))
 
@@ -300,10 +302,11 @@ class TokenCache:
         return tokens, offsets, cache.column("error").take(position)
 
     def _positions(self, keys: pa.Array, cache: pa.Table) -> np.ndarray:
-        position = pc.index_in(keys, value_set=cache.column("key"))
-        if position.null_count:
-            raise KeyError(f"{position.null_count} rows are not in the token cache {self.folder}: plan again")
-        return position.to_numpy()
+        position = KeyIndex(cache.column("key")).first_positions(keys)
+        if (position < 0).any():
+            raise KeyError(f"{np.count_nonzero(position < 0)} rows are not in the token cache {self.folder}: "
+                           "plan again")
+        return position
 
     def _write(self, batches, name: str, block_size: int, max_rows: int | None = None) -> int:
         return write_part(self.folder, name, batches, block_size, max_rows)
@@ -312,29 +315,31 @@ class TokenCache:
                  progress: Callable[[str], None] = log.info,
                  still_needed: Callable[[], pa.Array | None] = lambda: None,
                  workers: TokenizeWorkers = TokenizeWorkers(),
-                 read_chains: Callable[["_PartChains"], object] = PrefixTree.of) -> CachedRows:
+                 read_chains: Callable[["_PartChains"], object] = PrefixTree.of,
+                 keys: pa.Array | None = None) -> CachedRows:
         """Lengths and block hashes of every row of a prompt snapshot (written with a
         ``CONTENT_KEY`` column), in its order: cached rows are looked up, the others tokenized
         (and cached; ``progress`` hears how far that got), on ``workers`` where there are many. No
         token ids are read back: the plan does not need them. ``still_needed``: keys that
         compaction must keep besides the snapshot's (those of the plan partitions may still be
         running), read under its lock. ``read_chains``: what is made of the rows' chains while
-        their parts are sure to be there (the prefix tree, or a plan's table on disk)."""
+        their parts are sure to be there (the prefix tree, or a plan's table on disk). ``keys``:
+        the snapshot's content keys where the caller read them already (else read here)."""
         with locked(self.root / ".writer.lock", shared=False):  # one writer at a time
             return self._rows_for(snapshot, tokenizer, prompt_column, messages_column, block_size, progress,
-                                  still_needed, workers, read_chains)
+                                  still_needed, workers, read_chains, keys)
 
     def _rows_for(self, snapshot, tokenizer, prompt_column, messages_column, block_size, progress,
-                  still_needed, workers, read_chains) -> CachedRows:
+                  still_needed, workers, read_chains, keys) -> CachedRows:
         started = time.perf_counter()
-        keys = snapshot_keys(snapshot)
+        keys = snapshot_keys(snapshot) if keys is None else keys
         loaded = self._parts()
         parts = self._mapped(block_size)
         cache = _concat(parts, block_size)
-        found = pc.index_in(keys, value_set=cache.column("key"))
-        cached_rows = len(keys) - found.null_count
+        found = KeyIndex(cache.column("key")).first_positions(keys)
+        cached_rows = int(np.count_nonzero(found >= 0))
         missing = _first_rows_missing(keys, found)
-        pa.default_memory_pool().release_unused()  # the lookup's hash table: Arrow would keep its pages
+        pa.default_memory_pool().release_unused()  # the missing rows' keys: Arrow would keep their pages
         tokenized = 0
         if len(missing):
             # Streamed into new parts batch by batch, then mapped with the rest: the first night
@@ -345,19 +350,23 @@ class TokenCache:
             loaded = self._parts()
             parts = self._mapped(block_size)
             cache = _concat(parts, block_size)
-        position = self._positions(keys, cache) if tokenized else found.to_numpy()  # nothing new: already found
+        position = self._positions(keys, cache) if tokenized else found  # nothing new: already found
         lengths = _lengths(cache.column("token_ids"))[position]
         error_column = cache.column("error").take(position)
         errors = {} if error_column.null_count == len(error_column) else {
             i: e for i, e in enumerate(error_column.to_pylist()) if e is not None}
-        del found, missing, error_column
-        pa.default_memory_pool().release_unused()  # the second lookup's hash table, before the tree
+        entries, sizes = cache.num_rows, [(path, table.num_rows) for path, table in parts]
+        # The parts mapped for the lookup let go: the pages it read (keys, offsets: 24 bytes an
+        # entry) would stay in the process's memory while the chains are read.
+        del found, missing, error_column, cache, parts
+        stale = entries - _distinct(position, entries)
+        chains = _PartChains.of(sizes, position, lengths, block_size)
+        del position
         seconds, started = time.perf_counter() - started, time.perf_counter()
-        tree = read_chains(_PartChains.of(parts, position, lengths, block_size))  # before compaction: its parts
+        tree = read_chains(chains)  # before compaction: its parts
         tree_s = time.perf_counter() - started
-        stale = cache.num_rows - _distinct(position, cache.num_rows)
-        if len(loaded) > 1 and 2 * stale >= cache.num_rows:  # half of it rows the table no longer has
-            self._compact(cache, loaded, keys, block_size, still_needed)
+        if len(loaded) > 1 and 2 * stale >= entries:  # half of it rows the table no longer has
+            self._compact(_concat(self._mapped(block_size), block_size), loaded, keys, block_size, still_needed)
         return CachedRows(tree, errors, seconds, tree_s, cached_rows, tokenized)
 
     def _tokenize(self, snapshot: Path, missing: pa.Array, tokenizer, prompt_column: str, messages_column: str,
@@ -394,8 +403,9 @@ class TokenCache:
         with locked(self.root / ".readers.lock", shared=False):
             needed = still_needed()
             if needed is not None and len(needed):
-                keys = pa.concat_arrays([keys, needed.cast(KEY_TYPE)])
-            kept = cache.filter(pc.is_in(cache.column("key"), value_set=keys))
+                chunks = keys.chunks if isinstance(keys, pa.ChunkedArray) else [keys]
+                keys = pa.chunked_array([*chunks, needed.cast(KEY_TYPE)], KEY_TYPE)
+            kept = cache.filter(KeyIndex(keys).first_positions(cache.column("key")) >= 0)
             self._write(kept.to_batches(), _part_name(), block_size)
             for path in loaded:
                 path.unlink(missing_ok=True)
@@ -409,12 +419,15 @@ def _distinct(position: np.ndarray, entries: int) -> int:
     return int(np.count_nonzero(named))
 
 
-def _first_rows_missing(keys: pa.Array, found: pa.Array) -> pa.Array:
-    """The rows whose content the cache lacks, each content's first row alone (int64 row numbers)."""
-    if not found.null_count:  # every row's content is cached: no keys hashed to find first rows
+def _first_rows_missing(keys: pa.Array, found: np.ndarray) -> pa.Array:
+    """The rows whose content the cache lacks (``found`` -1), each content's first row alone (int64
+    row numbers)."""
+    missing = np.flatnonzero(found < 0)
+    if not missing.size:  # every row's content is cached
         return pa.array([], pa.int64())
-    first = pc.index_in(keys, value_set=keys).to_numpy()  # each row's content's first row
-    return pa.array(np.flatnonzero(pc.is_null(found).to_numpy(zero_copy_only=False) & (first == np.arange(len(keys)))))
+    keys = keys.take(pa.array(missing))
+    first = KeyIndex(keys).first_positions(keys)  # each missing content's first row among them
+    return pa.array(missing[first == np.arange(missing.size)])
 
 
 def _new_contents(snapshot: Path, rows: pa.Array, prompt_column: str, messages_column: str,
