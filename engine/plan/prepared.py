@@ -135,6 +135,10 @@ def _column(table: pa.Table, name: str) -> list | None:
     return table.column(name).to_pylist() if name in table.column_names else None
 
 
+def _arrow_column(table: pa.Table, name: str) -> pa.ChunkedArray | None:
+    return table.column(name) if name in table.column_names else None
+
+
 def _without_rows(batch: TokenizedBatch, drop: set[int]) -> TokenizedBatch:
     """The same batch with the tokens of ``drop`` rows removed (their length becomes 0)."""
     if not drop:
@@ -189,13 +193,13 @@ def check_rows(table: pa.Table, lengths: np.ndarray, tokenizer_errors: dict[int,
     sets of identical rows are found (``duplicate_sets``'s arguments; a plan on disk finds them there)."""
     errors = dict(tokenizer_errors)
     n = lengths.size
-    formats = row_response_formats(_column(table, columns.response_format), errors)
-    max_tokens = output_budgets(_column(table, columns.max_tokens), sampling.max_tokens, lengths,
+    own_formats = _arrow_column(table, columns.response_format)
+    formats = row_response_formats(own_formats, errors)
+    max_tokens = output_budgets(_arrow_column(table, columns.max_tokens), sampling.max_tokens, lengths,
                                 engine_settings, errors, formats, sampling.response_format, sampling.score_choices)
     dropped = np.array(sorted(set(errors) - set(tokenizer_errors)), dtype=np.int64)
     runnable = np.ones(n, dtype=bool)
     runnable[list(errors)] = False
-    own_formats = table.column(columns.response_format) if columns.response_format in table.column_names else None
     same = find_duplicates(keys, max_tokens, own_formats, runnable)
     return CheckedRows(max_tokens, errors, formats, dropped, same)
 

@@ -4,29 +4,36 @@ model's context. A row that cannot run gets a reason (it becomes an error row); 
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from ..choice_scoring import SCORED_ANSWER_TOKENS
 from ..response_format import ResponseFormat
 from ..settings import EngineSettings
 
+Column = pa.Array | pa.ChunkedArray | None  # a table's column, or None where it has none
 
-def output_budgets(row_max_tokens: list | None, default: int, lengths: np.ndarray, settings: EngineSettings,
+
+def output_budgets(row_max_tokens: Column, default: int, lengths: np.ndarray, settings: EngineSettings,
                    errors: dict[int, str], formats: dict[int, ResponseFormat] | None = None,
                    job_format: ResponseFormat | None = None, score_choices: bool = False) -> np.ndarray:
-    """Each row's ``max_tokens`` (its own, else ``default``), raised where its answer format (its own
-    in ``formats``, else ``job_format``) bounds an answer above it (``answer_floors``); with
-    ``score_choices``, a choice row's is the one token a scoring request generates (and throws away:
-    engine/choice_scoring.py). Rows whose budget is invalid or does not fit the context beside their
-    prompt get a reason in ``errors``."""
+    """Each row's ``max_tokens`` (its own, an integer column, else ``default``), raised where its
+    answer format (its own in ``formats``, else ``job_format``) bounds an answer above it
+    (``answer_floors``); with ``score_choices``, a choice row's is the one token a scoring request
+    generates (and throws away: engine/choice_scoring.py). Rows whose budget is invalid or does not
+    fit the context beside their prompt get a reason in ``errors``."""
     limit = settings.context_len
     max_tokens = np.full(lengths.size, default, dtype=np.int64)
-    for i, value in enumerate(row_max_tokens or []):
-        if value is None:
-            continue
-        if not 1 <= value <= limit:  # checked as Python ints: no int64 overflow
-            errors.setdefault(i, f"invalid max_tokens {value}: must be between 1 and the context of {limit} tokens")
-        else:
-            max_tokens[i] = value
+    if row_max_tokens is not None:
+        column = _whole(row_max_tokens)
+        # Compared as floats: exact up to 2**53, and any larger value (or any uint64) is out of range
+        # anyway, where a cast to int64 could overflow. A null compares as NaN: the default stays.
+        values = column.cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
+        fits = (values >= 1) & (values <= limit)
+        max_tokens[fits] = values[fits].astype(np.int64)
+        for i in np.flatnonzero(~fits & pc.is_valid(column).to_numpy(zero_copy_only=False)):
+            errors.setdefault(int(i), f"invalid max_tokens {column[int(i)].as_py()}: must be between 1 and the "
+                                      f"context of {limit} tokens")
     max_tokens = np.maximum(max_tokens, answer_floors(lengths.size, formats or {}, job_format))
     if score_choices:
         max_tokens[choice_rows(lengths.size, formats or {}, job_format)] = SCORED_ANSWER_TOKENS
@@ -64,21 +71,29 @@ def choice_rows(n: int, formats: dict[int, ResponseFormat], job_format: Response
     return rows
 
 
-def row_response_formats(texts: list[str | None] | None, errors: dict[int, str]) -> dict[int, ResponseFormat]:
-    """Each row's own constraint; an invalid one makes the row an error row (the batch goes on).
-    Rows usually share a few formats: each distinct text is parsed once."""
-    parsed: dict[str, ResponseFormat | str] = {}
+def row_response_formats(texts: Column, errors: dict[int, str]) -> dict[int, ResponseFormat]:
+    """Each row's own constraint (``texts``: a string column, null for the job's); an invalid one
+    makes the row an error row (the batch goes on). Rows usually share a few formats: each distinct
+    text is parsed once, and only the rows that have one are visited."""
+    if texts is None:
+        return {}
+    encoded = _whole(texts).cast(pa.string()).dictionary_encode()
+    parsed: list[ResponseFormat | str] = []
+    for text in encoded.dictionary.to_pylist():
+        try:
+            parsed.append(ResponseFormat.from_text(text))
+        except ValueError as exc:
+            parsed.append(f"invalid response_format: {exc}")
+    codes = encoded.indices.fill_null(-1).to_numpy()
     formats = {}
-    for i, text in enumerate(texts or []):
-        if text is None:
-            continue
-        if text not in parsed:
-            try:
-                parsed[text] = ResponseFormat.from_text(text)
-            except ValueError as exc:
-                parsed[text] = f"invalid response_format: {exc}"
-        if isinstance(parsed[text], str):
-            errors.setdefault(i, parsed[text])
+    for i in np.flatnonzero(codes >= 0):
+        own = parsed[codes[i]]
+        if isinstance(own, str):
+            errors.setdefault(int(i), own)
         else:
-            formats[i] = parsed[text]
+            formats[int(i)] = own
     return formats
+
+
+def _whole(column: pa.Array | pa.ChunkedArray) -> pa.Array:
+    return column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
