@@ -1,5 +1,5 @@
 """Digests of every bench shape's plan (run order, groups, prefixes, unique tokens per row, identical
-rows, ids), to show two versions of the planner make the same plans:
+rows, budgets, errors, ids), to show two versions of the planner make the same plans:
 
     python benchmarks/shape_plans.py CHECKOUT > plans.json      # once per checkout, then diff them
 
@@ -47,6 +47,8 @@ def main() -> None:
                 "order": _digest(plan.order), "group": _digest(plan.group_of_row),
                 "prefix": _digest(plan.group_prefix_tokens), "unique": _digest(plan.row_unique_tokens),
                 "identical_rows": _digest(same), "groups": plan.num_groups, "unique_tokens": plan.unique_tokens,
+                "max_tokens": _digest(planned.max_tokens),
+                "errors": hashlib.sha1(json.dumps(sorted(planned.errors.items())).encode()).hexdigest()[:12],
                 "ids": hashlib.sha1(json.dumps(sets.prepared[name].ids).encode()).hexdigest()[:12]}
     print(json.dumps(plans, indent=1))
 
