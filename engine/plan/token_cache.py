@@ -107,8 +107,8 @@ class _PartChains:
     block_size: int
     lengths: np.ndarray
     paths: list[Path]
-    part: np.ndarray  # each row's part (index into ``paths``)
-    entry: np.ndarray  # each row's entry in its part
+    part: np.ndarray  # each row's part (index into ``paths``), int32
+    entry: np.ndarray  # each row's entry in its part, int32 (a compacted part holds every entry: far below 2**31)
 
     @classmethod
     def of(cls, parts: list[tuple[Path, int]], position: np.ndarray, lengths: np.ndarray,
@@ -117,7 +117,7 @@ class _PartChains:
         their order)."""
         starts = np.cumsum([0] + [entries for _, entries in parts])
         part = (np.searchsorted(starts, position, side="right") - 1).astype(np.int32)
-        return cls(block_size, lengths, [path for path, _ in parts], part, (position - starts[part]).astype(np.int64))
+        return cls(block_size, lengths, [path for path, _ in parts], part, (position - starts[part]).astype(np.int32))
 
     def hashes_by_depth(self, deepest_first: np.ndarray, reaching: np.ndarray) -> Iterator[np.ndarray]:
         # Each part's rows as places in ``deepest_first``, ascending: those reaching a depth are a prefix.
@@ -141,10 +141,8 @@ class _PartChains:
         """Every row's ``(row, length, hashes)``, a part's rows at a time (each part mapped while its
         rows are read, then let go), in batches of at most ``batch_rows``: a plan made on disk
         (``sorted_plan``) loads them so."""
-        by_part = np.argsort(self.part, kind="stable")
-        bounds = np.searchsorted(self.part[by_part], np.arange(len(self.paths) + 1))
         for number, path in enumerate(self.paths):
-            rows = by_part[bounds[number]:bounds[number + 1]]
+            rows = np.flatnonzero(self.part == number)  # a pass a part: no order of every row held
             if not rows.size:
                 continue
             with pa.memory_map(str(path)) as source:
