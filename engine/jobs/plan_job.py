@@ -111,8 +111,9 @@ class JobPlan:
         """The plan file's tables, a shard (or part of one) at a time, in shard order (``write_plan``)."""
         for shard, rows in self.disk.shard_rows("row"):
             if rows.num_rows or shard == 0:  # an empty plan is one empty table: the file's schema
-                yield shard_table(self.rows, rows.column("row").to_numpy(), rows.column("position").to_numpy(),
-                                  rows.column("grp").to_numpy(), rows.column("prefix_tokens").to_numpy(), shard,
+                column = {name: rows.column(name).to_numpy() for name in rows.column_names}
+                yield shard_table(self.rows, column["row"], column["position"], column["grp"], column["prefix_tokens"],
+                                  column["max_tokens"], column["duplicate_set"], shard,
                                   self.keys[shard] if rows.num_rows else "", metadata)
 
 
@@ -184,9 +185,11 @@ class PlanJob:
         checked = check_rows(meta, lengths, rows.errors, settings, self.sampling, self.columns, keys,
                              find_duplicates=disk.duplicate_sets)
         started = time.perf_counter()
-        disk.make(lengths, checked, self.scheduler.min_group_rows)
+        disk.load_rows(lengths, checked)  # budgets and duplicate sets now in the database: let go of the arrays
+        errors, formats = checked.errors, checked.formats
+        del lengths, checked
+        disk.make(self.scheduler.min_group_rows)
         plan_s = rows.tree_s + time.perf_counter() - started
-        del lengths
         count = shard_count(ids.length())
         shards = disk.shard(count, previous_shards(self.plan_path, ids))
         partition_keys, rows_by_shard = [], []
@@ -194,15 +197,14 @@ class PlanJob:
             partition_keys.append(key_of(shard, take_rows(ids, in_order.column("row").to_numpy()).to_pylist()))
             rows_by_shard.append(in_order.num_rows)
         numbers = disk.numbers()
-        counts = {**summary_of(ids.length(), len(checked.errors), count_duplicates(checked.duplicate_set),
+        counts = {**summary_of(ids.length(), len(errors), numbers["duplicate_rows"],
                                numbers["groups"], numbers["shared_groups"], numbers["prompt_tokens"],
                                numbers["unique_tokens"], rows.seconds, plan_s),
                   "token_cache_rows": rows.cached_rows, "tokenized_rows": rows.tokenized_rows}
         log.info("planned %d rows: %d groups, %d prompt tokens, shared %.1f%%, %d identical to another row "
                  "(tokenize %.2fs, plan %.2fs)", counts["rows"], counts["groups"], counts["prompt_tokens"],
                  100 * counts["shared_fraction"], counts["duplicate_rows"], rows.seconds, plan_s)
-        plan_rows = PlanRows(ids, checked.max_tokens, checked.errors, format_texts(checked.formats),
-                             checked.duplicate_set, keys)
+        plan_rows = PlanRows(ids, errors, format_texts(formats), keys)
         return JobPlan(disk, plan_rows, counts, shards, partition_keys, rows_by_shard)
 
     def write(self, made: JobPlan, stamp: dict[str, str], plan_run: str) -> int:

@@ -2,10 +2,11 @@
 (``sorted_plan``) and its shards (``sorted_shards``) made there by sorts that spill, and read back a
 shard at a time (its keys, the plan file) or a group a row (the groups table).
 
-What stays in memory is what the row checks need, a few numbers a row (lengths, budgets, errors,
-formats: ``prepared.check_rows``, the one code for a plan in memory and on disk), and each row's
-duplicate set, found here by a query (``duplicate_sets``); never the tree, the order, the groups or
-the shards: the plan step's peak stops growing with the rows by the ~200 bytes a row those held.
+The row checks run in memory on a few numbers a row (lengths, budgets, errors, formats:
+``prepared.check_rows``, the one code for a plan in memory and on disk), the duplicate sets by a
+query here (``duplicate_sets``); then the rows' lengths, budgets and sets are loaded here
+(``load_rows``) and the step lets go of them before the plan is made. Never in memory: the tree,
+the order, the groups, the shards (~200 bytes a row when the plan was made in memory).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .sorted_shards import ShardTotals, assign_shards_by_sort
 ROW_CHAINS = pa.schema([("row", pa.int64()), ("length", pa.int64()), ("hashes", pa.large_list(pa.uint64()))])
 _IDENTITY = pa.schema([("row", pa.int64()), ("key", pa.binary(16)), ("max_tokens", pa.int64()),
                        ("format", pa.int32()), ("runnable", pa.bool_())])
-_ROW_PLAN = pa.schema([("row", pa.int64()), ("length", pa.int64()), ("decode", pa.int64())])
+_ROW_PLAN = pa.schema([("row", pa.int64()), ("length", pa.int64()), ("max_tokens", pa.int64())])
 _BATCH_ROWS = 65_536  # rows read back at a time
 _DISK_PER_MILLION_ROWS_GB = 0.5  # the plan's scratch folder at its peak (docs/scale.md: 4.2 GB at 10M rows)
 
@@ -107,29 +108,37 @@ class PlanOnDisk:
                 out[batch.column(0).to_numpy()] = batch.column(1).to_numpy()
         return out
 
-    def make(self, lengths: np.ndarray, checked: CheckedRows, min_group_rows: int) -> None:
-        """The plan of the loaded rows: those that cannot run (``checked.dropped``) emptied, each
-        duplicate set planned once (from its first row: ``duplicate_sets``, which the row checks ran
-        here), a row's decode estimate its budget (``plan_tokenized``'s)."""
+    def load_rows(self, lengths: np.ndarray, checked: CheckedRows) -> None:
+        """The rows as the plan takes them (``rows_in``): those that cannot run (``checked.dropped``)
+        emptied, each duplicate set planned once (from its first row: ``duplicate_sets``, which the
+        row checks ran here), a row's decode estimate its budget (``plan_tokenized``'s); and each
+        row's budget kept for the plan file (``row_budgets``). The caller may let go of the arrays
+        after: nothing of every row stays in memory while the plan is made."""
         dropped = np.zeros(lengths.size, dtype=bool)
         dropped[checked.dropped] = True
 
         def batches() -> Iterator[pa.RecordBatch]:
             for lo in range(0, lengths.size, _BATCH_ROWS):
                 hi = min(lengths.size, lo + _BATCH_ROWS)
-                length = np.where(dropped[lo:hi], 0, lengths[lo:hi]).astype(np.int64)
-                yield pa.record_batch([pa.array(np.arange(lo, hi, dtype=np.int64)), pa.array(length),
-                                       pa.array(np.where(length > 0, checked.max_tokens[lo:hi], 0).astype(np.int64))],
+                yield pa.record_batch([pa.array(np.arange(lo, hi, dtype=np.int64)),
+                                       pa.array(np.where(dropped[lo:hi], 0, lengths[lo:hi]).astype(np.int64)),
+                                       pa.array(np.asarray(checked.max_tokens[lo:hi], dtype=np.int64))],
                                       schema=_ROW_PLAN)
 
         with self._resources():
             self.con.register("row_plan", pa.RecordBatchReader.from_batches(_ROW_PLAN, batches()))
+            self.con.execute("CREATE TABLE row_budgets AS SELECT * FROM row_plan")
+            self.con.unregister("row_plan")
             self.con.execute("""CREATE TABLE rows_in AS
                 SELECT r.row, r.length, CASE WHEN r.length > 0 THEN c.hashes ELSE []::UBIGINT[] END AS hashes,
-                       coalesce(d.source, r.row) AS source, r.decode
-                FROM row_plan r JOIN row_chains c ON c.row = r.row LEFT JOIN duplicate_rows d ON d.row = r.row""")
-            self.con.unregister("row_plan")
+                       coalesce(d.source, r.row) AS source,
+                       CASE WHEN r.length > 0 THEN r.max_tokens ELSE 0 END AS decode
+                FROM row_budgets r JOIN row_chains c ON c.row = r.row LEFT JOIN duplicate_rows d ON d.row = r.row""")
             self.con.execute("DROP TABLE row_chains")
+
+    def make(self, min_group_rows: int) -> None:
+        """The plan of the rows ``load_rows`` loaded."""
+        with self._resources():
             plan_rows(self.con, self.plan.block_size, min_group_rows)
             self.con.execute("DROP TABLE rows_in")
 
@@ -145,20 +154,24 @@ class PlanOnDisk:
                 self.con.unregister("previous_rows")
             totals = assign_shards_by_sort(self.plan, count, previous=previous is not None)
             self.count = count
-            self.con.execute("""CREATE TABLE planned AS
-                SELECT s.shard, p.row, p.position, p.grp, p.prefix_tokens FROM plan p JOIN shards s ON s.row = p.row
+            self.con.execute(f"""CREATE TABLE planned AS
+                SELECT s.shard, p.row, p.position, p.grp, p.prefix_tokens, b.max_tokens,
+                       coalesce(d.set, {NO_SET}) AS duplicate_set
+                FROM plan p JOIN shards s ON s.row = p.row JOIN row_budgets b ON b.row = p.row
+                     LEFT JOIN duplicate_rows d ON d.row = p.row
                 ORDER BY s.shard""")
             return totals
 
     def shard_rows(self, order_by: str) -> Iterator[tuple[int, pa.Table]]:
-        """Each shard's rows (``row, position, grp, prefix_tokens``) by ``order_by`` (``position``: run
-        order; ``row``: input order), one shard at a time, every shard (empty ones too). A query a
-        shard: a streamed sort of every row held more than the plan's memory at 10M rows."""
+        """Each shard's rows (``row, position, grp, prefix_tokens, max_tokens, duplicate_set``) by
+        ``order_by`` (``position``: run order; ``row``: input order), one shard at a time, every shard
+        (empty ones too). A query a shard: a streamed sort of every row held more than the plan's
+        memory at 10M rows."""
         for shard in range(self.count):
             with self._resources():
                 rows = self.con.sql(
-                    f"SELECT row, position, grp, prefix_tokens FROM planned WHERE shard = $shard ORDER BY {order_by}",
-                    params={"shard": shard}).to_arrow_table()
+                    "SELECT row, position, grp, prefix_tokens, max_tokens, duplicate_set FROM planned "
+                    f"WHERE shard = $shard ORDER BY {order_by}", params={"shard": shard}).to_arrow_table()
             yield shard, rows
 
     def groups(self) -> pa.Table:
@@ -172,13 +185,16 @@ class PlanOnDisk:
                 FROM plan p JOIN shards s ON s.row = p.row GROUP BY p.grp ORDER BY p.grp""").to_arrow_table()
 
     def numbers(self) -> dict[str, int]:
-        """The plan's groups, groups with a shared prefix, prompt tokens and tokens it computes."""
+        """The plan's groups, groups with a shared prefix, prompt tokens, tokens it computes, and rows
+        that take another row's answer (``duplicates.count_duplicates``)."""
         with self._resources():
             groups, shared, prompt, unique = self.con.execute("""
                 SELECT count(DISTINCT grp), count(DISTINCT grp) FILTER (WHERE prefix_tokens > 0),
                        coalesce(sum(length), 0)::BIGINT, coalesce(sum(unique_tokens), 0)::BIGINT
                 FROM plan""").fetchall()[0]
-            return {"groups": groups, "shared_groups": shared, "prompt_tokens": prompt, "unique_tokens": unique}
+            copies = self.con.execute("SELECT count(*) - count(DISTINCT set) FROM duplicate_rows").fetchall()[0][0]
+            return {"groups": groups, "shared_groups": shared, "prompt_tokens": prompt, "unique_tokens": unique,
+                    "duplicate_rows": copies}
 
     def close(self) -> None:
         self.plan.close()

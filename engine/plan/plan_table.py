@@ -87,18 +87,19 @@ def _rows_columns(ids: pa.Array | pa.ChunkedArray, rows: np.ndarray, position: n
                   prefix_tokens: np.ndarray, max_tokens: np.ndarray, errors: dict[int, str],
                   format_texts: dict[int, str], duplicate_set: np.ndarray | None) -> dict:
     """The run-side columns of ``rows`` (row indices): ``position`` (each one's place in run order),
-    ``group`` and ``prefix_tokens`` are theirs already; ``ids``, ``max_tokens`` and ``duplicate_set``
-    every row's; ``errors`` and ``format_texts`` (``_format_texts``) the rows' that have one."""
+    ``group``, ``prefix_tokens``, ``max_tokens`` and ``duplicate_set`` (None: no identical rows) are
+    theirs already; ``ids`` every row's; ``errors`` and ``format_texts`` (``_format_texts``) the rows'
+    that have one."""
     return {
         "id": take_rows(ids, rows),
         "position": np.asarray(position, dtype=np.int64),
         "group": np.asarray(group, dtype=np.int64),
         "prefix_tokens": np.asarray(prefix_tokens, dtype=np.int64),
-        "max_tokens": max_tokens[rows].astype(np.int64),
+        "max_tokens": np.asarray(max_tokens, dtype=np.int64),
         "error": _sparse_strings(errors, rows),
         "response_format": _sparse_strings(format_texts, rows),
         "duplicate_set": (np.full(rows.size, NO_SET, dtype=np.int64) if duplicate_set is None
-                          else duplicate_set[rows].astype(np.int64)),
+                          else np.asarray(duplicate_set, dtype=np.int64)),
     }
 
 
@@ -114,14 +115,12 @@ def rows_table(prepared: PlannedBatch | PreparedBatch) -> pa.Table:
 
 @dataclass(frozen=True)
 class PlanRows:
-    """Every row's columns of a plan table that are not the plan's (``ids``, budgets, errors, own
-    formats as text, duplicate sets, content keys), for ``shard_table``."""
+    """Every row's columns of a plan table that the plan's database does not hold (``ids``, errors,
+    own formats as text, content keys), for ``shard_table``."""
 
     ids: pa.Array | pa.ChunkedArray
-    max_tokens: np.ndarray
     errors: dict[int, str]
     format_texts: dict[int, str]
-    duplicate_set: np.ndarray | None
     content_keys: pa.Array | pa.ChunkedArray
 
 
@@ -133,11 +132,12 @@ def plan_file_metadata(block_size: int, token_cache: TokenCache, max_model_len: 
 
 
 def shard_table(rows: PlanRows, shard_rows: np.ndarray, position: np.ndarray, group: np.ndarray,
-                prefix_tokens: np.ndarray, shard: int, partition_key: str, metadata: dict[str, str]) -> pa.Table:
+                prefix_tokens: np.ndarray, max_tokens: np.ndarray, duplicate_set: np.ndarray, shard: int,
+                partition_key: str, metadata: dict[str, str]) -> pa.Table:
     """Part of one shard's plan table: its rows ``shard_rows`` (in input order) with their run
-    position, group and group prefix, as ``write_plan`` writes them."""
-    columns = {**_rows_columns(rows.ids, shard_rows, position, group, prefix_tokens, rows.max_tokens, rows.errors,
-                               rows.format_texts, rows.duplicate_set),
+    position, group, group prefix, budget and duplicate set, as ``write_plan`` writes them."""
+    columns = {**_rows_columns(rows.ids, shard_rows, position, group, prefix_tokens, max_tokens, rows.errors,
+                               rows.format_texts, duplicate_set),
                CONTENT_KEY: take_rows(rows.content_keys, shard_rows),
                "shard": np.full(shard_rows.size, shard, dtype=np.int64),
                "partition_key": pa.array([partition_key] * shard_rows.size, pa.string())}
