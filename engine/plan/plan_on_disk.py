@@ -28,7 +28,7 @@ _IDENTITY = pa.schema([("row", pa.int64()), ("key", pa.binary(16)), ("max_tokens
                        ("format", pa.int32()), ("runnable", pa.bool_())])
 _ROW_PLAN = pa.schema([("row", pa.int64()), ("length", pa.int64()), ("max_tokens", pa.int64())])
 _BATCH_ROWS = 65_536  # rows read back at a time
-_DISK_PER_MILLION_ROWS_GB = 0.5  # the plan's scratch folder at its peak (docs/scale.md: 4.2 GB at 10M rows)
+_DISK_PER_MILLION_ROWS_GB = 0.5  # the plan's scratch folder at its peak (docs/scale.md: 4.5 GB at 10M rows)
 
 
 class PlanResourcesError(RuntimeError):
@@ -74,7 +74,8 @@ class PlanOnDisk:
     def duplicate_sets(self, keys: pa.Array, max_tokens: np.ndarray, response_formats: FormatTexts,
                        runnable: np.ndarray) -> np.ndarray:
         """``duplicates.duplicate_sets`` (its arguments, its answer) found by a query: the sets, and
-        each member's source (its set's first row) kept in the table ``duplicate_rows`` for ``make``.
+        each member's set and source (its set's first row) kept in the table ``duplicate_rows`` (for
+        ``load_rows`` and the plan file).
         Nothing a row held in memory but the answer (the sort in memory held ~100 bytes a row)."""
         keys = keys.cast(pa.binary(16))
         if keys.null_count:
