@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.plan import key_index
-from engine.plan.key_index import KeyIndex
+from engine.plan.key_index import KeyIndex, first_positions_among
 
 # Keys from few words, so that first words collide and values repeat.
 _KEYS = st.tuples(st.integers(0, 3), st.integers(0, 3)).map(lambda w: struct.pack("<QQ", *w))
@@ -36,6 +36,7 @@ def test_each_key_is_found_at_its_first_position_among_the_values(keys, values, 
         assert KeyIndex(chunked).first_positions(sliced).tolist() == expected
         in_chunks = pa.chunked_array([sliced.slice(0, cut), sliced.slice(cut)], pa.binary(16))
         assert KeyIndex(chunked).first_positions(in_chunks).tolist() == expected
+        assert first_positions_among(in_chunks, chunked).tolist() == expected  # the keys indexed instead
 
 
 def test_digests_are_found_as_the_hash_lookup_finds_them():

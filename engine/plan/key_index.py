@@ -62,3 +62,21 @@ class KeyIndex:
             if match.size:
                 found[j] = self.order[at[j] + match[0]]
         return found
+
+
+def first_positions_among(keys: pa.Array | pa.ChunkedArray, values: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """``KeyIndex(values).first_positions(keys)`` for a few keys among many values: the keys are
+    indexed and the values scanned a chunk at a time, so what is held follows the keys (a shard's
+    lookup of its rows in a token cache of every row's contents)."""
+    index = KeyIndex(keys)
+    first_equal_key = index.first_positions(keys)  # a key repeated: each copy answers as its first
+    found = np.full(len(keys), -1, dtype=np.int64)
+    start = 0
+    for chunk in values.chunks if isinstance(values, pa.ChunkedArray) else [values]:
+        among_keys = index.first_positions(chunk)
+        hits = np.flatnonzero(among_keys >= 0)
+        key, first_hit = np.unique(among_keys[hits], return_index=True)  # each key's first value in the chunk
+        unset = found[key] < 0
+        found[key[unset]] = start + hits[first_hit[unset]]
+        start += len(chunk)
+    return found[first_equal_key] if len(keys) else found

@@ -29,7 +29,7 @@ from ..damaged import DAMAGE, set_aside
 from ..locks import locked
 from ..table.prompt_snapshot import CONTENT_KEY, KEY_TYPE, snapshot_keys, texts_at
 from .block_hashes import HASH_VERSION, RowBlocks
-from .key_index import KeyIndex
+from .key_index import KeyIndex, first_positions_among
 from .prefix_tree import PrefixTree
 from .tokenize_workers import TokenizeWorkers
 from .tokenizing import tokenize_rows
@@ -67,7 +67,11 @@ def _gather(lists: pa.ChunkedArray, position: np.ndarray) -> tuple[np.ndarray, n
     local = position - starts[part]
     chunk_offsets = [c.offsets.to_numpy() for c in chunks]
     values = [c.values.to_numpy(zero_copy_only=False) for c in chunks]
-    offsets = np.concatenate([[0], np.cumsum(_lengths(lists)[position])]).astype(np.int64)
+    lengths = np.empty(position.size, dtype=np.int64)  # the rows' alone: not every entry's (a shard's lookup)
+    for number in np.unique(part):
+        here = part == number
+        lengths[here] = chunk_offsets[number][local[here] + 1] - chunk_offsets[number][local[here]]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     flat = np.empty(int(offsets[-1]), dtype=lists.type.value_type.to_pandas_dtype())
     if position.size:
         breaks = np.flatnonzero((part[1:] != part[:-1]) | (local[1:] != local[:-1] + 1)) + 1
@@ -295,12 +299,16 @@ class TokenCache:
         """Token ids (flat int32), offsets and errors of ``keys``, in their order; every key must
         be in the cache."""
         cache = self.load()
-        position = self._positions(keys, cache)
+        position = self._positions(keys, cache, few=True)
         tokens, offsets = _gather(cache.column("token_ids"), position)
         return tokens, offsets, cache.column("error").take(position)
 
-    def _positions(self, keys: pa.Array, cache: pa.Table) -> np.ndarray:
-        position = KeyIndex(cache.column("key")).first_positions(keys)
+    def _positions(self, keys: pa.Array, cache: pa.Table, few: bool = False) -> np.ndarray:
+        """Each key's entry in ``cache``; ``few``: far fewer keys than entries (a shard's lookup),
+        so the keys are indexed and the entries scanned (``KeyIndex`` of every entry held 1.1 GB
+        for a shard of a 10M-entry cache)."""
+        position = (first_positions_among(keys, cache.column("key")) if few
+                    else KeyIndex(cache.column("key")).first_positions(keys))
         if (position < 0).any():
             raise KeyError(f"{np.count_nonzero(position < 0)} rows are not in the token cache {self.folder}: "
                            "plan again")
