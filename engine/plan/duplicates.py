@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from ..digests import row_key
 from ..settings import SamplingSettings
+from .row_checks import Column, format_codes
 
 NO_SET = -1
-FormatTexts = pa.Array | pa.ChunkedArray | list | None  # each row's own response format as text, or no column
+FormatTexts = Column | list  # each row's own response format as text, or no column (None)
 
 
 def answers_are_shared(sampling: SamplingSettings) -> bool:
@@ -49,7 +49,7 @@ def duplicate_sets(keys: pa.Array, max_tokens: np.ndarray, response_formats: For
     if rows.size < 2:
         return out
     words = key_words(keys)
-    formats = format_codes(response_formats, n)
+    formats = format_codes(response_formats, n)[1]
     columns = (formats[rows], np.asarray(max_tokens, dtype=np.int64)[rows], words[rows, 1], words[rows, 0])
     in_order = rows[np.lexsort(columns)]  # stable: a set's rows ascending, its first row first
     del columns
@@ -69,19 +69,6 @@ def duplicate_sets(keys: pa.Array, max_tokens: np.ndarray, response_formats: For
     run_number[sets] = number
     out[in_order[is_member]] = run_number[members[is_member]]
     return out
-
-
-def format_codes(response_formats: FormatTexts, n: int) -> np.ndarray:
-    """Each row's own format as a number: equal texts equal numbers, -1 for none (the job's)."""
-    if response_formats is None:
-        return np.full(n, -1, dtype=np.int32)
-    if isinstance(response_formats, pa.ChunkedArray):
-        response_formats = response_formats.combine_chunks()
-    elif not isinstance(response_formats, pa.Array):
-        response_formats = pa.array(response_formats, pa.string())
-    if response_formats.type != pa.string():
-        response_formats = response_formats.cast(pa.string())
-    return pc.fill_null(response_formats.dictionary_encode().indices, -1).to_numpy()
 
 
 def key_words(keys: pa.Array | pa.ChunkedArray) -> np.ndarray:

@@ -79,4 +79,4 @@ def first_positions_among(keys: pa.Array | pa.ChunkedArray, values: pa.Array | p
         unset = found[key] < 0
         found[key[unset]] = start + hits[first_hit[unset]]
         start += len(chunk)
-    return found[first_equal_key] if len(keys) else found
+    return found[first_equal_key]

@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from .duplicates import NO_SET, FormatTexts, format_codes
+from .duplicates import NO_SET, FormatTexts
 from .prepared import CheckedRows
+from .row_checks import format_codes
 from .sorted_plan import PLAN_MEMORY_MIB, SortedPlan, open_plan_database, plan_rows
 from .sorted_shards import ShardTotals, assign_shards_by_sort
 
@@ -80,7 +81,7 @@ class PlanOnDisk:
         keys = keys.cast(pa.binary(16))
         if keys.null_count:
             raise ValueError(f"{keys.null_count} rows have no content key")
-        formats, n = format_codes(response_formats, len(keys)), len(keys)
+        formats, n = format_codes(response_formats, len(keys))[1], len(keys)
         max_tokens, runnable = np.asarray(max_tokens, dtype=np.int64), np.asarray(runnable, dtype=bool)
 
         def batches() -> Iterator[pa.RecordBatch]:

@@ -77,14 +77,13 @@ def row_response_formats(texts: Column, errors: dict[int, str]) -> dict[int, Res
     text is parsed once, and only the rows that have one are visited."""
     if texts is None:
         return {}
-    encoded = _whole(texts).cast(pa.string()).dictionary_encode()
+    distinct, codes = format_codes(texts, len(texts))
     parsed: list[ResponseFormat | str] = []
-    for text in encoded.dictionary.to_pylist():
+    for text in distinct:
         try:
             parsed.append(ResponseFormat.from_text(text))
         except ValueError as exc:
             parsed.append(f"invalid response_format: {exc}")
-    codes = encoded.indices.fill_null(-1).to_numpy()
     formats = {}
     for i in np.flatnonzero(codes >= 0):
         own = parsed[codes[i]]
@@ -93,6 +92,17 @@ def row_response_formats(texts: Column, errors: dict[int, str]) -> dict[int, Res
         else:
             formats[int(i)] = own
     return formats
+
+
+def format_codes(texts: Column | list, n: int) -> tuple[list[str], np.ndarray]:
+    """Each of ``n`` rows' own format text as a number (equal texts, equal numbers; -1 for none, the
+    job's) and the distinct texts by number: how the checks parse each text once and identical rows
+    compare formats (``duplicates``)."""
+    if texts is None:
+        return [], np.full(n, -1, dtype=np.int32)
+    column = pa.array(texts, pa.string()) if isinstance(texts, list) else _whole(texts).cast(pa.string())
+    encoded = column.dictionary_encode()
+    return encoded.dictionary.to_pylist(), encoded.indices.fill_null(-1).to_numpy()
 
 
 def _whole(column: pa.Array | pa.ChunkedArray) -> pa.Array:
