@@ -1,7 +1,6 @@
 """``prefix_groups``: the global prefix plan of the batch, cut into shards (the partitions)."""
 
 import dagster as dg
-import pyarrow as pa
 
 from batchllm_dagster.answer_store import OutputTableStore
 from batchllm_dagster.asset_specs import asset_args
@@ -22,12 +21,12 @@ from engine.settings import fingerprint
 from engine.table.dataset import DatasetError
 
 
-def remove_deleted_answers(config: BatchJobConfig, warehouse, ids: pa.ChunkedArray, keys: list[str]) -> int:
-    """The output keeps only rows the plan has: answers of deleted ids leave the DuckDB table, and a
-    removed partition's Parquet file goes (a kept partition key has the same ids, so its file holds
-    no deleted id; the live rows of a removed one stay in DuckDB for their new shard to reuse).
-    Returns the answers removed from the table."""
-    removed = config.output(warehouse).remove_answers_not_in(ids.combine_chunks())
+def remove_deleted_answers(config: BatchJobConfig, warehouse, keys: list[str]) -> int:
+    """The output keeps only rows the plan has: answers of ids not in the plan just written leave
+    the DuckDB table, and a removed partition's Parquet file goes (a kept partition key has the same
+    ids, so its file holds no deleted id; the live rows of a removed one stay in DuckDB for their new
+    shard to reuse). Returns the answers removed from the table."""
+    removed = config.output(warehouse).remove_answers_not_in(PlanFile.open(config.files.plan_path).ids())
     live = set(keys)
     for path in config.files.completions_dir.glob("*.parquet"):
         if path.stem not in live:
@@ -57,7 +56,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
     def make_plan(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         """Files checked, the guards, the plan (``PlanJob``), the plan file, partitions, removals:
         one sequence, in this order, under the plan lock."""
-        warehouse, ids_column = job_warehouse(config, context), config.dataset.id_column
+        warehouse = job_warehouse(config, context)
         notice = preparation_notice(config.llm.model_path)
         if notice:
             context.log.info(notice)
@@ -73,10 +72,9 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         # written: a prompts materialization landing meanwhile would otherwise give a plan of old
         # rows under the new snapshot's stamp.
         stamp = config.plan_stamp(settings)
-        meta = job.read_rows()
-        refuse_a_costly_night(config, warehouse, meta.column(ids_column))
+        refuse_a_costly_night(config, warehouse, job.read_ids())  # the ids let go after: the plan reads its own
         size = measured_shard_size(context.instance, config)
-        with job.plan(meta, lambda rows: config.shard_count(rows, *([size.rows_per_shard] if size else [])),
+        with job.plan(lambda rows: config.shard_count(rows, *([size.rows_per_shard] if size else [])),
                       lambda s, ids: shard_key(config.hardware_of_shard(s), s, ids), context.log.info) as made:
             changed = stale_reasons({k.encode(): v.encode() for k, v in stamp.items()}, config.plan_stamp(settings))
             if changed:
@@ -86,9 +84,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
             config.output(warehouse).replace_groups(made.groups_table(lambda s: config.hardware_of_shard(s).name))
         used = made.used_keys
         added, removed = sync_partitions(context.instance, config.names.partitions_name, by_hardware(config, used))
-        live_ids = meta.column(ids_column)
-        removed_answers = 0 if config.keep_deleted_answers else remove_deleted_answers(config, warehouse, live_ids,
-                                                                                       used)
+        removed_answers = 0 if config.keep_deleted_answers else remove_deleted_answers(config, warehouse, used)
         # A removed key's checkpoint stays while it holds answers the new plan's shards can reuse.
         config.files.checkpoints.prune(OutputTableStore(config, warehouse, context.log),
                                        PlanFile.open(config.files.plan_path))

@@ -9,6 +9,8 @@ step, in this process, and each stage's seconds (a stage's time includes the sta
 The plan on disk is removed first, so the step plans afresh (a first night's planning) from the
 token cache the bench's first night filled: the tokenizing is not in it (``--scale`` measures that),
 unless ``--first-night``: the token cache is set aside, so the step tokenizes every row again.
+``--night-after``: the plan on disk is kept, so the step keeps its shards where it can (the nights
+after the first: each row's shard of the last plan looked up by id).
 ``--prompts``: the prompts step instead (streaming the table into the snapshot).
 """
 
@@ -58,8 +60,11 @@ class _Sampler:
         threading.Thread(target=run, daemon=True).start()
 
     def around(self, owner, name: str, stage: str) -> None:
-        """Count the peak while ``owner.name`` runs under ``stage`` (then the stage it ran from)."""
-        function = getattr(owner, name)
+        """Count the peak while ``owner.name`` runs under ``stage`` (then the stage it ran from); a
+        name the checkout lacks (an older or newer version's stage) is left out."""
+        function = getattr(owner, name, None)
+        if function is None:
+            return
 
         @functools.wraps(function)
         def staged(*args, **kwargs):
@@ -78,6 +83,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True, help="a `batchllm bench --scale` working folder")
     parser.add_argument("--first-night", action="store_true",
                         help="tokenize too: the token cache is set aside for the step (and put back after)")
+    parser.add_argument("--night-after", action="store_true", help="keep the plan on disk (run once without first)")
     parser.add_argument("--prompts", action="store_true", help="the prompts step instead (the snapshot taken again)")
     args = parser.parse_args()
     sampler = _Sampler()
@@ -92,7 +98,9 @@ def main() -> None:
     disk = plan_on_disk.PlanOnDisk
     for owner, name, stage in [
         (plan_job.PlanJob, "_plan", "plan step, between stages"),
-        (plan_job.PlanJob, "read_rows", "snapshot rows"), (plan_job.TokenCache, "rows_for", "token cache rows"),
+        (plan_job.PlanJob, "read_rows", "snapshot rows"),  # before the ids were read into the plan's database
+        (plan_job.PlanJob, "read_ids", "snapshot ids"), (disk, "load_ids", "ids into the plan's database"),
+        (plan_job.TokenCache, "rows_for", "token cache rows"),
         (disk, "load_chains", "chains into the plan's database"), (plan_job, "check_rows", "row checks"),
         (disk, "duplicate_sets", "identical rows"), (disk, "load_rows", "rows into the plan's database"),
         (disk, "make", "plan"), (disk, "shard", "shards"),
@@ -102,7 +110,8 @@ def main() -> None:
     ]:
         sampler.around(owner, name, stage)
     work = args.work.resolve()
-    (work / "jobs" / "scale" / "plan.parquet").unlink(missing_ok=True)
+    if not args.night_after:
+        (work / "jobs" / "scale" / "plan.parquet").unlink(missing_ok=True)
     cache, aside = work / "jobs" / "scale" / "token_cache", work / "jobs" / "scale" / "token_cache.aside"
     if args.first_night:
         cache.rename(aside)

@@ -7,6 +7,7 @@ from unittest import mock
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,6 +29,7 @@ from engine.run.requests import RequestKind
 from engine.run.scheduler import InOrder
 from engine.run.stand_in import BlockAccountingEngine
 from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
+from engine.table.prompt_snapshot import CONTENT_KEY
 
 BLOCK = 8
 SETTINGS = EngineSettings(model_path="unused", block_size=BLOCK, max_model_len=512)
@@ -112,10 +114,13 @@ def test_a_plan_on_disk_finds_the_same_sets_and_plans_each_from_its_first_row(ro
     ok = np.array([r for *_, r in rows], dtype=bool)
     expected = duplicate_sets(keys, max_tokens, formats, ok)
     with tempfile.TemporaryDirectory() as folder, mock.patch.object(plan_on_disk, "_BATCH_ROWS", batch_rows):
-        disk = PlanOnDisk(Path(folder), BLOCK)
+        snapshot = Path(folder) / "prompts.parquet"  # the keys in row groups of batch_rows, as a snapshot's
+        pq.write_table(pa.table({"id": [f"r{i}" for i in range(len(rows))], CONTENT_KEY: keys}), snapshot,
+                       row_group_size=batch_rows)
+        disk = PlanOnDisk(Path(folder) / "plan", BLOCK)
         try:
-            as_read = pa.chunked_array([keys[:batch_rows], keys[batch_rows:]], pa.binary(16))  # a snapshot's chunks
-            assert disk.duplicate_sets(as_read, max_tokens, formats, ok).tolist() == expected.tolist()
+            assert disk.load_ids(snapshot, "id") == len(rows)
+            assert disk.duplicate_sets(max_tokens, formats, ok).tolist() == expected.tolist()
             sources = dict(disk.con.execute("SELECT row, source FROM duplicate_rows").fetchall())
         finally:
             disk.close()

@@ -27,10 +27,9 @@ from ..plan.plan_table import (
     format_texts,
     plan_content_keys,
     plan_file_metadata,
-    previous_shards,
+    previous_plan,
     read_previous_plan,
     shard_table,
-    take_rows,
     write_plan,
 )
 from ..plan.prepared import PlannedBatch, check_rows
@@ -40,7 +39,7 @@ from ..plan.tokenize_workers import TokenizeWorkers
 from ..plan.tokenizing import LazyTokenizer, tokenizer_fingerprint
 from ..settings import EngineSettings, SamplingSettings, SchedulerSettings
 from ..table.dataset import Columns, DatasetError
-from ..table.prompt_snapshot import CONTENT_KEY, columns_without_text, read_snapshot
+from ..table.prompt_snapshot import columns_without_text, read_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +75,8 @@ def summary_of(rows: int, error_rows: int, duplicate_rows: int, groups: int, sha
 @dataclass(frozen=True)
 class JobPlan:
     """A plan made, not yet published: its database (``PlanOnDisk``, open while ``PlanJob.plan``'s
-    block runs), every row's columns of the plan file, its shards' totals and keys."""
+    block runs: every row's id, key and place in the plan), the columns of the plan file it does
+    not hold, its shards' totals and keys."""
 
     disk: PlanOnDisk
     rows: PlanRows
@@ -104,17 +104,18 @@ class JobPlan:
             "hardware": [hardware_of_shard(int(s)) for s in shard],
             **{name: groups.column(name) for name in ("rows", "prefix_tokens", "prompt_tokens",
                                                       "estimated_prefill_tokens", "estimated_decode_tokens")},
-            "first_id": take_rows(self.rows.ids, groups.column("first_row").to_numpy()).cast(pa.string()),
+            "first_id": groups.column("first_id").cast(pa.string()),
         })
 
     def plan_tables(self, metadata: dict[str, str]):
         """The plan file's tables, a shard (or part of one) at a time, in shard order (``write_plan``)."""
         for shard, rows in self.disk.shard_rows("row"):
             if rows.num_rows or shard == 0:  # an empty plan is one empty table: the file's schema
-                column = {name: rows.column(name).to_numpy() for name in rows.column_names}
-                yield shard_table(self.rows, column["row"], column["position"], column["grp"], column["prefix_tokens"],
-                                  column["max_tokens"], column["duplicate_set"], shard,
-                                  self.keys[shard] if rows.num_rows else "", metadata)
+                column = {name: rows.column(name).to_numpy() for name in
+                          ("row", "position", "grp", "prefix_tokens", "max_tokens", "duplicate_set")}
+                yield shard_table(self.rows, column["row"], rows.column("id"), rows.column("key"), column["position"],
+                                  column["grp"], column["prefix_tokens"], column["max_tokens"],
+                                  column["duplicate_set"], shard, self.keys[shard] if rows.num_rows else "", metadata)
 
 
 @dataclass
@@ -148,41 +149,48 @@ class PlanJob:
             raise DatasetError("the prompt snapshot was damaged (set aside): materialize prompts, then prefix_groups "
                                "(the plan job does both)")
 
-    def read_rows(self) -> pa.Table:
-        """The snapshot's rows without their text: the plan needs ids, hashes, max_tokens and formats."""
-        return self._rows_of(self.snapshot)
+    def read_ids(self) -> pa.ChunkedArray:
+        """The snapshot's ids (what the guards before a plan compare with the answers)."""
+        return read_snapshot(self.snapshot, columns=[self.columns.id]).column(self.columns.id)
+
+    def _check_columns(self) -> pa.Table:
+        """The snapshot's columns the row checks read, those it has of ``max_tokens`` and
+        ``response_format`` (none: no column at all, so nothing of every row)."""
+        names = columns_without_text(self.snapshot, self.columns.prompt, self.columns.messages) or []
+        return read_snapshot(self.snapshot, columns=[c for c in (self.columns.max_tokens,
+                                                                 self.columns.response_format) if c in names])
 
     def _rows_of(self, path: Path) -> pa.Table:
         return read_snapshot(path, columns=columns_without_text(path, self.columns.prompt, self.columns.messages))
 
     @contextlib.contextmanager
-    def plan(self, meta: pa.Table, shard_count: Callable[[int], int], key_of: Callable[[int, list], str],
+    def plan(self, shard_count: Callable[[int], int], key_of: Callable[[int, list], str],
              progress: Callable[[str], None]) -> Iterator[JobPlan]:
-        """Tokens (only new or changed rows tokenized), the plan, ``shard_count(rows)`` shards that
-        keep what the plan on disk had where they can, and each shard's key (``key_of(shard, ids)``):
+        """The snapshot's rows: tokens (only new or changed rows tokenized), the plan, ``shard_count(rows)``
+        shards that keep what the plan on disk had where they can, and each shard's key (``key_of(shard, ids)``):
         ``with job.plan(...) as made:``, its database in a staging folder beside the plan, removed
         when the block ends (a crash's, by the next plan)."""
         settings = self.settings.with_block_size()  # a plan counts in whole KV blocks
         with Staged(self.plan_path.with_name("plan_work")) as work:
             disk = PlanOnDisk(work.path, settings.block_size)
             try:
-                yield self._plan(disk, meta, settings, shard_count, key_of, progress)
+                yield self._plan(disk, settings, shard_count, key_of, progress)
             finally:
                 disk.close()
                 work.discard()
 
-    def _plan(self, disk: PlanOnDisk, meta: pa.Table, settings: EngineSettings, shard_count: Callable[[int], int],
+    def _plan(self, disk: PlanOnDisk, settings: EngineSettings, shard_count: Callable[[int], int],
               key_of: Callable[[int, list], str], progress: Callable[[str], None]) -> JobPlan:
         tokenizer = LazyTokenizer(self.settings.model_path)  # loaded only if a row is new or changed
-        pa.default_memory_pool().release_unused()  # what reading the snapshot's rows left in Arrow's pool
-        ids, keys = meta.column(self.columns.id), meta.column(CONTENT_KEY)  # as read: no copy
+        pa.default_memory_pool().release_unused()  # what reading the snapshot's ids (the guards) left in Arrow's pool
         rows = self.cache.rows_for(self.snapshot, tokenizer, self.columns.prompt, self.columns.messages,
                                    settings.block_size, progress=progress,
                                    still_needed=lambda: plan_content_keys(self.plan_path),
-                                   workers=self.tokenize_workers, read_chains=disk.load_chains, keys=keys)
+                                   workers=self.tokenize_workers, read_chains=disk.load_chains)
         lengths, rows.tree = rows.tree, None  # what ``load_chains`` returned: the rows' lengths
         pa.default_memory_pool().release_unused()  # Arrow keeps what the lookup freed: the planner's peak follows
-        checked = check_rows(meta, lengths, rows.errors, settings, self.sampling, self.columns, keys,
+        count_rows = disk.load_ids(self.snapshot, self.columns.id)  # ids and keys in the database, not here
+        checked = check_rows(self._check_columns(), lengths, rows.errors, settings, self.sampling, self.columns,
                              find_duplicates=disk.duplicate_sets)
         started = time.perf_counter()
         disk.load_rows(lengths, checked)  # budgets and duplicate sets now in the database: let go of the arrays
@@ -190,22 +198,20 @@ class PlanJob:
         del lengths, checked
         disk.make(self.scheduler.min_group_rows)
         plan_s = rows.tree_s + time.perf_counter() - started
-        count = shard_count(ids.length())
-        shards = disk.shard(count, previous_shards(self.plan_path, ids))
+        shards = disk.shard(shard_count(count_rows), previous_plan(self.plan_path, disk.id_type))
         partition_keys, rows_by_shard = [], []
         for shard, in_order in disk.shard_rows("position"):  # a shard's ids at a time
-            partition_keys.append(key_of(shard, take_rows(ids, in_order.column("row").to_numpy()).to_pylist()))
+            partition_keys.append(key_of(shard, in_order.column("id").to_pylist()))
             rows_by_shard.append(in_order.num_rows)
         numbers = disk.numbers()
-        counts = {**summary_of(ids.length(), len(errors), numbers["duplicate_rows"],
+        counts = {**summary_of(count_rows, len(errors), numbers["duplicate_rows"],
                                numbers["groups"], numbers["shared_groups"], numbers["prompt_tokens"],
                                numbers["unique_tokens"], rows.seconds, plan_s),
                   "token_cache_rows": rows.cached_rows, "tokenized_rows": rows.tokenized_rows}
         log.info("planned %d rows: %d groups, %d prompt tokens, shared %.1f%%, %d identical to another row "
                  "(tokenize %.2fs, plan %.2fs)", counts["rows"], counts["groups"], counts["prompt_tokens"],
                  100 * counts["shared_fraction"], counts["duplicate_rows"], rows.seconds, plan_s)
-        plan_rows = PlanRows(ids, errors, format_texts(formats), keys)
-        return JobPlan(disk, plan_rows, counts, shards, partition_keys, rows_by_shard)
+        return JobPlan(disk, PlanRows(errors, format_texts(formats)), counts, shards, partition_keys, rows_by_shard)
 
     def write(self, made: JobPlan, stamp: dict[str, str], plan_run: str) -> int:
         """Publish the plan whole: every row with its group, shard, run position and content key (its

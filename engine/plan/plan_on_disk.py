@@ -2,11 +2,13 @@
 (``sorted_plan``) and its shards (``sorted_shards``) made there by sorts that spill, and read back a
 shard at a time (its keys, the plan file) or a group a row (the groups table).
 
-The row checks run in memory on a few numbers a row (lengths, budgets, errors, formats:
-``prepared.check_rows``, the one code for a plan in memory and on disk), the duplicate sets by a
-query here (``duplicate_sets``); then the rows' lengths, budgets and sets are loaded here
-(``load_rows``) and the step lets go of them before the plan is made. Never in memory: the tree,
-the order, the groups, the shards (~200 bytes a row when the plan was made in memory).
+Every row's id and content key are read from the snapshot into the database (``load_ids``) and
+come back with their shard's rows. The row checks run in memory on a few numbers a row (lengths,
+budgets, errors, formats: ``prepared.check_rows``, the one code for a plan in memory and on disk),
+the duplicate sets by a query here (``duplicate_sets``); then the rows' lengths, budgets and sets
+are loaded here (``load_rows``) and the step lets go of them before the plan is made. Never in
+memory: the ids and keys, the tree, the order, the groups, the shards (~200 bytes a row when the
+plan was made in memory).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
+from ..sql import quote_identifier
+from ..table.prompt_snapshot import CONTENT_KEY, KEY_TYPE, require_content_keys
 from .duplicates import NO_SET, FormatTexts
 from .prepared import CheckedRows
 from .row_checks import format_codes
@@ -25,8 +30,8 @@ from .sorted_plan import PLAN_MEMORY_MIB, SortedPlan, open_plan_database, plan_r
 from .sorted_shards import ShardTotals, assign_shards_by_sort
 
 ROW_CHAINS = pa.schema([("row", pa.int64()), ("length", pa.int64()), ("hashes", pa.large_list(pa.uint64()))])
-_IDENTITY = pa.schema([("row", pa.int64()), ("key", pa.binary(16)), ("max_tokens", pa.int64()),
-                       ("format", pa.int32()), ("runnable", pa.bool_())])
+_IDENTITY = pa.schema([("row", pa.int64()), ("max_tokens", pa.int64()), ("format", pa.int32()),
+                       ("runnable", pa.bool_())])
 _ROW_PLAN = pa.schema([("row", pa.int64()), ("length", pa.int64()), ("max_tokens", pa.int64())])
 _BATCH_ROWS = 65_536  # rows read back at a time
 _DISK_PER_MILLION_ROWS_GB = 0.5  # the plan's scratch folder at its peak (docs/scale.md: 4.5 GB at 10M rows)
@@ -44,6 +49,7 @@ class PlanOnDisk:
         self.plan = SortedPlan(open_plan_database(folder), block_size)
         self.con = self.plan.connection
         self.count = 0  # shards (``shard``)
+        self.id_type: pa.DataType | None = None  # the snapshot's id column's (``load_ids``)
 
     @contextlib.contextmanager
     def _resources(self):
@@ -60,6 +66,23 @@ class PlanOnDisk:
                 f"made, and DuckDB {PLAN_MEMORY_MIB} MiB of memory: engine.plan.sorted_plan.PLAN_MEMORY_MIB)"
             ) from exc
 
+    def load_ids(self, snapshot: Path, id_column: str) -> int:
+        """Every row's id and content key, read by DuckDB from the prompt snapshot into the table
+        ``row_ids(row, id, key)`` (``row``: its number in the snapshot's order), so neither is in the
+        step's memory (24 bytes a row of integer ids); returns the rows."""
+        require_content_keys(snapshot)
+        self.id_type = pq.read_schema(snapshot).field(id_column).type
+        with self._resources():
+            id_, key = quote_identifier(id_column), quote_identifier(CONTENT_KEY)
+            self.con.execute(f"""CREATE TABLE row_ids AS
+                SELECT file_row_number AS row, {id_} AS id, {key} AS key
+                FROM read_parquet($path, file_row_number = true)""", {"path": str(snapshot)})
+            rows, no_key = self.con.execute("SELECT count(*), count(*) FILTER (WHERE key IS NULL) FROM row_ids"
+                                            ).fetchall()[0]
+        if no_key:
+            raise ValueError(f"{no_key} rows of {snapshot} have no content key")
+        return int(rows)
+
     def load_chains(self, chains) -> np.ndarray:
         """``TokenCache.rows_for``'s ``read_chains``: every row's chain into the table ``row_chains``
         (read while the cache's parts are sure to be there); returns the rows' lengths."""
@@ -72,31 +95,27 @@ class PlanOnDisk:
         self.con.execute("CREATE TABLE row_chains AS SELECT * FROM chains")
         self.con.unregister("chains")
 
-    def duplicate_sets(self, keys: pa.Array, max_tokens: np.ndarray, response_formats: FormatTexts,
+    def duplicate_sets(self, max_tokens: np.ndarray, response_formats: FormatTexts,
                        runnable: np.ndarray) -> np.ndarray:
-        """``duplicates.duplicate_sets`` (its arguments, its answer) found by a query: the sets, and
-        each member's set and source (its set's first row) kept in the table ``duplicate_rows`` (for
-        ``load_rows`` and the plan file).
+        """``duplicates.duplicate_sets`` of the rows ``load_ids`` loaded (its other arguments, its
+        answer) found by a query: the sets, and each member's set and source (its set's first row)
+        kept in the table ``duplicate_rows`` (for ``load_rows`` and the plan file).
         Nothing a row held in memory but the answer (the sort in memory held ~100 bytes a row)."""
-        keys = keys.cast(pa.binary(16))
-        if keys.null_count:
-            raise ValueError(f"{keys.null_count} rows have no content key")
-        formats, n = format_codes(response_formats, len(keys))[1], len(keys)
         max_tokens, runnable = np.asarray(max_tokens, dtype=np.int64), np.asarray(runnable, dtype=bool)
+        n = max_tokens.size
+        formats = format_codes(response_formats, n)[1]
 
         def batches() -> Iterator[pa.RecordBatch]:
             for lo in range(0, n, _BATCH_ROWS):
                 hi = min(n, lo + _BATCH_ROWS)
-                some_keys = keys.slice(lo, hi - lo)
-                some_keys = some_keys.combine_chunks() if isinstance(some_keys, pa.ChunkedArray) else some_keys
-                yield pa.record_batch([pa.array(np.arange(lo, hi, dtype=np.int64)), some_keys,
-                                       pa.array(max_tokens[lo:hi]), pa.array(formats[lo:hi]),
-                                       pa.array(runnable[lo:hi])], schema=_IDENTITY)
+                yield pa.record_batch([pa.array(np.arange(lo, hi, dtype=np.int64)), pa.array(max_tokens[lo:hi]),
+                                       pa.array(formats[lo:hi]), pa.array(runnable[lo:hi])], schema=_IDENTITY)
 
         with self._resources():
             self.con.register("identities", pa.RecordBatchReader.from_batches(_IDENTITY, batches()))
-            self.con.execute("CREATE TABLE runnable_identities AS SELECT * EXCLUDE (runnable) FROM identities "
-                             "WHERE runnable")
+            self.con.execute("""CREATE TABLE runnable_identities AS
+                SELECT i.row, r.key, i.max_tokens, i.format FROM identities i JOIN row_ids r ON r.row = i.row
+                WHERE i.runnable""")
             self.con.unregister("identities")
             self.con.execute("""CREATE TABLE duplicate_rows AS
                 WITH sets AS (SELECT key, max_tokens, format, min(row) AS source FROM runnable_identities
@@ -144,47 +163,55 @@ class PlanOnDisk:
             plan_rows(self.con, self.plan.block_size, min_group_rows)
             self.con.execute("DROP TABLE rows_in")
 
-    def shard(self, count: int, previous: np.ndarray | None) -> ShardTotals:
-        """``count`` shards, kept from ``previous`` (each row's shard in the plan on disk, -1 for a
-        new row) where they can be: the table ``planned``, each row's shard, run position, group and
-        group prefix, stored by shard (a shard's rows are then a few of its row groups: ``shard_rows``)."""
+    def shard(self, count: int, previous_plan: Path | None) -> ShardTotals:
+        """``count`` shards, kept from ``previous_plan`` (the plan file on disk: each row keeps the
+        shard its id had there, ``plan_table.previous_plan``) where they can be: the table
+        ``planned``, each row's shard, run position, group, group prefix, budget, duplicate set, id
+        and key, stored by shard (a shard's rows are then a few of its row groups: ``shard_rows``)."""
         with self._resources():
-            if previous is not None:
-                self.con.register("previous_rows", pa.table({"row": np.arange(previous.size, dtype=np.int64),
-                                                             "shard": np.asarray(previous, dtype=np.int64)}))
-                self.con.execute("CREATE TABLE previous_shards AS SELECT * FROM previous_rows")
-                self.con.unregister("previous_rows")
-            totals = assign_shards_by_sort(self.plan, count, previous=previous is not None)
+            if previous_plan is not None:  # its ids are unique: the first row of an id, as a lookup finds it
+                self.con.execute("""CREATE TABLE previous_shards AS
+                    SELECT r.row, p.shard FROM row_ids r JOIN (
+                        SELECT id, arg_min(shard, file_row_number) AS shard
+                        FROM read_parquet($path, file_row_number = true) GROUP BY id) p ON p.id = r.id""",
+                                 {"path": str(previous_plan)})
+            totals = assign_shards_by_sort(self.plan, count, previous=previous_plan is not None)
             self.count = count
             self.con.execute(f"""CREATE TABLE planned AS
                 SELECT s.shard, p.row, p.position, p.grp, p.prefix_tokens, b.max_tokens,
-                       coalesce(d.set, {NO_SET}) AS duplicate_set
+                       coalesce(d.set, {NO_SET}) AS duplicate_set, i.id, i.key
                 FROM plan p JOIN shards s ON s.row = p.row JOIN row_budgets b ON b.row = p.row
-                     LEFT JOIN duplicate_rows d ON d.row = p.row
+                     JOIN row_ids i ON i.row = p.row LEFT JOIN duplicate_rows d ON d.row = p.row
                 ORDER BY s.shard""")
             return totals
 
     def shard_rows(self, order_by: str) -> Iterator[tuple[int, pa.Table]]:
-        """Each shard's rows (``row, position, grp, prefix_tokens, max_tokens, duplicate_set``) by
-        ``order_by`` (``position``: run order; ``row``: input order), one shard at a time, every shard
-        (empty ones too). A query a shard: a streamed sort of every row held more than the plan's
-        memory at 10M rows."""
+        """Each shard's rows (``row, position, grp, prefix_tokens, max_tokens, duplicate_set, id,
+        key``: the id and key of the snapshot's types) by ``order_by`` (``position``: run order;
+        ``row``: input order), one shard at a time, every shard (empty ones too). A query a shard: a
+        streamed sort of every row held more than the plan's memory at 10M rows."""
         for shard in range(self.count):
             with self._resources():
                 rows = self.con.sql(
-                    "SELECT row, position, grp, prefix_tokens, max_tokens, duplicate_set FROM planned "
+                    "SELECT row, position, grp, prefix_tokens, max_tokens, duplicate_set, id, key FROM planned "
                     f"WHERE shard = $shard ORDER BY {order_by}", params={"shard": shard}).to_arrow_table()
-            yield shard, rows
+            yield shard, rows.set_column(6, "id", rows.column("id").cast(self.id_type)).set_column(
+                7, "key", rows.column("key").cast(KEY_TYPE))
 
     def groups(self) -> pa.Table:
-        """One row per group, in run order: its shard (its first row's), rows, prefix and tokens."""
+        """One row per group, in run order: its shard (its first row's), rows, prefix, tokens and
+        first row's id (the snapshot's type)."""
         with self._resources():
-            return self.con.sql("""
-                SELECT p.grp AS "group", arg_min(s.shard, p.position) AS shard, count(*) AS rows,
-                       any_value(p.prefix_tokens) AS prefix_tokens, sum(p.length)::BIGINT AS prompt_tokens,
-                       sum(p.unique_tokens)::BIGINT AS estimated_prefill_tokens,
-                       sum(p.decode)::BIGINT AS estimated_decode_tokens, arg_min(p.row, p.position) AS first_row
-                FROM plan p JOIN shards s ON s.row = p.row GROUP BY p.grp ORDER BY p.grp""").to_arrow_table()
+            groups = self.con.sql("""
+                WITH g AS (
+                    SELECT p.grp AS "group", arg_min(s.shard, p.position) AS shard, count(*) AS rows,
+                           any_value(p.prefix_tokens) AS prefix_tokens, sum(p.length)::BIGINT AS prompt_tokens,
+                           sum(p.unique_tokens)::BIGINT AS estimated_prefill_tokens,
+                           sum(p.decode)::BIGINT AS estimated_decode_tokens, arg_min(p.row, p.position) AS first_row
+                    FROM plan p JOIN shards s ON s.row = p.row GROUP BY p.grp)
+                SELECT g.* EXCLUDE (first_row), i.id AS first_id FROM g JOIN row_ids i ON i.row = g.first_row
+                ORDER BY 1""").to_arrow_table()
+        return groups.set_column(groups.num_columns - 1, "first_id", groups.column("first_id").cast(self.id_type))
 
     def numbers(self) -> dict[str, int]:
         """The plan's groups, groups with a shared prefix, prompt tokens, tokens it computes, and rows

@@ -86,12 +86,12 @@ def format_texts(formats: dict[int, ResponseFormat]) -> dict[int, str]:
 def _rows_columns(ids: pa.Array | pa.ChunkedArray, rows: np.ndarray, position: np.ndarray, group: np.ndarray,
                   prefix_tokens: np.ndarray, max_tokens: np.ndarray, errors: dict[int, str],
                   format_texts: dict[int, str], duplicate_set: np.ndarray | None) -> dict:
-    """The run-side columns of ``rows`` (row indices): ``position`` (each one's place in run order),
-    ``group``, ``prefix_tokens``, ``max_tokens`` and ``duplicate_set`` (None: no identical rows) are
-    theirs already; ``ids`` every row's; ``errors`` and ``format_texts`` (``_format_texts``) the rows'
-    that have one."""
+    """The run-side columns of ``rows`` (row indices): ``ids``, ``position`` (each one's place in
+    run order), ``group``, ``prefix_tokens``, ``max_tokens`` and ``duplicate_set`` (None: no
+    identical rows) are theirs already; ``errors`` and ``format_texts`` (``_format_texts``) the
+    rows' that have one, by row index."""
     return {
-        "id": take_rows(ids, rows),
+        "id": ids,
         "position": np.asarray(position, dtype=np.int64),
         "group": np.asarray(group, dtype=np.int64),
         "prefix_tokens": np.asarray(prefix_tokens, dtype=np.int64),
@@ -115,13 +115,11 @@ def rows_table(prepared: PlannedBatch | PreparedBatch) -> pa.Table:
 
 @dataclass(frozen=True)
 class PlanRows:
-    """Every row's columns of a plan table that the plan's database does not hold (``ids``, errors,
-    own formats as text, content keys), for ``shard_table``."""
+    """Every row's columns of a plan table that the plan's database does not hold (errors, own
+    formats as text: the rows that have one), for ``shard_table``."""
 
-    ids: pa.Array | pa.ChunkedArray
     errors: dict[int, str]
     format_texts: dict[int, str]
-    content_keys: pa.Array | pa.ChunkedArray
 
 
 def plan_file_metadata(block_size: int, token_cache: TokenCache, max_model_len: int, stamp: dict[str, str],
@@ -131,38 +129,19 @@ def plan_file_metadata(block_size: int, token_cache: TokenCache, max_model_len: 
             **stamp, PLAN_RUN: plan_run}
 
 
-def shard_table(rows: PlanRows, shard_rows: np.ndarray, position: np.ndarray, group: np.ndarray,
+def shard_table(rows: PlanRows, shard_rows: np.ndarray, ids: pa.Array | pa.ChunkedArray,
+                content_keys: pa.Array | pa.ChunkedArray, position: np.ndarray, group: np.ndarray,
                 prefix_tokens: np.ndarray, max_tokens: np.ndarray, duplicate_set: np.ndarray, shard: int,
                 partition_key: str, metadata: dict[str, str]) -> pa.Table:
-    """Part of one shard's plan table: its rows ``shard_rows`` (in input order) with their run
-    position, group, group prefix, budget and duplicate set, as ``write_plan`` writes them."""
-    columns = {**_rows_columns(rows.ids, shard_rows, position, group, prefix_tokens, max_tokens, rows.errors,
+    """Part of one shard's plan table: its rows ``shard_rows`` (in input order) with their ids,
+    content keys, run position, group, group prefix, budget and duplicate set, as ``write_plan``
+    writes them."""
+    columns = {**_rows_columns(ids, shard_rows, position, group, prefix_tokens, max_tokens, rows.errors,
                                rows.format_texts, duplicate_set),
-               CONTENT_KEY: take_rows(rows.content_keys, shard_rows),
+               CONTENT_KEY: content_keys,
                "shard": np.full(shard_rows.size, shard, dtype=np.int64),
                "partition_key": pa.array([partition_key] * shard_rows.size, pa.string())}
     return pa.table(columns, metadata=metadata)
-
-
-def take_rows(column: pa.Array | pa.ChunkedArray, rows: np.ndarray) -> pa.Array:
-    """``column.take(rows)``, a chunked column's rows taken from each chunk alone: Arrow's take on a
-    column read in chunks (a snapshot's 49 row groups at 10M rows) cost ~25 ms a call, 25 s over a
-    plan's 1,000 shards, where holding the column whole costs its bytes again."""
-    rows = np.asarray(rows, dtype=np.int64)
-    if isinstance(column, pa.Array):
-        return column.take(pa.array(rows))
-    order = np.argsort(rows, kind="stable")
-    ascending = rows[order]
-    starts = np.cumsum([0] + [len(chunk) for chunk in column.chunks])
-    cuts = np.searchsorted(ascending, starts)
-    pieces = [chunk.take(pa.array(ascending[cuts[i]:cuts[i + 1]] - starts[i]))
-              for i, chunk in enumerate(column.chunks) if cuts[i + 1] > cuts[i]]
-    taken = pa.concat_arrays(pieces) if pieces else pa.array([], column.type)
-    if np.array_equal(order, np.arange(rows.size)):  # asked in ascending order (a shard's rows in input order)
-        return taken
-    back = np.empty_like(order)
-    back[order] = np.arange(order.size)
-    return taken.take(pa.array(back))
 
 
 # A shard's rows are split into row groups of at most this many (a row group is read whole).
@@ -219,16 +198,13 @@ def read_previous_plan(path: Path) -> None:
     pq.read_table(path, columns=[c for c in ("id", "shard", CONTENT_KEY) if c in names]).validate(full=True)
 
 
-def previous_shards(path: Path, ids: pa.ChunkedArray) -> np.ndarray | None:
-    """Each of ``ids``' shard in the plan on disk (-1 for a row it does not have), so unchanged
-    shards keep their rows and partition keys; None without a plan."""
+def previous_plan(path: Path, id_type: pa.DataType) -> Path | None:
+    """The plan on disk whose shards tonight's rows keep by id (``PlanOnDisk.shard``), so unchanged
+    shards keep their rows and partition keys; None without one, or where its ids are of another
+    type than ``id_type`` (tonight's: they would not compare)."""
     if not path.exists():
         return None
-    last = _read(path, columns=["id", "shard"])
-    if last.schema.field("id").type != ids.type:
-        return None
-    position = pc.index_in(ids, value_set=last.column("id"))
-    return pc.fill_null(pc.take(last.column("shard"), position), -1).to_numpy()
+    return path if pq.read_schema(path).field("id").type == id_type else None
 
 
 def _counts(metadata: dict[bytes, bytes] | None) -> dict[str, int]:
@@ -401,6 +377,10 @@ class PlanFile:
     @property
     def id_type(self) -> pa.DataType:
         return self._file.schema_arrow.field("id").type
+
+    def ids(self) -> pa.Array:
+        """Every id the plan holds (what the answers' table keeps: ``remove_deleted_answers``)."""
+        return self._file.read(columns=["id"]).column("id").combine_chunks()
 
     def ids_among(self, ids: pa.Array) -> pa.Array:
         """Those of ``ids`` (of the plan's ``id_type``) the plan holds, read one row group's ids at a

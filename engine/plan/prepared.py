@@ -19,6 +19,7 @@ keep a reason in ``errors`` and run nothing; the rest of the batch goes on.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -187,10 +188,11 @@ class CheckedRows:
 
 def check_rows(table: pa.Table, lengths: np.ndarray, tokenizer_errors: dict[int, str],
                engine_settings: EngineSettings, sampling: SamplingSettings, columns: Columns,
-               keys: pa.Array, find_duplicates: Callable[..., np.ndarray] = duplicate_sets) -> CheckedRows:
-    """The row checks of rows of ``lengths`` prompt tokens (``table``: their id, ``max_tokens`` and
-    ``response_format`` columns; ``keys``: each row's content identity). ``find_duplicates``: how the
-    sets of identical rows are found (``duplicate_sets``'s arguments; a plan on disk finds them there)."""
+               find_duplicates: Callable[[np.ndarray, object, np.ndarray], np.ndarray]) -> CheckedRows:
+    """The row checks of rows of ``lengths`` prompt tokens (``table``: their ``max_tokens`` and
+    ``response_format`` columns, those it has). ``find_duplicates(max_tokens, own formats,
+    runnable)``: the sets of identical rows (``duplicate_sets`` of the rows' content keys; a plan on
+    disk finds them there)."""
     errors = dict(tokenizer_errors)
     n = lengths.size
     own_formats = _arrow_column(table, columns.response_format)
@@ -200,7 +202,7 @@ def check_rows(table: pa.Table, lengths: np.ndarray, tokenizer_errors: dict[int,
     dropped = np.array(sorted(set(errors) - set(tokenizer_errors)), dtype=np.int64)
     runnable = np.ones(n, dtype=bool)
     runnable[list(errors)] = False
-    same = find_duplicates(keys, max_tokens, own_formats, runnable)
+    same = find_duplicates(max_tokens, own_formats, runnable)
     return CheckedRows(max_tokens, errors, formats, dropped, same)
 
 
@@ -224,7 +226,8 @@ def plan_tokenized(
     tree_s = time.perf_counter() - started + (rows.tree_s if isinstance(rows, CachedRows) else 0.0)
     keys = (table.column(CONTENT_KEY).combine_chunks() if CONTENT_KEY in table.column_names
             else token_keys(rows.tokens, rows.offsets))
-    checked = check_rows(table, tree.lengths, rows.errors, engine_settings, sampling, columns, keys)
+    checked = check_rows(table, tree.lengths, rows.errors, engine_settings, sampling, columns,
+                         functools.partial(duplicate_sets, keys))
     started = time.perf_counter()
     same = checked.duplicate_set
     tree = tree.planned(checked.dropped, same)

@@ -109,12 +109,25 @@ def columns_without_text(path: Path, prompt_column: str, messages_column: str) -
     return [name for name in pq.ParquetFile(path).schema_arrow.names if name not in {prompt_column, messages_column}]
 
 
-def snapshot_keys(path: Path) -> pa.Array:
-    """Every row's content key, in the snapshot's order."""
+def require_content_keys(path: Path) -> None:
+    """Refuse a snapshot without content keys (written by an older version)."""
     if CONTENT_KEY not in pq.ParquetFile(path).schema_arrow.names:
         raise ValueError(f"the prompt snapshot {path} has no {CONTENT_KEY} column (written by an older "
                          "version): materialize prompts again")
+
+
+def snapshot_keys(path: Path) -> pa.Array:
+    """Every row's content key, in the snapshot's order."""
+    require_content_keys(path)
     return pq.read_table(path, columns=[CONTENT_KEY]).column(CONTENT_KEY).combine_chunks()
+
+
+def snapshot_key_batches(path: Path, batch_rows: int = 1 << 18) -> Iterator[pa.Array]:
+    """Every row's content key, in the snapshot's order, ``batch_rows`` at a time (never all at
+    once: 16 bytes a row)."""
+    require_content_keys(path)
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=[CONTENT_KEY]):
+        yield batch.column(0)
 
 
 def texts_at(path: Path, rows: pa.Array, prompt_column: str, messages_column: str,
