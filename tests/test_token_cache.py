@@ -260,10 +260,8 @@ def test_compaction_keeps_what_the_plan_on_disk_names_and_waits_for_readers(tmp_
 
     compacted = threading.Event()
 
-    def plan_again():  # the snapshot's keys as the plan step passes them: as read, in chunks
-        read = pq.read_table(path).column(CONTENT_KEY).combine_chunks()
-        as_read = pa.chunked_array([read.slice(0, 3), read.slice(3)])
-        cache.rows_for(path, tokenizer, "prompt", "messages", BLOCK, still_needed=lambda: planned, keys=as_read)
+    def plan_again():
+        cache.rows_for(path, tokenizer, "prompt", "messages", BLOCK, still_needed=lambda: planned)
         compacted.set()
 
     with TokenCache.reading(tmp_path / "cache"):

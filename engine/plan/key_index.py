@@ -2,9 +2,9 @@
 
 The token cache finds a night's rows among its entries by content key (``digests.row_key``, 128
 bits of blake2b). Arrow's hash lookup (``index_in``) held ~75 bytes an entry at its peak (750 MB at
-10M rows, the plan step's largest stage); this holds 24: the entries' two 64-bit words sorted by the
-first, and the order that sorts them. A key is found by binary search on its first word (a batch of
-keys sorted first, so the searches walk the array in order) and checked on its second. Digests'
+10M rows, the plan step's largest stage); this holds 20: the entries' two 64-bit words sorted by the
+first, and the order that sorts them (int32). A key is found by binary search on its first word (a
+batch of keys sorted first, so the searches walk the array in order) and checked on its second. Digests'
 first words almost never collide, but the answer is right for any keys: where a first word starts
 a run of several entries whose first does not match, the run is scanned in entry order.
 """
@@ -26,11 +26,20 @@ class KeyIndex:
         chunks = values.chunks if isinstance(values, pa.ChunkedArray) else [values]
         words = [key_words(chunk) for chunk in chunks if len(chunk)]
         first = np.concatenate([w[:, 0] for w in words]) if words else np.zeros(0, np.uint64)
-        self.order = np.argsort(first, kind="stable")  # equal first words: entries in their order
-        self.first = first[self.order]
+        order = np.argsort(first, kind="stable")  # equal first words: entries in their order
+        self.first = first[order]
         del first
-        second = np.concatenate([w[:, 1] for w in words]) if words else np.zeros(0, np.uint64)
-        self.second = second[self.order]
+        # The second words scattered to their sorted places a chunk at a time (no copy of them all
+        # in entry order beside the sorted one); positions as int32 where they fit.
+        self.order = order.astype(np.int32) if order.size < 2**31 else order
+        del order
+        sorted_place = np.empty(self.order.size, dtype=self.order.dtype)
+        sorted_place[self.order] = np.arange(self.order.size, dtype=self.order.dtype)
+        self.second = np.empty(self.order.size, dtype=np.uint64)
+        start = 0
+        for w in words:
+            self.second[sorted_place[start:start + len(w)]] = w[:, 1]
+            start += len(w)
 
     def __len__(self) -> int:
         return self.order.size

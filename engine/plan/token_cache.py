@@ -23,11 +23,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from ..atomic import Staged
 from ..damaged import DAMAGE, set_aside
 from ..locks import locked
-from ..table.prompt_snapshot import CONTENT_KEY, KEY_TYPE, snapshot_keys, texts_at
+from ..table.prompt_snapshot import CONTENT_KEY, KEY_TYPE, snapshot_key_batches, snapshot_keys, texts_at
 from .block_hashes import HASH_VERSION, RowBlocks
 from .key_index import KeyIndex, first_positions_among
 from .prefix_tree import PrefixTree
@@ -51,9 +52,17 @@ def _hashed_as(block_size: int) -> bytes:
     return f"v{HASH_VERSION} blocks of {block_size}".encode()
 
 
-def _lengths(lists: pa.ChunkedArray) -> np.ndarray:
-    """Entries per list, over every chunk (from the offsets alone: no values are read)."""
-    return np.concatenate([np.diff(c.offsets.to_numpy()) for c in lists.chunks] or [np.zeros(0, np.int64)])
+def _lengths_at(lists: pa.ChunkedArray, position: np.ndarray) -> np.ndarray:
+    """The lengths of the lists at ``position`` (global entry numbers), from the offsets alone (no
+    values read, and no length of every entry held)."""
+    starts = np.cumsum([0] + [len(c) for c in lists.chunks])
+    part = np.searchsorted(starts, position, side="right") - 1
+    lengths = np.empty(position.size, dtype=np.int64)
+    for number in np.unique(part):
+        here = np.flatnonzero(part == number)
+        local, offsets = position[here] - starts[number], lists.chunks[number].offsets.to_numpy()
+        lengths[here] = offsets[local + 1] - offsets[local]
+    return lengths
 
 
 def _gather(lists: pa.ChunkedArray, position: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -67,11 +76,7 @@ def _gather(lists: pa.ChunkedArray, position: np.ndarray) -> tuple[np.ndarray, n
     local = position - starts[part]
     chunk_offsets = [c.offsets.to_numpy() for c in chunks]
     values = [c.values.to_numpy(zero_copy_only=False) for c in chunks]
-    lengths = np.empty(position.size, dtype=np.int64)  # the rows' alone: not every entry's (a shard's lookup)
-    for number in np.unique(part):
-        here = part == number
-        lengths[here] = chunk_offsets[number][local[here] + 1] - chunk_offsets[number][local[here]]
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(_lengths_at(lists, position))]).astype(np.int64)
     flat = np.empty(int(offsets[-1]), dtype=lists.type.value_type.to_pandas_dtype())
     if position.size:
         breaks = np.flatnonzero((part[1:] != part[:-1]) | (local[1:] != local[:-1] + 1)) + 1
@@ -79,6 +84,15 @@ def _gather(lists: pa.ChunkedArray, position: np.ndarray) -> tuple[np.ndarray, n
             source = chunk_offsets[part[first]]
             flat[offsets[first]:offsets[end]] = values[part[first]][source[local[first]]:source[local[end - 1] + 1]]
     return flat, offsets
+
+
+def _errors_at(errors: pa.ChunkedArray, position: np.ndarray) -> dict[int, str]:
+    """``{i: error}`` of the entries at ``position`` that have one (few: only those become Python)."""
+    if errors.null_count == len(errors):
+        return {}
+    with_error = np.flatnonzero(pc.is_valid(errors).to_numpy(zero_copy_only=False))
+    rows = np.flatnonzero(np.isin(position, with_error))
+    return dict(zip(rows.tolist(), errors.take(pa.array(position[rows])).to_pylist()))
 
 
 def _concat(parts: list[tuple[Path, pa.Table]], block_size: int | None) -> pa.Table:
@@ -299,16 +313,17 @@ class TokenCache:
         """Token ids (flat int32), offsets and errors of ``keys``, in their order; every key must
         be in the cache."""
         cache = self.load()
-        position = self._positions(keys, cache, few=True)
+        position = self._positions(keys, cache)
         tokens, offsets = _gather(cache.column("token_ids"), position)
         return tokens, offsets, cache.column("error").take(position)
 
-    def _positions(self, keys: pa.Array, cache: pa.Table, few: bool = False) -> np.ndarray:
-        """Each key's entry in ``cache``; ``few``: far fewer keys than entries (a shard's lookup),
-        so the keys are indexed and the entries scanned (``KeyIndex`` of every entry held 1.1 GB
-        for a shard of a 10M-entry cache)."""
-        position = (first_positions_among(keys, cache.column("key")) if few
-                    else KeyIndex(cache.column("key")).first_positions(keys))
+    def _positions(self, keys: pa.Array, cache: pa.Table) -> np.ndarray:
+        """Each key's entry in ``cache``, for far fewer keys than entries (a shard's lookup): the
+        keys are indexed and the entries scanned (``KeyIndex`` of every entry held 1.1 GB for a
+        shard of a 10M-entry cache)."""
+        return self._all_found(first_positions_among(keys, cache.column("key")))
+
+    def _all_found(self, position: np.ndarray) -> np.ndarray:
         if (position < 0).any():
             raise KeyError(f"{np.count_nonzero(position < 0)} rows are not in the token cache {self.folder}: "
                            "plan again")
@@ -321,30 +336,27 @@ class TokenCache:
                  progress: Callable[[str], None] = log.info,
                  still_needed: Callable[[], pa.Array | None] = lambda: None,
                  workers: TokenizeWorkers = TokenizeWorkers(),
-                 read_chains: Callable[["_PartChains"], object] = PrefixTree.of,
-                 keys: pa.Array | None = None) -> CachedRows:
+                 read_chains: Callable[["_PartChains"], object] = PrefixTree.of) -> CachedRows:
         """Lengths and block hashes of every row of a prompt snapshot (written with a
         ``CONTENT_KEY`` column), in its order: cached rows are looked up, the others tokenized
         (and cached; ``progress`` hears how far that got), on ``workers`` where there are many. No
         token ids are read back: the plan does not need them. ``still_needed``: keys that
         compaction must keep besides the snapshot's (those of the plan partitions may still be
         running), read under its lock. ``read_chains``: what is made of the rows' chains while
-        their parts are sure to be there (the prefix tree, or a plan's table on disk). ``keys``:
-        the snapshot's content keys where the caller read them already (else read here)."""
+        their parts are sure to be there (the prefix tree, or a plan's table on disk)."""
         with locked(self.root / ".writer.lock", shared=False):  # one writer at a time
             return self._rows_for(snapshot, tokenizer, prompt_column, messages_column, block_size, progress,
-                                  still_needed, workers, read_chains, keys)
+                                  still_needed, workers, read_chains)
 
     def _rows_for(self, snapshot, tokenizer, prompt_column, messages_column, block_size, progress,
-                  still_needed, workers, read_chains, keys) -> CachedRows:
+                  still_needed, workers, read_chains) -> CachedRows:
         started = time.perf_counter()
-        keys = snapshot_keys(snapshot) if keys is None else keys
         loaded = self._parts()
         parts = self._mapped(block_size)
         cache = _concat(parts, block_size)
-        found = KeyIndex(cache.column("key")).first_positions(keys)
+        found = _snapshot_in(cache, snapshot)
         cached_rows = int(np.count_nonzero(found >= 0))
-        missing = _first_rows_missing(keys, found)
+        missing = _first_rows_missing(snapshot, found)
         pa.default_memory_pool().release_unused()  # the missing rows' keys: Arrow would keep their pages
         tokenized = 0
         if len(missing):
@@ -356,15 +368,13 @@ class TokenCache:
             loaded = self._parts()
             parts = self._mapped(block_size)
             cache = _concat(parts, block_size)
-        position = self._positions(keys, cache) if tokenized else found  # nothing new: already found
-        lengths = _lengths(cache.column("token_ids"))[position]
-        error_column = cache.column("error").take(position)
-        errors = {} if error_column.null_count == len(error_column) else {
-            i: e for i, e in enumerate(error_column.to_pylist()) if e is not None}
+        position = self._all_found(found if not tokenized else _snapshot_in(cache, snapshot))  # nothing new: found
+        lengths = _lengths_at(cache.column("token_ids"), position)
+        errors = _errors_at(cache.column("error"), position)
         entries, sizes = cache.num_rows, [(path, table.num_rows) for path, table in parts]
         # The parts mapped for the lookup let go: the pages it read (keys, offsets: 24 bytes an
         # entry) would stay in the process's memory while the chains are read.
-        del found, missing, error_column, cache, parts
+        del found, missing, cache, parts
         stale = entries - _distinct(position, entries)
         chains = _PartChains.of(sizes, position, lengths, block_size)
         del position
@@ -372,7 +382,8 @@ class TokenCache:
         tree = read_chains(chains)  # before compaction: its parts
         tree_s = time.perf_counter() - started
         if len(loaded) > 1 and 2 * stale >= entries:  # half of it rows the table no longer has
-            self._compact(_concat(self._mapped(block_size), block_size), loaded, keys, block_size, still_needed)
+            self._compact(_concat(self._mapped(block_size), block_size), loaded, snapshot_keys(snapshot), block_size,
+                          still_needed)
         return CachedRows(tree, errors, seconds, tree_s, cached_rows, tokenized)
 
     def _tokenize(self, snapshot: Path, missing: pa.Array, tokenizer, prompt_column: str, messages_column: str,
@@ -425,13 +436,32 @@ def _distinct(position: np.ndarray, entries: int) -> int:
     return int(np.count_nonzero(named))
 
 
-def _first_rows_missing(keys: pa.Array, found: np.ndarray) -> pa.Array:
-    """The rows whose content the cache lacks (``found`` -1), each content's first row alone (int64
-    row numbers)."""
+def _snapshot_in(cache: pa.Table, snapshot: Path) -> np.ndarray:
+    """Each snapshot row's entry in ``cache`` (-1: its content is not there), the snapshot's keys
+    read a batch at a time: what is held is the cache's index and the answer."""
+    index = KeyIndex(cache.column("key"))
+    found = np.empty(pq.ParquetFile(snapshot).metadata.num_rows, dtype=np.int64)
+    start = 0
+    for keys in snapshot_key_batches(snapshot):
+        found[start:start + len(keys)] = index.first_positions(keys)
+        start += len(keys)
+    if start != found.size:  # replaced meanwhile: the plan would be of two snapshots
+        raise RuntimeError(f"the prompt snapshot {snapshot} changed while it was read: plan again")
+    return found
+
+
+def _first_rows_missing(snapshot: Path, found: np.ndarray) -> pa.Array:
+    """The snapshot's rows whose content the cache lacks (``found`` -1), each content's first row
+    alone (int64 row numbers)."""
     missing = np.flatnonzero(found < 0)
     if not missing.size:  # every row's content is cached
         return pa.array([], pa.int64())
-    keys = keys.take(pa.array(missing))
+    pieces, start = [], 0
+    for keys in snapshot_key_batches(snapshot):  # the missing rows' keys alone
+        here = missing[np.searchsorted(missing, start):np.searchsorted(missing, start + len(keys))] - start
+        pieces.append(keys.take(pa.array(here)))
+        start += len(keys)
+    keys = pa.concat_arrays(pieces)
     first = KeyIndex(keys).first_positions(keys)  # each missing content's first row among them
     return pa.array(missing[first == np.arange(missing.size)])
 
