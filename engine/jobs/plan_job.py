@@ -19,7 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from ..atomic import Staged
-from ..damaged import readable_or_set_aside
+from ..damaged import read_by_row_group, readable_or_set_aside
 from ..plan.duplicates import count_duplicates
 from ..plan.plan_on_disk import PlanOnDisk
 from ..plan.plan_table import (
@@ -144,7 +144,7 @@ class PlanJob:
         it), a damaged snapshot set aside and refused (the prompts step takes it again)."""
         readable_or_set_aside(self.plan_path, read_previous_plan, "the previous plan",
                               "this plan is cut without it (answers are reused by id and prompt)", self.warn)
-        if not readable_or_set_aside(self.snapshot, self._rows_of, "the prompt snapshot",
+        if not readable_or_set_aside(self.snapshot, self._read_snapshot, "the prompt snapshot",
                                      "materialize prompts to take it again", self.warn):
             raise DatasetError("the prompt snapshot was damaged (set aside): materialize prompts, then prefix_groups "
                                "(the plan job does both)")
@@ -160,8 +160,9 @@ class PlanJob:
         return read_snapshot(self.snapshot, columns=[c for c in (self.columns.max_tokens,
                                                                  self.columns.response_format) if c in names])
 
-    def _rows_of(self, path: Path) -> pa.Table:
-        return read_snapshot(path, columns=columns_without_text(path, self.columns.prompt, self.columns.messages))
+    def _read_snapshot(self, path: Path) -> None:
+        """Read what a plan reads of the snapshot (all but the text), a row group at a time."""
+        read_by_row_group(path, columns_without_text(path, self.columns.prompt, self.columns.messages))
 
     @contextlib.contextmanager
     def plan(self, shard_count: Callable[[int], int], key_of: Callable[[int, list], str],

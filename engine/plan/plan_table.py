@@ -29,6 +29,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..atomic import Staged
+from ..damaged import read_by_row_group
 from ..response_format import ResponseFormat
 from ..table.prompt_snapshot import CONTENT_KEY
 from .duplicates import NO_SET
@@ -192,10 +193,11 @@ def plan_content_keys(path: Path) -> pa.Array | None:
 
 
 def read_previous_plan(path: Path) -> None:
-    """Read what a plan step reads of the plan on disk (ids, shards, content keys): raises where it
-    is damaged (``engine.damaged``: the plan step then sets it aside and plans without it)."""
+    """Read what a plan step reads of the plan on disk (ids, shards, content keys), a row group at a
+    time: raises where it is damaged (``engine.damaged``: the plan step then sets it aside and plans
+    without it)."""
     names = pq.ParquetFile(path).schema_arrow.names
-    pq.read_table(path, columns=[c for c in ("id", "shard", CONTENT_KEY) if c in names]).validate(full=True)
+    read_by_row_group(path, [c for c in ("id", "shard", CONTENT_KEY) if c in names], validate=True)
 
 
 def previous_plan(path: Path, id_type: pa.DataType) -> Path | None:
