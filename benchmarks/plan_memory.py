@@ -1,7 +1,8 @@
 """Where a plan step's memory goes: ``prefix_groups`` on a scale bench's table, its resident memory
-sampled every 20 ms, the peak of each stage (the token cache's rows, their chains into the plan's
-database, the row checks, the plan, the shards, the plan file, the groups table) and of the whole
-step, in this process, and each stage's seconds (a stage's time includes the stages it calls).
+sampled every 20 ms (and its anonymous part), the peak of each stage (the token cache's rows, their
+chains into the plan's database, the row checks, the plan, the shards, the plan file, the groups
+table) and of the whole step, in this process, and each stage's seconds (a stage's time includes
+the stages it calls).
 
     batchllm bench --scale 3000000 --plan-only --tokens-per-row 300   # the table and its token cache
     PYTHONPATH=. python benchmarks/plan_memory.py --work .cache/scale/3000000
@@ -30,17 +31,22 @@ class _Sampler:
     """Resident memory sampled in a thread: the peak while each stage ran."""
 
     def __init__(self):
-        self.stage, self.peaks, self.seconds = "the rest", {}, {}
+        self.stage, self.peaks, self.anon_peaks, self.seconds = "the rest", {}, {}, {}
         threading.Thread(target=self._run, daemon=True).start()
 
     @staticmethod
-    def rss() -> int:
+    def rss() -> tuple[int, int]:
+        """Resident memory, and its anonymous part (the rest is mapped files' pages: the token
+        cache's parts, which the kernel can take back)."""
         with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS"))
+            kib = {line.split(":")[0]: int(line.split()[1]) for line in status if line.startswith(("VmRSS", "RssAnon"))}
+        return kib["VmRSS"] * 1024, kib["RssAnon"] * 1024
 
     def _run(self) -> None:
         while True:
-            self.peaks[self.stage] = max(self.peaks.get(self.stage, 0), self.rss())
+            rss, anon = self.rss()
+            self.peaks[self.stage] = max(self.peaks.get(self.stage, 0), rss)
+            self.anon_peaks[self.stage] = max(self.anon_peaks.get(self.stage, 0), anon)
             time.sleep(0.02)
 
     def watch_disk(self, folder: Path) -> None:
@@ -134,7 +140,7 @@ def _prompts_step(work: Path, sampler: _Sampler) -> dict:
     started = time.perf_counter()
     meta = _materialize(work, "prompts")
     return {"rows": meta["dagster/row_count"].value, "step_s": round(time.perf_counter() - started, 1),
-            "stage_peak_rss_bytes": sampler.peaks}
+            "stage_peak_rss_bytes": sampler.peaks, "stage_peak_anon_bytes": sampler.anon_peaks}
 
 
 def _materialize(work: Path, asset: str):
@@ -160,7 +166,8 @@ def _plan_step(work: Path, sampler: _Sampler) -> dict:
             "groups": meta["groups"].value, "shards": meta["shards"].value,
             "step_s": round(time.perf_counter() - started, 1),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "stage_peak_rss_bytes": sampler.peaks, "stage_s": sampler.seconds,
+            "stage_peak_rss_bytes": sampler.peaks, "stage_peak_anon_bytes": sampler.anon_peaks,
+            "stage_s": sampler.seconds,
             "peak_plan_work_bytes": sampler.disk_peak}
 
 
