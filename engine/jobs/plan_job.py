@@ -191,6 +191,8 @@ class PlanJob:
         lengths, rows.tree = rows.tree, None  # what ``load_chains`` returned: the rows' lengths
         pa.default_memory_pool().release_unused()  # Arrow keeps what the lookup freed: the planner's peak follows
         count_rows = disk.load_ids(self.snapshot, self.columns.id)  # ids and keys in the database, not here
+        if count_rows != lengths.size:  # replaced meanwhile (the stamp would refuse the plan too)
+            raise DatasetError(f"the prompt snapshot {self.snapshot} changed while it was read: plan again")
         checked = check_rows(self._check_columns(), lengths, rows.errors, settings, self.sampling, self.columns,
                              find_duplicates=disk.duplicate_sets)
         started = time.perf_counter()

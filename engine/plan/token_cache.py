@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 from ..atomic import Staged
 from ..damaged import DAMAGE, set_aside
 from ..locks import locked
+from ..table.dataset import DatasetError
 from ..table.prompt_snapshot import CONTENT_KEY, KEY_TYPE, snapshot_key_batches, snapshot_keys, texts_at
 from .block_hashes import HASH_VERSION, RowBlocks
 from .key_index import KeyIndex, first_positions_among
@@ -446,7 +447,7 @@ def _snapshot_in(cache: pa.Table, snapshot: Path) -> np.ndarray:
         found[start:start + len(keys)] = index.first_positions(keys)
         start += len(keys)
     if start != found.size:  # replaced meanwhile: the plan would be of two snapshots
-        raise RuntimeError(f"the prompt snapshot {snapshot} changed while it was read: plan again")
+        raise DatasetError(f"the prompt snapshot {snapshot} changed while it was read: plan again")
     return found
 
 
