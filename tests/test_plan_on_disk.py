@@ -155,3 +155,27 @@ def test_a_plan_out_of_memory_says_where_and_what_it_needs_and_leaves_the_last_p
         with job.plan(lambda rows: 2, _key, print) as made:
             job.write(made, {"batchllm.snapshot": "1"}, "run-1")
     assert job.plan_path.read_bytes() == before and not list(tmp_path.glob(".plan_work*"))
+
+
+def test_a_snapshot_replaced_while_the_plan_reads_it_stops_the_plan_loudly(tmp_path, tiny_model, monkeypatch):
+    """The step reads the snapshot more than once (its keys for the lookup, its ids into the plan's
+    database): one replaced between the reads is refused by name, not planned from two snapshots."""
+    import engine.plan.plan_on_disk as plan_on_disk
+    from engine.table.dataset import DatasetError
+
+    settings = EngineSettings(model_path=tiny_model, block_size=8, max_model_len=256)
+    job = PlanJob(tmp_path / "prompts.parquet", tmp_path / "plan.parquet", tmp_path / "cache", settings,
+                  SamplingSettings(max_tokens=5), SchedulerSettings(min_group_rows=2), Columns(), print)
+    night = _night(0, 60)
+    pq.write_table(night, job.snapshot)
+    load_chains = plan_on_disk.PlanOnDisk.load_chains
+
+    def replaced_meanwhile(self, chains):
+        pq.write_table(night.slice(5), job.snapshot)  # the next night's, 5 rows fewer
+        return load_chains(self, chains)
+
+    monkeypatch.setattr(plan_on_disk.PlanOnDisk, "load_chains", replaced_meanwhile)
+    with pytest.raises(DatasetError, match="changed while it was read: plan again"):
+        with job.plan(lambda rows: 2, _key, print):
+            pass
+    assert not job.plan_path.exists() and not list(tmp_path.glob(".plan_work*"))
