@@ -118,14 +118,16 @@ def run_partition(config: BatchJobConfig, context: dg.AssetExecutionContext, job
         context.log.warning(f"{len(stale)} of this shard's rows were superseded by a newer plan while it ran "
                             "(moved to another shard, edited, deleted, or another model): their answers are not "
                             "written; the newer plan's shards answer them")
-    context.log.info(f"wrote {written.table.num_rows} rows of partition {key} to {config.output_table} "
-                     f"({written.rows_now} in it now)")
+    context.log.info(f"wrote {written.written} rows of partition {key} to {config.output_table}, "
+                     f"{written.table.num_rows - written.written} already there as they are ({written.rows_now} "
+                     "in it now)")
     warehouse = job_warehouse(config, context)
     checks = partition_check_results(config, warehouse, key, written.table.column("id").to_pylist(),
                                      outcome.stats, prepared, outcome.results, stale)
     return PartitionDone(key, outcome, info, hardware.name, checks, {
         "not_reused_rows": dg.MetadataValue.json(outcome.not_reused),  # why rows ran again
         "superseded_rows": len(stale),  # answers a newer plan wanted from elsewhere: not written
+        "written_rows": written.written,  # rows new or changed in the output table (the rest left as they were)
         **review_metadata(written.table, config.review_below),
         "write_s": float(round(time.perf_counter() - writing, 3)),  # writing and checks (shard sizing reads it)
         "dagster/row_count": written.rows_now,

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 from dagster_duckdb import DuckDBResource
 
 from engine.choice_scoring import needs_review
+from engine.plan.answer_keys import ANSWER_KEY
 from engine.run.results import RowResult, results_to_table
 from engine.sql import quote_identifier, quote_literal
 
@@ -38,19 +39,37 @@ NEEDS_REVIEW_COLUMN = "needs_review"
 
 
 def answers_table(results: list[RowResult], id_type: pa.DataType, partition_key: str, hardware_partition: str,
-                  model: str, content_keys: pa.Table, review_below: float | None = None) -> pa.Table:
+                  model: str, content_keys: pa.Table, answer_keys: dict, review_below: float | None = None) -> pa.Table:
     """The rows a partition writes to the output table and its Parquet file. ``content_keys``:
-    each row's id and the content key of the prompt it ran (the plan's ``_content_key``)."""
+    each row's id and the content key of the prompt it ran (the plan's ``_content_key``);
+    ``answer_keys``: each id's answer key (``engine.plan.answer_keys``: what the next plan compares)."""
     table = results_to_table(results, id_type)
     table = table.append_column(NEEDS_REVIEW_COLUMN, pa.array(
         [needs_review(r.choice_probability, review_below) for r in results], pa.bool_()))
     keys = dict(zip(content_keys.column(0).to_pylist(), content_keys.column(1).to_pylist()))
     hexed = [key.hex() if (key := keys.get(i)) is not None else None for i in table.column("id").to_pylist()]
     table = table.append_column(CONTENT_KEY_COLUMN, pa.array(hexed, pa.string()))
+    table = table.append_column(ANSWER_KEY, pa.array([answer_keys.get(i) for i in table.column("id").to_pylist()],
+                                                     pa.string()))
     values = [partition_key, hardware_partition, model, dt.datetime.now(dt.timezone.utc)]
     for (name, type_), value in zip(PARTITION_COLUMNS, values):
         table = table.append_column(name, pa.array([value] * table.num_rows, type_))
     return table
+
+
+# A stored row is the incoming one when these are: the same answer (its text or error, fingerprint,
+# when it was computed, its answer key), status and review flag, in the same partition.
+_SAME_ANSWER = ["partition_key", "status", "text", "error", "row_fingerprint", "computed_at", ANSWER_KEY,
+                NEEDS_REVIEW_COLUMN]
+
+
+@dataclass(frozen=True)
+class PartitionWrite:
+    """What a partition's write left: its rows in the table now (what its Parquet file holds) and
+    how many rows it wrote (inserted or replaced; rows already as they were are not)."""
+
+    rows: pa.Table
+    written: int
 
 
 @dataclass(frozen=True)
@@ -91,24 +110,33 @@ class OutputTable:
             yield con
 
     def replace_partition(self, partition_key: str, rows: pa.Table, whole_partition: bool = True,
-                          on_wait: Callable[[str], None] | None = None) -> int:
-        """Make ``rows`` the partition's rows: one row per id, whatever ran before (idempotent). With
-        ``whole_partition=False`` only these ids' rows are replaced (a shard that a newer plan
-        superseded in part: the partition's other rows may be that plan's fresh answers).
-        ``on_wait``: see ``warehouse.connection``. Returns the rows the partition holds now."""
+                          on_wait: Callable[[str], None] | None = None) -> PartitionWrite:
+        """Make ``rows`` the partition's rows: one row per id, whatever ran before (idempotent). A row
+        the table already holds as it is (``_SAME_ANSWER``: the same answer of the same prompt, in the
+        same partition) is not written again: its ``completed_at`` and every other value stay, so a
+        night that reuses an answer leaves its row byte for byte. With ``whole_partition=False`` only
+        these ids' rows are replaced (a shard that a newer plan superseded in part: the partition's
+        other rows may be that plan's fresh answers). ``on_wait``: see ``warehouse.connection``."""
         target = self._sql_name
         with self._connection(on_wait) as con, registered(con, incoming=rows):
             with transaction(con):
                 con.execute(f"CREATE TABLE IF NOT EXISTS {target} AS SELECT * FROM incoming WITH NO DATA")
                 claim(con, self.job, self.name)
                 self._add_new_columns(con)
+                incoming = {row[0] for row in con.execute("DESCRIBE incoming").fetchall()}
+                same = " AND ".join(f"t.{c} IS NOT DISTINCT FROM i.{c}" for c in _SAME_ANSWER if c in incoming)
+                con.execute(f"""CREATE OR REPLACE TEMP TABLE changed AS SELECT i.* FROM incoming i
+                    WHERE NOT EXISTS (SELECT 1 FROM {target} t WHERE t.id = i.id AND {same})
+                       OR i.id IN (SELECT id FROM {target} GROUP BY id HAVING count(*) > 1)""")
                 # An id that moved to another shard since its last run must not stay twice.
                 con.execute(
-                    f"DELETE FROM {target} WHERE (? AND partition_key = ?) OR id IN (SELECT id FROM incoming)",
-                    [whole_partition, partition_key])
-                con.execute(f"INSERT INTO {target} BY NAME SELECT * FROM incoming")
-            return con.execute(f"SELECT count(*) FROM {target} WHERE partition_key = ?",
-                               [partition_key]).fetchall()[0][0]
+                    f"DELETE FROM {target} WHERE (? AND partition_key = ? AND id NOT IN (SELECT id FROM incoming)) "
+                    "OR id IN (SELECT id FROM changed)", [whole_partition, partition_key])
+                written = con.execute(f"INSERT INTO {target} BY NAME SELECT * FROM changed").fetchall()[0][0]
+                con.execute("DROP TABLE changed")
+            held = con.sql(f"SELECT * FROM {target} WHERE partition_key = ? ORDER BY id",
+                           params=[partition_key]).to_arrow_table()
+        return PartitionWrite(held, int(written))
 
     def _add_new_columns(self, con) -> None:
         """A table made by an older version lacks the columns a newer one writes: they are added (its

@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.jobs.shard_job import JobCheckpoints, ShardJob
+from engine.jobs.shard_job import JobCheckpoints, ShardJob, ShardWrite
 from engine.plan.plan_table import PlannedShard
 from engine.plan.prepared import PreparedBatch
 from engine.plan.tokenizing import TokenizedBatch
@@ -31,12 +31,12 @@ class MemoryStore:
         rows = [row for i in ids.to_pylist() if (held := self.answers.get(i)) for row in [held[1]]]
         return [pa.Table.from_pylist(rows)] if rows else []
 
-    def write(self, shard, results, whole):
+    def write(self, shard, results, whole, answer_keys):
         table = results_to_table(results, shard.prepared.id_type)
         for row in table.to_pylist():
             self.answers[row["id"]] = (shard.key, row)
         self.writes.append((shard.key, sorted(table.column("id").to_pylist()), whole))
-        return table, sum(key == shard.key for key, _ in self.answers.values())
+        return ShardWrite(table, sum(key == shard.key for key, _ in self.answers.values()), table.num_rows)
 
     def answered_ids(self, ids, keys):
         return {i for i in ids.to_pylist() if i in self.answers and self.answers[i][0] in keys}

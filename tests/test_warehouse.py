@@ -71,9 +71,9 @@ def test_a_table_an_older_version_made_gains_the_columns_a_newer_one_writes(tmp_
 
     db = DuckDBResource(database=str(tmp_path / "w.duckdb"))
     keys = pa.table({"id": ["1", "2"], "key": [b"\x01" * 16, b"\x02" * 16]})
-    old = answers_table([RowResult(id="1", status="ok", text="old")], pa.string(), "a", "cpu", "m", keys)
+    old = answers_table([RowResult(id="1", status="ok", text="old")], pa.string(), "a", "cpu", "m", keys, {})
     OutputTable(db, "answers", "job").replace_partition("a", old.drop_columns(["model", "completed_at"]))
-    new = answers_table([RowResult(id="2", status="ok", text="new")], pa.string(), "b", "cpu", "m", keys)
+    new = answers_table([RowResult(id="2", status="ok", text="new")], pa.string(), "b", "cpu", "m", keys, {})
     assert new.column_names[-len(PARTITION_COLUMNS):] == [name for name, _ in PARTITION_COLUMNS]
     OutputTable(db, "answers", "job").replace_partition("b", new)
     with db.get_connection() as con:

@@ -9,6 +9,7 @@ import pyarrow as pa
 from ..plan.plan_table import PlannedShard
 from ..run.results import RowResult, results_to_table
 from ..table.output import write_result
+from .shard_job import ShardWrite
 
 
 class ParquetAnswers:
@@ -21,12 +22,12 @@ class ParquetAnswers:
     def stored(self, ids: pa.Array) -> list[Path | pa.Table]:
         return [self.output] if self.output.exists() else []
 
-    def write(self, shard: PlannedShard, results: list[RowResult], whole: bool) -> tuple[pa.Table, int]:
+    def write(self, shard: PlannedShard, results: list[RowResult], whole: bool, answer_keys: dict) -> ShardWrite:
         position = {row_id: i for i, row_id in enumerate(shard.prepared.ids)}
         results = sorted(results, key=lambda r: position[r.id])  # one row per id, in input order
         table = results_to_table(results, shard.prepared.id_type)
         write_result(table, self.output, self.source)
-        return table, table.num_rows
+        return ShardWrite(table, table.num_rows, table.num_rows)
 
     def answered_ids(self, ids: pa.Array, keys: set[str]) -> set:
         return set()  # one shard: no other keys' checkpoints to prune

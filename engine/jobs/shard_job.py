@@ -21,12 +21,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ..plan.answer_keys import keys_of
 from ..plan.plan_table import PlanFile, PlannedShard
 from ..run.checkpoint import checkpoint_parts
 from ..run.console import ProgressBar
 from ..run.results import RowResult
 from ..settings import EngineSettings, SamplingSettings, SchedulerSettings
-from .resume import RunOutcome, run_resumable
+from .resume import RunOutcome, current_settings_fingerprint, run_resumable
 
 
 class AnswerStore(Protocol):
@@ -36,9 +37,10 @@ class AnswerStore(Protocol):
     def stored(self, ids: pa.Array) -> list[Path | pa.Table]:
         """What it holds of these ids, for reuse by row fingerprint (a nightly rerun of unchanged rows)."""
 
-    def write(self, shard: PlannedShard, results: list[RowResult], whole: bool) -> tuple[pa.Table, int]:
+    def write(self, shard: PlannedShard, results: list[RowResult], whole: bool, answer_keys: dict) -> ShardWrite:
         """Make ``results`` the shard's answers (``whole``: its only ones; else only these ids'
-        rows are replaced); returns the rows written and how many the shard's key holds now."""
+        rows are replaced), each with its id's answer key (``answer_keys``); a row stored as it is
+        stays untouched."""
 
     def answered_ids(self, ids: pa.Array, keys: set[str]) -> set:
         """Of ``ids``, those it holds under one of the partition ``keys``."""
@@ -96,12 +98,22 @@ def _ids_in(folder: Path) -> pa.Array:
 
 
 @dataclass(frozen=True)
+class ShardWrite:
+    """What an ``AnswerStore`` did with a shard's answers."""
+
+    table: pa.Table  # the shard's answers, as results
+    rows_now: int  # the rows its key holds now
+    written: int  # rows it wrote (new or changed: a row already stored as it is is not written again)
+
+
+@dataclass(frozen=True)
 class ShardWritten:
     """What a shard's write did."""
 
-    table: pa.Table  # the rows written
+    table: pa.Table  # the shard's answers
     rows_now: int  # the rows its key holds now
     superseded: pa.Array  # its ids a newer plan wants from elsewhere: not written
+    written: int  # rows the store wrote: those new or changed
 
 
 @dataclass
@@ -177,12 +189,19 @@ class ShardJob:
         if len(stale):
             wanted = set(stale.to_pylist())
             results = [r for r in results if r.id not in wanted]
-        table, rows_now = self.store.write(self.shard, results, whole=not len(stale))
+        done = self.store.write(self.shard, results, whole=not len(stale), answer_keys=self.answer_keys())
         if not len(stale):
             shutil.rmtree(self.checkpoint, ignore_errors=True)  # the store now holds every row of the shard
         if self.job_checkpoints is not None and plan is not None:
             self.job_checkpoints.prune(self.store, plan)
-        return ShardWritten(table, rows_now, stale)
+        return ShardWritten(done.table, done.rows_now, stale, done.written)
+
+    def answer_keys(self) -> dict:
+        """Each row's answer key under this engine's settings fingerprint (``answer_keys``): what the
+        next plan compares to know the row answered."""
+        prepared = self.shard.prepared
+        settings_fp = current_settings_fingerprint(self.engine_settings, self.sampling)
+        return dict(zip(prepared.ids, keys_of(settings_fp, self.shard.identity, prepared.errors)))
 
     def _superseded(self, plan: PlanFile | None) -> pa.Array:
         """The shard's ids the plan on disk no longer wants from it: none when it was planned in this
