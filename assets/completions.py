@@ -152,9 +152,11 @@ def run_on_ray(config: BatchJobConfig, context: dg.AssetExecutionContext, job: S
 def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDefinition) -> dg.AssetsDefinition:
     """The completions asset: its step is a closure over ``config`` (Dagster's decorator), a run of
     partitions, each one ``run_partition``."""
-    # A backfill's runs take up to partitions_per_run partitions each, one vLLM start per run.
-    # (Dagster 1.13 marks backfill_policy beta; it is its one way to run partition ranges.)
-    backfill_policy = dg.BackfillPolicy.multi_run(config.partitions_per_run) if config.partitions_per_run > 1 else None
+    # A backfill's runs take up to partitions_per_run partitions each (unset: all in one), one vLLM start
+    # per run. (Dagster 1.13 marks backfill_policy beta; it is its one way to run partition ranges.)
+    per_run = config.partitions_per_run
+    backfill_policy = (dg.BackfillPolicy.single_run() if per_run is None
+                       else dg.BackfillPolicy.multi_run(per_run) if per_run > 1 else None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", dg.BetaWarning)
         asset = dg.asset(**asset_args(config, "completions", config.completions_code_version()),

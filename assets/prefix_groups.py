@@ -1,6 +1,8 @@
 """``prefix_groups``: the global prefix plan of the batch, cut into shards (the partitions)."""
 
 import dagster as dg
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from batchllm_dagster.answer_store import OutputTableStore
 from batchllm_dagster.asset_specs import asset_args
@@ -10,13 +12,16 @@ from batchllm_dagster.instance_limits import warn_if_unlimited
 from batchllm_dagster.layout import this_run
 from batchllm_dagster.metadata import plan_metadata
 from batchllm_dagster.night_guards import refuse_a_costly_night
-from batchllm_dagster.partitions import by_hardware, shard_key, sync_partitions
+from batchllm_dagster.partitions import JobShards, by_hardware, sync_partitions
 from batchllm_dagster.shard_sizing import ShardSize, last_partitions_metadata, measured_by_hardware, shard_size
-from engine.jobs.plan_job import PlanJob
+from engine.atomic import Staged
+from engine.jobs.plan_job import PlanJob, StoredAnswers
+from engine.machine import current_platform
 from engine.models import preparation_notice
 from engine.plan.plan_stamp import stale_reasons
 from engine.plan.plan_table import PlanFile
 from engine.plan.tokenize_workers import TokenizeWorkers
+from engine.run.checkpoint import current_settings_fingerprint
 from engine.settings import fingerprint
 from engine.table.dataset import DatasetError
 
@@ -32,6 +37,38 @@ def remove_deleted_answers(config: BatchJobConfig, warehouse, keys: list[str]) -
         if path.stem not in live:
             path.unlink(missing_ok=True)
     return removed
+
+
+def trim_kept_files(config: BatchJobConfig, kept: dict[int, str], rows_by_shard: list[int]) -> int:
+    """Each kept partition's Parquet file without the rows that left it (an edited row, answered
+    again in a shard of its own tonight; a deleted one, unless ``keep_deleted_answers``): a file
+    never holds an answer the table no longer has there. Only files holding more rows than their
+    shard now has are read; returns how many were rewritten."""
+    plan, trimmed = PlanFile.open(config.files.plan_path), 0
+    for shard, key in kept.items():
+        path = config.files.completions_parquet_path(key)
+        if not path.exists() or pq.ParquetFile(path).metadata.num_rows <= rows_by_shard[shard]:
+            continue
+        held = pq.read_table(path)
+        keep = pc.is_in(held.column("id"), value_set=plan.ids_of(key))
+        if config.keep_deleted_answers:  # answers of deleted rows stay: those of rows planned elsewhere go
+            keep = pc.or_(keep, pc.invert(pc.is_in(held.column("id"), value_set=plan.ids_among(held.column("id")
+                                                                                               .combine_chunks()))))
+        with Staged(path) as staged:
+            pq.write_table(held.filter(keep), staged.path)
+        trimmed += 1
+    return trimmed
+
+
+def stored_answers(config: BatchJobConfig, warehouse, settings) -> StoredAnswers:
+    """What the plan compares to know which rows are answered: the output table's answer keys, and
+    the settings fingerprint a shard of each hardware partition's platform would record (on the
+    settings the plan file gives its shards: ``plan_settings``' block size and context length)."""
+    runs_with = config.engine_settings({"block_size": settings.with_block_size().block_size,
+                                        "max_model_len": settings.max_model_len})
+    platforms = {h.platform or config.plan_platform or current_platform() for h in config.hardware}
+    return StoredAnswers(config.output(warehouse).export_answers,
+                         sorted({current_settings_fingerprint(runs_with, config.sampling, p) for p in platforms}))
 
 
 def measured_shard_size(instance: dg.DagsterInstance, config: BatchJobConfig) -> ShardSize | None:
@@ -74,8 +111,8 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         stamp = config.plan_stamp(settings)
         refuse_a_costly_night(config, warehouse, job.read_ids())  # the ids let go after: the plan reads its own
         size = measured_shard_size(context.instance, config)
-        with job.plan(lambda rows: config.shard_count(rows, *([size.rows_per_shard] if size else [])),
-                      lambda s, ids: shard_key(config.hardware_of_shard(s), s, ids), context.log.info) as made:
+        naming = JobShards(config, size.rows_per_shard if size else None)
+        with job.plan(naming, context.log.info, stored_answers(config, warehouse, settings)) as made:
             changed = stale_reasons({k.encode(): v.encode() for k, v in stamp.items()}, config.plan_stamp(settings))
             if changed:
                 raise dg.Failure(f"{config.name}: {', '.join(changed)} changed while this plan was being made "
@@ -85,12 +122,17 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         used = made.used_keys
         added, removed = sync_partitions(context.instance, config.names.partitions_name, by_hardware(config, used))
         removed_answers = 0 if config.keep_deleted_answers else remove_deleted_answers(config, warehouse, used)
+        trimmed = trim_kept_files(config, made.kept, made.rows_by_shard)
         # A removed key's checkpoint stays while it holds answers the new plan's shards can reuse.
         config.files.checkpoints.prune(OutputTableStore(config, warehouse, context.log),
                                        PlanFile.open(config.files.plan_path))
+        to_run = made.keys_to_run
         context.log.info(f"{made.counts['groups']} groups in {len(used)} shards; partitions added {added}, "
                          f"removed {removed}; plan {plan_bytes} bytes; shard size: "
                          f"{size.why if size else 'set by the job'}")
+        context.log.info(f"{made.counts['rows_to_run']:,} of {made.counts['rows']:,} rows need a run, in "
+                         f"{len(to_run)} shards; {made.counts['settled_rows']:,} are answered as planned, in "
+                         f"{len(used) - len(to_run)} shards that do not run ({trimmed} of their files trimmed)")
         # The plan's data version is what it was made from (model, snapshot, settings) and its shards.
         return dg.MaterializeResult(data_version=dg.DataVersion(fingerprint(stamp, sorted(used))), metadata={
             **plan_metadata(made, plan_bytes, removed_answers, size)})

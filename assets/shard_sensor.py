@@ -1,7 +1,9 @@
 """The ``<name>_run_shards`` sensor: every shard of the current plan runs until it lands.
 
-After a plan it asks for one run per shard (or per ``partitions_per_run`` neighbours) on its
-hardware partition's job. On every later tick it asks again for the shards of that plan that have
+After a plan it asks for one run per hardware partition, of every shard the plan lists to run there
+(``partitions_to_run``: the shards whose rows are all answered as planned are not run again; at most
+``partitions_per_run`` shards a run where the job sets it), on its hardware partition's job: one
+vLLM start per hardware partition and night. On every later tick it asks again for the shards of that plan that have
 not landed and have no run queued or running: a run that failed (another run still held its key, a
 plan that changed under it, an engine error) or that landed nothing is retried, up to
 ``shard_attempts`` runs per shard run and plan, without any run-retry setting of the instance.
@@ -49,9 +51,7 @@ def shard_requests(instance: dg.DagsterInstance, config: BatchJobConfig, job_of_
     outstanding = set(shards_outstanding(instance, config))
     busy = keys_in_flight(instance, config, keys) if outstanding else set()
     requests = []
-    for run in shard_runs(config, keys):
-        if not outstanding & set(run) or busy & set(run):
-            continue
+    for run in shard_runs(config, keys, wanted=outstanding - busy):
         label = run[0] if len(run) == 1 else f"{run[0]}..{run[-1]}"
         tags = {PLAN_RUN_TAG: plan_run, SHARDS_TAG: label}  # a superseded plan's run says so
         tried = len(instance.get_run_ids(filters=dg.RunsFilter(tags=tags, statuses=FINISHED)))
@@ -59,7 +59,7 @@ def shard_requests(instance: dg.DagsterInstance, config: BatchJobConfig, job_of_
             if log:
                 log(f"{label}: {tried} runs for this plan did not land it (shard_attempts); not asked again")
             continue
-        if len(run) > 1:  # a range of neighbouring partitions, one vLLM start (partitions_per_run)
+        if len(run) > 1:  # a range of neighbouring partitions, one vLLM start
             tags.update({RANGE_START: run[0], RANGE_END: run[-1]})
         requests.append(dg.RunRequest(
             run_key=f"{plan_run}:{label}" + (f":attempt-{tried + 1}" if tried else ""),
@@ -76,9 +76,9 @@ def build_run_shards_sensor(config: BatchJobConfig, shards_jobs: dict[str, dg.Un
         name=config.names.run_shards_sensor_name,
         minimum_interval_seconds=30,
         default_status=dg.DefaultSensorStatus.STOPPED,
-        description="Run each shard of the current plan until it lands (one run per shard partition, or per "
-        "partitions_per_run neighbouring ones, on its hardware's job): a failed run is asked again, up to "
-        "shard_attempts times per plan.",
+        description="Run each shard of the current plan that has rows to answer until it lands (one run, one "
+        "vLLM start, per hardware partition, on its job; at most partitions_per_run shards a run where set): a "
+        "failed run is asked again, up to shard_attempts times per plan.",
     )
     def run_shards(context: dg.SensorEvaluationContext):
         requests = shard_requests(context.instance, config, job_of_hardware, context.log.info)

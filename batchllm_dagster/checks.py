@@ -26,7 +26,7 @@ from engine.table.prompt_snapshot import ids_sql
 
 from .asset_specs import warehouse as job_warehouse
 from .config import BatchJobConfig
-from .partitions import RANGE_START
+from .partitions import RANGE_START, SHARDS_TO_RUN
 
 
 def partition_check_specs(config: BatchJobConfig) -> list[dg.AssetCheckSpec]:
@@ -128,13 +128,18 @@ def merged_check_results(by_partition: dict[str, list[dg.AssetCheckResult]]) -> 
 
 
 def shards_outstanding(instance: dg.DagsterInstance, config: BatchJobConfig) -> list[str]:
-    """Partitions of the current plan not landed since the plan was made: no materialization since,
+    """Partitions of the current plan whose rows need a run (the plan's ``partitions_to_run``: the
+    others are answered as planned) not landed since the plan was made: no materialization since,
     or only ones that left rows to the plan (a run of an earlier plan that finished after it and did
     not write the rows it superseded: the key's run for this plan still has to answer them)."""
     plan = instance.fetch_materializations(config.names.asset_key("prefix_groups"), limit=1).records
     current = instance.get_dynamic_partitions(config.names.partitions_name)
     if not plan:
         return list(current)
+    to_run = plan[0].asset_materialization.metadata.get(SHARDS_TO_RUN) if plan[0].asset_materialization else None
+    if to_run is not None:  # a plan made before it listed them: every partition
+        wanted = set(to_run.value)
+        current = [key for key in current if key in wanted]
     landed, cursor = set(), None
     while True:
         page = instance.fetch_materializations(

@@ -167,10 +167,11 @@ class JobSpec(BaseModel):
         "rows a shard gets when shards is unset: a partition is one run, one vLLM start-up (>= 1); unset: sized "
         "from the last nights' partitions so start-up and orchestration stay at most 5% of one (first night: "
         "10,000)")] = None
-    partitions_per_run: Annotated[int, *described(
-        "shard partitions one run materializes, one after another on one vLLM start (>= 1): the shard sensor "
-        "groups each hardware partition's shards into runs of this many, a backfill too (Dagster's backfill "
-        "policy); each partition is written and checked on its own. 1: a run, and a vLLM start, per partition")] = 1
+    partitions_per_run: Annotated[int | None, *described(
+        "at most this many shard partitions in one run, one after another on one vLLM start (>= 1); unset: every "
+        "shard a night runs on a hardware partition in one run (the shard sensor's, batchllm-dagster run's, a "
+        "backfill's), one vLLM start per hardware partition and night. Each partition is written and checked "
+        "on its own. 1: a run, and a vLLM start, per partition")] = None
     # A name alone (`hardware: [cpu]`) is short for {name: cpu}; after validation every entry is a
     # HardwarePartition (the union is for the YAML schema, which must accept both).
     hardware: Annotated[list[str | HardwarePartition], *described(
@@ -242,7 +243,7 @@ class JobSpec(BaseModel):
                              "plan, which counts in one KV block size and context length: set llm.block_size (one "
                              "both run, e.g. 32) and llm.max_model_len")
         if (self.shards is not None and not 1 <= self.shards <= MAX_PARTITIONS) or self.ray_replicas < 1 \
-                or (self.rows_per_shard is not None and self.rows_per_shard < 1) or self.partitions_per_run < 1:
+                or (self.rows_per_shard is not None and self.rows_per_shard < 1) or (self.partitions_per_run is not None and self.partitions_per_run < 1):
             raise ValueError(f"shards must be in 1..{MAX_PARTITIONS:,}, ray_replicas, rows_per_shard and "
                              "partitions_per_run at least 1 (got "
                              f"{self.shards}, {self.ray_replicas}, {self.rows_per_shard}, {self.partitions_per_run})")

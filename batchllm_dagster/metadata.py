@@ -8,6 +8,8 @@ import pyarrow.compute as pc
 
 from engine.run.results import RunStats
 
+from .partitions import SHARDS_TO_RUN
+
 
 def table_preview(table: pa.Table, columns: list[str], rows: int = 5, width: int = 80) -> dg.MetadataValue:
     shown = [c for c in columns if c in table.column_names]
@@ -29,6 +31,9 @@ def plan_metadata(made, plan_bytes: int, removed_answers: int, size) -> dict:
         "plan_bytes_per_prompt_token": float(round(plan_bytes / max(summary["prompt_tokens"], 1), 3)),
         **({"rows_per_shard": size.rows_per_shard, "rows_per_shard_why": size.why} if size else {}),
         "partition_keys": dg.MetadataValue.json({keys[s]: rows for s, rows in enumerate(rows_by_shard) if rows}),
+        # the partitions whose rows need a run (the shard sensor's and batchllm-dagster run's list); the
+        # others' rows are answered as planned: they are not run again
+        SHARDS_TO_RUN: dg.MetadataValue.json(made.keys_to_run),
         "estimated_prefill_tokens_per_shard": dg.MetadataValue.json(
             {keys[s]: int(made.shards.prefill_tokens[s]) for s, rows in enumerate(rows_by_shard) if rows}),
         "dagster/row_count": summary["groups"],

@@ -204,6 +204,19 @@ class OutputTable:
                                     "AND partition_key IN (SELECT key FROM live_keys)").fetchall()
         return {row[0] for row in found}
 
+    def export_answers(self, path: Path) -> bool:
+        """Each answer's ``id, answer_key, status, partition_key`` into the Parquet file ``path``, by
+        DuckDB (nothing of every row in Python): what the plan compares to know which rows are answered.
+        False: no table yet. An answer written before answers had keys has none (its row runs once more)."""
+        with self._connection() as con:
+            if not table_exists(con, self.name):
+                return False
+            have = {row[0] for row in con.execute(f"DESCRIBE {self._sql_name}").fetchall()}
+            key = ANSWER_KEY if ANSWER_KEY in have else f"NULL::VARCHAR AS {ANSWER_KEY}"
+            con.execute(f"COPY (SELECT id, {key}, status, partition_key FROM {self._sql_name}) TO "
+                        f"{quote_literal(str(path))} (FORMAT parquet)")
+        return True
+
     def answers_not_in(self, live_ids: pa.Array) -> tuple[int, int]:
         """How many of the table's answers are of ids not in ``live_ids``, and how many it holds: what
         ``remove_answers_not_in`` would delete, counted before anything is."""

@@ -7,6 +7,7 @@ shard's row ids: the same groups give the same keys, and a changed shard gets a 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import dagster as dg
 
@@ -15,6 +16,8 @@ from engine.locks import Busy, held_alone
 
 from .config import BatchJobConfig, HardwarePartition
 
+# The plan's metadata entry listing the partitions whose rows need a run (the others are answered as planned).
+SHARDS_TO_RUN = "partitions_to_run"
 # Dagster's run tags for a partition range (what a backfill under a backfill policy sets too).
 RANGE_START, RANGE_END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
 
@@ -26,6 +29,40 @@ def shard_partitions(name: str) -> dg.DynamicPartitionsDefinition:
 def shard_key(hardware: HardwarePartition, shard: int, ids: list) -> str:
     digest = short_digest("\x1f".join(sorted(map(str, ids))))
     return f"{hardware.key_prefix}-{shard:02d}-{digest}"
+
+
+@dataclass(frozen=True)
+class JobShards:
+    """How a job's plan counts, numbers and names its shards (``engine.jobs.plan_job.ShardNaming``):
+    ``rows_per_shard`` the size the last nights measured (None: the job's, or the first night's)."""
+
+    config: BatchJobConfig
+    rows_per_shard: int | None = None
+
+    def count(self, rows: int) -> int:
+        return self.config.shard_count(rows, *([self.rows_per_shard] if self.rows_per_shard else []))
+
+    def gathered(self, rows_to_run: int, total_rows: int, kept: set[int]) -> list[int]:
+        """As few shards as ``rows_to_run`` need at the job's shard size (the size its whole table's
+        shards have), one per hardware partition at least while there are rows for each; numbered
+        apart from ``kept`` so that they cycle over the hardware partitions as a first night's do."""
+        slots = len(self.config.hardware)
+        per_shard = -(-total_rows // self.count(total_rows))
+        wanted = min(rows_to_run, max(slots, -(-rows_to_run // per_shard)))
+        numbers, taken = [], set(kept)
+        for i in range(wanted):
+            number = i % slots
+            while number in taken:
+                number += slots
+            taken.add(number)
+            numbers.append(number)
+        return numbers
+
+    def key(self, shard: int, ids: list) -> str:
+        return shard_key(self.config.hardware_of_shard(shard), shard, ids)
+
+    def keeps(self, shard: int, key: str) -> bool:
+        return key.startswith(self.config.hardware_of_shard(shard).key_prefix + "-")
 
 
 def hardware_of_key(config: BatchJobConfig, key: str) -> HardwarePartition:
@@ -43,18 +80,25 @@ def by_hardware(config: BatchJobConfig, keys: list[str]) -> list[str]:
     return sorted(keys, key=lambda key: rank[hardware_of_key(config, key).name])
 
 
-def shard_runs(config: BatchJobConfig, keys: list[str]) -> list[list[str]]:
+def shard_runs(config: BatchJobConfig, keys: list[str], wanted: set[str] | None = None) -> list[list[str]]:
     """``keys`` (in the instance's partition order) cut into runs: neighbours bound to the same
-    hardware partition, at most ``partitions_per_run`` each. A run of several is a partition range,
-    so its keys must be neighbours in that order."""
+    hardware partition, all of them ``wanted`` (None: every key), at most ``partitions_per_run`` each
+    (unset: as many as there are). A run of several is a partition range, so its keys must be
+    neighbours in that order: a key not wanted ends a run. A night's shards to run are added after
+    the kept ones, each hardware partition's together (``by_hardware``): one run, one vLLM start, each."""
     runs: list[list[str]] = []
+    cap = config.partitions_per_run or len(keys)
+    previous = None
     for key in keys:
-        run = runs[-1] if runs else None
-        if run and len(run) < config.partitions_per_run and hardware_of_key(config, run[0]) == hardware_of_key(
-                config, key):
+        if wanted is not None and key not in wanted:
+            previous = None
+            continue
+        run = runs[-1] if runs and previous is not None else None
+        if run and len(run) < cap and hardware_of_key(config, run[0]) == hardware_of_key(config, key):
             run.append(key)
         else:
             runs.append([key])
+        previous = key
     return runs
 
 

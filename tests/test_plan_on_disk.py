@@ -28,6 +28,26 @@ def _key(shard: int, ids: list) -> str:
     return f"s{shard}-" + hashlib.sha256("\n".join(map(str, ids)).encode()).hexdigest()[:8]
 
 
+class Naming:
+    """A job's shard naming (``ShardNaming``) with a fixed count and ``_key``'s keys."""
+
+    def __init__(self, count: int):
+        self.shards = count
+
+    def count(self, rows: int) -> int:
+        return self.shards
+
+    def gathered(self, rows_to_run: int, total_rows: int, kept: set[int]) -> list[int]:
+        free = (n for n in range(len(kept) + rows_to_run + 1) if n not in kept)
+        return [next(free) for _ in range(min(rows_to_run, self.shards))]
+
+    def key(self, shard: int, ids: list) -> str:
+        return _key(shard, ids)
+
+    def keeps(self, shard: int, key: str) -> bool:
+        return True
+
+
 def _night(seed: int, n: int) -> pa.Table:
     """``table_of``'s rows, some that cannot run besides its empty ones: a budget of 0, a prompt
     longer than the context."""
@@ -110,7 +130,7 @@ def test_the_plan_on_disk_is_the_plan_in_memory_on_a_first_night_and_after_edits
         pq.write_table(table, job.snapshot)
         meta = pq.read_table(job.snapshot).drop_columns(["prompt", "messages"])
         previous = _previous_shards(job.plan_path, meta.column("id"))
-        with job.plan(lambda rows: shards, _key, print) as made:
+        with job.plan(Naming(shards), print) as made:
             job.write(made, {"batchllm.snapshot": str(night)}, f"run-{night}")
             groups = made.groups_table(lambda shard: "cpu")
             summary = made.summary()
@@ -126,7 +146,8 @@ def test_the_plan_on_disk_is_the_plan_in_memory_on_a_first_night_and_after_edits
         assert groups.to_pylist() == expected_groups.to_pylist()
         assert {k: v for k, v in summary.items() if not k.endswith("_s")} == {
             k: v for k, v in expected_summary.items() if not k.endswith("_s")} | {
-            "token_cache_rows": summary["token_cache_rows"], "tokenized_rows": summary["tokenized_rows"]}
+            "token_cache_rows": summary["token_cache_rows"], "tokenized_rows": summary["tokenized_rows"],
+            "settled_rows": 0, "rows_to_run": len(meta), "shards_to_run": expected_summary["shards"]}
         assert summary["error_rows"] > 10 and summary["duplicate_rows"] > 0 and summary["shared_groups"] > 3
         assert (summary["split_groups"] > 0) == (shards == 16)  # 16 shards: cut afresh each night, groups split
     # 5 shards: the second night's are the first night's where groups stayed whole, not a fresh cut.
@@ -146,13 +167,13 @@ def test_a_plan_out_of_memory_says_where_and_what_it_needs_and_leaves_the_last_p
     job = PlanJob(tmp_path / "prompts.parquet", tmp_path / "plan.parquet", tmp_path / "cache", settings,
                   SamplingSettings(max_tokens=5), SchedulerSettings(min_group_rows=2), Columns(), print)
     pq.write_table(_night(0, 300), job.snapshot)
-    with job.plan(lambda rows: 2, _key, print) as made:
+    with job.plan(Naming(2), print) as made:
         job.write(made, {"batchllm.snapshot": "0"}, "run-0")
     before = job.plan_path.read_bytes()
     monkeypatch.setattr(sorted_plan, "PLAN_MEMORY_MIB", 1)
     monkeypatch.setattr(dataset, "DUCKDB_MEMORY_PER_THREAD_MIB", 0)
     with pytest.raises(plan_on_disk.PlanResourcesError, match=r"ran out of memory: .*free disk per million rows"):
-        with job.plan(lambda rows: 2, _key, print) as made:
+        with job.plan(Naming(2), print) as made:
             job.write(made, {"batchllm.snapshot": "1"}, "run-1")
     assert job.plan_path.read_bytes() == before and not list(tmp_path.glob(".plan_work*"))
 
@@ -176,6 +197,6 @@ def test_a_snapshot_replaced_while_the_plan_reads_it_stops_the_plan_loudly(tmp_p
 
     monkeypatch.setattr(plan_on_disk.PlanOnDisk, "load_chains", replaced_meanwhile)
     with pytest.raises(DatasetError, match="changed while it was read: plan again"):
-        with job.plan(lambda rows: 2, _key, print):
+        with job.plan(Naming(2), print):
             pass
     assert not job.plan_path.exists() and not list(tmp_path.glob(".plan_work*"))

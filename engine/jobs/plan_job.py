@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import pyarrow as pa
 
@@ -72,6 +73,33 @@ def summary_of(rows: int, error_rows: int, duplicate_rows: int, groups: int, sha
     }
 
 
+class ShardNaming(Protocol):
+    """How a job's shards are counted, numbered and named (``batchllm_dagster.partitions.JobShards``)."""
+
+    def count(self, rows: int) -> int:
+        """The shards of a plan whose ``rows`` are all cut afresh (a first night)."""
+
+    def gathered(self, rows_to_run: int, total_rows: int, kept: set[int]) -> list[int]:
+        """The numbers of the shards a night's ``rows_to_run`` go to, apart from the ``kept`` ones."""
+
+    def key(self, shard: int, ids: list) -> str:
+        """A new shard's partition key."""
+
+    def keeps(self, shard: int, key: str) -> bool:
+        """Whether a previous shard's partition can stay as it is (its key still names its hardware)."""
+
+
+@dataclass(frozen=True)
+class StoredAnswers:
+    """What the job's answer store holds, for the plan to know which rows are answered: ``export``
+    writes its ``id, answer_key, status, partition_key`` to a Parquet file (False: nothing stored
+    yet); ``settings_fps``: the settings fingerprints tonight's answers would be made with (one per
+    platform the job's hardware runs on)."""
+
+    export: Callable[[Path], bool]
+    settings_fps: list[str]
+
+
 @dataclass(frozen=True)
 class JobPlan:
     """A plan made, not yet published: its database (``PlanOnDisk``, open while ``PlanJob.plan``'s
@@ -84,14 +112,22 @@ class JobPlan:
     shards: ShardTotals
     keys: list[str]  # each shard's partition key
     rows_by_shard: list[int]  # each shard's rows
+    kept: dict[int, str] = field(default_factory=dict)  # shards whose rows are all answered: never run
 
     @property
     def used_keys(self) -> list[str]:
         """The keys of the shards that have rows (fewer groups than shards leave some empty)."""
         return [key for key, rows in zip(self.keys, self.rows_by_shard) if rows]
 
+    @property
+    def keys_to_run(self) -> list[str]:
+        """The used keys whose rows need a run: every one but the kept shards'."""
+        kept = set(self.kept.values())
+        return [key for key in self.used_keys if key not in kept]
+
     def summary(self) -> dict:
-        return {**self.counts, "shards": len(self.used_keys), "split_groups": self.shards.split_groups}
+        return {**self.counts, "shards": len(self.used_keys), "shards_to_run": len(self.keys_to_run),
+                "split_groups": self.shards.split_groups}
 
     def groups_table(self, hardware_of_shard: Callable[[int], str]) -> pa.Table:
         """One row per group: its shard, prefix length, rows and estimated tokens."""
@@ -165,23 +201,25 @@ class PlanJob:
         read_by_row_group(path, columns_without_text(path, self.columns.prompt, self.columns.messages))
 
     @contextlib.contextmanager
-    def plan(self, shard_count: Callable[[int], int], key_of: Callable[[int, list], str],
-             progress: Callable[[str], None]) -> Iterator[JobPlan]:
-        """The snapshot's rows: tokens (only new or changed rows tokenized), the plan, ``shard_count(rows)``
-        shards that keep what the plan on disk had where they can, and each shard's key (``key_of(shard, ids)``):
-        ``with job.plan(...) as made:``, its database in a staging folder beside the plan, removed
-        when the block ends (a crash's, by the next plan)."""
+    def plan(self, naming: ShardNaming, progress: Callable[[str], None],
+             answers: StoredAnswers | None = None) -> Iterator[JobPlan]:
+        """The snapshot's rows: tokens (only new or changed rows tokenized), the plan, its shards
+        (``naming``: how many, their numbers and keys) and each shard's key: ``with job.plan(...) as
+        made:``, its database in a staging folder beside the plan, removed when the block ends (a
+        crash's, by the next plan). With ``answers``, the rows already answered as planned tonight
+        keep their shards, which are not run again, and only the rest are cut into new shards
+        (``PlanOnDisk.settle``); without, every shard is cut, kept from the plan on disk where it can be."""
         settings = self.settings.with_block_size()  # a plan counts in whole KV blocks
         with Staged(self.plan_path.with_name("plan_work")) as work:
             disk = PlanOnDisk(work.path, settings.block_size)
             try:
-                yield self._plan(disk, settings, shard_count, key_of, progress)
+                yield self._plan(disk, settings, naming, progress, answers)
             finally:
                 disk.close()
                 work.discard()
 
-    def _plan(self, disk: PlanOnDisk, settings: EngineSettings, shard_count: Callable[[int], int],
-              key_of: Callable[[int, list], str], progress: Callable[[str], None]) -> JobPlan:
+    def _plan(self, disk: PlanOnDisk, settings: EngineSettings, naming: ShardNaming, progress: Callable[[str], None],
+              answers: StoredAnswers | None) -> JobPlan:
         tokenizer = LazyTokenizer(self.settings.model_path)  # loaded only if a row is new or changed
         pa.default_memory_pool().release_unused()  # what reading the snapshot's ids (the guards) left in Arrow's pool
         rows = self.cache.rows_for(self.snapshot, tokenizer, self.columns.prompt, self.columns.messages,
@@ -197,24 +235,46 @@ class PlanJob:
                              find_duplicates=disk.duplicate_sets)
         started = time.perf_counter()
         disk.load_rows(lengths, checked)  # budgets and duplicate sets now in the database: let go of the arrays
-        errors, formats = checked.errors, checked.formats
+        plan_rows = PlanRows(checked.errors, format_texts(checked.formats))
+        errors = checked.errors
         del lengths, checked
+        previous = previous_plan(self.plan_path, disk.id_type)
+        settled = self._settle(disk, previous, answers, plan_rows, naming) if previous is not None else 0
         disk.make(self.scheduler.min_group_rows)
         plan_s = rows.tree_s + time.perf_counter() - started
-        shards = disk.shard(shard_count(count_rows), previous_plan(self.plan_path, disk.id_type))
+        kept = disk.kept_keys()
+        shards = disk.shard(naming.count(count_rows), previous,
+                            gathered=lambda to_run: naming.gathered(to_run, count_rows, set(kept)))
+        kept = disk.kept_keys()  # none where nothing settled: then every shard is cut as before
         partition_keys, rows_by_shard = [], []
         for shard, in_order in disk.shard_rows("position"):  # a shard's ids at a time
-            partition_keys.append(key_of(shard, in_order.column("id").to_pylist()))
+            key = kept.get(shard) or naming.key(shard, in_order.column("id").to_pylist())
+            partition_keys.append(key)
             rows_by_shard.append(in_order.num_rows)
         numbers = disk.numbers()
         counts = {**summary_of(count_rows, len(errors), numbers["duplicate_rows"],
                                numbers["groups"], numbers["shared_groups"], numbers["prompt_tokens"],
                                numbers["unique_tokens"], rows.seconds, plan_s),
-                  "token_cache_rows": rows.cached_rows, "tokenized_rows": rows.tokenized_rows}
+                  "token_cache_rows": rows.cached_rows, "tokenized_rows": rows.tokenized_rows,
+                  "settled_rows": settled, "rows_to_run": count_rows - settled}
         log.info("planned %d rows: %d groups, %d prompt tokens, shared %.1f%%, %d identical to another row "
                  "(tokenize %.2fs, plan %.2fs)", counts["rows"], counts["groups"], counts["prompt_tokens"],
                  100 * counts["shared_fraction"], counts["duplicate_rows"], rows.seconds, plan_s)
-        return JobPlan(disk, PlanRows(errors, format_texts(formats)), counts, shards, partition_keys, rows_by_shard)
+        return JobPlan(disk, plan_rows, counts, shards, partition_keys, rows_by_shard, kept)
+
+    def _settle(self, disk: PlanOnDisk, previous: Path, answers: StoredAnswers | None, rows: PlanRows,
+                naming: ShardNaming) -> int:
+        """The rows the answer store holds as tonight plans them (``PlanOnDisk.settle``), less those
+        of a previous shard whose partition cannot stay; returns how many settled."""
+        if answers is None or not answers.settings_fps:
+            return 0
+        stored = disk.folder / "answers.parquet"
+        if not answers.export(stored):
+            return 0
+        disk.settle(previous, stored, answers.settings_fps, rows)
+        stored.unlink()
+        disk.unsettle([shard for shard, key in disk.kept_keys().items() if not naming.keeps(shard, key)])
+        return disk.settled_rows()
 
     def write(self, made: JobPlan, stamp: dict[str, str], plan_run: str) -> int:
         """Publish the plan whole: every row with its group, shard, run position and content key (its

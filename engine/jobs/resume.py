@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from ..machine import Platform, current_platform, vllm_version
+from ..machine import current_platform, vllm_version
 from ..plan.prepared import PreparedBatch
 from ..plan.row_checks import choice_rows
 from ..run.batch_run import BatchRun
@@ -36,22 +36,11 @@ class RunOutcome:
     not_reused: dict[str, int] = field(default_factory=dict)  # rows run again, by why they were not reused
 
 
-def current_settings_fingerprint(engine_settings: EngineSettings, sampling: SamplingSettings,
-                                 platform: Platform | None = None) -> str:
-    """Today's settings fingerprint of an engine of this build on ``platform`` (this machine's where None)."""
-    return _settings_fingerprints(engine_settings, sampling, platform)[0]
-
-
-def _settings_fingerprints(engine_settings: EngineSettings, sampling: SamplingSettings,
-                           platform: Platform | None = None):
-    return settings_fingerprints(engine_settings.for_platform(platform or current_platform()), sampling,
-                                 vllm_version())
-
-
 def answer_fingerprints(prepared: PreparedBatch, engine_settings: EngineSettings, sampling: SamplingSettings):
     """The settings fingerprint of this engine (its build, the settings as this platform resolves
     them) and each row's, today's and the legacy one (``settings_fingerprints``)."""
-    settings_fp, legacy_fp = _settings_fingerprints(engine_settings, sampling)
+    settings_fp, legacy_fp = settings_fingerprints(engine_settings.for_platform(current_platform()), sampling,
+                                                   vllm_version())
     return settings_fp, row_fingerprints(prepared, settings_fp), legacy_fp, row_fingerprints(prepared, legacy_fp)
 
 

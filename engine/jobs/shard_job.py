@@ -23,11 +23,11 @@ import pyarrow.parquet as pq
 
 from ..plan.answer_keys import keys_of
 from ..plan.plan_table import PlanFile, PlannedShard
-from ..run.checkpoint import checkpoint_parts
+from ..run.checkpoint import checkpoint_parts, current_settings_fingerprint
 from ..run.console import ProgressBar
 from ..run.results import RowResult
 from ..settings import EngineSettings, SamplingSettings, SchedulerSettings
-from .resume import RunOutcome, current_settings_fingerprint, run_resumable
+from .resume import RunOutcome, run_resumable
 
 
 class AnswerStore(Protocol):

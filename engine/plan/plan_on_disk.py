@@ -14,7 +14,7 @@ plan was made in memory).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,11 +23,13 @@ import pyarrow.parquet as pq
 
 from ..sql import quote_identifier
 from ..table.prompt_snapshot import CONTENT_KEY, KEY_TYPE, require_content_keys
+from .answer_keys import key_sql
 from .duplicates import NO_SET, FormatTexts
+from .plan_table import PlanRows
 from .prepared import CheckedRows
 from .row_checks import format_codes
 from .sorted_plan import PLAN_MEMORY_MIB, SortedPlan, open_plan_database, plan_rows
-from .sorted_shards import ShardTotals, assign_shards_by_sort
+from .sorted_shards import ShardTotals, assign_gathered_shards, assign_shards_by_sort
 
 ROW_CHAINS = pa.schema([("row", pa.int64()), ("length", pa.int64()), ("hashes", pa.large_list(pa.uint64()))])
 _IDENTITY = pa.schema([("row", pa.int64()), ("max_tokens", pa.int64()), ("format", pa.int32()),
@@ -163,20 +165,85 @@ class PlanOnDisk:
             plan_rows(self.con, self.plan.block_size, min_group_rows)
             self.con.execute("DROP TABLE rows_in")
 
-    def shard(self, count: int, previous_plan: Path | None) -> ShardTotals:
+    def settle(self, previous_plan: Path, answers: Path, settings_fps: list[str], rows: PlanRows) -> int:
+        """The rows answered as tonight plans them, into the table ``settled(row, shard, partition_key)``:
+        each keeps the shard and partition of the previous plan, where its one stored answer (in
+        ``answers``, a Parquet file of the output table's ``id, answer_key, status, partition_key``)
+        is under that partition with tonight's answer key (``answer_keys``: under one of
+        ``settings_fps``, the row's content key, budget, own format and plan error) and is an answer
+        (an error only where the plan itself gives the row that error). ``rows``: the rows' errors and
+        own formats. Returns how many rows settled (the rest need a run)."""
+        extras = pa.table({"row": pa.array(sorted(set(rows.errors) | set(rows.format_texts)), pa.int64())})
+        extras = extras.append_column("error", pa.array([rows.errors.get(r) for r in extras["row"].to_pylist()],
+                                                        pa.string()))
+        extras = extras.append_column("response_format", pa.array(  # noqa: F841 (read by the query below)
+            [rows.format_texts.get(r) for r in extras["row"].to_pylist()], pa.string()))
+        keys = [key_sql(fp, "i.key", "b.max_tokens", "x.response_format", "x.error") for fp in settings_fps]
+        with self._resources():
+            self.con.register("row_extras", extras)
+            self.con.execute(f"""CREATE TABLE settled AS
+                WITH previous AS (SELECT id, arg_min(shard, file_row_number) AS shard,
+                                         arg_min(partition_key, file_row_number) AS partition_key
+                                  FROM read_parquet($plan, file_row_number = true) GROUP BY id),
+                     answered AS (SELECT id, any_value(answer_key) AS answer_key, any_value(status) AS status,
+                                         any_value(partition_key) AS partition_key
+                                  FROM read_parquet($answers) GROUP BY id HAVING count(*) = 1)
+                SELECT i.row, p.shard, p.partition_key
+                FROM row_ids i JOIN row_budgets b ON b.row = i.row LEFT JOIN row_extras x ON x.row = i.row
+                     JOIN previous p ON p.id = i.id
+                     JOIN answered a ON a.id = i.id AND a.partition_key = p.partition_key
+                WHERE a.answer_key IN ({", ".join(keys) or "NULL"})
+                  AND (a.status = 'ok' OR (a.status = 'error' AND x.error IS NOT NULL))""",
+                             {"plan": str(previous_plan), "answers": str(answers)})
+            self.con.unregister("row_extras")
+            return self.settled_rows()
+
+    def unsettle(self, shards: list[int]) -> None:
+        """The rows of these previous shards need a run after all (their partition cannot be kept)."""
+        if shards:
+            self.con.execute("DELETE FROM settled WHERE shard IN (SELECT unnest($s::BIGINT[]))", {"s": shards})
+
+    def kept_keys(self) -> dict[int, str]:
+        """The previous shards whose settled rows stay, each with its partition key (none before ``settle``)."""
+        if not self._has("settled"):
+            return {}
+        return dict(self.con.execute("SELECT DISTINCT shard, partition_key FROM settled").fetchall())
+
+    def settled_rows(self) -> int:
+        """The rows ``settle`` kept (less those ``unsettle`` gave back)."""
+        return int(self.con.execute("SELECT count(*) FROM settled").fetchall()[0][0]) if self._has("settled") else 0
+
+    def _has(self, table: str) -> bool:
+        return bool(self.con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = ?", [table]
+                                     ).fetchall()[0][0])
+
+    def shard(self, count: int, previous_plan: Path | None, gathered: Callable[[int], list[int]] | None = None
+              ) -> ShardTotals:
         """``count`` shards, kept from ``previous_plan`` (the plan file on disk: each row keeps the
         shard its id had there, ``plan_table.previous_plan``) where they can be: the table
         ``planned``, each row's shard, run position, group, group prefix, budget, duplicate set, id
-        and key, stored by shard (a shard's rows are then a few of its row groups: ``shard_rows``)."""
+        and key, stored by shard (a shard's rows are then a few of its row groups: ``shard_rows``).
+        Where rows settled (``settle``), they stay in their shards and only the rest are cut, into
+        the shards ``gathered(rows_to_run)`` numbers: a night after pays for what changed."""
         with self._resources():
-            if previous_plan is not None:  # its ids are unique: the first row of an id, as a lookup finds it
-                self.con.execute("""CREATE TABLE previous_shards AS
-                    SELECT r.row, p.shard FROM row_ids r JOIN (
-                        SELECT id, arg_min(shard, file_row_number) AS shard
-                        FROM read_parquet($path, file_row_number = true) GROUP BY id) p ON p.id = r.id""",
-                                 {"path": str(previous_plan)})
-            totals = assign_shards_by_sort(self.plan, count, previous=previous_plan is not None)
-            self.count = count
+            settled = self.kept_keys()
+            if settled and gathered is not None:
+                unsettled = self.con.execute("SELECT count(*) FROM plan WHERE row NOT IN (SELECT row FROM settled)"
+                                             ).fetchall()[0][0]
+                numbers = gathered(int(unsettled)) if unsettled else []
+                totals = assign_gathered_shards(self.plan, numbers)
+                self.count = int(totals.prefill_tokens.size)
+            else:
+                if previous_plan is not None:  # its ids are unique: the first row of an id, as a lookup finds it
+                    self.con.execute("""CREATE TABLE previous_shards AS
+                        SELECT r.row, p.shard FROM row_ids r JOIN (
+                            SELECT id, arg_min(shard, file_row_number) AS shard
+                            FROM read_parquet($path, file_row_number = true) GROUP BY id) p ON p.id = r.id""",
+                                     {"path": str(previous_plan)})
+                if self._has("settled"):
+                    self.con.execute("DELETE FROM settled")  # nothing kept apart: every shard is cut as before
+                totals = assign_shards_by_sort(self.plan, count, previous=previous_plan is not None)
+                self.count = count
             self.con.execute(f"""CREATE TABLE planned AS
                 SELECT s.shard, p.row, p.position, p.grp, p.prefix_tokens, b.max_tokens,
                        coalesce(d.set, {NO_SET}) AS duplicate_set, i.id, i.key

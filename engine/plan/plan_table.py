@@ -384,6 +384,10 @@ class PlanFile:
         """Every id the plan holds (what the answers' table keeps: ``remove_deleted_answers``)."""
         return self._file.read(columns=["id"]).column("id").combine_chunks()
 
+    def ids_of(self, key: str) -> pa.Array:
+        """The ids of partition ``key`` (its row groups alone)."""
+        return self._of_key(key).column("id").combine_chunks()
+
     def ids_among(self, ids: pa.Array) -> pa.Array:
         """Those of ``ids`` (of the plan's ``id_type``) the plan holds, read one row group's ids at a
         time: never all of a plan's ids at once."""

@@ -57,6 +57,31 @@ def assign_shards_by_sort(plan: SortedPlan, num_shards: int, weights: list[float
     return _totals(plan, num_shards, decode_cost, too_big)
 
 
+def assign_gathered_shards(plan: SortedPlan, numbers: list[int], decode_cost: float = 2.0) -> ShardTotals:
+    """A night after: the rows the plan's database holds as ``settled`` stay in their shards, the
+    others (in plan order, their groups as the whole batch's plan made them) are cut afresh into
+    the shards ``numbers``, as many as they need and numbered apart from the kept ones. Returns the
+    totals of every shard number up to the highest."""
+    con = plan.connection
+    con.execute(f"""CREATE OR REPLACE TABLE costed AS
+        SELECT row, position, grp, cost, sum(cost) OVER (ORDER BY position ROWS UNBOUNDED PRECEDING) AS cum_end
+        FROM (SELECT row, position, grp, unique_tokens + {float(decode_cost)!r}::DOUBLE * decode AS cost FROM plan
+              WHERE row NOT IN (SELECT row FROM settled))""")
+    con.execute("""CREATE OR REPLACE TABLE group_cost AS
+        SELECT grp, sum(cost) AS cost, max(cum_end) AS cum_end FROM costed GROUP BY grp""")
+    too_big = None
+    if numbers:
+        too_big = _cut(con, shard_weights(None, len(numbers)))
+        con.execute("UPDATE shards SET shard = ($numbers::BIGINT[])[shard + 1]", {"numbers": numbers})
+    else:
+        con.execute("CREATE OR REPLACE TABLE shards (row BIGINT, shard BIGINT)")
+    con.execute("INSERT INTO shards SELECT row, shard FROM settled")
+    con.execute("DROP TABLE costed")
+    con.execute("DROP TABLE group_cost")
+    parts = int(con.execute("SELECT coalesce(max(shard), -1) + 1 FROM shards").fetchall()[0][0])
+    return _totals(plan, parts, decode_cost, too_big)
+
+
 def _cut(con, weight: np.ndarray) -> str:
     """``shards.assign_shards``'s fresh cut into ``shards``; returns the table of groups it may split."""
     total = con.execute("SELECT coalesce(max(cum_end), 0) FROM group_cost").fetchall()[0][0]

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from ..atomic import write_parquet
 from ..digests import digest as new_digest
+from ..machine import Platform, current_platform, vllm_version
 from ..settings import EngineSettings, SamplingSettings, fingerprint
 from .results import RESULT_SCHEMA_FIELDS, RowResult, results_to_table
 
@@ -51,6 +52,13 @@ def settings_fingerprints(engine: EngineSettings, sampling: SamplingSettings, en
     relevant, model = engine.model_dump(include=_ANSWER_SETTINGS), model_fingerprint(engine.model_path)
     today = fingerprint(relevant, model, engine_build, sampling.model_dump(mode="json", exclude={"max_tokens"}))
     return today, fingerprint(relevant, model, engine_build, sampling)
+
+
+def current_settings_fingerprint(engine: EngineSettings, sampling: SamplingSettings,
+                                 platform: Platform | None = None) -> str:
+    """Today's settings fingerprint of an engine of this machine's vLLM build on ``platform`` (this
+    machine's where None): what a run there records, and what a plan compares with the answers."""
+    return settings_fingerprints(engine.for_platform(platform or current_platform()), sampling, vllm_version())[0]
 
 
 def row_fingerprints(prepared, settings_fp: str) -> list[str]:
