@@ -28,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _config(work: Path, model: str, partition_rows: int, partitions_per_run: int = 1, tokenize_workers: int = 1):
+def _config(work: Path, model: str, partition_rows: int, partitions_per_run: int | None = 1,
+            tokenize_workers: int = 1):
     from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings, SamplingSettings
 
     return BatchJobConfig(

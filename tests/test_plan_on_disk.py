@@ -11,7 +11,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from engine.jobs.plan_job import PlanJob, plan_summary
+from engine.jobs.plan_job import PlanJob, StoredAnswers, plan_summary
+from engine.plan.answer_keys import answer_key
 from engine.plan.prepared import plan_tokenized
 from engine.plan.shards import assign_shards
 from engine.plan.token_cache import TokenCache
@@ -39,7 +40,7 @@ class Naming:
 
     def gathered(self, rows_to_run: int, total_rows: int, kept: set[int]) -> list[int]:
         free = (n for n in range(len(kept) + rows_to_run + 1) if n not in kept)
-        return [next(free) for _ in range(min(rows_to_run, self.shards))]
+        return [next(free) for _ in range(-(-rows_to_run // -(-total_rows // self.shards)))]  # as few as they need
 
     def key(self, shard: int, ids: list) -> str:
         return _key(shard, ids)
@@ -200,3 +201,64 @@ def test_a_snapshot_replaced_while_the_plan_reads_it_stops_the_plan_loudly(tmp_p
         with job.plan(Naming(2), print):
             pass
     assert not job.plan_path.exists() and not list(tmp_path.glob(".plan_work*"))
+
+
+def _answered_as_planned(plan_path, settings_fp: str) -> pa.Table:
+    """The answers the shards of the plan on disk write: each row's id, answer key (under
+    ``settings_fp``), status (an error where the plan gives one) and partition."""
+    plan = pq.read_table(plan_path)
+    keys = [answer_key(settings_fp, key, budget, fmt, error) for key, budget, fmt, error in zip(
+        *(plan[c].to_pylist() for c in (CONTENT_KEY, "max_tokens", "response_format", "error")))]
+    return pa.table({"id": plan["id"], "answer_key": keys,
+                     "status": ["error" if e else "ok" for e in plan["error"].to_pylist()],
+                     "partition_key": plan["partition_key"]})
+
+
+def test_a_night_after_keeps_answered_shards_and_gathers_the_rows_to_run_into_few(tmp_path, tiny_model):
+    """With the answers stored: a night with nothing changed has no shard to run and the same keys;
+    a night with rows edited, new and deleted runs one new shard of exactly those rows (the edited
+    and the new), every other row keeping its shard and partition key; answers under other settings
+    settle nothing."""
+    settings = EngineSettings(model_path=tiny_model, block_size=8, max_model_len=256)
+    job = PlanJob(tmp_path / "prompts.parquet", tmp_path / "plan.parquet", tmp_path / "cache", settings,
+                  SamplingSettings(max_tokens=5), SchedulerSettings(min_group_rows=2), Columns(), print)
+    stored: list[pa.Table] = []
+
+    def export(path) -> bool:
+        pq.write_table(stored[-1], path)
+        return True
+
+    def night(table: pa.Table, fps=("ab12",)):
+        pq.write_table(table, job.snapshot)
+        with job.plan(Naming(5), print, StoredAnswers(export, list(fps))) as made:
+            job.write(made, {"batchllm.snapshot": str(len(stored))}, f"run-{len(stored)}")
+            return made.keys_to_run, made.summary(), dict(zip(*(pq.read_table(job.plan_path)[c].to_pylist()
+                                                                for c in ("id", "partition_key"))))
+
+    first = _night(0, 300)
+    stored.append(pa.table({"id": pa.array([], pa.string()), "answer_key": pa.array([], pa.string()),
+                            "status": pa.array([], pa.string()), "partition_key": pa.array([], pa.string())}))
+    to_run, summary, keys = night(first)
+    assert len(to_run) == 5 and summary["rows_to_run"] == 300 and summary["settled_rows"] == 0
+    stored.append(_answered_as_planned(job.plan_path, "ab12"))
+
+    again, summary, keys_again = night(first)
+    assert again == [] and summary["settled_rows"] == 300 and keys_again == keys
+
+    prompts = first["prompt"].to_pylist()
+    edited_ids = [first["id"][i].as_py() for i in (1, 2, 100, 250)]
+    for i in (1, 2, 100, 250):
+        prompts[i] = prompts[i] + " (edited)"
+    edited = first.set_column(first.schema.get_field_index("prompt"), "prompt", pa.array(prompts, pa.string()))
+    edited = edited.set_column(edited.schema.get_field_index(CONTENT_KEY), CONTENT_KEY, content_keys(
+        edited["prompt"].combine_chunks(), edited["messages"].combine_chunks(), edited.num_rows))
+    new = _night(7, 3).set_column(0, "id", pa.array(["new0", "new1", "new2"]))
+    changed = pa.concat_tables([edited.slice(0, 290), new])  # 10 deleted, 4 edited, 3 new
+    to_run, summary, keys_after = night(changed)
+    assert len(to_run) == 1 and summary["rows_to_run"] == 7 and summary["settled_rows"] == 286
+    assert sorted(i for i, k in keys_after.items() if k == to_run[0]) == sorted(edited_ids + ["new0", "new1", "new2"])
+    assert all(keys_after[i] == keys[i] for i in keys_after if keys_after[i] != to_run[0])
+
+    stored.append(_answered_as_planned(job.plan_path, "ab12"))
+    to_run, summary, _ = night(changed, fps=("cd34",))  # another model or settings: every row runs again
+    assert summary["settled_rows"] == 0 and summary["rows_to_run"] == 293 and len(to_run) == 5
