@@ -242,8 +242,9 @@ class JobSpec(BaseModel):
             raise ValueError(f"hardware partitions on different platforms ({', '.join(sorted(platforms))}) share one "
                              "plan, which counts in one KV block size and context length: set llm.block_size (one "
                              "both run, e.g. 32) and llm.max_model_len")
+        at_least_one = (self.rows_per_shard, self.partitions_per_run)  # where set
         if (self.shards is not None and not 1 <= self.shards <= MAX_PARTITIONS) or self.ray_replicas < 1 \
-                or (self.rows_per_shard is not None and self.rows_per_shard < 1) or (self.partitions_per_run is not None and self.partitions_per_run < 1):
+                or any(value is not None and value < 1 for value in at_least_one):
             raise ValueError(f"shards must be in 1..{MAX_PARTITIONS:,}, ray_replicas, rows_per_shard and "
                              "partitions_per_run at least 1 (got "
                              f"{self.shards}, {self.ray_replicas}, {self.rows_per_shard}, {self.partitions_per_run})")

@@ -71,8 +71,8 @@ def change_night(work: Path, edit: float = 0.01, add: float = 0.005, delete: flo
                              ).fetchone()[0]
         deleted = con.execute(f"DELETE FROM prompts WHERE id % {round(1 / delete)} = 1").fetchone()[0]
         added = round(total * add)
-        con.execute(f"INSERT INTO prompts SELECT {top} + 1 + row_number() OVER () AS id, "
-                    f"prompt || ' (a new row)' FROM (SELECT prompt FROM prompts USING SAMPLE {added} ROWS (reservoir, 7))")
+        con.execute(f"INSERT INTO prompts SELECT {top} + 1 + row_number() OVER () AS id, prompt || ' (a new row)' "
+                    f"FROM (SELECT prompt FROM prompts USING SAMPLE {added} ROWS (reservoir, 7))")
     return {"edited": edited, "added": added, "deleted": deleted}
 
 

@@ -426,7 +426,7 @@ def test_one_run_answers_a_range_of_shards_on_one_vllm_start(job, tmp_path):
     assert set(checks["one_completion_per_row"].metadata["by_partition"].value) == set(keys)
 
     single = BatchJobConfig.model_validate({**job.model_dump(), "shards": 3, "output_table": "single",
-                                            "storage_dir": str(tmp_path / "single")})
+                                            "partitions_per_run": 1, "storage_dir": str(tmp_path / "single")})
     single_runs, _, single_rows = answers(single)
     assert len(single_runs) == 3
     assert {i: text for i, _, text in rows} == {i: text for i, _, text in single_rows}
