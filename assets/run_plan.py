@@ -107,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     for line in shard_lines(shards):
         print(line)
     failed = [r for r in results if not r.success]
-    print(f"{args.job}: {len(results)} shard runs, {len(results) - len(failed)} succeeded"
-          + (f", {len(failed)} failed: {[r.run_id for r in failed]}" if failed else ""))
+    runs = f"{len(results)} run" + ("" if len(results) == 1 else "s")
+    print(f"{args.job}: {len(shards)} shards landed in {runs}, {len(results) - len(failed)} succeeded"
+          + (f", {len(failed)} failed: {[r.run_id for r in failed]}" if failed else "")
+          + ("" if results or failed else " (every row is answered as planned: nothing to run)"))
     return 1 if failed else 0
 
 

@@ -44,11 +44,11 @@ class JobShards:
 
     def gathered(self, rows_to_run: int, total_rows: int, kept: set[int]) -> list[int]:
         """As few shards as ``rows_to_run`` need at the job's shard size (the size its whole table's
-        shards have), one per hardware partition at least while there are rows for each; numbered
-        apart from ``kept`` so that they cycle over the hardware partitions as a first night's do."""
+        shards have: each new shard starts vLLM on its hardware), numbered apart from ``kept`` so that
+        they cycle over the hardware partitions as a first night's do."""
         slots = len(self.config.hardware)
         per_shard = -(-total_rows // self.count(total_rows))
-        wanted = min(rows_to_run, max(slots, -(-rows_to_run // per_shard)))
+        wanted = -(-rows_to_run // per_shard)
         numbers, taken = [], set(kept)
         for i in range(wanted):
             number = i % slots

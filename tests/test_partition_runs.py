@@ -95,3 +95,31 @@ def test_a_backfill_of_completions_takes_partitions_per_run_partitions_a_run(per
         assert policy is None
     else:
         assert policy.max_partitions_per_run == per_run
+
+
+def test_unset_a_nights_shards_of_a_hardware_partition_are_one_run_and_a_key_not_to_run_ends_a_range():
+    job = config(["gpu", "cpu"], None)
+    keys = by_hardware(job, keys_of(job, 7))
+    assert [len(r) for r in shard_runs(job, keys)] == [4, 3]  # one run, one vLLM start, per hardware partition
+    # Only the keys to run tonight: a kept key between two of them is never inside a range.
+    wanted = {keys[0], keys[1], keys[3], keys[5]}
+    assert shard_runs(job, keys, wanted) == [[keys[0], keys[1]], [keys[3]], [keys[5]]]
+
+
+def test_a_nights_new_shards_are_as_few_as_their_rows_need_numbered_apart_from_the_kept_cycling_over_hardware():
+    from batchllm_dagster.partitions import JobShards
+
+    one, two = config(["cpu"], None), config(["gpu", "cpu"], None)
+    # 100,000 rows in 10 shards: 1,500 rows to run need one shard of the job's size (10,000 rows)
+    sized = JobShards(one.model_copy(update={"rows_per_shard": 10_000}))
+    assert sized.gathered(1_500, 100_000, kept=set(range(10))) == [10]
+    assert sized.gathered(25_000, 100_000, kept={0, 2}) == [1, 3, 4]
+    # a fixed shard count: the shard size is its share of the whole table
+    fixed = JobShards(one.model_copy(update={"shards": 4}))
+    assert fixed.gathered(30, 400, kept={0, 1, 2, 3}) == [4]
+    # two hardware partitions: the new shards cycle over them, each on its own hardware
+    both = JobShards(two.model_copy(update={"rows_per_shard": 10_000}))
+    numbers = both.gathered(15_000, 100_000, kept={0, 1, 2, 3})
+    assert numbers == [4, 5] and [two.hardware_of_shard(n).name for n in numbers] == ["gpu", "cpu"]
+    assert both.gathered(50, 100_000, kept={0, 1, 3}) == [2]  # a few rows: one shard, one vLLM start
+    assert both.keeps(3, both.key(3, ["a"])) and not both.keeps(2, both.key(3, ["a"]))

@@ -200,6 +200,8 @@ class ShardJob:
         """Each row's answer key under this engine's settings fingerprint (``answer_keys``): what the
         next plan compares to know the row answered."""
         prepared = self.shard.prepared
+        if self.plan_path is None:  # planned in this process (``batchllm run``): no next plan compares them
+            return {}
         settings_fp = current_settings_fingerprint(self.engine_settings, self.sampling)
         return dict(zip(prepared.ids, keys_of(settings_fp, self.shard.identity, prepared.errors)))
 

@@ -1,0 +1,97 @@
+"""A night costs what changed, through Dagster on real vLLM (CPU, tiny model): a first night answers
+every shard in one run (one vLLM start); a night with nothing changed runs nothing and leaves every
+output row and file byte for byte; a night with rows edited, added and deleted runs one new shard of
+exactly those rows, writes only them, deletes the deleted one, and its answers equal a night from
+scratch."""
+
+import dagster as dg
+import duckdb
+import pyarrow.parquet as pq
+import pytest
+
+from assets import build_batch_defs
+from assets.run_plan import run_planned_shards
+from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings, SamplingSettings
+from dagster_project.demo import QUIET
+
+from .conftest import make_prompt_table
+
+pytestmark = pytest.mark.slow  # real vLLM, dg, Ray or a browser
+
+
+def _config(tmp_path, tiny_model, name: str) -> BatchJobConfig:
+    return BatchJobConfig(
+        name=name, dataset=DatasetSpec(sql="SELECT id, prompt, messages FROM prompt_rows",
+                                       database=str(tmp_path / "warehouse.duckdb")),
+        llm=EngineSettings(model_path=tiny_model, kv_cache_blocks=64), sampling=SamplingSettings(max_tokens=6),
+        rows_per_shard=10, output_database=str(tmp_path / f"{name}.duckdb"), output_table="answers",
+        storage_dir=str(tmp_path / name))
+
+
+def _night(config: BatchJobConfig, instance) -> tuple[dict, list]:
+    defs = build_batch_defs(config)
+    planned = defs.resolve_job_def(config.names.plan_job_name).execute_in_process(instance=instance,
+                                                                                  run_config=QUIET)
+    assert planned.success
+    runs = run_planned_shards(instance, defs, config.name, run_config=QUIET)
+    return planned.asset_materializations_for_node(f"{config.name}__prefix_groups")[0].metadata, runs
+
+
+def _table(config: BatchJobConfig) -> dict:
+    with duckdb.connect(config.output_database, read_only=True) as con:
+        return dict(con.execute("SELECT id, CAST(answers AS VARCHAR) FROM answers").fetchall())
+
+
+def _files(config: BatchJobConfig) -> dict:
+    return {path.name: path.read_bytes() for path in config.files.completions_dir.glob("*.parquet")}
+
+
+def test_a_night_runs_and_writes_only_what_changed(tmp_path, tiny_model):
+    database = tmp_path / "warehouse.duckdb"
+    with duckdb.connect(str(database)) as con:
+        con.register("incoming", make_prompt_table())
+        con.execute("CREATE TABLE prompt_rows AS SELECT * FROM incoming")
+    config = _config(tmp_path, tiny_model, "nightly")
+    with dg.instance_for_test() as instance:
+        plan, runs = _night(config, instance)
+        keys = plan["partition_keys"].value
+        assert len(keys) == 3 and len(runs) == 1  # every shard in one run: one vLLM start
+        landed = [m.metadata for m in runs[0].asset_materializations_for_node("nightly__completions")]
+        assert len(landed) == 3 and sum(m["engine_start_s"].value > 0 for m in landed) == 1
+        first_table, first_files = _table(config), _files(config)
+        assert len(first_table) == 30
+
+        plan, runs = _night(config, instance)  # nothing changed
+        assert runs == [] and plan["rows_to_run"].value == 0 and plan["partitions_to_run"].value == []
+        assert plan["partition_keys"].value == keys
+        assert _table(config) == first_table and _files(config) == first_files  # byte for byte
+
+        with duckdb.connect(str(database)) as con:
+            con.execute("UPDATE prompt_rows SET prompt = prompt || ' Briefly.' WHERE id = 'doc1-q2'")
+            con.execute("DELETE FROM prompt_rows WHERE id = 'doc3-q0'")
+            con.execute("INSERT INTO prompt_rows SELECT 'doc1-q9', prompt || ' Again.', messages FROM prompt_rows "
+                        "WHERE id = 'doc1-q1'")
+        plan, runs = _night(config, instance)
+        assert plan["rows_to_run"].value == 2 and len(plan["partitions_to_run"].value) == 1 and len(runs) == 1
+        (landed,) = [m.metadata for m in runs[0].asset_materializations_for_node("nightly__completions")]
+        assert landed["computed_rows"].value == 2 and landed["written_rows"].value == 2
+        now = _table(config)
+        changed = {i for i in now if now[i] != first_table.get(i)} | (set(first_table) - set(now))
+        assert changed == {"doc1-q2", "doc3-q0", "doc1-q9"}  # the rest byte for byte
+        (new_key,) = plan["partition_keys"].value.keys() - keys.keys()
+        with duckdb.connect(config.output_database, read_only=True) as con:
+            partition_of = dict(con.execute("SELECT id, partition_key FROM answers").fetchall())
+        for key in keys:  # a kept file holds its partition's rows as the table does
+            held = pq.read_table(config.files.completions_parquet_path(key))
+            assert sorted(held["id"].to_pylist()) == sorted(i for i, k in partition_of.items() if k == key)
+            assert not {"doc1-q2", "doc3-q0"} & set(held["id"].to_pylist())
+        assert set(pq.read_table(config.files.completions_parquet_path(new_key))["id"].to_pylist()) == {
+            "doc1-q2", "doc1-q9"}
+
+    scratch = _config(tmp_path, tiny_model, "scratch")  # the same rows answered from nothing
+    with dg.instance_for_test() as instance:
+        _night(scratch, instance)
+    with duckdb.connect(config.output_database, read_only=True) as con:
+        answers = dict(con.execute("SELECT id, text FROM answers").fetchall())
+    with duckdb.connect(scratch.output_database, read_only=True) as con:
+        assert answers == dict(con.execute("SELECT id, text FROM answers").fetchall())
