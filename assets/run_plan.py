@@ -107,10 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     for line in shard_lines(shards):
         print(line)
     failed = [r for r in results if not r.success]
-    runs = f"{len(results)} run" + ("" if len(results) == 1 else "s")
-    print(f"{args.job}: {len(shards)} shards landed in {runs}, {len(results) - len(failed)} succeeded"
-          + (f", {len(failed)} failed: {[r.run_id for r in failed]}" if failed else "")
-          + ("" if results or failed else " (every row is answered as planned: nothing to run)"))
+    if not results:
+        print(f"{args.job}: 0 runs: every shard of the plan with rows to answer has landed")
+    else:
+        runs = f"{len(results)} run" + ("" if len(results) == 1 else "s")
+        print(f"{args.job}: {len(shards)} shards landed in {runs}, {len(results) - len(failed)} succeeded"
+              + (f", {len(failed)} failed: {[r.run_id for r in failed]}" if failed else ""))
     return 1 if failed else 0
 
 

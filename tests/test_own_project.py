@@ -79,4 +79,4 @@ def test_a_project_of_ones_own_set_up_from_the_readme_answers_every_row(tmp_path
                               "FROM nightly_completions").fetchall()[0]
     assert answers == (12, 12, 12)
     # Nothing left to run: a second call asks for no shard.
-    assert "nightly: 0 shard runs" in run(str(BIN / "batchllm-dagster"), "run", "nightly", "--shards-only")
+    assert "nightly: 0 runs" in run(str(BIN / "batchllm-dagster"), "run", "nightly", "--shards-only")
