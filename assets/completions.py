@@ -187,9 +187,13 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
                     done.append(run_partition(config, context, job, shared.open, started_at))
                     started_at = time.perf_counter()  # the next partition's time starts here
             except BaseException:
-                if done:
-                    context.log.error(f"partitions {[d.key for d in done]} were written before this failure: "
-                                      "a rerun of the range reuses their answers from the output table")
+                if done:  # they landed: recorded as such, so that only the failed shard and those after run again
+                    context.log.error(f"partitions {[d.key for d in done]} were written before this failure and "
+                                      f"are recorded as materialized; {jobs[len(done)].shard.key} failed")
+                    for d in done:
+                        context.log_event(dg.AssetMaterialization(
+                            asset_key=context.asset_key, partition=d.key,
+                            metadata={**d.metadata(llm.device(), None), "partitions_in_run": len(done)}))
                 raise
         # vLLM stops once, after the last partition: its stop is that partition's (the last that ran on it).
         on_engine = [d for d in done if d.outcome.engine is not None]

@@ -26,18 +26,37 @@ FINISHED = [dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.Dagster
 def keys_in_flight(instance: dg.DagsterInstance, config: BatchJobConfig, keys: list[str]) -> set[str]:
     """The shard keys (of ``keys``, the partitions in order) that a queued or running run of the
     job's shard jobs answers, whichever plan it was queued for."""
-    position = {key: i for i, key in enumerate(keys)}
     busy: set[str] = set()
     for hardware in config.hardware:
         runs = instance.get_runs(filters=dg.RunsFilter(job_name=config.names.shards_job_name(hardware.slug),
                                                        statuses=IN_FLIGHT))
         for run in runs:
-            tags = run.tags
-            if "dagster/partition" in tags:
-                busy.add(tags["dagster/partition"])
-            elif tags.get(RANGE_START) in position and tags.get(RANGE_END) in position:
-                busy.update(keys[position[tags[RANGE_START]]:position[tags[RANGE_END]] + 1])
+            busy.update(run_keys(run.tags, keys))
     return busy
+
+
+def run_keys(tags: dict, keys: list[str]) -> list[str]:
+    """The partitions a run answers, in order: its partition, or its range's (of ``keys``, in order)."""
+    if "dagster/partition" in tags:
+        return [tags["dagster/partition"]]
+    position = {key: i for i, key in enumerate(keys)}
+    if tags.get(RANGE_START) in position and tags.get(RANGE_END) in position:
+        return keys[position[tags[RANGE_START]]:position[tags[RANGE_END]] + 1]
+    return []
+
+
+def failed_here(instance: dg.DagsterInstance, plan_run: str, keys: list[str], outstanding: set[str]) -> set[str]:
+    """The shards a failed run of this plan stopped at: its first partition still outstanding (a run
+    answers its partitions in order and stops at a failure). Each is asked again in a run of its
+    own, so that one failing shard never holds back the shards after it."""
+    runs = instance.get_runs(filters=dg.RunsFilter(tags={PLAN_RUN_TAG: plan_run},
+                                                   statuses=[dg.DagsterRunStatus.FAILURE]))
+    stopped_at = set()
+    for run in runs:
+        left = [key for key in run_keys(run.tags, keys) if key in outstanding]
+        if left:
+            stopped_at.add(left[0])
+    return stopped_at
 
 
 def shard_requests(instance: dg.DagsterInstance, config: BatchJobConfig, job_of_hardware: dict[str, str],
@@ -50,8 +69,9 @@ def shard_requests(instance: dg.DagsterInstance, config: BatchJobConfig, job_of_
     keys = instance.get_dynamic_partitions(config.names.partitions_name)
     outstanding = set(shards_outstanding(instance, config))
     busy = keys_in_flight(instance, config, keys) if outstanding else set()
+    failed = failed_here(instance, plan_run, keys, outstanding)
     requests = []
-    for run in shard_runs(config, keys, wanted=outstanding - busy):
+    for run in shard_runs(config, keys, wanted=outstanding - busy, alone=failed):
         label = run[0] if len(run) == 1 else f"{run[0]}..{run[-1]}"
         tags = {PLAN_RUN_TAG: plan_run, SHARDS_TAG: label}  # a superseded plan's run says so
         tried = len(instance.get_run_ids(filters=dg.RunsFilter(tags=tags, statuses=FINISHED)))

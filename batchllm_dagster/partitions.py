@@ -80,25 +80,27 @@ def by_hardware(config: BatchJobConfig, keys: list[str]) -> list[str]:
     return sorted(keys, key=lambda key: rank[hardware_of_key(config, key).name])
 
 
-def shard_runs(config: BatchJobConfig, keys: list[str], wanted: set[str] | None = None) -> list[list[str]]:
+def shard_runs(config: BatchJobConfig, keys: list[str], wanted: set[str] | None = None,
+               alone: set[str] = frozenset()) -> list[list[str]]:
     """``keys`` (in the instance's partition order) cut into runs: neighbours bound to the same
     hardware partition, all of them ``wanted`` (None: every key), at most ``partitions_per_run`` each
-    (unset: as many as there are). A run of several is a partition range, so its keys must be
-    neighbours in that order: a key not wanted ends a run. A night's shards to run are added after
-    the kept ones, each hardware partition's together (``by_hardware``): one run, one vLLM start, each."""
+    (unset: as many as there are); a key in ``alone`` (one a failed run stopped at) is a run of its
+    own. A run of several is a partition range, so its keys must be neighbours in that order: a key
+    not wanted ends a run. A night's shards to run are added after the kept ones, each hardware
+    partition's together (``by_hardware``): one run, one vLLM start, each."""
     runs: list[list[str]] = []
     cap = config.partitions_per_run or len(keys)
-    previous = None
+    open_run: list[str] | None = None
     for key in keys:
         if wanted is not None and key not in wanted:
-            previous = None
+            open_run = None
             continue
-        run = runs[-1] if runs and previous is not None else None
-        if run and len(run) < cap and hardware_of_key(config, run[0]) == hardware_of_key(config, key):
-            run.append(key)
-        else:
-            runs.append([key])
-        previous = key
+        if open_run and key not in alone and len(open_run) < cap \
+                and hardware_of_key(config, open_run[0]) == hardware_of_key(config, key):
+            open_run.append(key)
+            continue
+        runs.append([key])
+        open_run = None if key in alone else runs[-1]
     return runs
 
 

@@ -95,3 +95,43 @@ def test_a_night_runs_and_writes_only_what_changed(tmp_path, tiny_model):
         answers = dict(con.execute("SELECT id, text FROM answers").fetchall())
     with duckdb.connect(scratch.output_database, read_only=True) as con:
         assert answers == dict(con.execute("SELECT id, text FROM answers").fetchall())
+
+
+def test_a_shard_that_fails_its_run_is_asked_again_alone_and_the_shards_after_it_still_run(tmp_path, tiny_model,
+                                                                                          monkeypatch):
+    """One run answers a night's three shards in order; the second fails (its engine dies, say): the
+    first has landed, and the shard sensor asks for the second alone and for the third in a run of
+    its own, so one failing shard never holds back the rest; the second lands on its retry."""
+    from assets.shard_sensor import shard_requests
+    from batchllm_dagster.layout import SHARDS_TAG
+    from engine.jobs.shard_job import ShardJob
+
+    database = tmp_path / "warehouse.duckdb"
+    with duckdb.connect(str(database)) as con:
+        con.register("incoming", make_prompt_table())
+        con.execute("CREATE TABLE prompt_rows AS SELECT * FROM incoming")
+    config = _config(tmp_path, tiny_model, "nightly")
+    defs = build_batch_defs(config)
+    jobs = {"cpu": config.names.shards_job_name("cpu")}
+    with dg.instance_for_test() as instance:
+        assert defs.resolve_job_def(config.names.plan_job_name).execute_in_process(instance=instance,
+                                                                                   run_config=QUIET).success
+        keys = instance.get_dynamic_partitions(config.names.partitions_name)
+        run = ShardJob.run
+        failing = {keys[1]}
+
+        def dies_once(self, *args, **kwargs):
+            if self.shard.key in failing:
+                failing.discard(self.shard.key)
+                raise RuntimeError("the engine went away")
+            return run(self, *args, **kwargs)
+
+        monkeypatch.setattr(ShardJob, "run", dies_once)
+        (first,) = shard_requests(instance, config, jobs)
+        assert first.tags[SHARDS_TAG] == f"{keys[0]}..{keys[2]}"
+        assert not run_planned_shards(instance, defs, config.name, run_config=QUIET, check=False)[0].success
+        again = shard_requests(instance, config, jobs)
+        assert [r.tags[SHARDS_TAG] for r in again] == [keys[1], keys[2]]
+        assert all(r.success for r in run_planned_shards(instance, defs, config.name, run_config=QUIET))
+        assert shard_requests(instance, config, jobs) == []
+    assert len(_table(config)) == 30

@@ -123,3 +123,10 @@ def test_a_nights_new_shards_are_as_few_as_their_rows_need_numbered_apart_from_t
     assert numbers == [4, 5] and [two.hardware_of_shard(n).name for n in numbers] == ["gpu", "cpu"]
     assert both.gathered(50, 100_000, kept={0, 1, 3}) == [2]  # a few rows: one shard, one vLLM start
     assert both.keeps(3, both.key(3, ["a"])) and not both.keeps(2, both.key(3, ["a"]))
+
+
+def test_a_shard_a_failed_run_stopped_at_runs_alone_and_the_rest_of_its_range_after_it():
+    job = config(["cpu"], None)
+    keys = keys_of(job, 5)
+    assert shard_runs(job, keys, set(keys[2:]), alone={keys[2]}) == [[keys[2]], [keys[3], keys[4]]]
+    assert shard_runs(job, keys, alone={keys[4]}) == [keys[:4], [keys[4]]]
