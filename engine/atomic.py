@@ -19,18 +19,21 @@ import pyarrow.parquet as pq
 
 class Staged:
     """``with Staged(target) as staged:`` write ``staged.path``; leaving the block without an
-    error publishes it over ``target`` (unless ``discard()`` was called), an error removes it."""
+    error publishes it over ``target`` (unless ``discard()`` was called), an error removes it.
+    ``sole_writer``: the caller holds a lock every writer of ``target`` holds, so any other staging
+    file of it is a dead writer's, whatever its age (a killed plan's scratch database, say)."""
 
-    def __init__(self, target: Path | str):
+    def __init__(self, target: Path | str, sole_writer: bool = False):
         self.target = Path(target)
         self.path = self.target.with_name(f".{self.target.name}.{os.getpid()}.partial")
+        self.sole_writer = sole_writer
         self._done = False
 
     def __enter__(self) -> "Staged":
         self.target.parent.mkdir(parents=True, exist_ok=True)
         self._remove(self.path)  # a leftover of a crashed run of this process id
         for leftover in self.target.parent.glob(f".{self.target.name}.*.partial"):
-            if _left_by_a_dead_writer(leftover):
+            if self.sole_writer or _left_by_a_dead_writer(leftover):
                 self._remove(leftover)
         return self
 

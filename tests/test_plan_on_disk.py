@@ -262,3 +262,22 @@ def test_a_night_after_keeps_answered_shards_and_gathers_the_rows_to_run_into_fe
     stored.append(_answered_as_planned(job.plan_path, "ab12"))
     to_run, summary, _ = night(changed, fps=("cd34",))  # another model or settings: every row runs again
     assert summary["settled_rows"] == 0 and summary["rows_to_run"] == 293 and len(to_run) == 5
+
+
+def test_a_killed_plans_scratch_database_goes_with_the_next_plan_however_young(tmp_path, tiny_model):
+    """A plan killed (SIGKILL, out of memory) leaves its scratch database; the next plan, holding the
+    job's plan lock as the asset does, removes it at once: no live plan can own it (~0.5 GB per
+    million rows that would otherwise stay for an hour and could fill the disk of the rerun)."""
+    import os
+
+    settings = EngineSettings(model_path=tiny_model, block_size=8, max_model_len=256)
+    job = PlanJob(tmp_path / "prompts.parquet", tmp_path / "plan.parquet", tmp_path / "cache", settings,
+                  SamplingSettings(max_tokens=5), SchedulerSettings(min_group_rows=2), Columns(), print)
+    pq.write_table(_night(0, 30), job.snapshot)
+    killed = tmp_path / f".plan_work.{os.getppid()}.partial"  # a live process id, written just now
+    killed.mkdir()
+    (killed / "plan.duckdb").write_bytes(b"\0" * 1024)
+    with job.plan(Naming(2), print) as made:
+        assert not killed.exists()
+        job.write(made, {"batchllm.snapshot": "0"}, "run-0")
+    assert not list(tmp_path.glob(".plan_work*"))
