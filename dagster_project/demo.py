@@ -64,7 +64,9 @@ def materialize_job(instance, defs, name: str) -> dict:
     prompts = planned.asset_materializations_for_node(f"{name}__prompts")[0].metadata
     shard_runs = run_planned_shards(instance, defs, name)
     evaluations = [e for run in shard_runs for e in run.get_asset_check_evaluations()]
-    assert any(e.check_name == "all_prompts_answered" for e in evaluations), f"{name}: the table check did not run"
+    # A demo run again answers nothing twice: with every row answered as planned, no shard runs.
+    assert not shard_runs or any(e.check_name == "all_prompts_answered" for e in evaluations), \
+        f"{name}: the table check did not run"
     materialized = [m for run in shard_runs for m in run.asset_materializations_for_node(f"{name}__completions")]
     # a shard whose rows were all reused ran nothing
     metadata = [m.metadata for m in materialized if "tokens_per_s" in m.metadata]
@@ -111,7 +113,7 @@ def materialize_all() -> None:
         checks = (f"{done['checks']} checks passed" if not done["failed_checks"]
                   else f"FAILED checks: {', '.join(done['failed_checks'])}")
         ran = (f"{done['tokens_per_s']:,.0f} tok/s, cache {100 * done['saving_vs_ideal']:.0f}% of the ideal"
-               if done["computed_shards"] else "every row reused from the last run")
+               if done["computed_shards"] else "every row answered by an earlier run: nothing ran")
         order = (f"; field order {done['field_order']}: {done['field_order_saved_tokens']:,} prompt tokens fewer "
                  f"than as declared" if done["field_order"] else "")
         rows.append(

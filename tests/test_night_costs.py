@@ -135,3 +135,23 @@ def test_a_shard_that_fails_its_run_is_asked_again_alone_and_the_shards_after_it
         assert all(r.success for r in run_planned_shards(instance, defs, config.name, run_config=QUIET))
         assert shard_requests(instance, config, jobs) == []
     assert len(_table(config)) == 30
+
+
+def test_the_nights_bench_reports_what_each_night_cost(tmp_path):
+    """``batchllm bench --scale ROWS --nights`` on a small table: the first night one run and one
+    vLLM start; nothing changed, nothing run or written; the 1% night computes and writes exactly
+    the new and edited rows and deletes the deleted ones."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "dagster_project.nights_bench", "--rows", "400", "--partition-rows",
+                          "100", "--tokens-per-row", "40", "--work", str(tmp_path / "nights")],
+                         check=True, capture_output=True, text=True)
+    first, same, changed = json.loads(out.stdout.strip().splitlines()[-1])["nights"]
+    assert (first["shard_runs"], first["vllm_starts"], first["partitions_landed"]) == (1, 1, 4)
+    assert first["rows_computed"] == first["output_rows_written"] == 400
+    assert (same["shard_runs"], same["vllm_starts"], same["output_rows_written"]) == (0, 0, 0)
+    assert changed["edited"] == 4 and changed["added"] == 2 and changed["deleted"] == 2
+    assert changed["rows_computed"] == changed["output_rows_written"] == 6
+    assert changed["output_rows_deleted"] == 2 and changed["vllm_starts"] == 1

@@ -244,6 +244,9 @@ def run_analysis(args) -> dict:
 
 
 def cmd_bench(args) -> int:
+    if args.scale and args.nights:  # a program of the code location too (each night in a fresh process)
+        return subprocess.call([sys.executable, "-m", "dagster_project.nights_bench", "--rows", str(args.scale),
+                                "--model", args.model or "tiny", "--partition-rows", str(args.partition_rows)])
     if args.scale:
         # The scale benchmark runs the Dagster assets, which the engine does not import: it is a
         # program of the code location, run as its own process (its phases each in a fresh one).
@@ -336,6 +339,10 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--plan-only", action="store_true",
                        help="--scale: the first night's plan step alone (tokenize, plan, write): its time, tokens "
                        "per second and peak memory")
+    bench.add_argument("--nights", action="store_true",
+                       help="--scale: three nights of the job (first, nothing changed, 1%% edited + 0.5%% new + "
+                       "0.5%% deleted), each a fresh process: wall, plan step, shard runs, vLLM starts, rows computed "
+                       "and written (see dagster_project/nights_bench.py)")
     bench.add_argument("--tokenize-workers", type=at_least_one, default=1,
                        help="--scale --plan-only: the job's tokenize_workers (Ray tasks tokenizing its rows)")
     bench.add_argument("--rows", type=int, default=1_000_000, help="rows for --analysis")

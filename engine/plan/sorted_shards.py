@@ -43,11 +43,7 @@ def assign_shards_by_sort(plan: SortedPlan, num_shards: int, weights: list[float
     """Each row's shard into the table ``shards``; the totals per shard. ``previous``: the plan's
     database holds ``previous_shards(row, shard)`` (-1 or no entry: a row new tonight)."""
     con, weight = plan.connection, shard_weights(weights, num_shards)
-    con.execute(f"""CREATE OR REPLACE TABLE costed AS
-        SELECT row, position, grp, cost, sum(cost) OVER (ORDER BY position ROWS UNBOUNDED PRECEDING) AS cum_end
-        FROM (SELECT row, position, grp, unique_tokens + {float(decode_cost)!r}::DOUBLE * decode AS cost FROM plan)""")
-    con.execute("""CREATE OR REPLACE TABLE group_cost AS
-        SELECT grp, sum(cost) AS cost, max(cum_end) AS cum_end FROM costed GROUP BY grp""")
+    _costed(con, decode_cost)
     too_big = None
     previous = previous and con.execute("SELECT count(*) FROM previous_shards WHERE shard >= 0").fetchall()[0][0] > 0
     if not (previous and _kept_previous(con, weight, num_shards, max_imbalance)):
@@ -63,12 +59,7 @@ def assign_gathered_shards(plan: SortedPlan, numbers: list[int], decode_cost: fl
     the shards ``numbers``, as many as they need and numbered apart from the kept ones. Returns the
     totals of every shard number up to the highest."""
     con = plan.connection
-    con.execute(f"""CREATE OR REPLACE TABLE costed AS
-        SELECT row, position, grp, cost, sum(cost) OVER (ORDER BY position ROWS UNBOUNDED PRECEDING) AS cum_end
-        FROM (SELECT row, position, grp, unique_tokens + {float(decode_cost)!r}::DOUBLE * decode AS cost FROM plan
-              WHERE row NOT IN (SELECT row FROM settled))""")
-    con.execute("""CREATE OR REPLACE TABLE group_cost AS
-        SELECT grp, sum(cost) AS cost, max(cum_end) AS cum_end FROM costed GROUP BY grp""")
+    _costed(con, decode_cost, "WHERE row NOT IN (SELECT row FROM settled)")
     too_big = None
     if numbers:
         too_big = _cut(con, shard_weights(None, len(numbers)))
@@ -80,6 +71,17 @@ def assign_gathered_shards(plan: SortedPlan, numbers: list[int], decode_cost: fl
     con.execute("DROP TABLE group_cost")
     parts = int(con.execute("SELECT coalesce(max(shard), -1) + 1 FROM shards").fetchall()[0][0])
     return _totals(plan, parts, decode_cost, too_big)
+
+
+def _costed(con, decode_cost: float, rows: str = "") -> None:
+    """The tables ``costed`` (each row's cost and the running sum in plan order) and ``group_cost``,
+    of the plan's rows (``rows``: a WHERE clause choosing some)."""
+    con.execute(f"""CREATE OR REPLACE TABLE costed AS
+        SELECT row, position, grp, cost, sum(cost) OVER (ORDER BY position ROWS UNBOUNDED PRECEDING) AS cum_end
+        FROM (SELECT row, position, grp, unique_tokens + {float(decode_cost)!r}::DOUBLE * decode AS cost FROM plan
+              {rows})""")
+    con.execute("""CREATE OR REPLACE TABLE group_cost AS
+        SELECT grp, sum(cost) AS cost, max(cum_end) AS cum_end FROM costed GROUP BY grp""")
 
 
 def _cut(con, weight: np.ndarray) -> str:
