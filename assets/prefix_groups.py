@@ -18,7 +18,7 @@ from engine.atomic import Staged
 from engine.jobs.plan_job import PlanJob, StoredAnswers
 from engine.machine import current_platform
 from engine.models import preparation_notice
-from engine.plan.plan_stamp import stale_reasons
+from engine.plan.plan_stamp import ANSWER_STAMP_KEYS, stale_reasons
 from engine.plan.plan_table import PlanFile
 from engine.plan.tokenize_workers import TokenizeWorkers
 from engine.run.checkpoint import current_settings_fingerprint
@@ -133,8 +133,11 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         context.log.info(f"{made.counts['rows_to_run']:,} of {made.counts['rows']:,} rows need a run, in "
                          f"{len(to_run)} shards; {made.counts['settled_rows']:,} are answered as planned, in "
                          f"{len(used) - len(to_run)} shards that do not run ({trimmed} of their files trimmed)")
-        # The plan's data version is what it was made from (model, snapshot, settings) and its shards.
-        return dg.MaterializeResult(data_version=dg.DataVersion(fingerprint(stamp, sorted(used))), metadata={
+        # The plan's data version is what decides its answers (the model, the settings: ``ANSWER_STAMP_KEYS``),
+        # not the snapshot: a night's rows to run are new partitions (missing until they land), and a kept
+        # partition, whose answers still hold, must not show stale because other rows changed.
+        answers_from = {key: value for key, value in stamp.items() if key.encode() in ANSWER_STAMP_KEYS}
+        return dg.MaterializeResult(data_version=dg.DataVersion(fingerprint(answers_from)), metadata={
             **plan_metadata(made, plan_bytes, removed_answers, size)})
 
     return prefix_groups

@@ -87,6 +87,14 @@ def test_a_night_runs_and_writes_only_what_changed(tmp_path, tiny_model):
             assert not {"doc1-q2", "doc3-q0"} & set(held["id"].to_pylist())
         assert set(pq.read_table(config.files.completions_parquet_path(new_key))["id"].to_pylist()) == {
             "doc1-q2", "doc1-q9"}
+        # Dagster agrees: no partition of the plan is stale or missing, the kept ones included.
+        from dagster._core.definitions.data_version import StaleStatus
+        from dagster._utils.test.data_versions import get_stale_status_resolver
+
+        status = get_stale_status_resolver(instance, list(build_batch_defs(config).resolve_asset_graph().assets_defs))
+        completions = dg.AssetKey(["nightly", "completions"])
+        assert {k: status.get_status(completions, k) for k in plan["partition_keys"].value} == {
+            k: StaleStatus.FRESH for k in plan["partition_keys"].value}
 
     scratch = _config(tmp_path, tiny_model, "scratch")  # the same rows answered from nothing
     with dg.instance_for_test() as instance:
