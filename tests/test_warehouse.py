@@ -106,3 +106,38 @@ def test_a_write_that_waits_for_another_process_on_the_database_says_why_and_how
     quiet = []
     OutputTable(db, "answers", "job").replace_partition("a", rows("a", ["1"], "newer"), on_wait=quiet.append)
     assert quiet == []  # nobody held it: nothing to say
+
+
+def test_a_partition_written_again_with_the_same_answers_writes_nothing_and_keeps_every_value(tmp_path):
+    """A night that reuses an answer leaves its row byte for byte (``completed_at`` included, which a
+    downstream incremental load keys on); a changed answer and a new row are the only rows written,
+    and a row that left the partition goes."""
+    import datetime as dt
+
+    from batchllm_dagster.output_table import answers_table
+    from engine.run.results import RowResult
+
+    db = DuckDBResource(database=str(tmp_path / "w.duckdb"))
+    keys = pa.table({"id": ["1", "2", "3"], "key": [b"\x01" * 16, b"\x02" * 16, b"\x03" * 16]})
+    then = dt.datetime(2026, 12, 1, tzinfo=dt.timezone.utc)
+
+    def results(texts: dict) -> list:
+        return [RowResult(id=i, status="ok", text=t, row_fingerprint=f"fp-{t}", computed_at=then)
+                for i, t in texts.items()]
+
+    table = OutputTable(db, "answers", "job")
+    first = table.replace_partition("a", answers_table(results({"1": "x", "2": "y", "3": "z"}), pa.string(), "a",
+                                                       "cpu", "m", keys, {"1": "k1", "2": "k2", "3": "k3"}))
+    assert first.written == 3
+    with db.get_connection() as con:
+        before = dict(con.execute("SELECT id, CAST(answers AS VARCHAR) FROM answers").fetchall())
+    again = table.replace_partition("a", answers_table(results({"1": "x", "2": "y", "3": "z"}), pa.string(), "a",
+                                                       "cpu", "m", keys, {"1": "k1", "2": "k2", "3": "k3"}))
+    with db.get_connection() as con:
+        assert dict(con.execute("SELECT id, CAST(answers AS VARCHAR) FROM answers").fetchall()) == before
+    assert again.written == 0 and again.rows.num_rows == 3
+    changed = table.replace_partition("a", answers_table(results({"1": "x", "2": "new"}), pa.string(), "a", "cpu",
+                                                         "m", keys, {"1": "k1", "2": "k2b"}))
+    with db.get_connection() as con:
+        after = dict(con.execute("SELECT id, CAST(answers AS VARCHAR) FROM answers").fetchall())
+    assert changed.written == 1 and after["1"] == before["1"] and after["2"] != before["2"] and "3" not in after
