@@ -71,6 +71,22 @@ def stored_answers(config: BatchJobConfig, warehouse, settings) -> StoredAnswers
                          sorted({current_settings_fingerprint(runs_with, config.sampling, p) for p in platforms}))
 
 
+def what_runs(made, trimmed: int) -> str:
+    """The plan's rows and shards that need a run tonight, and those answered as planned."""
+    counts, to_run = made.counts, made.keys_to_run
+    return (f"{counts['rows_to_run']:,} of {counts['rows']:,} rows need a run, in {len(to_run)} shards; "
+            f"{counts['settled_rows']:,} are answered as planned, in {len(made.used_keys) - len(to_run)} shards that "
+            f"do not run ({trimmed} of their files trimmed)")
+
+
+def answers_version(stamp: dict[str, str]) -> dg.DataVersion:
+    """The plan's data version: what decides its answers (the model, the settings: ``ANSWER_STAMP_KEYS``),
+    not the snapshot. A night's rows to run are new partitions (missing until they land), and a kept
+    partition, whose answers still hold, must not show stale because other rows changed."""
+    return dg.DataVersion(fingerprint({key: value for key, value in stamp.items()
+                                       if key.encode() in ANSWER_STAMP_KEYS}))
+
+
 def measured_shard_size(instance: dg.DagsterInstance, config: BatchJobConfig) -> ShardSize | None:
     """The shard size the last nights' partitions measured (``shard_sizing``), unless the job sets one."""
     if config.shards is not None or config.rows_per_shard is not None:
@@ -126,18 +142,11 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         # A removed key's checkpoint stays while it holds answers the new plan's shards can reuse.
         config.files.checkpoints.prune(OutputTableStore(config, warehouse, context.log),
                                        PlanFile.open(config.files.plan_path))
-        to_run = made.keys_to_run
         context.log.info(f"{made.counts['groups']} groups in {len(used)} shards; partitions added {added}, "
                          f"removed {removed}; plan {plan_bytes} bytes; shard size: "
                          f"{size.why if size else 'set by the job'}")
-        context.log.info(f"{made.counts['rows_to_run']:,} of {made.counts['rows']:,} rows need a run, in "
-                         f"{len(to_run)} shards; {made.counts['settled_rows']:,} are answered as planned, in "
-                         f"{len(used) - len(to_run)} shards that do not run ({trimmed} of their files trimmed)")
-        # The plan's data version is what decides its answers (the model, the settings: ``ANSWER_STAMP_KEYS``),
-        # not the snapshot: a night's rows to run are new partitions (missing until they land), and a kept
-        # partition, whose answers still hold, must not show stale because other rows changed.
-        answers_from = {key: value for key, value in stamp.items() if key.encode() in ANSWER_STAMP_KEYS}
-        return dg.MaterializeResult(data_version=dg.DataVersion(fingerprint(answers_from)), metadata={
+        context.log.info(what_runs(made, trimmed))
+        return dg.MaterializeResult(data_version=answers_version(stamp), metadata={
             **plan_metadata(made, plan_bytes, removed_answers, size)})
 
     return prefix_groups
