@@ -281,3 +281,17 @@ def test_a_killed_plans_scratch_database_goes_with_the_next_plan_however_young(t
         assert not killed.exists()
         job.write(made, {"batchllm.snapshot": "0"}, "run-0")
     assert not list(tmp_path.glob(".plan_work*"))
+
+
+def test_the_settle_benchmark_runs_and_settles_all_but_the_edited_rows(tmp_path):
+    """``benchmarks/settle_scale.py`` on a small table: it breaks loudly when the names it uses go."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "settle_scale.py"), "--rows", "2000", "--shards",
+                          "4"], check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    assert json.loads(out.stdout.strip().splitlines()[-1])["settled"] == 1980
