@@ -3,10 +3,11 @@
 After a plan it asks for one run per hardware partition, of every shard the plan lists to run there
 (``partitions_to_run``: the shards whose rows are all answered as planned are not run again; at most
 ``partitions_per_run`` shards a run where the job sets it), on its hardware partition's job: one
-vLLM start per hardware partition and night. On every later tick it asks again for the shards of that plan that have
-not landed and have no run queued or running: a run that failed (another run still held its key, a
-plan that changed under it, an engine error) or that landed nothing is retried, up to
-``shard_attempts`` runs per shard run and plan, without any run-retry setting of the instance.
+vLLM start per hardware partition and night. On every later tick it asks again for the shards of
+that plan that have not landed and have no run queued or running: a run that failed (another run
+still held its key, a plan that changed under it, an engine error) or that landed nothing is
+retried, the shard it stopped at alone, up to ``shard_attempts`` runs per shard run and plan,
+without any run-retry setting of the instance.
 """
 
 from __future__ import annotations

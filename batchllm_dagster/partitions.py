@@ -1,7 +1,9 @@
 """Shard partitions: one dynamic partition per shard of the plan, with keys that stay stable.
 
 A key names the hardware partition the shard is bound to, the shard's index and a hash of the
-shard's row ids: the same groups give the same keys, and a changed shard gets a new key.
+shard's row ids when it was made: the same groups give the same keys, and a changed shard gets a new
+key. A shard whose rows are all answered as planned keeps its key on the nights after, whatever rows
+left it (edited rows go to a night's new shards, deleted rows go): it is not run again.
 """
 
 from __future__ import annotations
