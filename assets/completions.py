@@ -26,6 +26,7 @@ from batchllm_dagster.partitions import held_partitions
 from batchllm_dagster.shard_sizing import ray_time_limit
 from engine.jobs.shard_job import ShardJob
 from engine.plan.plan_table import NotInPlan, PlanFile, StalePlan
+from engine.run.checkpoint import current_settings_fingerprint
 
 
 def shard_jobs(config: BatchJobConfig, keys: list[str], context: dg.AssetExecutionContext) -> list[ShardJob]:
@@ -39,6 +40,7 @@ def shard_jobs(config: BatchJobConfig, keys: list[str], context: dg.AssetExecuti
             settings = config.engine_settings(plan.counts)  # the job's, else what the plan counts in
             stamp = config.plan_stamp(settings)
             shards = plan.shards(keys, stamp)
+            warn_if_settled_elsewhere(plan, settings, config, context)
     except NotInPlan as missing:
         if queued_for and missing.planned_by != queued_for:
             raise dg.Failure(
@@ -57,6 +59,18 @@ def shard_jobs(config: BatchJobConfig, keys: list[str], context: dg.AssetExecuti
                      plan_path=config.files.plan_path, plan_lock=functools.partial(
                          config.plan_lock, f"partition {shard.key} writing ({this_run(context)})", shared=True))
             for shard in shards]
+
+
+def warn_if_settled_elsewhere(plan: PlanFile, settings, config: BatchJobConfig, context) -> None:
+    """Loud where the plan kept rows by another settings fingerprint than this node's (its vLLM build
+    upgraded after the plan step's, say): those rows' answers are of that build, and stay so until a
+    plan step of this build (they are not rerun tonight)."""
+    here = current_settings_fingerprint(settings, config.sampling)
+    if plan.settled_with and here not in plan.settled_with:
+        context.log.warning(
+            f"this node's settings fingerprint {here} (vLLM's build, the model, the answer settings) is not the one "
+            f"the plan kept answered rows by ({', '.join(plan.settled_with)}): those answers were made under it and "
+            "are not run again tonight; make the plan step run the shards' vLLM build (the same image)")
 
 
 def partition_keys_of(context: dg.AssetExecutionContext) -> list[str]:

@@ -130,3 +130,21 @@ def test_a_shard_a_failed_run_stopped_at_runs_alone_and_the_rest_of_its_range_af
     keys = keys_of(job, 5)
     assert shard_runs(job, keys, set(keys[2:]), alone={keys[2]}) == [[keys[2]], [keys[3], keys[4]]]
     assert shard_runs(job, keys, alone={keys[4]}) == [keys[:4], [keys[4]]]
+
+
+def test_a_node_whose_fingerprint_is_not_the_one_the_plan_kept_rows_by_says_so(monkeypatch):
+    """A GPU node upgraded after the plan step (another vLLM build): the rows the plan kept were
+    answered under the plan step's build and do not run tonight; the shard's run says so, loudly."""
+    from types import SimpleNamespace
+
+    import assets.completions as completions
+
+    job = config(["cpu"], None)
+    said = []
+    context = SimpleNamespace(log=SimpleNamespace(warning=said.append))
+    monkeypatch.setattr(completions, "current_settings_fingerprint", lambda settings, sampling: "ab12")
+    completions.warn_if_settled_elsewhere(SimpleNamespace(settled_with=["ab12"]), None, job, context)
+    completions.warn_if_settled_elsewhere(SimpleNamespace(settled_with=[]), None, job, context)
+    assert said == []
+    completions.warn_if_settled_elsewhere(SimpleNamespace(settled_with=["cd34"]), None, job, context)
+    assert len(said) == 1 and "is not the one the plan kept answered rows by (cd34)" in said[0]

@@ -244,6 +244,9 @@ def test_a_night_after_keeps_answered_shards_and_gathers_the_rows_to_run_into_fe
 
     again, summary, keys_again = night(first)
     assert again == [] and summary["settled_rows"] == 300 and keys_again == keys
+    from engine.plan.plan_table import PlanFile
+
+    assert PlanFile.open(job.plan_path).settled_with == ["ab12"]  # what a shard's node checks its own against
 
     prompts = first["prompt"].to_pylist()
     edited_ids = [first["id"][i].as_py() for i in (1, 2, 100, 250)]

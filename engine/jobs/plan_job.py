@@ -113,6 +113,7 @@ class JobPlan:
     keys: list[str]  # each shard's partition key
     rows_by_shard: list[int]  # each shard's rows
     kept: dict[int, str] = field(default_factory=dict)  # shards whose rows are all answered: never run
+    settled_with: list[str] = field(default_factory=list)  # the settings fingerprints they were judged by
 
     @property
     def used_keys(self) -> list[str]:
@@ -262,7 +263,8 @@ class PlanJob:
         log.info("planned %d rows: %d groups, %d prompt tokens, shared %.1f%%, %d identical to another row "
                  "(tokenize %.2fs, plan %.2fs)", counts["rows"], counts["groups"], counts["prompt_tokens"],
                  100 * counts["shared_fraction"], counts["duplicate_rows"], rows.seconds, plan_s)
-        return JobPlan(disk, plan_rows, counts, shards, partition_keys, rows_by_shard, kept)
+        return JobPlan(disk, plan_rows, counts, shards, partition_keys, rows_by_shard, kept,
+                       answers.settings_fps if kept and answers else [])
 
     def _settle(self, disk: PlanOnDisk, previous: Path, answers: StoredAnswers | None, rows: PlanRows,
                 naming: ShardNaming) -> int:
@@ -283,5 +285,5 @@ class PlanJob:
         token ids are in the token cache the plan names), stamped with what it was made from. Returns
         its bytes."""
         metadata = plan_file_metadata(made.disk.plan.block_size, self.cache, self.settings.max_model_len, stamp,
-                                      plan_run)
+                                      plan_run, made.settled_with)
         return write_plan(made.plan_tables(metadata), self.plan_path)
