@@ -114,6 +114,9 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         if notice:
             context.log.info(notice)
         settings = config.plan_settings()  # counted as the shards' hardware runs, not this machine
+        row_context = config.plan_context()
+        (context.log.warning if row_context.assumed else context.log.info)(
+            f"a row may hold {row_context.tokens:,} tokens, prompt and answer: {row_context.source}")
         job = PlanJob(config.files.prompts_path, config.files.plan_path, config.files.token_cache_dir, settings,
                       config.sampling, config.scheduler, config.dataset.columns, context.log.warning,
                       TokenizeWorkers(config.tokenize_workers, config.ray_address))
@@ -147,6 +150,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
                          f"{size.why if size else 'set by the job'}")
         context.log.info(what_runs(made, trimmed))
         return dg.MaterializeResult(data_version=answers_version(stamp), metadata={
-            **plan_metadata(made, plan_bytes, removed_answers, size)})
+            **plan_metadata(made, plan_bytes, removed_answers, size),
+            "context_len": row_context.tokens, "context_source": row_context.source})
 
     return prefix_groups

@@ -366,6 +366,11 @@ class BatchJobConfig(JobSpec):
         resolved = llm.for_platform(self.plan_platform or current_platform())
         return llm.model_copy(update={"block_size": resolved.block_size, "max_model_len": resolved.max_model_len})
 
+    def plan_context(self):
+        """The context length the plan counts in and where it comes from (``EngineSettings.context``),
+        on the platform the plan counts for."""
+        return self._model_resolved().context(self.plan_platform or current_platform())
+
     def engine_settings(self, planned: dict[str, int] | None = None) -> EngineSettings:
         """``llm`` with its model (a built-in name or a path) resolved to a checkpoint directory and
         its KV block size set: the job's, else the plan's, else this platform's default. ``planned``:

@@ -187,30 +187,6 @@ class ModelNotFound(FileNotFoundError):
     """The model is neither a built-in name nor an existing checkpoint directory."""
 
 
-# The keys vLLM 0.32 reads a model's own length from (``derive_max_model_len_and_key``): the smallest
-# present wins; a tokenizer's ``model_max_length`` lowers it.
-_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
-                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
-
-
-def model_context_len(model_path: str) -> int | None:
-    """The model's own context length from its config.json, as vLLM derives it before RoPE scaling
-    (a scaled model reads shorter here: rows are refused early, never cut); None if unreadable."""
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    config = config.get("text_config") or config
-    lengths = [int(config[k]) for k in _LENGTH_KEYS if isinstance(config.get(k), (int, float))]
-    try:
-        tokenizer = json.loads((Path(model_path) / "tokenizer_config.json").read_text()).get("model_max_length")
-    except (OSError, ValueError):
-        tokenizer = None
-    if isinstance(tokenizer, (int, float)) and tokenizer < 1 << 40:  # transformers' "no limit" is ~1e30
-        lengths.append(int(tokenizer))
-    return min(lengths) if lengths else None
-
-
 def preparation_notice(name_or_path: str) -> str | None:
     """What preparing a built-in model on first use does and where it goes (None: nothing to
     prepare): a job's log says it before the step spends a minute on it."""

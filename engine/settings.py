@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_valid
 
 from .digests import text_fingerprint
 from .machine import Platform, current_platform
+from .model_context import ModelContext, model_context
 from .response_format import ResponseFormat
 from .setting_text import Policy
 
@@ -96,14 +97,11 @@ class EngineSettings(BaseModel):
 
     def for_platform(self, platform: Platform) -> "EngineSettings":
         """These settings with every unset platform default filled in. ``max_model_len`` unset: the
-        model's own length (vLLM's fallback 2,048 when its config has none), at most
-        ``CPU_MAX_MODEL_LEN`` on CPU, where a long context costs KV memory a CPU rarely has."""
+        model's own length as vLLM derives it (``model_context``), at most ``CPU_MAX_MODEL_LEN`` on
+        CPU, where a long context costs KV memory a CPU rarely has."""
         unset = {k: v for k, v in PLATFORM_DEFAULTS[platform].items() if getattr(self, k) is None}
         if self.max_model_len is None:
-            from .models import model_context_len
-
-            own = model_context_len(self.model_path) or 2048
-            unset["max_model_len"] = min(own, CPU_MAX_MODEL_LEN) if platform is Platform.CPU else own
+            unset["max_model_len"] = self.model_copy(update={"kv_cache_blocks": None}).context(platform).tokens
         return self.model_copy(update=unset)
 
     def with_block_size(self, platform: Platform | None = None) -> "EngineSettings":
@@ -124,15 +122,29 @@ class EngineSettings(BaseModel):
 
     @property
     def context_len(self) -> int:
-        """Longest prompt + output a row may have: the model's limit (on this machine's platform when
-        the job sets none), or a capped KV cache's (vLLM keeps one block in reserve)."""
-        max_model_len = self.max_model_len
-        if max_model_len is None:
-            max_model_len = self.for_platform(current_platform()).max_model_len
+        """Longest prompt + output a row may have on this machine's platform (``context``)."""
+        return self.context().tokens
+
+    def context(self, platform: Platform | None = None) -> ModelContext:
+        """Longest prompt + output a row may have on this platform (this machine's unless given), and
+        where it comes from, in words (doctor, the plan's log and metadata, the engine's start line
+        say it): the job's ``max_model_len``, else the model's own (the CPU's bound on CPU), at most
+        what a capped KV cache holds (vLLM keeps one block in reserve)."""
+        platform = platform or current_platform()
+        own = model_context(self.model_path) if self.max_model_len is None else None
+        if own is None:
+            context = ModelContext(self.max_model_len, "llm.max_model_len")
+        elif platform is Platform.CPU and own.tokens > CPU_MAX_MODEL_LEN:
+            context = ModelContext(CPU_MAX_MODEL_LEN, f"the CPU's bound when the job sets none (the model's own: "
+                                   f"{own.source}; set llm.max_model_len for longer rows)")
+        else:
+            context = ModelContext(own.tokens, f"the model's own: {own.source}", own.assumed)
         if self.kv_cache_blocks is None:
-            return max_model_len
-        block = self.with_block_size().block_size
-        return max(block, min(max_model_len, (self.kv_cache_blocks - 1) * block))
+            return context
+        block = self.with_block_size(platform).block_size
+        capped = max(block, min(context.tokens, (self.kv_cache_blocks - 1) * block))
+        return ModelContext(capped, context.source + (", capped by llm.kv_cache_blocks" if capped < context.tokens
+                                                      else ""), context.assumed)
 
 
 class SamplingSettings(BaseModel):

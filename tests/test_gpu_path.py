@@ -338,15 +338,17 @@ def test_shards_of_different_sizes_build_engines_with_one_compile_hash(monkeypat
 @pytest.mark.slow  # imports vLLM
 @pytest.mark.parametrize("name", ["tiny", "smollm2"])
 def test_the_models_own_context_is_the_one_vllm_derives(name):
-    """A GPU job that sets no max_model_len plans with ``model_context_len`` and passes it to vLLM:
+    """A GPU job that sets no max_model_len plans with ``model_context`` and passes it to vLLM:
     the number vLLM itself derives from the checkpoint when given none."""
     from vllm import EngineArgs
 
-    from engine.models import model_context_len, resolve_model
+    from engine.model_context import model_context
+    from engine.models import resolve_model
 
     path = resolve_model(name)
-    assert EngineArgs(model=path).create_model_config().max_model_len == model_context_len(path)
-    assert engine_args(EngineSettings(model_path=path), Platform.CUDA)["max_model_len"] == model_context_len(path)
+    own = model_context(path).tokens
+    assert EngineArgs(model=path).create_model_config().max_model_len == own
+    assert engine_args(EngineSettings(model_path=path), Platform.CUDA)["max_model_len"] == own
 
 
 @pytest.mark.slow  # imports vLLM

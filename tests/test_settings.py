@@ -84,7 +84,8 @@ def test_the_context_is_the_models_own_on_gpu_and_bounded_on_cpu_unless_the_job_
     (model / "config.json").write_text(json.dumps({"max_position_embeddings": 8192, "n_positions": 1024}))
     assert unset.for_platform(Platform.CUDA).max_model_len == 1024  # the smallest of vLLM's keys
     (model / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512}))
-    assert unset.for_platform(Platform.CUDA).max_model_len == 512  # the tokenizer's bound too
+    # vLLM reads the tokenizer's bound for pooling models only (``get_and_verify_max_len``)
+    assert unset.for_platform(Platform.CUDA).max_model_len == 1024
     assert EngineSettings(model_path=str(tmp_path / "none")).for_platform(Platform.CUDA).max_model_len == 2048
 
 

@@ -83,6 +83,10 @@ def check(settings: EngineSettings, rows: int = 16) -> Report:
         from ..node_checks import cpu_preload_advice, cpu_preload_libraries
 
         report.advice.extend(cpu_preload_advice(os.environ.get("LD_PRELOAD", ""), cpu_preload_libraries()))
+    context = settings.context(platform)
+    report.facts["context"] = {"tokens": context.tokens, "from": context.source}
+    if context.assumed and platform is Platform.CUDA:
+        report.problem(f"a row may hold {context.tokens:,} tokens: {context.source}")
     report.facts["engine_args"] = engine_args(settings, platform)
     report.facts["environment"] = {k: env[k] for k in sorted(process_env(settings, platform))}
     _start_and_answer(settings, rows, report)

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..machine import current_platform, vllm_version
-from ..models import model_context_len
 from ..node_checks import problems as node_problems
 from ..node_checks import read_node
 from ..run.kv_budget import KVGroups
@@ -223,12 +222,10 @@ class VLLMEngine:
         except EngineStartError:
             self.close()
             raise
+        self.context = settings.context(platform)
+        if self.context.assumed:
+            log.warning("max_model_len %d is %s", self.context.tokens, self.context.source)
         self._read_started_engine()
-        if settings.max_model_len is None and platform is Platform.CPU:
-            own = model_context_len(self.settings.model_path)
-            if own and own > self.settings.max_model_len:
-                log.info("max_model_len %d: the CPU's bound when the job sets none (the model allows %d; set "
-                         "llm.max_model_len for longer rows)", self.settings.max_model_len, own)
 
     def _start(self, engine_class, args) -> None:
         """vLLM's engine, with the engine's stat logger its only one."""
@@ -262,9 +259,9 @@ class VLLMEngine:
         self.startup.compile_s = config.compilation_config.compilation_time or None
         log.info(
             "vLLM %s started: KV capacity %d blocks x %d tokens (KV cache groups: %s), max_num_seqs=%d, "
-            "max_num_batched_tokens=%d, max_model_len=%d", self.version, self.kv_capacity_blocks,
+            "max_num_batched_tokens=%d, max_model_len=%d (%s)", self.version, self.kv_capacity_blocks,
             self.settings.block_size, self.kv_groups.describe(), self.max_num_seqs, self.max_num_batched_tokens,
-            config.model_config.max_model_len,
+            config.model_config.max_model_len, self.context.source,
         )
 
     @property
