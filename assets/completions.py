@@ -37,6 +37,7 @@ def shard_jobs(config: BatchJobConfig, keys: list[str], context: dg.AssetExecuti
     queued_for = context.run.tags.get(PLAN_RUN_TAG)  # the plan run whose shards this run was queued for
     try:
         with PlanFile.opened_for_running(config.files.plan_path, config.files.token_cache_dir) as plan:
+            refuse_a_plan_of_another_platform(config, plan)
             settings = config.engine_settings(plan.counts)  # the job's, else what the plan counts in
             stamp = config.plan_stamp(settings)
             shards = plan.shards(keys, stamp)
@@ -59,6 +60,14 @@ def shard_jobs(config: BatchJobConfig, keys: list[str], context: dg.AssetExecuti
                      plan_path=config.files.plan_path, plan_lock=functools.partial(
                          config.plan_lock, f"partition {shard.key} writing ({this_run(context)})", shared=True))
             for shard in shards]
+
+
+def refuse_a_plan_of_another_platform(config: BatchJobConfig, plan: PlanFile) -> None:
+    """No retry: the plan, not the node, is wrong for this shard (``check_plan_runs_here``)."""
+    try:
+        config.check_plan_runs_here(plan.counted_for)
+    except ValueError as exc:
+        raise dg.Failure(str(exc), allow_retries=False) from None
 
 
 def warn_if_settled_elsewhere(plan: PlanFile, settings, config: BatchJobConfig, context) -> None:

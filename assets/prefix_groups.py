@@ -71,6 +71,15 @@ def stored_answers(config: BatchJobConfig, warehouse, settings) -> StoredAnswers
                          sorted({current_settings_fingerprint(runs_with, config.sampling, p) for p in platforms}))
 
 
+def say_the_context(config: BatchJobConfig, log):
+    """The context the plan checks rows against, and where it came from, in the plan step's log: a
+    warning where vLLM's fallback stands in for a length the model's config does not name."""
+    row_context = config.plan_context()
+    (log.warning if row_context.assumed else log.info)(
+        f"a row may hold {row_context.tokens:,} tokens, prompt and answer: {row_context.source}")
+    return row_context
+
+
 def what_runs(made, trimmed: int) -> str:
     """The plan's rows and shards that need a run tonight, and those answered as planned."""
     counts, to_run = made.counts, made.keys_to_run
@@ -114,9 +123,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         if notice:
             context.log.info(notice)
         settings = config.plan_settings()  # counted as the shards' hardware runs, not this machine
-        row_context = config.plan_context()
-        (context.log.warning if row_context.assumed else context.log.info)(
-            f"a row may hold {row_context.tokens:,} tokens, prompt and answer: {row_context.source}")
+        row_context = say_the_context(config, context.log)
         job = PlanJob(config.files.prompts_path, config.files.plan_path, config.files.token_cache_dir, settings,
                       config.sampling, config.scheduler, config.dataset.columns, context.log.warning,
                       TokenizeWorkers(config.tokenize_workers, config.ray_address))
@@ -136,7 +143,8 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
             if changed:
                 raise dg.Failure(f"{config.name}: {', '.join(changed)} changed while this plan was being made "
                                  "(prompts materialized meanwhile?): no plan written; materialize prefix_groups again")
-            plan_bytes = job.write(made, stamp, context.run.run_id)  # the contract completions runs as written
+            # the contract completions runs as written
+            plan_bytes = job.write(made, stamp, context.run.run_id, config.plan_counts_for.value)
             config.output(warehouse).replace_groups(made.groups_table(lambda s: config.hardware_of_shard(s).name))
         used = made.used_keys
         added, removed = sync_partitions(context.instance, config.names.partitions_name, by_hardware(config, used))

@@ -33,6 +33,11 @@ class Backend(Policy):
     RAY = "ray"  # vLLM replicas on a Ray cluster, whole prefix groups each
 
 
+# Words that name a GPU in a hardware partition's name or run tags (its GPU must then be declared).
+_GPU_WORDS = {"cuda", "nvidia", "h100", "h200", "h20", "a100", "a10", "a10g", "l4", "l40", "l40s", "b200", "gb200",
+              "v100", "t4", "a6000", "rtx", "mi300", "mi300x"}
+
+
 class HardwarePartition(BaseModel):
     """A kind of machine the shards run on. Every run of its shards carries ``run_tags`` (what the
     deployment places runs by: dagster-k8s node selectors and GPU limits, say) and the tag
@@ -45,13 +50,19 @@ class HardwarePartition(BaseModel):
     run_tags: dict[str, str] = Field(default_factory=dict, description="tags every run of its shards carries")
     platform: Platform | None = Field(
         None, description="what its machines run vLLM on, 'cuda' or 'cpu': a plan for its shards counts in that "
-        "platform's KV block size and context length wherever the plan step runs (unset: the plan step's machine's)")
+        "platform's KV block size and context length wherever the plan step runs (unset: the plan step's machine's; "
+        "a GPU's partition must set it, refused at load where a GPU is in sight)")
 
     @model_validator(mode="after")
     def _valid(self) -> "HardwarePartition":
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
             raise ValueError(f"hardware name {self.name!r} must be letters, digits, '.', '_' or '-'")
         return self
+
+    def gpu_named(self) -> str | None:
+        """The word of its name, pool or run tags that names a GPU (``h100``, ``nvidia.com/gpu``), if any."""
+        text = " ".join([self.name, self.pool or "", *self.run_tags, *self.run_tags.values()]).lower()
+        return next((word for word in re.split(r"[^a-z0-9]+", text) if word in _GPU_WORDS or "gpu" in word), None)
 
     @property
     def is_gpu(self) -> bool:
@@ -175,7 +186,7 @@ class JobSpec(BaseModel):
     # A name alone (`hardware: [cpu]`) is short for {name: cpu}; after validation every entry is a
     # HardwarePartition (the union is for the YAML schema, which must accept both).
     hardware: Annotated[list[str | HardwarePartition], *described(
-        "hardware partitions, shards cycle over them: names ([cpu]) or {name, pool, run_tags}")] = [
+        "hardware partitions, shards cycle over them: names ([cpu]) or {name, platform, pool, run_tags}")] = [
         HardwarePartition(name="cpu")]
     output_table: Annotated[str, *described("DuckDB table of the answers")] = "completions"
     backend: Annotated[Backend, *described(
@@ -242,6 +253,7 @@ class JobSpec(BaseModel):
             raise ValueError(f"hardware partitions on different platforms ({', '.join(sorted(platforms))}) share one "
                              "plan, which counts in one KV block size and context length: set llm.block_size (one "
                              "both run, e.g. 32) and llm.max_model_len")
+        self._gpu_partitions_declared()
         at_least_one = (self.rows_per_shard, self.partitions_per_run)  # where set
         if (self.shards is not None and not 1 <= self.shards <= MAX_PARTITIONS) or self.ray_replicas < 1 \
                 or any(value is not None and value < 1 for value in at_least_one):
@@ -258,6 +270,25 @@ class JobSpec(BaseModel):
             if getattr(self, label) is not None and not 0 <= getattr(self, label) <= 1:
                 raise ValueError(f"{label} must be between 0 and 1 (got {getattr(self, label)})")
         return self
+
+    def _gpu_partitions_declared(self) -> None:
+        """Refuse a hardware partition that names no platform where a GPU is in sight: a plan step on a
+        machine without one would count its rows in the CPU's 32-token blocks and 2,048 tokens, and the
+        GPU would run them so. Where the job sets both, the platform changes nothing."""
+        if self.llm.block_size is not None and self.llm.max_model_len is not None:
+            return
+        for partition in (h for h in self.hardware if h.platform is None):
+            why = (f"its name or run tags name a GPU ({partition.gpu_named()!r})" if partition.gpu_named()
+                   else f"llm sets tensor_parallel_size {self.llm.tensor_parallel_size}"
+                   if self.llm.tensor_parallel_size > 1
+                   else "llm sets gpu_memory_utilization" if self.llm.gpu_memory_utilization is not None
+                   else "this machine runs vLLM on a GPU" if current_platform() is Platform.CUDA else None)
+            if why:
+                raise ValueError(
+                    f"hardware partition {partition.name!r} names no platform, and {why}: a plan step on a machine "
+                    "without a GPU would count its rows in the CPU's 32-token blocks and 2,048 tokens, and its GPU "
+                    f"would run them so. Add `platform: cuda` to it (hardware: [{{name: {partition.name}, platform: "
+                    "cuda}]), or `platform: cpu` where its machines have no GPU")
 
     def shard_count(self, rows: int, measured_rows_per_shard: int = FIRST_NIGHT_ROWS_PER_SHARD) -> int:
         """``shards`` when set, else derived from the batch: ~rows_per_shard rows each (the job's, else
@@ -363,13 +394,34 @@ class BatchJobConfig(JobSpec):
         machine where the shards declare another (a plan made on a CPU pod for GPU shards counts
         in the GPU's 16 and the model's own length)."""
         llm = self._model_resolved()
-        resolved = llm.for_platform(self.plan_platform or current_platform())
+        resolved = llm.for_platform(self.plan_counts_for)
         return llm.model_copy(update={"block_size": resolved.block_size, "max_model_len": resolved.max_model_len})
+
+    @property
+    def plan_counts_for(self) -> Platform:
+        """The platform whose defaults the plan counts in where the job sets none: the one its hardware
+        partitions declare, else the plan step's machine's."""
+        return self.plan_platform or current_platform()
+
+    def check_plan_runs_here(self, counted_for: str | None) -> None:
+        """Refuse a shard on a platform other than the one whose defaults its plan counted in (a CPU
+        pod's plan of a partition that names no platform, run on a GPU, would give every row the CPU's
+        blocks and 2,048 tokens). None: a plan from before it was recorded."""
+        here = current_platform()
+        if counted_for in (None, here.value) or (self.llm.block_size is not None and self.llm.max_model_len
+                                                 is not None):
+            return
+        undeclared = [h.name for h in self.hardware if h.platform is None]
+        fix = (f"add `platform: {here.value}` to hardware partition {', '.join(map(repr, undeclared))}" if undeclared
+               else f"declare the platform its hardware partitions run on ({here.value} here)")
+        raise ValueError(f"the plan of {self.name!r} counted in {counted_for}'s KV blocks and context length, but this "
+                         f"shard runs on {here.value}: {fix} in the job's YAML (or set llm.block_size and "
+                         "llm.max_model_len), then materialize prefix_groups again")
 
     def plan_context(self):
         """The context length the plan counts in and where it comes from (``EngineSettings.context``),
         on the platform the plan counts for."""
-        return self._model_resolved().context(self.plan_platform or current_platform())
+        return self._model_resolved().context(self.plan_counts_for)
 
     def engine_settings(self, planned: dict[str, int] | None = None) -> EngineSettings:
         """``llm`` with its model (a built-in name or a path) resolved to a checkpoint directory and

@@ -82,14 +82,18 @@ def _raw_config(model_path: str) -> dict:
 
 
 def _text_config(model_path: str, raw: dict):
-    """The language model's config as vLLM reads it (transformers' class, defaults filled in), and
-    the raw dict it came from; the raw dict alone where transformers does not know the model type."""
+    """The language model's config as vLLM reads it, and the raw dict it came from: the file's own
+    fields where they name a length (transformers' class would give the same, and importing it costs
+    a plan seconds: it brings torch); else transformers' class, whose defaults fill in what the file
+    leaves out (Gemma 3), where transformers knows the model type."""
     raw_text = raw.get("text_config") or raw
+    if any(isinstance(raw_text.get(key), (int, float)) for key in _LENGTH_KEYS):
+        return SimpleNamespace(**raw_text), raw_text
     try:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model_path, local_files_only=True)
-    except Exception:  # a model type transformers lacks (remote code): its file's own fields
+    except Exception:  # a model type transformers lacks (remote code): nothing more to read
         return SimpleNamespace(**raw_text), raw_text
     return config.get_text_config(), raw_text
 

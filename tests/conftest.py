@@ -75,7 +75,7 @@ def nightly(tmp_path, tiny_model):
         llm=EngineSettings(model_path=str(model), kv_cache_blocks=64),
         sampling=SamplingSettings(max_tokens=6),
         shards=2,
-        hardware=["gpu-a", "gpu-b"],  # shard 0 runs on one, shard 1 on the other
+        hardware=["pool-a", "pool-b"],  # shard 0 runs on one, shard 1 on the other
         output_database=str(database),
         output_table="answers",
         storage_dir=str(tmp_path / "jobs"),

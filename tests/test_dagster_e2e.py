@@ -232,9 +232,10 @@ def test_every_run_of_a_hardware_partition_carries_its_tags_and_pool(job):
     launches each shard on its hardware's job, with that hardware's placement tags and run pool."""
     from dagster_project.demo import run_planned_shards
 
-    k8s = '{"pod_spec_config": {"node_selector": {"gpu": "h200"}}}'
+    # Both run on this CPU machine: names that say no GPU (a GPU's partition must declare `platform: cuda`).
+    k8s = '{"pod_spec_config": {"node_selector": {"node-pool": "big"}}}'
     job = BatchJobConfig.model_validate({**job.model_dump(), "hardware": [
-        {"name": "gpu-h200", "pool": "h200_pool", "run_tags": {"dagster-k8s/config": k8s}}, "cpu"]})
+        {"name": "big-nodes", "pool": "big_pool", "run_tags": {"dagster-k8s/config": k8s}}, "cpu"]})
     defs = build_batch_defs(job)
     assert job.inference_pool is None  # no op pool that would serialize the two kinds of machine
     with dg.instance_for_test() as instance:
@@ -252,10 +253,10 @@ def test_every_run_of_a_hardware_partition_carries_its_tags_and_pool(job):
     assert sorted(checks[0]) == sorted(checks[1]) == sorted(shard_checks + ["all_prompts_answered"])
     assert passed
     assert len(tags) == 2
-    gpu = next(t for key, t in tags.items() if key.startswith("gpu-h200-00-"))
+    big = next(t for key, t in tags.items() if key.startswith("big-nodes-00-"))
     cpu = next(t for key, t in tags.items() if key.startswith("cpu-01-"))
-    assert gpu["dagster-k8s/config"] == k8s and gpu["batchllm/pool"] == "h200_pool"
-    assert gpu["batchllm/hardware"] == "gpu-h200"
+    assert big["dagster-k8s/config"] == k8s and big["batchllm/pool"] == "big_pool"
+    assert big["batchllm/hardware"] == "big-nodes"
     assert cpu["batchllm/pool"] == "inference_cpu" and "dagster-k8s/config" not in cpu
 
 

@@ -24,9 +24,9 @@ def keys_of(job, shards):
 
 
 def test_each_hardware_partitions_shards_are_neighbours_and_runs_never_mix_hardware():
-    job = config(["gpu", "cpu"], 3)
-    keys = by_hardware(job, keys_of(job, 7))  # shards cycle: gpu 0, 2, 4, 6; cpu 1, 3, 5
-    assert [k.split("-")[:2] for k in keys] == [["gpu", "00"], ["gpu", "02"], ["gpu", "04"], ["gpu", "06"],
+    job = config(["big", "cpu"], 3)
+    keys = by_hardware(job, keys_of(job, 7))  # shards cycle: big 0, 2, 4, 6; cpu 1, 3, 5
+    assert [k.split("-")[:2] for k in keys] == [["big", "00"], ["big", "02"], ["big", "04"], ["big", "06"],
                                                 ["cpu", "01"], ["cpu", "03"], ["cpu", "05"]]
     runs = shard_runs(job, keys)
     assert [len(r) for r in runs] == [3, 1, 3]
@@ -35,7 +35,7 @@ def test_each_hardware_partitions_shards_are_neighbours_and_runs_never_mix_hardw
     # that would take the other hardware's partition between them.
     mixed = [keys[0], keys[4], keys[1], keys[2]]
     assert shard_runs(job, mixed) == [[keys[0]], [keys[4]], [keys[1], keys[2]]]
-    assert shard_runs(config(["gpu", "cpu"], 1), keys) == [[k] for k in keys]
+    assert shard_runs(config(["big", "cpu"], 1), keys) == [[k] for k in keys]
 
 
 def test_partitions_per_run_below_one_is_refused():
@@ -98,7 +98,7 @@ def test_a_backfill_of_completions_takes_partitions_per_run_partitions_a_run(per
 
 
 def test_unset_a_nights_shards_of_a_hardware_partition_are_one_run_and_a_key_not_to_run_ends_a_range():
-    job = config(["gpu", "cpu"], None)
+    job = config(["big", "cpu"], None)
     keys = by_hardware(job, keys_of(job, 7))
     assert [len(r) for r in shard_runs(job, keys)] == [4, 3]  # one run, one vLLM start, per hardware partition
     # Only the keys to run tonight: a kept key between two of them is never inside a range.
@@ -109,7 +109,7 @@ def test_unset_a_nights_shards_of_a_hardware_partition_are_one_run_and_a_key_not
 def test_a_nights_new_shards_are_as_few_as_their_rows_need_numbered_apart_from_the_kept_cycling_over_hardware():
     from batchllm_dagster.partitions import JobShards
 
-    one, two = config(["cpu"], None), config(["gpu", "cpu"], None)
+    one, two = config(["cpu"], None), config(["big", "cpu"], None)
     # 100,000 rows in 10 shards: 1,500 rows to run need one shard of the job's size (10,000 rows)
     sized = JobShards(one.model_copy(update={"rows_per_shard": 10_000}))
     assert sized.gathered(1_500, 100_000, kept=set(range(10))) == [10]
@@ -120,7 +120,7 @@ def test_a_nights_new_shards_are_as_few_as_their_rows_need_numbered_apart_from_t
     # two hardware partitions: the new shards cycle over them, each on its own hardware
     both = JobShards(two.model_copy(update={"rows_per_shard": 10_000}))
     numbers = both.gathered(15_000, 100_000, kept={0, 1, 2, 3})
-    assert numbers == [4, 5] and [two.hardware_of_shard(n).name for n in numbers] == ["gpu", "cpu"]
+    assert numbers == [4, 5] and [two.hardware_of_shard(n).name for n in numbers] == ["big", "cpu"]
     assert both.gathered(50, 100_000, kept={0, 1, 3}) == [2]  # a few rows: one shard, one vLLM start
     assert both.keeps(3, both.key(3, ["a"])) and not both.keeps(2, both.key(3, ["a"]))
 

@@ -1,6 +1,7 @@
 """Engine settings per platform: what a GPU gets, checked without a GPU."""
 
 import argparse
+import re
 import tomllib
 from pathlib import Path
 
@@ -160,7 +161,7 @@ def _plan_on(monkeypatch, config, platform) -> dict:
     import pyarrow.parquet as pq
 
     import engine.settings as settings_module
-    from engine.plan.plan_table import BLOCK_SIZE, MAX_MODEL_LEN
+    from engine.plan.plan_table import BLOCK_SIZE, COUNTED_FOR, MAX_MODEL_LEN
 
     monkeypatch.setattr(settings_module, "current_platform", lambda: platform)
     monkeypatch.setattr("batchllm_dagster.config.current_platform", lambda: platform)
@@ -169,7 +170,8 @@ def _plan_on(monkeypatch, config, platform) -> dict:
     planned = config.plan_settings()
     stamp = config.plan_stamp(planned)
     pq.write_table(pa.table({"id": [1]}).replace_schema_metadata(
-        {BLOCK_SIZE: str(planned.block_size), MAX_MODEL_LEN: str(planned.max_model_len), **stamp}),
+        {BLOCK_SIZE: str(planned.block_size), MAX_MODEL_LEN: str(planned.max_model_len), **stamp,
+         COUNTED_FOR: config.plan_counts_for.value}),
         config.files.plan_path)
     return {k.encode(): v.encode() for k, v in stamp.items()}
 
@@ -193,24 +195,33 @@ def _job(tmp_path, model, hardware=("cpu",), **llm):
 
 
 def test_a_shard_runs_at_what_its_plan_counts_in_whatever_machine_made_it(monkeypatch, tmp_path, tiny_model):
-    """A plan job on a CPU machine and shard runs on GPUs (a Kubernetes deployment's usual split),
-    no max_model_len set: the shards run at the plan's 32 and 2,048, not the GPU's own 16 and the
-    model's 4,096, which would make every plan stale (and a rematerialized one stale again)."""
+    """A plan job on a CPU machine and shard runs on a CPU node, no max_model_len set: the shards run
+    at the plan's 32 and 2,048 (recorded with the plan), not what the node would choose again. A GPU
+    shard of that plan (its partition names no platform) is refused, naming the line to add: it
+    would run every row at the CPU's 32 and 2,048."""
     from engine.plan.plan_stamp import stale_reasons
     from engine.plan.plan_table import PlanFile
 
     config = _job(tmp_path, tiny_model)
     recorded = _plan_on(monkeypatch, config, Platform.CPU)
-    assert PlanFile.open(config.files.plan_path).counts == {"block_size": 32, "max_model_len": 2048}
+    plan = PlanFile.open(config.files.plan_path)
+    assert (plan.counts, plan.counted_for) == ({"block_size": 32, "max_model_len": 2048}, "cpu")
 
-    shard = _shard_on(monkeypatch, config, Platform.CUDA)
+    shard = _shard_on(monkeypatch, config, Platform.CPU)
     assert (shard.block_size, shard.max_model_len) == (32, 2048)
     assert stale_reasons(recorded, config.plan_stamp(shard)) == []
+    config.check_plan_runs_here(plan.counted_for)
+    _shard_on(monkeypatch, config, Platform.CUDA)
+    with pytest.raises(ValueError, match="add `platform: cuda` to hardware partition 'cpu'"):
+        config.check_plan_runs_here(plan.counted_for)
+    # A job that sets both counts in them on any platform: nothing to refuse.
+    _job(tmp_path, tiny_model, block_size=32, max_model_len=2048).check_plan_runs_here("cpu")
     # Without what the plan counts in, the GPU's own would call the plan stale.
     own = config.engine_settings().for_platform(Platform.CUDA)
     assert (own.block_size, own.max_model_len) == (16, 4096)
     assert stale_reasons(recorded, config.plan_stamp(own)) != []
     # A job's own settings win over the plan's.
+    _shard_on(monkeypatch, config, Platform.CPU)
     assert _job(tmp_path, tiny_model, block_size=64).engine_settings({"block_size": 32}).block_size == 64
     assert _job(tmp_path, tiny_model, max_model_len=512).engine_settings({"max_model_len": 2048}).max_model_len == 512
 
@@ -230,8 +241,34 @@ def test_a_plan_for_gpu_partitions_counts_in_the_gpus_settings_wherever_it_is_ma
     shard = _shard_on(monkeypatch, config, Platform.CUDA)
     assert (shard.block_size, shard.max_model_len) == (16, 4096)
     assert stale_reasons(recorded, config.plan_stamp(shard)) == []
+    config.check_plan_runs_here(PlanFile.open(config.files.plan_path).counted_for)
     # Made on a GPU machine, the same plan: where the plan step runs does not matter.
     assert _plan_on(monkeypatch, config, Platform.CUDA) == recorded
+
+
+@pytest.mark.parametrize("hardware, llm, why", [
+    (["h100"], {}, "name a GPU ('h100')"),
+    ([{"name": "big", "run_tags": {"nvidia.com/gpu": "1"}}], {}, "name a GPU ('nvidia')"),
+    (["nodes"], {"tensor_parallel_size": 2}, "tensor_parallel_size 2"),
+    (["nodes"], {"gpu_memory_utilization": 0.8}, "gpu_memory_utilization"),
+])
+def test_a_gpu_partition_that_names_no_platform_is_refused_at_load(tmp_path, hardware, llm, why):
+    """Wherever the plan step runs, a GPU's partition must say it is one: a CPU pod's plan would
+    otherwise count its rows in 32-token blocks and 2,048 tokens."""
+    from batchllm_dagster.config import HardwarePartition
+
+    with pytest.raises(ValueError, match=f"names no platform, and .*{re.escape(why)}.*Add `platform: cuda`"):
+        _job(tmp_path, "m", hardware=hardware, **llm)
+    declared = [HardwarePartition(**h) if isinstance(h, dict) else HardwarePartition(name=h) for h in hardware]
+    _job(tmp_path, "m", hardware=[h.model_copy(update={"platform": "cuda"}) for h in declared], **llm)
+    _job(tmp_path, "m", hardware=hardware, block_size=16, max_model_len=8192, **llm)  # counted alike anywhere
+    _job(tmp_path, "m", hardware=["cpu", "nodes"])  # nothing says GPU on this CPU machine
+
+
+def test_a_partition_that_names_no_platform_on_a_gpu_machine_is_refused_at_load(monkeypatch, tmp_path):
+    monkeypatch.setattr("batchllm_dagster.config.current_platform", lambda: Platform.CUDA)
+    with pytest.raises(ValueError, match="this machine runs vLLM on a GPU"):
+        _job(tmp_path, "m", hardware=["nodes"])
 
 
 def test_hardware_partitions_of_two_platforms_need_the_settings_their_one_plan_counts_in(tmp_path, tiny_model):

@@ -114,7 +114,7 @@ def test_another_block_size_or_an_older_part_is_hashed_again_without_tokenizing(
     assert pa.ipc.open_file(str(part)).schema.metadata[b"batchllm.block_hashes"] == b"v99 blocks of 4"
 
 
-@pytest.mark.parametrize("rows_, hardware, expected", [(95_000, ["cpu"], 10), (10, ["cpu", "gpu"], 2),
+@pytest.mark.parametrize("rows_, hardware, expected", [(95_000, ["cpu"], 10), (10, ["cpu", "big"], 2),
                                                       (10**10, ["cpu"], 100_000), (0, ["cpu"], 1)])
 def test_the_shard_count_derives_from_the_rows(rows_, hardware, expected):
     from batchllm_dagster import BatchJobConfig, DatasetSpec

@@ -280,10 +280,10 @@ class PlanJob:
         disk.unsettle([shard for shard, key in disk.kept_keys().items() if not naming.keeps(shard, key)])
         return disk.settled_rows()
 
-    def write(self, made: JobPlan, stamp: dict[str, str], plan_run: str) -> int:
+    def write(self, made: JobPlan, stamp: dict[str, str], plan_run: str, counted_for: str | None = None) -> int:
         """Publish the plan whole: every row with its group, shard, run position and content key (its
-        token ids are in the token cache the plan names), stamped with what it was made from. Returns
-        its bytes."""
+        token ids are in the token cache the plan names), stamped with what it was made from.
+        ``counted_for``: the platform whose defaults it counts in. Returns its bytes."""
         metadata = plan_file_metadata(made.disk.plan.block_size, self.cache, self.settings.max_model_len, stamp,
-                                      plan_run, made.settled_with)
+                                      plan_run, made.settled_with, counted_for)
         return write_plan(made.plan_tables(metadata), self.plan_path)

@@ -42,6 +42,7 @@ BLOCK_SIZE = "batchllm.block_size"
 MAX_MODEL_LEN = "batchllm.max_model_len"  # the context length the plan checked rows against
 TOKEN_CACHE = "batchllm.token_cache"  # the token cache folder the content keys point into
 PLAN_RUN = "batchllm.plan_run"  # the run (a Dagster run id) that made the plan
+COUNTED_FOR = "batchllm.counted_for"  # the platform ('cuda', 'cpu') whose defaults the plan counted in
 # The settings fingerprints the plan judged stored answers by (``answer_keys``): the rows it kept run nowhere tonight.
 SETTLED_WITH = "batchllm.settled_with"
 
@@ -126,11 +127,12 @@ class PlanRows:
 
 
 def plan_file_metadata(block_size: int, token_cache: TokenCache, max_model_len: int, stamp: dict[str, str],
-                       plan_run: str, settled_with: list[str] = ()) -> dict[str, str]:
-    """A plan file's schema metadata: what it counts in, where its content keys point, its stamp, its
-    run, and the settings fingerprints it kept answered rows by."""
+                       plan_run: str, settled_with: list[str] = (), counted_for: str | None = None) -> dict[str, str]:
+    """A plan file's schema metadata: what it counts in (and for which platform), where its content
+    keys point, its stamp, its run, and the settings fingerprints it kept answered rows by."""
     return {BLOCK_SIZE: str(block_size), TOKEN_CACHE: str(token_cache.folder), MAX_MODEL_LEN: str(max_model_len),
-            **stamp, PLAN_RUN: plan_run, **({SETTLED_WITH: ",".join(settled_with)} if settled_with else {})}
+            **stamp, PLAN_RUN: plan_run, **({SETTLED_WITH: ",".join(settled_with)} if settled_with else {}),
+            **({COUNTED_FOR: counted_for} if counted_for else {})}
 
 
 def shard_table(rows: PlanRows, shard_rows: np.ndarray, ids: pa.Array | pa.ChunkedArray,
@@ -332,6 +334,12 @@ class PlanFile:
         """The settings fingerprints the plan kept answered rows by (none: it kept none)."""
         value = self.metadata.get(SETTLED_WITH.encode())
         return value.decode().split(",") if value else []
+
+    @property
+    def counted_for(self) -> str | None:
+        """The platform whose defaults the plan counted in where the job set none (None: not recorded)."""
+        value = self.metadata.get(COUNTED_FOR.encode())
+        return value.decode() if value else None
 
     @property
     def plan_run(self) -> str | None:
