@@ -10,6 +10,7 @@ from batchllm_dagster.ownership import refuse_at_load
 from batchllm_dagster.partitions import shard_partitions
 from batchllm_dagster.resources import DEFAULT_LLM
 from engine.digests import text_fingerprint
+from engine.model_support import refuse_unsupported
 
 from .completions import build_completions
 from .prefix_groups import build_prefix_groups
@@ -19,9 +20,11 @@ from .shard_sensor import build_run_shards_sensor
 
 def _refuse_at_load(config: BatchJobConfig) -> None:
     """What can be known when the definitions load, ``dg check defs`` says: an output table the job
-    does not own, the dataset's mistakes."""
+    does not own, the dataset's mistakes, a model the engine cannot schedule (where its checkpoint
+    is on this machine)."""
     refuse_at_load(config.name, config.output_table, config.output_database)
     refuse_dataset_mistakes_at_load(config)
+    refuse_unsupported(config.llm.model_path)
 
 
 def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:

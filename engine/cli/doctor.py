@@ -89,6 +89,12 @@ def check(settings: EngineSettings, rows: int = 16) -> Report:
         report.problem(f"a row may hold {context.tokens:,} tokens: {context.source}")
     report.facts["engine_args"] = engine_args(settings, platform)
     report.facts["environment"] = {k: env[k] for k in sorted(process_env(settings, platform))}
+    from ..model_support import unsupported_reason
+
+    unsupported = unsupported_reason(settings.model_path)
+    if unsupported:  # said without the start it would fail after
+        report.problem(unsupported)
+        return report
     _start_and_answer(settings, rows, report)
     return report
 

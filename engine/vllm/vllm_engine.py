@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..machine import current_platform, vllm_version
+from ..model_support import unsupported_reason
 from ..node_checks import problems as node_problems
 from ..node_checks import read_node
 from ..run.kv_budget import KVGroups
@@ -92,7 +93,8 @@ def read_kv_groups(engine, block_size: int) -> KVGroups:
     own process on a GPU): its ``get_kv_cache_group_metadata``, plain data a socket carries. A
     sliding-window group is counted by the most blocks vLLM lets a row hold in it, computed by vLLM's
     own ``SlidingWindowSpec.max_admission_blocks_per_request`` (the window and the tokens in flight).
-    Mamba's state and other kinds are refused: counted as neither, the scheduler would over-admit."""
+    Mamba's state and other kinds are refused: counted as neither, the scheduler would over-admit (the
+    architectures known to hold them are refused before the start: ``model_support``)."""
     config = engine.vllm_config
     chosen = config.cache_config.block_size
     if chosen != block_size:
@@ -185,6 +187,9 @@ class VLLMEngine:
     ):
         if not Path(settings.model_path).is_dir():
             raise EngineStartError(f"model path {settings.model_path!r} does not exist or is not a directory")
+        unsupported = unsupported_reason(settings.model_path)  # known from config.json: no minutes of start first
+        if unsupported:
+            raise EngineStartError(unsupported)
         platform = current_platform()
         configure(settings, platform)
         # What doctor checks, in one line: a night's log says why it failed.
