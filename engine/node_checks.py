@@ -56,18 +56,25 @@ def problems(node: Node, tensor_parallel_size: int = 1, gpu_memory_utilization: 
         found.append(f"the NVIDIA driver runs CUDA up to {'.'.join(map(str, node.driver_cuda))}, but torch "
                      f"{node.torch_version} was built for CUDA {'.'.join(map(str, node.torch_cuda))} (another major "
                      "version): upgrade the driver, or install a torch (and vLLM) built for the driver's CUDA")
-    share = gpu_memory_utilization or VLLM_GPU_MEMORY_UTILIZATION
-    for gpu in node.gpus:
-        free = node.free_bytes.get(gpu.index)
-        if gpu.memory_bytes and free is not None and free < share * gpu.memory_bytes:
-            found.append(f"GPU {gpu.index} ({gpu.name}) has {free / 2**30:.1f} GiB free of {gpu.memory_gib:.1f}, "
-                         f"and vLLM takes {share:.0%} of it ({share * gpu.memory_gib:.1f} GiB): another process "
-                         "holds it (nvidia-smi names it), or lower gpu_memory_utilization")
+    found.extend(_short_of_memory(node, tensor_parallel_size, gpu_memory_utilization or VLLM_GPU_MEMORY_UTILIZATION))
     if tensor_parallel_size > 1 and node.shm_bytes is not None and node.shm_bytes < SHM_NEEDED_BYTES:
         found.append(f"/dev/shm has {node.shm_bytes / 2**20:.0f} MiB; tensor parallelism ({tensor_parallel_size} "
                      f"GPUs) passes data through it: give the container at least {SHM_NEEDED_BYTES >> 30} GiB "
                      "(docker --shm-size, or a Kubernetes emptyDir with medium: Memory at /dev/shm)")
     return found
+
+
+def _short_of_memory(node: Node, needed: int, share: float) -> list[str]:
+    """The GPUs short of the memory vLLM takes, where fewer than ``needed`` (one engine's) have it: an
+    engine claims the GPUs with the most free memory (``gpu_claims``), so another job's GPU on a shared
+    node is no problem while enough others are free."""
+    short = [(gpu, free) for gpu in node.gpus if gpu.memory_bytes and (free := node.free_bytes.get(gpu.index))
+             is not None and free < share * gpu.memory_bytes]
+    if len(node.gpus) - len(short) >= needed:
+        return []
+    return [f"GPU {gpu.index} ({gpu.name}) has {free / 2**30:.1f} GiB free of {gpu.memory_gib:.1f}, and vLLM takes "
+            f"{share:.0%} of it ({share * gpu.memory_gib:.1f} GiB): another process holds it (nvidia-smi names it), "
+            "or lower gpu_memory_utilization" for gpu, free in short]
 
 
 def read_node() -> Node:

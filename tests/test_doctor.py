@@ -118,6 +118,25 @@ def test_each_problem_of_a_gpu_node_is_named_with_its_fix():
     assert problems(with_gpus) == []  # on a GPU node they are the right builds
 
 
+def test_a_shared_node_is_a_problem_only_where_fewer_gpus_are_free_than_an_engine_needs():
+    """An engine claims the GPUs with the most free memory: another job on six of eight is no problem
+    for two-way tensor parallelism; on seven it is, and each short GPU is named."""
+    from engine.cli.doctor import idle_gpus_advice
+    from engine.gpus import GPU
+    from engine.node_checks import Node, problems
+
+    node = tuple(GPU(i, "NVIDIA H100 80GB HBM3", 80 << 30, f"GPU-{i}") for i in range(8))
+    busy = {i: (10 << 30 if i < 6 else 79 << 30) for i in range(8)}
+    shared = Node(node, (13, 0), "2.14.0", (13, 0), False, 16 << 30, free_bytes=busy)
+    assert problems(shared, tensor_parallel_size=2) == []
+    found = problems(Node(node, (13, 0), "2.14.0", (13, 0), False, 16 << 30, free_bytes={**busy, 6: 10 << 30}),
+                     tensor_parallel_size=2)
+    assert len(found) == 7 and all("10.0 GiB free of 80.0" in p for p in found)
+    [advice] = idle_gpus_advice(8, 2)
+    assert "declare 4 hardware partitions" in advice and "ray_replicas: 4" in advice
+    assert idle_gpus_advice(8, 8) == idle_gpus_advice(0, 1) == []
+
+
 def test_this_cpu_node_reads_as_one_without_gpus_and_its_torch_as_a_cpu_build():
     from engine.node_checks import problems, read_node
 
@@ -151,7 +170,10 @@ def test_the_node_checked_is_the_gpus_this_process_may_use(monkeypatch):
         assert [g.index for g in mine.gpus] == [0]
         assert not [p for p in problems(mine) if "GPU 1" in p or "GPU 0" in p]
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-        assert [p for p in problems(read_node()) if p.startswith("GPU 1 (NVIDIA H200) has 66.9 GiB free")]
+        # Both visible: one engine claims the free one; two-way tensor parallelism needs the busy one too.
+        assert not [p for p in problems(read_node()) if "GPU 1" in p]
+        assert [p for p in problems(read_node(), tensor_parallel_size=2)
+                if p.startswith("GPU 1 (NVIDIA H200) has 66.9 GiB free")]
     finally:
         gpus_module.gpus.cache_clear()
 

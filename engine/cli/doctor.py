@@ -45,6 +45,18 @@ def environment_problems(platform: Platform, env: dict[str, str]) -> list[str]:
     return problems
 
 
+def idle_gpus_advice(gpus: int, tensor_parallel_size: int) -> list[str]:
+    """How to use every GPU of a node where one engine uses some: a hardware partition runs one engine
+    at a time, and engines side by side each claim GPUs of their own (``gpu_claims``)."""
+    engines = gpus // max(tensor_parallel_size, 1)
+    if engines < 2:
+        return []
+    slots = ", ".join(f"{{name: gpu{i}, platform: cuda}}" for i in range(min(engines, 2)))
+    return [f"this process may use {gpus} GPUs and one engine uses {tensor_parallel_size}: a hardware partition runs "
+            f"one engine at a time, so declare {engines} hardware partitions (hardware: [{slots}, ...]), whose runs go "
+            f"side by side, each on GPUs it claims; or backend: ray with ray_replicas: {engines}"]
+
+
 def check(settings: EngineSettings, rows: int = 16) -> Report:
     from ..gpus import gpus, visible_gpus
     from ..machine import current_platform, platform_detection, vllm_version
@@ -71,6 +83,8 @@ def check(settings: EngineSettings, rows: int = 16) -> Report:
             f"GPUs; this process may use {len(visible_gpus())} of the node's {len(gpus())} "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): lower it or give it more"
         )
+    report.advice.extend(idle_gpus_advice(len(visible_gpus()) if platform is Platform.CUDA else 0,
+                                          settings.tensor_parallel_size))
     from ..node_checks import problems as node_problems
     from ..node_checks import read_node
 

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..gpu_claims import GPUsBusy, claim_for_engine
 from ..machine import current_platform, vllm_version
 from ..model_support import unsupported_reason
 from ..node_checks import problems as node_problems
@@ -192,6 +193,11 @@ class VLLMEngine:
             raise EngineStartError(unsupported)
         platform = current_platform()
         configure(settings, platform)
+        if platform is Platform.CUDA:  # GPUs no other run on the node holds, before anything reads them
+            try:
+                claim_for_engine(settings.tensor_parallel_size)
+            except GPUsBusy as exc:
+                raise EngineStartError(str(exc)) from None
         # What doctor checks, in one line: a night's log says why it failed.
         found = node_problems(read_node(), settings.tensor_parallel_size, settings.gpu_memory_utilization)
         if found:
