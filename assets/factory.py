@@ -24,7 +24,7 @@ def _refuse_at_load(config: BatchJobConfig) -> None:
     is on this machine)."""
     refuse_at_load(config.name, config.output_table, config.output_database)
     refuse_dataset_mistakes_at_load(config)
-    refuse_unsupported(config.llm.model_path)
+    refuse_unsupported(config.llm.model_path, config.sampling.scores_choice)
 
 
 def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:

@@ -41,8 +41,26 @@ def architectures(model_path: str) -> list[str]:
     return [a for a in named if isinstance(a, str)] if isinstance(named, list) else []
 
 
-def unsupported_reason(model_path: str) -> str | None:
-    """Why the engine cannot run this checkpoint (None: nothing known against it)."""
+def reasoning_parser_of(model_path: str) -> str | None:
+    """The reasoning parser vLLM gives this checkpoint itself (``engine/reasoning.py``), if any."""
+    from .reasoning import REASONING_PARSERS
+
+    return next((REASONING_PARSERS[a] for a in architectures(model_path) if a in REASONING_PARSERS), None)
+
+
+def scoring_refused(model: str, parser: str) -> str:
+    """Why choice rows of a reasoning model are not scored."""
+    return (f"{model} is a reasoning model (vLLM gives it the {parser!r} parser): it writes its reasoning before its "
+            "answer, so the probabilities of a choice's first token, which score_choices reads right after the "
+            "prompt, would not be those of its answer; remove sampling.score_choices (its choice rows are then "
+            "decoded under the grammar)")
+
+
+def unsupported_reason(model_path: str, scores_choices: bool = False) -> str | None:
+    """Why the engine cannot run this checkpoint (``scores_choices``: with choice rows scored); None:
+    nothing known against it."""
+    if scores_choices and reasoning_parser_of(model_path):
+        return scoring_refused(model_path, reasoning_parser_of(model_path))
     stateful = [a for a in architectures(model_path) if a in STATE_CACHE_ARCHITECTURES]
     if not stateful:
         return None
@@ -52,7 +70,7 @@ def unsupported_reason(model_path: str) -> str | None:
             "only (Llama, Qwen2.5, Qwen3, Gemma 3, Mistral, gpt-oss)")
 
 
-def refuse_unsupported(model_path: str) -> None:
-    why = unsupported_reason(model_path)
+def refuse_unsupported(model_path: str, scores_choices: bool = False) -> None:
+    why = unsupported_reason(model_path, scores_choices)
     if why:
         raise UnsupportedModel(why)

@@ -164,14 +164,18 @@ class SamplingSettings(BaseModel):
     score_choices: bool = Field(
         False, description="answer choice rows by scoring each choice in one forward pass (engine/choice_scoring.py), "
         "not by decoding under a grammar: the most probable choice, with its probability")
+    keep_reasoning: bool = Field(
+        False, description="a reasoning model's (gpt-oss) reasoning in the output's reasoning column; else dropped "
+        "(the answer stored is its final answer either way)")
 
     @model_serializer(mode="wrap")
     def _without_switches_off(self, handler):
         # A switch newer than the answers on disk is left out while off: their fingerprints (and
         # the code versions made of these settings) stay what they were before it existed.
         data = handler(self)
-        if not self.score_choices:
-            data.pop("score_choices", None)
+        for switch in ("score_choices", "keep_reasoning"):
+            if not getattr(self, switch):
+                data.pop(switch, None)
         return data
 
     @property

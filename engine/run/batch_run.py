@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..model_support import scoring_refused
 from ..plan.duplicates import answer_sources, answers_are_shared
 from ..plan.prefix_tree import reusable_tokens
 from ..plan.prepared import PreparedBatch
@@ -63,6 +64,9 @@ class BatchRun:
         after_step: Callable[[], None] | None = None,
     ):
         self.prepared, self.engine, self.sampling = prepared, engine, sampling
+        parser = getattr(engine, "reasoning_parser", None)
+        if parser and sampling.scores_choice:
+            raise ValueError(scoring_refused("the engine's model", parser))
         self.scheduler_settings = scheduler_settings
         self.rows = [int(r) for r in prepared.order] if rows is None else list(rows)
         self.scheduling = scheduling  # BatchLLM's, or a baseline's (the bench's): vLLM alone in an order
@@ -97,7 +101,8 @@ class BatchRun:
                             prompt_tokens=item.prompt_tokens, cached_tokens=cached_tokens,
                             output_tokens=len(item.token_ids), finish_reason=item.finish_reason,
                             choice_probability=None if scored is None else scored.probability,
-                            choice_probabilities=None if scored is None else scored.probabilities_json())
+                            choice_probabilities=None if scored is None else scored.probabilities_json(),
+                            reasoning=item.reasoning if self.sampling.keep_reasoning else None)
 
     def _error(self, row: int, reason: str) -> RowResult:
         self.counts.rows += 1

@@ -81,6 +81,7 @@ class Finished:
     stop_reason: int | str | None = None  # the stop string that ended it (vLLM's; None: end of sequence)
     error: str | None = None  # why the engine refused it (see ``Engine.submit``)
     scored: ScoredAnswer | None = None  # a choice row scored, not decoded (engine/choice_scoring.py)
+    reasoning: str | None = None  # a reasoning model's reasoning, apart from its answer (engine/reasoning.py)
 
     @property
     def failure(self) -> str | None:

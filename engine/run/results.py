@@ -25,6 +25,7 @@ class RowResult:
     computed_at: dt.datetime | None = None  # when the engine answered it (kept when a later run reuses it)
     choice_probability: float | None = None  # a scored choice row: its answer's probability among the choices
     choice_probabilities: str | None = None  # and every choice's, as JSON {"choice": probability}
+    reasoning: str | None = None  # a reasoning model's reasoning (sampling.keep_reasoning), apart from its answer
 
 
 RESULT_SCHEMA_FIELDS = [
@@ -42,6 +43,7 @@ RESULT_SCHEMA_FIELDS = [
     ("computed_at", pa.timestamp("us", tz="UTC")),
     ("choice_probability", pa.float64()),
     ("choice_probabilities", pa.string()),
+    ("reasoning", pa.string()),
 ]
 
 

@@ -14,9 +14,10 @@ from pathlib import Path
 
 from ..gpu_claims import GPUsBusy, claim_for_engine
 from ..machine import current_platform, vllm_version
-from ..model_support import unsupported_reason
+from ..model_support import reasoning_parser_of, unsupported_reason
 from ..node_checks import problems as node_problems
 from ..node_checks import read_node
+from ..reasoning import FinalAnswer, split_harmony
 from ..run.kv_budget import KVGroups
 from ..run.requests import EngineGauges, Finished, StepReport, Submission
 from ..run.results import EngineInfo
@@ -191,6 +192,7 @@ class VLLMEngine:
         unsupported = unsupported_reason(settings.model_path)  # known from config.json: no minutes of start first
         if unsupported:
             raise EngineStartError(unsupported)
+        self.reasoning_parser = reasoning_parser_of(settings.model_path)  # its answers are split (reasoning.py)
         platform = current_platform()
         configure(settings, platform)
         if platform is Platform.CUDA:  # GPUs no other run on the node holds, before anything reads them
@@ -447,18 +449,28 @@ class VLLMEngine:
                     report.started.append(request.submission.key)
                 continue
             del self._in_flight[out.request_id]
+            final = self._final_answer(request)
             report.finished.append(
                 Finished(
                     submission=request.submission,
-                    text="".join(request.texts),
+                    text="".join(request.texts) if final is None else final.text or "",
                     token_ids=request.token_ids,
                     prompt_tokens=len(out.prompt_token_ids or ()),
                     cached_tokens=int(out.num_cached_tokens or 0),
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
+                    error=None if final is None else final.cut,
+                    reasoning=None if final is None else final.reasoning,
                 )
             )
         return report
+
+    def _final_answer(self, request: _InFlight) -> FinalAnswer | None:
+        """A reasoning model's output split into its final answer and its reasoning (None: not one)."""
+        if self.reasoning_parser is None:
+            return None
+        decoded = self._engine.get_tokenizer().decode(request.token_ids, skip_special_tokens=False)
+        return split_harmony(decoded, len(request.token_ids))
 
     def close(self) -> None:
         engine, self._engine = getattr(self, "_engine", None), None
