@@ -77,10 +77,12 @@ def test_where_vllm_alone_computes_prefixes_twice_group_wise_admission_keeps_its
         assert engine.prefill_tokens < alone.prefill_tokens and engine.preemptions < alone.preemptions
 
 
-def test_a_model_with_sliding_window_groups_is_admitted_by_vllm_where_the_engine_would_gain():
+def test_a_model_with_sliding_window_groups_is_admitted_as_any_other_where_decoding_holds_are_known():
     """The groups shape, where group-wise admission gains on one full-attention group: with a
-    sliding-window group beside it (which the engine counts per row, vLLM sharing it), vLLM admits,
-    in plan order, saying why; a job may still ask for group-wise admission."""
+    sliding-window group beside it whose decoding hold the started engine read (``window_holds``),
+    the choice is the simulation's, as for any model: group-wise where vLLM alone computes tokens
+    twice, vLLM where the blocks its decoding rows' windows free leave it room. Without the hold (a
+    row counted at its prefill's cap all along), vLLM admits, saying why."""
     from engine.run.kv_budget import KVGroups
 
     batch, max_tokens = synthetic_tokens(Workload(), VOCAB)
@@ -91,7 +93,15 @@ def test_a_model_with_sliding_window_groups_is_admitted_by_vllm_where_the_engine
     assert one_group.admission is Admission.GROUP_WISE
     hybrid = EngineLimits(BLOCK, 2 * kv_blocks, 64, 2048, kv_groups=KVGroups(1, (1000,)))
     choice = choose_admission(batch, max_tokens, rows, hybrid)
-    assert choice.admission is Admission.VLLM and "sliding-window groups (1 full-attention, 1 sliding" in choice.reason
+    assert choice.admission is Admission.VLLM and "decoding hold is not known" in choice.reason
+    # A window that frees nothing as rows decode (hold = cap): vLLM preempts and computes again, as
+    # with one group; one that frees a block a row gives vLLM's decoding rows their next blocks.
+    keeps = choose_admission(batch, max_tokens, rows, EngineLimits(BLOCK, kv_blocks, 64, 2048,
+                                                                   kv_groups=KVGroups(1, (4,), (4,))))
+    assert keeps.admission is Admission.GROUP_WISE and "over the minimum" in keeps.reason
+    frees = choose_admission(batch, max_tokens, rows, EngineLimits(BLOCK, kv_blocks, 64, 2048,
+                                                                   kv_groups=KVGroups(1, (4,), (3,))))
+    assert frees.admission is Admission.VLLM and "0 preemptions" in frees.reason
 
 
 def test_the_admission_can_be_set_and_prefix_requests_need_the_group_wise_scheduler():

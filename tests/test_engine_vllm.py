@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -158,7 +159,7 @@ def kv_groups_with_the_core_apart(engine_settings):
               f"    with open_engine(EngineSettings.model_validate_json({engine_settings.model_dump_json()!r})) as e:\n"
               "        queued = e._engine.engine_core.outputs_queue.qsize()  # what step() reads as queued_steps\n"
               "        client = type(e._engine.engine_core).__name__\n"
-              "        print(e.kv_groups.full, *e.kv_groups.window_caps, queued, client)\n")
+              "        print(e.kv_groups.full, *e.kv_groups.window_caps, *e.kv_groups.window_holds, queued, client)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT,
                           env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
                                "VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
@@ -166,7 +167,41 @@ def kv_groups_with_the_core_apart(engine_settings):
     assert client == "SyncMPClient" and queued == "0"  # the client's queue of the core's outputs, read
     from engine.run.kv_budget import KVGroups
 
-    return KVGroups(int(counts[0]), tuple(int(c) for c in counts[1:]))
+    windows = [int(c) for c in counts[1:]]
+    return KVGroups(int(counts[0]), tuple(windows[:len(windows) // 2]), tuple(windows[len(windows) // 2:]))
+
+
+def test_a_decoding_row_holds_no_more_window_blocks_than_counted_and_a_prefill_more():
+    """vLLM frees the blocks a row's window has left at its next allocation, which its scheduler makes
+    for running rows before it admits waiting ones: on real vLLM's KV cache manager (``tiny-hybrid``:
+    a 256-token window, blocks of 32), a row of a 400-token prompt holds all 13 of its blocks in the
+    window group when its prefill gave its first token, and from its next step no more than the
+    decoding hold the engine counts from then on (``KVGroups.window_holds``, vLLM's own bound)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from engine.models import resolve_model
+
+    model = resolve_model("tiny-hybrid")
+    with open_engine(settings(model, kv_cache_blocks=64, max_model_len=512)) as engine:
+        [hold] = engine.kv_groups.window_holds
+        core = engine._engine.engine_core.engine_core
+        window = next(m for g, m in zip(core.scheduler.kv_cache_config.kv_cache_groups,
+                                        core.scheduler.kv_cache_manager.coordinator.single_type_managers)
+                      if type(g.kv_cache_spec).__name__ == "SlidingWindowSpec")
+        rng = np.random.default_rng(0)
+        for i in range(3):
+            engine._engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=rng.integers(5, 500, 400).tolist()),
+                                       SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        held: dict[int, int] = {}  # output tokens so far -> the most window blocks a row held then
+        while engine._engine.has_unfinished_requests():
+            engine._engine.step()
+            for request_id, blocks in window.req_to_blocks.items():
+                request = core.scheduler.requests.get(request_id)
+                if request is not None and request.num_output_tokens:
+                    outputs = min(request.num_output_tokens, 2)
+                    held[outputs] = max(held.get(outputs, 0), sum(b is not window._null_block for b in blocks))
+    assert held[1] == -(-400 // 32) > hold >= held[2] > 0, (held, hold)
 
 
 @pytest.mark.parametrize("max_num_batched_tokens", [None, 64])
@@ -186,11 +221,12 @@ def test_a_model_with_a_sliding_window_beside_full_attention_runs_group_wise_as_
     with open_engine(engine_settings) as engine:
         (window, cap), full = core_groups(engine)
         assert window == "SlidingWindowSpec" and full == ("FullAttentionSpec", None)
-        assert engine.kv_groups == KVGroups(1, (cap,))
+        hold = engine.kv_groups.window_holds[0]  # vLLM's bound on a decoding row's (test above)
+        assert engine.kv_groups == KVGroups(1, (cap,), (hold,)) and hold <= cap
     # The core in its own process (a GPU's) is read the same, over its socket; its queue of step
     # outputs is where the handle reads how far it ran ahead (``StepReport.queued_steps``).
     if max_num_batched_tokens:
-        assert kv_groups_with_the_core_apart(engine_settings) == KVGroups(1, (cap,))
+        assert kv_groups_with_the_core_apart(engine_settings) == KVGroups(1, (cap,), (hold,))
     prepared = prepare_batch(table, load_tokenizer(model), engine_settings, SAMPLING)
     longest = int(prepared.batch.lengths.max()) + SAMPLING.max_tokens
     assert (cap < -(-longest // 32)) == (max_num_batched_tokens == 64)

@@ -435,15 +435,15 @@ def test_choice_reads_are_what_both_of_vllms_model_runners_read():
 
 
 @pytest.mark.slow  # imports vLLM
-def test_on_an_h200_a_sliding_window_group_holds_every_token_of_a_row_under_its_cap():
+def test_on_an_h200_a_window_group_holds_a_prefilling_row_under_its_cap_and_a_decoding_one_in_66_blocks():
     """What a GPU's admission counts in a sliding-window group (Gemma 3: a 1,024-token window, blocks
     of 16, 128k context), by vLLM's own bound at an H200's offline settings: 16,384 batched tokens a
-    step, two steps in flight with async scheduling. The cap is the window and the tokens in flight:
-    2,113 blocks (33,808 tokens), so a batch row shorter than that holds every token in each window
-    group, as in a full-attention one; only longer rows hold less."""
+    step, two steps in flight with async scheduling. While it prefills, a row holds up to the window
+    and the tokens in flight: 2,113 blocks (33,808 tokens), so a batch row shorter than that holds
+    every token; once it decodes, vLLM frees what its window has left each step: 66 blocks."""
     from vllm.config import VllmConfig
 
-    from engine.vllm.vllm_engine import _window_cap
+    from engine.vllm.vllm_engine import window_bounds
 
     config = types.SimpleNamespace(
         parallel_config=types.SimpleNamespace(pipeline_parallel_size=1), use_v2_model_runner=True,
@@ -452,6 +452,6 @@ def test_on_an_h200_a_sliding_window_group_holds_every_token_of_a_row_under_its_
     config.max_concurrent_batches = VllmConfig.max_concurrent_batches.fget(config)
     config.max_in_flight_tokens = VllmConfig.max_in_flight_tokens.fget(config)
     assert config.max_in_flight_tokens == 32_768
-    assert _window_cap(config, 1024, 16) == -(-(1023 + 32_768) // 16) + 1 == 2113
-    config.model_config.max_model_len = 8192  # a shorter context bounds it
-    assert _window_cap(config, 1024, 16) == 8192 // 16 + 1
+    assert window_bounds(config, 1024, 16) == (-(-(1023 + 32_768) // 16) + 1, -(-(1023 + 3) // 16) + 1) == (2113, 66)
+    config.model_config.max_model_len = 8192  # a shorter context bounds the prefill's
+    assert window_bounds(config, 1024, 16) == (8192 // 16 + 1, 66)

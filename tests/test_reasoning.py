@@ -29,7 +29,8 @@ def test_a_budget_that_ends_inside_the_reasoning_is_an_error_row_never_the_reaso
 
 
 def test_an_answer_constrained_from_its_first_token_is_the_text_itself():
-    """vLLM 0.32 constrains gpt-oss from its first output token (``test_vllm_constrains_gpt_oss_from_its_first_token``)."""
+    """vLLM 0.32 constrains gpt-oss from its first output token
+    (``test_vllm_constrains_gpt_oss_from_its_first_token``)."""
     assert split_harmony('{"label": "positive"}<|return|>', 8).text == '{"label": "positive"}'
 
 

@@ -268,8 +268,10 @@ def random_plans(draw):
 
 # A model's KV cache groups (``KVGroups``): one full-attention group (most models); a sliding-window
 # group beside it whose cap long rows reach (Gemma 3's kind, in miniature); two full and two windows;
-# windows alone (Mistral's kind).
-KV_LAYOUTS = [KVGroups(), KVGroups(1, (3,)), KVGroups(2, (2, 6)), KVGroups(0, (4,))]
+# windows alone (Mistral's kind); and each with decoding holds under their caps.
+KV_LAYOUTS = [KVGroups(), KVGroups(1, (3,)), KVGroups(2, (2, 6)), KVGroups(0, (4,)),
+              # a decoding row holds fewer window blocks than a prefilling one (vLLM frees what the window left)
+              KVGroups(1, (6,), (3,)), KVGroups(2, (4, 8), (2, 3)), KVGroups(0, (5,), (2,))]
 
 
 @settings(max_examples=200, deadline=None)

@@ -7,7 +7,9 @@ A model may mix attention kinds (Gemma 2 and 3, gpt-oss, Mistral with a sliding 
 splits its layers into KV cache groups of equal size that allocate from the same pool, a row holding
 blocks in each. A full-attention group holds every token of a row; a sliding-window group at most
 ``max_admission_blocks_per_request`` blocks of it (its window and the tokens a step has in flight:
-vLLM frees the blocks the window has left behind). ``KVGroups`` says how many of each the pool serves.
+vLLM frees the blocks the window has left behind), and once it decodes far fewer: its window and the
+few tokens a decoding row has in flight (``window_holds``: 66 blocks of 16 for Gemma 3's 1,024-token
+window, where a prefill may hold 2,113). ``KVGroups`` says how many of each the pool serves.
 """
 
 from __future__ import annotations
@@ -24,13 +26,24 @@ class KVGroups:
 
     full: int = 1
     window_caps: tuple[int, ...] = ()
+    # per sliding-window group, the most blocks a row holds in it once it decodes (vLLM's own bound on
+    # a decoding row's tokens in flight); none given: its cap, counted as at its prefill
+    window_holds: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.full < 0 or self.full + len(self.window_caps) < 1 or any(c < 1 for c in self.window_caps):
             raise ValueError(f"no KV cache group to count: {self}")
+        if self.window_holds and (len(self.window_holds) != len(self.window_caps)
+                                  or any(not 1 <= h <= c for h, c in zip(self.window_holds, self.window_caps))):
+            raise ValueError(f"each window group's decoding hold must be in 1..its cap: {self}")
+
+    def caps(self, decoding: bool = False) -> tuple[int, ...]:
+        """The most blocks a row holds in each sliding-window group, while it prefills or once it decodes."""
+        return self.window_holds or self.window_caps if decoding else self.window_caps
 
     def describe(self) -> str:
-        windows = f", {len(self.window_caps)} sliding-window (at most {min(self.window_caps)} blocks a row)" \
+        decoding = f", {min(self.caps(decoding=True))} decoding" if self.window_holds else ""
+        windows = f", {len(self.window_caps)} sliding-window (at most {min(self.window_caps)} blocks a row{decoding})" \
             if self.window_caps else ""
         return f"{self.full} full-attention{windows}"
 
@@ -61,27 +74,30 @@ class KVBudget:
         window, and frees them after: counting them per row never counts fewer than it holds)."""
         return self.groups.full
 
-    def window_weights(self, total_tokens) -> tuple[np.ndarray, np.ndarray]:
+    def window_weights(self, total_tokens, decoding: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """How a row of ``total_tokens`` (prompt and whole output) is counted in the sliding-window
-        groups: per block of its tokens, ``growing`` (the groups whose cap it never reaches), plus
-        ``constant`` (the caps of the groups it would reach, counted whole from its admission)."""
+        groups, while it prefills or once it decodes: per block of its tokens, ``growing`` (the groups
+        whose cap it never reaches), plus ``constant`` (the caps of the groups it would reach, counted
+        whole from then on)."""
         blocks = self.blocks_for(total_tokens)
         growing = np.zeros(blocks.shape, dtype=np.int64)
         constant = np.zeros(blocks.shape, dtype=np.int64)
-        for cap in self.groups.window_caps:
+        for cap in self.groups.caps(decoding):
             capped = blocks > cap
             growing += ~capped
             constant += np.where(capped, cap, 0)
         return growing, constant
 
-    def window_blocks(self, tokens):
-        """What ``tokens`` tokens of one request take in the sliding-window groups, all of them."""
+    def window_blocks(self, tokens, decoding: bool = False):
+        """What ``tokens`` tokens of one request take in the sliding-window groups, all of them, while
+        it prefills or once it decodes."""
         blocks = self.blocks_for(tokens)
-        return sum((np.minimum(blocks, cap) for cap in self.groups.window_caps), np.zeros_like(blocks))
+        return sum((np.minimum(blocks, cap) for cap in self.groups.caps(decoding)), np.zeros_like(blocks))
 
-    def alone_blocks(self, total_tokens):
-        """Pool blocks a row of ``total_tokens`` holds at most, alone in the engine."""
-        return self.groups.full * self.blocks_for(total_tokens) + self.window_blocks(total_tokens)
+    def alone_blocks(self, total_tokens, decoding: bool = False):
+        """Pool blocks a row of ``total_tokens`` holds at most, alone in the engine (``decoding``: at
+        the end of its output, its windows' prefill blocks freed)."""
+        return self.groups.full * self.blocks_for(total_tokens) + self.window_blocks(total_tokens, decoding)
 
     def too_large_reason(self, blocks: int) -> str:
         """Why a row that needs ``blocks`` blocks alone (with its output) cannot run at all."""

@@ -247,6 +247,8 @@ class GroupScheduler:
         alone = self._kv.alone_blocks(lengths + max_tokens) + self._kv.groups.full * (prefix // block - hit_blocks)
         growing, constant = self._kv.window_weights(lengths + max_tokens)  # sliding-window groups, per row
         self._window_growing, self._constant = growing.tolist(), constant.tolist()
+        decoding = self._kv.window_weights(lengths + max_tokens, decoding=True)  # once it decodes
+        self._decode_growing, self._decode_constant = decoding[0].tolist(), decoding[1].tolist()
         self._weight = (growing + self._kv.groups.full).tolist()
         entry_blocks = -(-(lengths + ahead) // block)
         too_large = np.flatnonzero(alone > self._capacity)
@@ -292,12 +294,15 @@ class GroupScheduler:
         length = self._lengths[row]
         remaining = self._max_tokens[row] - generated
         ahead = remaining if self._lookahead is None else min(remaining, self._lookahead)
-        return self._pool_blocks(row, -(-(length + generated + ahead) // self._block), hit_blocks)
+        return self._pool_blocks(row, -(-(length + generated + ahead) // self._block), hit_blocks, generated > 0)
 
-    def _pool_blocks(self, row: int, blocks: int, hit_blocks: int) -> int:
+    def _pool_blocks(self, row: int, blocks: int, hit_blocks: int, decoding: bool = False) -> int:
         """A row's count when its tokens and reservation end in its ``blocks``-th block: each full-attention
-        group's blocks beyond its cache hit, and the sliding-window groups' blocks, none shared."""
+        group's blocks beyond its cache hit, and the sliding-window groups' blocks, none shared (a
+        decoding row's: what its windows hold once vLLM freed what they left)."""
         full = self._kv.groups.full * max(1, blocks - hit_blocks)
+        if decoding:
+            return full + self._decode_growing[row] * blocks + self._decode_constant[row]
         return full + self._window_growing[row] * blocks + self._constant[row]
 
     def after_step(self, started, queued_steps: int = 0) -> None:
@@ -311,10 +316,11 @@ class GroupScheduler:
         that a step costs O(1) plus the rows that start or stop growing. A full reservation never grows."""
         self._reports += 1
         first_token_step = self._reports  # never behind the count: ``_steps >= first_token_step - 1``
-        if self._lookahead is not None:
-            for kind, row in started:
-                account = self._accounts.get(row) if kind is RequestKind.ROW else None
-                if account is not None and account.first_growth is None:
+        for kind, row in started:
+            account = self._accounts.get(row) if kind is RequestKind.ROW else None
+            if account is not None and account.first_growth is None:
+                self._now_decoding(row, account)
+                if self._lookahead is not None:
                     self._start_growing(row, account, first_token_step)
         while self._steps < first_token_step + queued_steps:
             self._advance()
@@ -328,6 +334,18 @@ class GroupScheduler:
             if account is not None and account.growing:
                 account.growing = False
                 self._growing[account.first_growth % self._block] -= account.weight
+
+    def _now_decoding(self, row: int, account: _RowAccount) -> None:
+        """The row got its first token: from its next step vLLM frees what its sliding windows have left
+        (before it admits another row), so its count there becomes a decoding row's, before any growth."""
+        if not self._kv.groups.window_holds:
+            return
+        blocks = self._entry_blocks[row]  # where its tokens and reservation end before any output
+        prefill = self._window_growing[row] * blocks + self._constant[row]
+        change = self._decode_growing[row] * blocks + self._decode_constant[row] - prefill
+        account.base += change
+        account.weight = self._kv.groups.full + self._decode_growing[row]
+        self._row_blocks += change
 
     def _start_growing(self, row: int, account: _RowAccount, first_token_step: int) -> None:
         """The row got its first token in ``first_token_step``: its growths from then on, those the

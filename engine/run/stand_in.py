@@ -14,7 +14,10 @@ reports is vLLM's: 1 - free / total, cached-but-unreferenced blocks counting as 
 
 Several KV cache groups (``KVGroups``: a model mixing full and sliding-window attention) allocate
 from the one pool: a cached block stands for one block in each full-attention group, and each
-sliding-window group holds a request's blocks up to its cap (what vLLM reserves for it), never shared.
+sliding-window group holds a request's blocks up to its cap (what vLLM reserves for it), never shared;
+once the request has its first token, up to its decoding hold: vLLM frees what the window has left
+at the request's next allocation, before it admits anyone (freed here as the step ends: nothing is
+allocated in between).
 
 With ``max_num_batched_tokens`` a step computes at most that many tokens, as vLLM V1 schedules
 them: running requests first (a prefill continues in chunks, a decode takes one token), then
@@ -163,8 +166,10 @@ class BlockAccountingEngine:
                     submission=request.submission, text=f"answer-{hash(request.submission.token_ids.tobytes())}",
                     token_ids=[0] * request.generated, prompt_tokens=len(request.submission.token_ids),
                     cached_tokens=request.cached_tokens or 0, finish_reason="length"))
-            elif request.generated == 1:
-                report.started.append(request.submission.key)
+            else:
+                self._free_what_windows_left(request)
+                if request.generated == 1:
+                    report.started.append(request.submission.key)
         self.peak_referenced = max(self.peak_referenced, self.referenced_blocks)
         report.kv_usage = 1 - self.free_blocks / self.kv_capacity_blocks
         report.running = len(self._running) + len(report.finished)
@@ -214,13 +219,24 @@ class BlockAccountingEngine:
     def _blocks_needed(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def _window_blocks_needed(self, tokens: int) -> int:
-        return int(self._kv.window_blocks(tokens))
+    def _window_blocks_needed(self, tokens: int, decoding: bool = False) -> int:
+        return int(self._kv.window_blocks(tokens, decoding))
+
+    @staticmethod
+    def _decoding(request: _Request) -> bool:
+        return request.generated > 0 and request.computed >= len(request.submission.token_ids)
 
     def _missing(self, request: _Request) -> tuple[int, int]:
         """Cached-kind blocks and sliding-window blocks the request lacks for its next token."""
         return (self._blocks_needed(request.tokens) - len(request.blocks),
-                self._window_blocks_needed(request.tokens) - request.window_blocks)
+                self._window_blocks_needed(request.tokens, self._decoding(request)) - request.window_blocks)
+
+    def _free_what_windows_left(self, request: _Request) -> None:
+        """A decoding request's window blocks beyond its decoding hold go back to the pool."""
+        excess = request.window_blocks - self._window_blocks_needed(request.tokens, decoding=True)
+        if excess > 0:
+            request.window_blocks -= excess
+            self._fresh += excess
 
     def _grow_running(self) -> int:
         """Each running request needs room for its next token; preempt the newest when full."""

@@ -94,7 +94,8 @@ def read_kv_groups(engine, block_size: int) -> KVGroups:
     EngineStartError where it cannot count them. Asked of the core itself, wherever it runs (in its
     own process on a GPU): its ``get_kv_cache_group_metadata``, plain data a socket carries. A
     sliding-window group is counted by the most blocks vLLM lets a row hold in it, computed by vLLM's
-    own ``SlidingWindowSpec.max_admission_blocks_per_request`` (the window and the tokens in flight).
+    own ``SlidingWindowSpec.max_admission_blocks_per_request`` (the window and the tokens in flight), and
+    once it decodes by the same bound on a decoding row's few tokens in flight (``window_holds``).
     Mamba's state and other kinds are refused: counted as neither, the scheduler would over-admit (the
     architectures known to hold them are refused before the start: ``model_support``)."""
     config = engine.vllm_config
@@ -102,12 +103,14 @@ def read_kv_groups(engine, block_size: int) -> KVGroups:
     if chosen != block_size:
         raise EngineStartError(f"vLLM chose KV blocks of {chosen} tokens, not the {block_size} asked for (this "
                                f"model's layers need it): set block_size: {chosen}, or use another model")
-    full, caps, refused = 0, [], []
+    full, caps, holds, refused = 0, [], [], []
     for group in _kv_group_metadata(engine):
         if group["block_size"] != block_size:
             refused.append(f"{group['kind']} in blocks of {group['block_size']} tokens")
         elif group["kind"] in _HOLDS_A_WINDOW and group["sliding_window"]:
-            caps.append(_window_cap(config, group["sliding_window"], block_size))
+            cap, hold = window_bounds(config, group["sliding_window"], block_size)
+            caps.append(cap)
+            holds.append(hold)
         elif group["kind"] in _HOLDS_EVERY_TOKEN:
             full += 1
         else:
@@ -116,7 +119,7 @@ def read_kv_groups(engine, block_size: int) -> KVGroups:
         raise EngineStartError(f"this model's KV cache has groups the scheduler cannot count ({', '.join(refused)}): "
                                "it counts full-attention and sliding-window groups in blocks of "
                                f"{block_size} tokens; Mamba and other state caches are not supported yet")
-    return KVGroups(full, tuple(caps))
+    return KVGroups(full, tuple(caps), tuple(holds))
 
 
 def _kv_group_metadata(engine) -> list[dict]:
@@ -128,16 +131,21 @@ def _kv_group_metadata(engine) -> list[dict]:
     return client.engine_core.get_kv_cache_group_metadata()
 
 
-def _window_cap(config, sliding_window: int, block_size: int) -> int:
-    """The most blocks a row holds in a sliding-window group: vLLM's own bound, on a spec of that window
-    (its heads and dtype do not enter it)."""
+def window_bounds(config, sliding_window: int, block_size: int) -> tuple[int, int]:
+    """The most blocks a row holds in a sliding-window group while it prefills (the window and every
+    token a step may have in flight) and once it decodes (the window, a token in flight per
+    concurrent step and the one it is given next): vLLM frees the blocks its window has left, on the
+    tokens processed. vLLM's own bound, on a spec of that window (its heads and dtype do not enter it)."""
     import torch
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
     spec = SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32,
                              sliding_window=sliding_window)
-    return spec.max_admission_blocks_per_request(max_in_flight_tokens=config.max_in_flight_tokens,
-                                                 max_model_len=config.model_config.max_model_len)
+    limit = config.model_config.max_model_len
+    cap = spec.max_admission_blocks_per_request(max_in_flight_tokens=config.max_in_flight_tokens, max_model_len=limit)
+    hold = spec.max_admission_blocks_per_request(max_in_flight_tokens=config.max_concurrent_batches + 1,
+                                                 max_model_len=limit)
+    return cap, min(cap, hold)
 
 
 # With deltas, vLLM emits a request's first output and its last; in between only every this many
@@ -179,6 +187,8 @@ class _InFlight:
 
 class VLLMEngine:
     """One vLLM ``LLMEngine`` driven step by step by the caller (implements ``requests.Engine``)."""
+
+    reasoning_parser: str | None = None  # the parser vLLM gives the model itself: its answers are split
 
     def __init__(
         self,
