@@ -13,6 +13,7 @@ import warnings
 from dataclasses import asdict, dataclass, replace
 
 import dagster as dg
+import pyarrow as pa
 
 from batchllm_dagster.answer_store import OutputTableStore
 from batchllm_dagster.asset_specs import asset_args
@@ -56,6 +57,11 @@ def shard_jobs(config: BatchJobConfig, keys: list[str], context: dg.AssetExecuti
             f"materialized; rematerialize {config.name}/prefix_groups, then run its partitions") from None
     except FileNotFoundError as exc:
         raise dg.Failure(str(exc)) from None
+    except (pa.ArrowException, OSError) as exc:  # a truncated or overwritten file: each attempt reads it the same
+        raise dg.Failure(
+            f"the plan file {config.files.plan_path} of {config.name!r} is damaged ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}): materialize {config.name}/prefix_groups again, which "
+            "sets it aside and cuts the shards anew (answers written are kept)", allow_retries=False) from None
     return [ShardJob(shard, settings, config.sampling, config.scheduler, store, config.files.checkpoints,
                      plan_path=config.files.plan_path, plan_lock=functools.partial(
                          config.plan_lock, f"partition {shard.key} writing ({this_run(context)})", shared=True))

@@ -4,7 +4,7 @@ import dagster as dg
 from dagster_duckdb import DuckDBResource
 
 from batchllm_dagster.checks import build_table_checks
-from batchllm_dagster.config import BatchJobConfig
+from batchllm_dagster.config import Backend, BatchJobConfig
 from batchllm_dagster.layout import PLAN_TAG
 from batchllm_dagster.ownership import refuse_at_load
 from batchllm_dagster.partitions import shard_partitions
@@ -25,6 +25,19 @@ def _refuse_at_load(config: BatchJobConfig) -> None:
     refuse_at_load(config.name, config.output_table, config.output_database)
     refuse_dataset_mistakes_at_load(config)
     refuse_unsupported(config.llm.model_path, config.sampling.scores_choice)
+    refuse_missing_ray(config)
+
+
+def refuse_missing_ray(config: BatchJobConfig) -> None:
+    """Ray where the job asks for it and the install has none (the README's ``[cpu]`` install): refused
+    now, not on the first night with enough new rows to start tokenize workers."""
+    import importlib.util
+
+    uses = [what for what, used in (("tokenize_workers: " + str(config.tokenize_workers), config.tokenize_workers > 1),
+                                    ("backend: ray", config.backend is Backend.RAY)) if used]
+    if uses and importlib.util.find_spec("ray") is None:
+        raise ModuleNotFoundError(f"job {config.name!r} sets {' and '.join(uses)}, which runs on Ray, and Ray is not "
+                                  "installed here: pip install 'batchllm-dagster[ray]' (or remove the setting)")
 
 
 def build_batch_defs(config: BatchJobConfig) -> dg.Definitions:

@@ -21,6 +21,7 @@ from engine.models import preparation_notice
 from engine.plan.plan_stamp import ANSWER_STAMP_KEYS, stale_reasons
 from engine.plan.plan_table import PlanFile
 from engine.plan.tokenize_workers import TokenizeWorkers
+from engine.ray_address import RayUnreachable
 from engine.run.checkpoint import current_settings_fingerprint
 from engine.settings import fingerprint
 from engine.table.dataset import DatasetError
@@ -112,6 +113,10 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         # One plan of this job at a time in any instance (the plan pool needs an instance's limits):
         # a second waits, then plans from the snapshot as it is then.
         warn_if_unlimited(context)
+        try:  # before any lock: an address nobody answers would keep every shard's write waiting
+            TokenizeWorkers(config.tokenize_workers, config.ray_address).check_reachable()
+        except RayUnreachable as exc:
+            raise dg.Failure(f"{config.name}: {exc}", allow_retries=False) from None
         with config.plan_lock(f"a plan being made ({this_run(context)})"):
             return make_plan(context)
 

@@ -266,6 +266,10 @@ class JobSpec(BaseModel):
             raise ValueError(f"shard_attempts must be at least 1 (got {self.shard_attempts})")
         if self.lock_timeout_s <= 0:
             raise ValueError(f"lock_timeout_s must be > 0 (got {self.lock_timeout_s})")
+        if self.review_below is not None and not self.sampling.scores_choice:
+            raise ValueError(f"review_below: {self.review_below} marks scored answers whose probability is under it, "
+                             "and this job scores none: set sampling.score_choices: true with a sampling."
+                             "response_format choice, or remove review_below")
         for label in ("max_error_share", "max_removed_share", "review_below"):
             if getattr(self, label) is not None and not 0 <= getattr(self, label) <= 1:
                 raise ValueError(f"{label} must be between 0 and 1 (got {getattr(self, label)})")

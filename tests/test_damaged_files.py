@@ -64,3 +64,21 @@ def test_a_damaged_snapshot_is_taken_again_by_the_night_and_named_when_the_plan_
             in failure.message)
     assert plan(defs, instance).success  # the night: prompts takes it again, then the plan
     assert pq.read_table(snapshot).equals(good)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_plan_damaged_after_the_plan_is_named_at_the_shard_in_one_line(planned, damage):
+    """A shard whose plan file was damaged after the plan step (a full disk, a copy over it) fails
+    once, naming the file and the fix, not with pyarrow's message alone and not on every retry."""
+    config, defs, instance = planned
+    [key, *_] = partitions(config, instance)
+    body = config.files.plan_path.read_bytes()
+    config.files.plan_path.write_bytes(body[:300] if damage == "truncated" else b"PAR1" + bytes(range(256)) * 4)
+    completions = defs.resolve_asset_graph().assets_def_for_key(config.names.asset_key("completions"))
+    run = dg.materialize([completions], partition_key=key, instance=instance,
+                         run_config=QUIET, raise_on_error=False)
+    [failure] = [e for e in run.all_events if e.is_step_failure]
+    message = failure.event_specific_data.error.message
+    assert f"the plan file {config.files.plan_path} of 'nightly' is damaged (" in message
+    assert "materialize nightly/prefix_groups again" in message and "\n" not in message.strip()
+    assert len([e for e in run.all_events if e.event_type_value == "STEP_START"]) == 1  # no retry

@@ -184,7 +184,10 @@ def run_on_ray(
     """
     import ray
 
+    from ..ray_address import check_reachable
+
     if not ray.is_initialized():
+        check_reachable(address, "backend: ray")  # an address nobody answers fails now, not after minutes
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
     sub_shard_of_row = _sub_shards(prepared, replicas, Placement.parse(placement), replica_weights)
     if resources_per_replica is None:

@@ -32,6 +32,13 @@ class TokenizeWorkers:
         if self.count < 1:
             raise ValueError(f"tokenize_workers must be at least 1 (got {self.count})")
 
+    def check_reachable(self) -> None:
+        """Fail at once where workers would wait on a cluster nobody answers for (``ray_address``)."""
+        if self.count > 1:
+            from ..ray_address import check_reachable
+
+            check_reachable(self.ray_address, f"tokenize_workers: {self.count}")
+
     def used_for(self, rows: int) -> int:
         """How many workers tokenize ``rows`` new rows (1: this process)."""
         return self.count if self.count > 1 and rows >= self.min_rows else 1

@@ -1,0 +1,73 @@
+"""What a user does by habit is refused at once, naming the fix, before a lock or a night is spent
+(issue 66): a Ray address nobody answers, Ray asked for where it is not installed, a setting kept
+whose partner was removed."""
+
+import socket
+import time
+
+import pytest
+
+from batchllm_dagster import BatchJobConfig, DatasetSpec
+from engine.plan.tokenize_workers import TokenizeWorkers
+from engine.ray_address import RayUnreachable, check_reachable, host_and_port
+from engine.response_format import ResponseFormat
+from engine.settings import EngineSettings, SamplingSettings
+
+
+def job(tmp_path, **kw) -> BatchJobConfig:
+    return BatchJobConfig(name="habits", dataset=DatasetSpec(parquet=str(tmp_path / "p.parquet")),
+                          llm=EngineSettings(model_path="tiny"), output_database=str(tmp_path / "o.duckdb"),
+                          storage_dir=str(tmp_path / "jobs"), **kw)
+
+
+def test_a_ray_address_nobody_answers_fails_at_once_naming_it():
+    started = time.monotonic()
+    with pytest.raises(RayUnreachable, match=r"tokenize_workers: 2: nothing answers at ray_address '127.0.0.1:1'"):
+        TokenizeWorkers(2, "127.0.0.1:1").check_reachable()
+    assert time.monotonic() - started < 5  # Ray's own init retried for minutes
+    TokenizeWorkers(1, "127.0.0.1:1").check_reachable()  # no workers: no Ray to reach
+    TokenizeWorkers(2, None).check_reachable()  # a local Ray: nothing to reach
+    with socket.socket() as listening:  # an address something answers at passes
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        check_reachable(f"127.0.0.1:{listening.getsockname()[1]}", "backend: ray")
+    assert host_and_port("ray://head.ray.svc:10001") == ("head.ray.svc", 10001)
+    assert host_and_port("ray://head") == ("head", 10001) and host_and_port("auto") is None
+
+
+def test_the_plan_step_refuses_an_unreachable_ray_before_taking_the_plan_lock(tmp_path):
+    """The step fails naming the address, and the job's plan lock was never taken (a shard's write
+    takes it at once)."""
+    import dagster as dg
+
+    from assets import build_batch_defs
+    from batchllm_dagster.config import Backend
+
+    config = job(tmp_path, tokenize_workers=2, ray_address="127.0.0.1:1", backend=Backend.LOCAL)
+    defs = build_batch_defs(config)
+    prefix_groups = defs.resolve_asset_graph().assets_def_for_key(dg.AssetKey(["habits", "prefix_groups"]))
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([prefix_groups], instance=instance, raise_on_error=False)
+    assert not result.success
+    [failure] = [e for e in result.all_events if e.is_step_failure]
+    assert "nothing answers at ray_address '127.0.0.1:1'" in failure.event_specific_data.error.message
+    assert not config.files.lock_path("plan").exists()  # never taken
+
+
+def test_ray_asked_for_where_it_is_not_installed_is_refused_at_load(tmp_path, monkeypatch):
+    import importlib.util
+
+    from assets import build_batch_defs
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(ModuleNotFoundError, match=r"tokenize_workers: 4.*pip install 'batchllm-dagster\[ray\]'"):
+        build_batch_defs(job(tmp_path, tokenize_workers=4))
+    build_batch_defs(job(tmp_path / "one"))  # no Ray asked for: loads
+
+
+def test_review_below_without_scored_choices_is_refused_naming_both_lines(tmp_path):
+    with pytest.raises(ValueError, match="review_below: 0.6 marks scored answers.*set sampling.score_choices"):
+        job(tmp_path, review_below=0.6)
+    scored = SamplingSettings(score_choices=True, response_format=ResponseFormat(choice=["yes", "no"]))
+    assert job(tmp_path, review_below=0.6, sampling=scored).review_below == 0.6
