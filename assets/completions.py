@@ -23,6 +23,7 @@ from batchllm_dagster.config import Backend, BatchJobConfig
 from batchllm_dagster.instance_limits import warn_if_unlimited
 from batchllm_dagster.layout import OUTPUT_TABLE_TAG, PLAN_RUN_TAG, this_run
 from batchllm_dagster.metadata import field_order_metadata, review_metadata, run_metadata
+from batchllm_dagster.night_log import say
 from batchllm_dagster.partitions import held_partitions
 from batchllm_dagster.shard_sizing import ray_time_limit
 from engine.jobs.shard_job import ShardJob
@@ -128,12 +129,12 @@ def run_partition(config: BatchJobConfig, context: dg.AssetExecutionContext, job
     """One shard of a run on the run's engine (or on Ray), written and checked against the plan on disk."""
     key, prepared = job.shard.key, job.shard.prepared
     hardware = config.hardware_of_shard(job.shard.number)
-    context.log.info(f"shard {key}: {prepared.num_rows} planned rows ({hardware.name})")
+    say(context.log, f"shard {key}: {prepared.num_rows:,} planned rows on {hardware.name}, starting")
     if config.backend is Backend.RAY:
         outcome, info = run_on_ray(config, context, job, hardware)
     else:
-        outcome = job.run(progress_sink=context.log.info, engine_opener=engine_opener, started_at=started_at,
-                          display_label=f"{config.name} {key}")
+        outcome = job.run(progress_sink=lambda line: say(context.log, f"shard {key}: {line}"),
+                          engine_opener=engine_opener, started_at=started_at, display_label=f"{config.name} {key}")
         info = (asdict(outcome.engine) if outcome.engine
                 else {"build": "not started: every row was reused or invalid"})
     info.update(settings=job.engine_settings.model_dump(mode="json"),
@@ -150,6 +151,9 @@ def run_partition(config: BatchJobConfig, context: dg.AssetExecutionContext, job
     context.log.info(f"wrote {written.written} rows of partition {key} to {config.output_table}, "
                      f"{written.table.num_rows - written.written} already there as they are ({written.rows_now} "
                      "in it now)")
+    stats = outcome.stats
+    say(context.log, f"shard {key}: done, {stats.rows:,} rows computed ({stats.error_rows:,} errors), "
+                     f"{stats.reused_rows:,} reused, {written.written:,} written, engine {stats.wall_s:.1f} s")
     warehouse = job_warehouse(config, context)
     checks = partition_check_results(config, warehouse, key, written.table.column("id").to_pylist(),
                                      outcome.stats, prepared, outcome.results, stale)

@@ -8,12 +8,20 @@ from batchllm_dagster.answer_store import OutputTableStore
 from batchllm_dagster.asset_specs import asset_args
 from batchllm_dagster.asset_specs import warehouse as job_warehouse
 from batchllm_dagster.config import BatchJobConfig
+from batchllm_dagster.forecast import NightForecast, forecast_night
 from batchllm_dagster.instance_limits import warn_if_unlimited
 from batchllm_dagster.layout import this_run
 from batchllm_dagster.metadata import plan_metadata
 from batchllm_dagster.night_guards import refuse_a_costly_night
+from batchllm_dagster.night_log import say
 from batchllm_dagster.partitions import JobShards, by_hardware, sync_partitions
-from batchllm_dagster.shard_sizing import ShardSize, last_partitions_metadata, measured_by_hardware, shard_size
+from batchllm_dagster.shard_sizing import (
+    Measured,
+    ShardSize,
+    last_partitions_metadata,
+    measured_by_hardware,
+    shard_size,
+)
 from engine.atomic import Staged
 from engine.jobs.plan_job import PlanJob, StoredAnswers
 from engine.machine import current_platform
@@ -97,11 +105,34 @@ def answers_version(stamp: dict[str, str]) -> dg.DataVersion:
                                        if key.encode() in ANSWER_STAMP_KEYS}))
 
 
-def measured_shard_size(instance: dg.DagsterInstance, config: BatchJobConfig) -> ShardSize | None:
-    """The shard size the last nights' partitions measured (``shard_sizing``), unless the job sets one."""
+def measured_on_hardware(instance: dg.DagsterInstance, config: BatchJobConfig) -> dict[str, Measured]:
+    """What the last nights' partitions measured on each hardware partition (``shard_sizing``)."""
+    return measured_by_hardware(last_partitions_metadata(instance, config.names.asset_key("completions")))
+
+
+def measured_shard_size(config: BatchJobConfig, measured: dict[str, Measured]) -> ShardSize | None:
+    """The shard size the last nights measured (``shard_sizing``), unless the job sets one."""
     if config.shards is not None or config.rows_per_shard is not None:
         return None
-    return shard_size(measured_by_hardware(last_partitions_metadata(instance, config.names.asset_key("completions"))))
+    return shard_size(measured)
+
+
+def forecast_within_budget(config: BatchJobConfig, made, measured: dict[str, Measured], log) -> NightForecast:
+    """Tonight's forecast (``forecast``), said in the plan step's log; a night over ``max_gpu_hours``
+    is refused here, before the plan is written: no shard runs, nothing is written."""
+    forecast = forecast_night(made, config, measured)
+    for line in forecast.lines():
+        say(log, line)
+    budget = config.max_gpu_hours
+    if budget is not None and forecast.device_hours is None:
+        log.warning(f"max_gpu_hours {budget:g} is not checked tonight: nothing measured yet on "
+                    f"{', '.join(p.hardware for p in forecast.parts if p.wall_s is None)}")
+    elif budget is not None and forecast.device_hours > budget:
+        raise dg.Failure(f"{config.name}: refused tonight's plan: its forecast is {forecast.device_hours:,.2f} "
+                         f"device-hours ({forecast.rows:,} rows to compute, about {forecast.wall_s / 3600:,.2f} h), "
+                         f"over max_gpu_hours {budget:g}; nothing was written and no shard runs. To run it, raise "
+                         "max_gpu_hours (or unset it) and materialize prefix_groups again", allow_retries=False)
+    return forecast
 
 
 def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitionsDefinition) -> dg.AssetsDefinition:
@@ -141,7 +172,8 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         # rows under the new snapshot's stamp.
         stamp = config.plan_stamp(settings)
         refuse_a_costly_night(config, warehouse, job.read_ids())  # the ids let go after: the plan reads its own
-        size = measured_shard_size(context.instance, config)
+        measured = measured_on_hardware(context.instance, config)
+        size = measured_shard_size(config, measured)
         naming = JobShards(config, size.rows_per_shard if size else None)
         with job.plan(naming, context.log.info, stored_answers(config, warehouse, settings)) as made:
             changed = stale_reasons({k.encode(): v.encode() for k, v in stamp.items()}, config.plan_stamp(settings))
@@ -149,6 +181,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
                 raise dg.Failure(f"{config.name}: {', '.join(changed)} changed while this plan was being made "
                                  "(prompts materialized meanwhile?): no plan written; materialize prefix_groups again")
             # the contract completions runs as written
+            forecast = forecast_within_budget(config, made, measured, context.log)
             plan_bytes = job.write(made, stamp, context.run.run_id, config.plan_counts_for.value)
             config.output(warehouse).replace_groups(made.groups_table(lambda s: config.hardware_of_shard(s).name))
         used = made.used_keys
@@ -164,6 +197,6 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         context.log.info(what_runs(made, trimmed))
         return dg.MaterializeResult(data_version=answers_version(stamp), metadata={
             **plan_metadata(made, plan_bytes, removed_answers, size),
-            "context_len": row_context.tokens, "context_source": row_context.source})
+            "context_len": row_context.tokens, "context_source": row_context.source, **forecast.metadata()})
 
     return prefix_groups

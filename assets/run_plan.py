@@ -4,8 +4,12 @@ instance of ``DAGSTER_HOME``, without copying partition keys out of a log: what 
 range) on its hardware partition's job, each recorded in the instance as the UI's are.
 
     batchllm-dagster run reviews                  # prompts + prefix_groups, then every shard
+    batchllm-dagster run reviews --dry-run        # the plan and its forecast, no shard run
     batchllm-dagster run reviews --shards-only    # the current plan's shards that have not landed
     batchllm-dagster run reviews --definitions my_project.definitions
+
+It prints the plan's forecast, each shard's start and end and its progress every few seconds as they
+come (the ``batchllm.night`` lines the runs' logs hold too).
 
 The definitions module is the project's (``[tool.dg.project] code_location_target_module`` of the
 ``pyproject.toml`` in this folder) unless given. A failed shard does not stop the others; the exit
@@ -75,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="plan a batch job and run every shard of the plan")
     run.add_argument("job", help="the job's name (its assets are JOB/prompts, JOB/prefix_groups, JOB/completions)")
     run.add_argument("--shards-only", action="store_true", help="run the current plan's shards, do not plan")
+    run.add_argument("--dry-run", action="store_true",
+                     help="plan only and print the forecast: no shard runs here (the plan is the job's current one, "
+                          "as the schedule's plan run makes it: a shard sensor that is on runs it)")
     run.add_argument("--definitions", help="the definitions module (default: this dg project's)")
     run.add_argument("--log-level", default="WARNING", help="Dagster's console log level (every event is in "
                                                             "the instance either way; default WARNING)")
@@ -89,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batchllm-dagster: the definitions did not load: {load_error(exc)}", file=sys.stderr)
         return 2
     instance = dg.DagsterInstance.get()
+    print_night_lines()
     said: set[str] = set()
     if not args.shards_only:
         planned = defs.resolve_job_def(JobNames(args.job).plan_job_name).execute_in_process(
@@ -98,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"batchllm-dagster: the plan of {args.job!r} failed (run {planned.run_id}; its log in the "
                   "instance holds the whole trace)", file=sys.stderr)
             return 1
+        if args.dry_run:
+            return 0
     results = run_planned_shards(instance, defs, args.job, run_config=quiet, check=False)
     shards = []
     for result in results:
@@ -114,6 +124,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.job}: {len(shards)} shards landed in {runs}, {len(results) - len(failed)} succeeded"
               + (f", {len(failed)} failed: {[r.run_id for r in failed]}" if failed else ""))
     return 1 if failed else 0
+
+
+def print_night_lines() -> None:
+    """The night's lines (``night_log``: forecast, shard start and end, progress) on stdout as they come,
+    each with its time: a terminal and a captured log alike."""
+    from batchllm_dagster.night_log import NIGHT
+
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    NIGHT.addHandler(handler)
+    NIGHT.setLevel(logging.INFO)
+    NIGHT.propagate = False
 
 
 def shard_lines(shards: list[tuple[str, dict]]) -> list[str]:

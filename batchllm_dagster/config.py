@@ -48,6 +48,9 @@ class HardwarePartition(BaseModel):
     name: str = Field(description="letters, digits, '.', '_' or '-'; it starts the shard partition keys")
     pool: str | None = Field(None, description="runs of this hardware queue in this pool (default: inference_<name>)")
     run_tags: dict[str, str] = Field(default_factory=dict, description="tags every run of its shards carries")
+    price_per_hour: float | None = Field(
+        None, description="what an hour of one of its devices (a GPU; the machine on a CPU partition) costs: the "
+        "plan's forecast then gives the night's cost")
     platform: Platform | None = Field(
         None, description="what its machines run vLLM on, 'cuda' or 'cpu': a plan for its shards counts in that "
         "platform's KV block size and context length wherever the plan step runs (unset: the plan step's machine's; "
@@ -227,6 +230,9 @@ class JobSpec(BaseModel):
     lock_timeout_s: Annotated[float, *described(
         "how long a plan, a prompt snapshot or a shard's write waits for the job's plan lock (held while a plan "
         "is made) before failing with the holder's name (> 0)")] = 3600.0
+    max_gpu_hours: Annotated[float | None, *described(
+        "refuse a night whose forecast (the plan's, from the last nights' throughput) holds more device-hours "
+        "than this, before any shard runs; nothing is written (None: no budget)")] = None
     review_below: Annotated[float | None, *described(
         "with sampling.score_choices: a scored answer whose probability is under this is marked in the output's "
         "needs_review column and counted in the partition's rows_for_review (0..1; None: none marked)")] = None
@@ -270,6 +276,8 @@ class JobSpec(BaseModel):
             raise ValueError(f"review_below: {self.review_below} marks scored answers whose probability is under it, "
                              "and this job scores none: set sampling.score_choices: true with a sampling."
                              "response_format choice, or remove review_below")
+        if self.max_gpu_hours is not None and self.max_gpu_hours <= 0:
+            raise ValueError(f"max_gpu_hours must be > 0 (got {self.max_gpu_hours})")
         for label in ("max_error_share", "max_removed_share", "review_below"):
             if getattr(self, label) is not None and not 0 <= getattr(self, label) <= 1:
                 raise ValueError(f"{label} must be between 0 and 1 (got {getattr(self, label)})")
@@ -340,6 +348,19 @@ class BatchJobConfig(JobSpec):
     def plan_platform(self) -> Platform | None:
         """The platform the job's hardware partitions declare (None: none declares one)."""
         return next((h.platform for h in self.hardware if h.platform is not None), None)
+
+    def runs_for(self, shards: int) -> int:
+        """The runs (each one vLLM start) that ``shards`` shards of one hardware partition take in a night."""
+        if not shards:
+            return 0
+        return 1 if self.partitions_per_run is None else -(-shards // self.partitions_per_run)
+
+    def devices_per_engine(self, hardware: HardwarePartition) -> int:
+        """The devices a run on ``hardware`` holds: its GPUs (``tensor_parallel_size`` per replica, times
+        ``ray_replicas`` on Ray), or its one machine on a CPU partition."""
+        if not hardware.is_gpu:
+            return self.ray_replicas if self.backend is Backend.RAY else 1
+        return self.llm.tensor_parallel_size * (self.ray_replicas if self.backend is Backend.RAY else 1)
 
     def hardware_of_shard(self, shard: int) -> HardwarePartition:
         """Shards are bound to hardware partitions round-robin."""

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import dagster as dg
 
+from engine.plan.shards import DECODE_COST
+
 FIRST_NIGHT_ROWS_PER_SHARD = 10_000
 OVERHEAD_SHARE = 0.05
 PARTITIONS_READ = 50  # the latest materializations of completions the size is taken from
@@ -30,6 +32,12 @@ class Measured:
     rows_per_s: float  # rows per second of engine time (median)
     overhead_s: float  # a partition's seconds outside the rows' engine time (mean: see measured_by_hardware)
     partitions: int
+    # seconds of engine time per unit of work, a token prefilled or DECODE_COST per output token (median):
+    # what a night's forecast multiplies its planned tokens by (0: not measured)
+    seconds_per_work: float = 0.0
+    output_per_row: float = 0.0  # output tokens a computed row wrote (all partitions together)
+    run_overhead_s: float = 0.0  # a run's vLLM start and stop (medians of the partitions that paid them)
+    partition_overhead_s: float = 0.0  # a partition's own: reading its plan, writing, checks (mean)
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,9 @@ def measured_by_hardware(metadata: list[dict]) -> dict[str, Measured]:
     ``engine_stop_s``: only the mean spreads that over the partitions that shared it (a median
     would drop it)."""
     samples: dict[str, list[tuple[float, float]]] = {}
+    work: dict[str, list[float]] = {}
+    written: dict[str, list[int]] = {}  # output tokens and rows computed, summed
+    starts: dict[str, tuple[list[float], list[float], list[float]]] = {}  # engine starts, stops, partitions' own
     for m in metadata:
         computed = m.get("computed_rows", m.get("rows"))  # ``rows`` before it was named for what it counts
         if not computed or "wall_s" not in m:  # every row reused: nothing ran, nothing measured
@@ -55,9 +66,25 @@ def measured_by_hardware(metadata: list[dict]) -> dict[str, Measured]:
         if engine_s <= 0:
             continue
         overhead_s = m["startup_s"] + m["engine_stop_s"] + m.get("write_s", 0.0)
-        samples.setdefault(m["hardware_partition"], []).append((computed / engine_s, overhead_s))
+        hardware = m["hardware_partition"]
+        samples.setdefault(hardware, []).append((computed / engine_s, overhead_s))
+        start, stop, own = starts.setdefault(hardware, ([], [], []))
+        start += [m["engine_start_s"]] if m.get("engine_start_s") else []
+        stop += [m["engine_stop_s"]] if m["engine_stop_s"] else []
+        own.append(m["startup_s"] - m.get("engine_start_s", 0.0) + m.get("write_s", 0.0))
+        units = m.get("prefill_tokens", 0) + DECODE_COST * m.get("output_tokens", 0)
+        if units > 0:
+            work.setdefault(hardware, []).append(engine_s / units)
+            totals = written.setdefault(hardware, [0, 0])
+            totals[0] += m.get("output_tokens", 0)
+            totals[1] += computed
+    median = lambda values: statistics.median(values) if values else 0.0  # noqa: E731
     return {
-        hardware: Measured(statistics.median(r for r, _ in pairs), statistics.fmean(o for _, o in pairs), len(pairs))
+        hardware: Measured(statistics.median(r for r, _ in pairs), statistics.fmean(o for _, o in pairs), len(pairs),
+                           median(work.get(hardware)),
+                           written[hardware][0] / written[hardware][1] if hardware in written else 0.0,
+                           median(starts[hardware][0]) + median(starts[hardware][1]),
+                           statistics.fmean(starts[hardware][2]))
         for hardware, pairs in samples.items()
     }
 

@@ -5,8 +5,9 @@ thousands of rows, each row's own words after), each night in a fresh process do
 schedule and the shard sensor do (``batchllm-dagster run JOB``): the plan job, then every run the
 sensor asks for. The first night answers every row; the second changes nothing; the third edits 1%
 of the rows across the table, adds 0.5% and deletes 0.5%. Per night: wall, plan step, shard runs,
-vLLM starts, rows computed, and the output table's rows written (new or changed, counted by comparing
-the whole table before and after the night, every column) and deleted. Prints one JSON line.
+vLLM starts, rows computed, the output table's rows written (new or changed, counted by comparing
+the whole table before and after the night, every column) and deleted, and the plan's forecast of the
+shard runs against their measured wall. Prints one JSON line.
 
     python -m dagster_project.nights_bench --rows 100000 --partition-rows 10000 --json
 """
@@ -35,8 +36,10 @@ def night(work: Path, model: str, partition_rows: int) -> dict:
     planned = defs.resolve_job_def(config.names.plan_job_name).execute_in_process(instance=instance)
     plan_s = time.perf_counter() - started
     plan_meta = planned.asset_materializations_for_node("scale__prefix_groups")[0].metadata
+    runs_started = time.perf_counter()
     runs = run_planned_shards(instance, defs, config.name)
     wall_s = time.perf_counter() - started
+    runs_s = time.perf_counter() - runs_started
     shards = [m.metadata for r in runs for m in r.asset_materializations_for_node("scale__completions")]
     value = lambda meta, name: meta[name].value if name in meta else 0  # noqa: E731
     return {"wall_s": round(wall_s, 2), "plan_step_s": round(plan_s, 2), "shard_runs": len(runs),
@@ -46,7 +49,11 @@ def night(work: Path, model: str, partition_rows: int) -> dict:
             "rows_computed": sum(value(m, "computed_rows") for m in shards),
             "rows_reused": sum(value(m, "reused_rows") for m in shards),
             "rows_written_by_shards": sum(value(m, "written_rows") for m in shards),
-            "rows_deleted_by_plan": value(plan_meta, "removed_answers")}
+            "rows_deleted_by_plan": value(plan_meta, "removed_answers"),
+            # the plan's forecast of the shard runs (from the nights before) against their measured wall
+            "forecast_wall_s": value(plan_meta, "forecast_wall_s") or None, "shard_runs_s": round(runs_s, 2),
+            "forecast_vs_measured": (round(value(plan_meta, "forecast_wall_s") / runs_s, 3)
+                                     if value(plan_meta, "forecast_wall_s") and runs_s > 0 else None)}
 
 
 def table_rows(work: Path) -> dict:

@@ -18,6 +18,10 @@ import numpy as np
 
 from .prefix_tree import PrefixPlan, unique_tokens_per_row
 
+# What an output token costs in prefill tokens, in a shard's cost and in a night's forecast: a decode
+# step computes one token per row but reads the row's whole KV cache.
+DECODE_COST = 2.0
+
 
 @dataclass
 class ShardPlan:
@@ -93,7 +97,7 @@ def _keep_previous(row_cost: np.ndarray, starts: np.ndarray, previous_in_order: 
 
 
 def assign_shards(
-    plan: PrefixPlan, num_shards: int, weights: list[float] | None = None, decode_cost: float = 2.0,
+    plan: PrefixPlan, num_shards: int, weights: list[float] | None = None, decode_cost: float = DECODE_COST,
     previous: np.ndarray | None = None, max_imbalance: float = 1.25,
 ) -> ShardPlan:
     """``weights`` (one per shard) give faster hardware a larger share; equal when omitted.
@@ -126,7 +130,7 @@ def assign_shards(
     )
 
 
-def split_prepared(prepared, parts: int, weights: list[float] | None = None, decode_cost: float = 2.0) -> np.ndarray:
+def split_prepared(prepared, parts: int, weights: list[float] | None = None, decode_cost: float = DECODE_COST) -> np.ndarray:
     """Shard per row of a prepared batch (no planner needed: its run order and groups are enough).
     A row's cost is its tokens beyond its group's prefix, plus the prefix once per group."""
     order = prepared.order

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from .shards import shard_weights
+from .shards import DECODE_COST, shard_weights
 from .sorted_plan import SortedPlan
 
 _GROUP_BATCH = 65_536  # groups placed at a time when they move
@@ -38,7 +38,7 @@ class ShardTotals:
 
 
 def assign_shards_by_sort(plan: SortedPlan, num_shards: int, weights: list[float] | None = None,
-                          decode_cost: float = 2.0, previous: bool = False,
+                          decode_cost: float = DECODE_COST, previous: bool = False,
                           max_imbalance: float = 1.25) -> ShardTotals:
     """Each row's shard into the table ``shards``; the totals per shard. ``previous``: the plan's
     database holds ``previous_shards(row, shard)`` (-1 or no entry: a row new tonight)."""
@@ -53,7 +53,7 @@ def assign_shards_by_sort(plan: SortedPlan, num_shards: int, weights: list[float
     return _totals(plan, num_shards, decode_cost, too_big)
 
 
-def assign_gathered_shards(plan: SortedPlan, numbers: list[int], decode_cost: float = 2.0) -> ShardTotals:
+def assign_gathered_shards(plan: SortedPlan, numbers: list[int], decode_cost: float = DECODE_COST) -> ShardTotals:
     """A night after: the rows the plan's database holds as ``settled`` stay in their shards, the
     others (in plan order, their groups as the whole batch's plan made them) are cut afresh into
     the shards ``numbers``, as many as they need and numbered apart from the kept ones. Returns the
