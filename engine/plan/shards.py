@@ -130,7 +130,8 @@ def assign_shards(
     )
 
 
-def split_prepared(prepared, parts: int, weights: list[float] | None = None, decode_cost: float = DECODE_COST) -> np.ndarray:
+def split_prepared(prepared, parts: int, weights: list[float] | None = None,
+                   decode_cost: float = DECODE_COST) -> np.ndarray:
     """Shard per row of a prepared batch (no planner needed: its run order and groups are enough).
     A row's cost is its tokens beyond its group's prefix, plus the prefix once per group."""
     order = prepared.order
