@@ -5,7 +5,7 @@
       name: reviews
       dataset:
         sql_file: reviews.sql          # relative to this folder
-        database: batchllm.duckdb      # relative to BATCHLLM_DATA_DIR (default ./data)
+        database: batchllm.duckdb      # relative to BATCHLLM_DATA_DIR (default: the project's data/)
       llm: {model_path: smollm2}
       sampling: {max_tokens: 8}
       shards: 2
@@ -19,6 +19,7 @@ the nightly schedule and the sensors (see ``factory.build_batch_defs``).
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from pathlib import Path
 
@@ -79,8 +80,11 @@ class BatchJobComponent(JobSpec, dg.Component, dg.Resolvable, dg.Model):
         """Dagster's model of the YAML, its JSON schema sharpened for ``dg check defs`` (``_precise``)."""
         return _with_precise_schema(super().get_model_cls())
 
-    def to_config(self, component_dir: Path) -> BatchJobConfig:
-        data = default_data_dir()
+    def to_config(self, component_dir: Path, project_root: Path | None = None) -> BatchJobConfig:
+        """The job, its relative paths resolved: the SQL file against its folder, the rest against the
+        data directory (``default_data_dir``: of ``project_root`` where given, whatever folder the
+        command ran from)."""
+        data = default_data_dir(project_root)
         spec = self.dataset
         # Known without running, so `dg check defs` names it: a SQL file, and a database unless it is
         # made after the definitions load (then the prompts step names it).
@@ -89,7 +93,7 @@ class BatchJobComponent(JobSpec, dg.Component, dg.Resolvable, dg.Model):
                              f"{component_dir} (the folder of its defs.yaml)")
         if spec.database and not spec.database_built_later and not (data / spec.database).is_file():
             raise ValueError(f"job {self.name!r}: dataset.database {spec.database!r} does not exist in {data} "
-                             "(BATCHLLM_DATA_DIR, else ./data); if another asset or job makes it after the "
+                             "(BATCHLLM_DATA_DIR, else the project's data folder); if another asset or job makes it after the "
                              "definitions load, add database_built_later: true under dataset")
         resolved = spec.model_copy(update={
             "sql_file": str(component_dir / spec.sql_file) if spec.sql_file else None,
@@ -129,7 +133,11 @@ class BatchJobComponent(JobSpec, dg.Component, dg.Resolvable, dg.Model):
         return str(default)
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
-        return build_batch_defs(self.to_config(Path(context.path)))
+        # `dg launch` from a subfolder of the project must find the job's files and models where the
+        # project keeps them, not start a second copy under that folder.
+        root = Path(context.project_root)
+        os.environ.setdefault("BATCHLLM_CACHE_DIR", str(root / ".cache"))
+        return build_batch_defs(self.to_config(Path(context.path), root))
 
 
 @functools.cache

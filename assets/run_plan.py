@@ -53,17 +53,31 @@ def _requests(instance: dg.DagsterInstance, defs: dg.Definitions, name: str) -> 
     return list(result.run_requests or [])
 
 
+def project_root(start: Path | None = None) -> tuple[Path, dict]:
+    """The dg project this folder is in (its own or its nearest parent's ``pyproject.toml`` with a
+    ``[tool.dg.project]``), and that table; this folder and {} where there is none."""
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        pyproject = folder / "pyproject.toml"
+        if pyproject.is_file():
+            project = tomllib.loads(pyproject.read_text()).get("tool", {}).get("dg", {}).get("project")
+            if project is not None:
+                return folder, project
+    return here, {}
+
+
 def load_definitions(module: str | None = None) -> dg.Definitions:
-    """The code location's definitions: ``module``'s, else the dg project's in this folder."""
+    """The code location's definitions: ``module``'s, else those of the dg project this folder is in
+    (from any of its subfolders)."""
+    root, project = project_root()
     if module is None:
-        pyproject = Path("pyproject.toml")
-        project = tomllib.loads(pyproject.read_text()).get("tool", {}).get("dg", {}).get("project", {}) \
-            if pyproject.exists() else {}
         module = project.get("code_location_target_module") or (
             f"{project['root_module']}.definitions" if "root_module" in project else None)
         if module is None:
-            raise SystemExit("batchllm-dagster: no --definitions given and no [tool.dg.project] in ./pyproject.toml")
-    sys.path.insert(0, str(Path.cwd()))  # a project run from its folder, installed or not
+            raise SystemExit("batchllm-dagster: no --definitions given and no [tool.dg.project] in a pyproject.toml "
+                             "of this folder or a parent")
+    sys.path.insert(0, str(root))  # the project, installed or not, from any of its folders
+    sys.path.insert(0, str(Path.cwd()))  # a module of this folder (--definitions)
     loaded = importlib.import_module(module)
     found = [value for value in vars(loaded).values()
              if isinstance(value, dg.Definitions) or callable(getattr(value, "__dagster_definitions", None))]

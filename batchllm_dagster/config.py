@@ -463,6 +463,9 @@ class BatchJobConfig(JobSpec):
         return self.llm.model_copy(update={"model_path": resolve_model(self.llm.model_path)})
 
 
-def default_data_dir() -> Path:
-    """Where the demo's database and snapshots live (``BATCHLLM_DATA_DIR``, else ``./data``)."""
-    return Path(os.environ.get("BATCHLLM_DATA_DIR", Path.cwd() / "data"))
+def default_data_dir(project_root: Path | None = None) -> Path:
+    """Where a component's databases and job files live: ``BATCHLLM_DATA_DIR`` (a relative one against
+    the project), else the project's ``data`` folder (``project_root``; the working directory where no
+    project is known)."""
+    root = project_root or Path.cwd()
+    return root / os.environ.get("BATCHLLM_DATA_DIR", "data")

@@ -3,7 +3,8 @@
 * the jobs under ``defs/`` are declared in YAML (``defs/*/defs.yaml``, BatchJobComponent);
 * ``support`` is declared from Python with the same factory.
 
-Paths come from ``BATCHLLM_DATA_DIR`` (default ``./data``); ``make demo`` creates the database.
+Paths come from ``BATCHLLM_DATA_DIR`` (default: the project's ``data`` folder, whatever folder a
+command runs from); ``make demo`` creates the database.
 """
 
 from pathlib import Path
@@ -15,7 +16,7 @@ from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings, Sampli
 from batchllm_dagster.config import default_data_dir
 
 HERE = Path(__file__).parent
-DATA_DIR = default_data_dir()
+DATA_DIR = default_data_dir(HERE.parent)  # the project's root: where its pyproject.toml is
 DATABASE = DATA_DIR / "batchllm.duckdb"
 
 SUPPORT = BatchJobConfig(

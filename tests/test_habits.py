@@ -71,3 +71,26 @@ def test_review_below_without_scored_choices_is_refused_naming_both_lines(tmp_pa
         job(tmp_path, review_below=0.6)
     scored = SamplingSettings(score_choices=True, response_format=ResponseFormat(choice=["yes", "no"]))
     assert job(tmp_path, review_below=0.6, sampling=scored).review_below == 0.6
+
+
+def test_a_command_from_a_subfolder_finds_the_projects_files_not_a_second_copy(tmp_path, monkeypatch):
+    """`dg launch` or `batchllm-dagster run` from the project's `my_batches/` subfolder: the job's data,
+    state and models resolve against the project root, not against that folder."""
+    from assets.component import BatchJobComponent
+    from assets.run_plan import project_root
+    from batchllm_dagster.config import default_data_dir
+
+    (tmp_path / "pyproject.toml").write_text('[tool.dg.project]\nroot_module = "my_project"\n')
+    sub = tmp_path / "my_batches" / "deeper"
+    sub.mkdir(parents=True)
+    monkeypatch.chdir(sub)
+    monkeypatch.delenv("BATCHLLM_DATA_DIR", raising=False)
+    assert project_root() == (tmp_path, {"root_module": "my_project"})
+    assert default_data_dir(tmp_path) == tmp_path / "data"
+    component = BatchJobComponent.resolve_from_yaml(
+        "name: reviews\ndataset: {parquet: reviews.parquet}\nllm: {model_path: tiny}\n")
+    config = component.to_config(sub, tmp_path)
+    assert config.storage_dir == str(tmp_path / "data" / "jobs")
+    assert config.dataset.parquet == str(tmp_path / "data" / "reviews.parquet")
+    monkeypatch.setenv("BATCHLLM_DATA_DIR", "shared")  # a relative one: against the project too
+    assert default_data_dir(tmp_path) == tmp_path / "shared"
