@@ -93,8 +93,8 @@ class BatchJobComponent(JobSpec, dg.Component, dg.Resolvable, dg.Model):
                              f"{component_dir} (the folder of its defs.yaml)")
         if spec.database and not spec.database_built_later and not (data / spec.database).is_file():
             raise ValueError(f"job {self.name!r}: dataset.database {spec.database!r} does not exist in {data} "
-                             "(BATCHLLM_DATA_DIR, else the project's data folder); if another asset or job makes it after the "
-                             "definitions load, add database_built_later: true under dataset")
+                             "(BATCHLLM_DATA_DIR, else the project's data folder); if another asset or job makes it "
+                             "after the definitions load, add database_built_later: true under dataset")
         resolved = spec.model_copy(update={
             "sql_file": str(component_dir / spec.sql_file) if spec.sql_file else None,
             "parquet": str(data / spec.parquet) if spec.parquet else None,
