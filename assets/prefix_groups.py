@@ -155,6 +155,9 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         """Files checked, the guards, the plan (``PlanJob``), the plan file, partitions, removals:
         one sequence, in this order, under the plan lock."""
         warehouse = job_warehouse(config, context)
+        carried = config.output(warehouse).carry_renamed()  # before anything reads the answers
+        if carried:
+            context.log.warning(carried)
         notice = preparation_notice(config.llm.model_path)
         if notice:
             context.log.info(notice)

@@ -22,7 +22,7 @@ from engine.plan.answer_keys import ANSWER_KEY
 from engine.run.results import RowResult, results_to_table
 from engine.sql import quote_identifier, quote_literal
 
-from .ownership import claim, refuse_foreign_objects
+from .ownership import claim, refuse_foreign_objects, renamed_from
 from .warehouse import connection, registered, table_exists, transaction
 
 # After the result columns (``computed_at`` among them: when the engine answered the row, kept when
@@ -108,6 +108,27 @@ class OutputTable:
         with connection(self.warehouse, on_wait) as con:
             refuse_foreign_objects(con, self.job, self.name, self.warehouse.database)
             yield con
+
+    def carry_renamed(self) -> str | None:
+        """Where the job's ``output_table`` was renamed, its answers carried to the new name: the old
+        table renamed (not one answer computed again), its groups table and view, which the night makes
+        anew, dropped. Returns what was done, or why not (the new table holds answers already: the old
+        one is named to drop by hand), for the log; None where nothing was renamed."""
+        with self._connection() as con, transaction(con):
+            old = renamed_from(con, self.job, self.name)
+            if old is None:
+                return None
+            if table_exists(con, self.name):
+                return (f"output table {old!r}, which job {self.job!r} wrote before its output_table became "
+                        f"{self.name!r}, is still in {self.warehouse.database}: its answers were not carried, as "
+                        f"{self.name!r} holds answers already; DROP TABLE {old} when it is not needed")
+            rows = con.execute(f"SELECT count(*) FROM {quote_identifier(old)}").fetchall()[0][0]
+            con.execute(f"DROP VIEW IF EXISTS {quote_identifier(old + '_with_prompts')}")
+            con.execute(f"DROP TABLE IF EXISTS {quote_identifier(old + '_prefix_groups')}")
+            con.execute(f"ALTER TABLE {quote_identifier(old)} RENAME TO {self._sql_name}")
+            claim(con, self.job, self.name)
+        return (f"output_table renamed from {old!r} to {self.name!r}: its {rows:,} answers carried over (the table "
+                "renamed, nothing computed again)")
 
     def replace_partition(self, partition_key: str, rows: pa.Table, whole_partition: bool = True,
                           on_wait: Callable[[str], None] | None = None) -> PartitionWrite:

@@ -84,6 +84,21 @@ def claim(con, job: str, name: str, view: bool = False) -> None:
     con.execute(f"COMMENT ON {kind} {quote_identifier(name)} IS {quote_literal(owner_comment(job))}")
 
 
+def renamed_from(con, job: str, output_table: str) -> str | None:
+    """The output table ``job`` owned before its ``output_table`` was renamed (one whose comment names
+    the job, under another name, of the answers' kind), if the database holds one."""
+    owned = [row[0] for row in con.execute(
+        "SELECT table_name FROM duckdb_tables() WHERE comment = ? AND schema_name = current_schema() "
+        "AND database_name = current_database()", [owner_comment(job)]).fetchall()]
+    for name in owned:
+        if name.lower() == output_table.lower() or f"{name}_prefix_groups".lower() == output_table.lower():
+            continue
+        found = _existing(con, name)
+        if found is not None and _of_kind("answers", *(found[0], found[2], found[3])):
+            return name
+    return None
+
+
 def _existing(con, name: str) -> tuple[bool, str | None, set[str], str | None] | None:
     """(is a view, its comment, its columns, a view's SQL) of ``name`` in the current schema, or None."""
     table = con.execute(

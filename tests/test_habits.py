@@ -94,3 +94,30 @@ def test_a_command_from_a_subfolder_finds_the_projects_files_not_a_second_copy(t
     assert config.dataset.parquet == str(tmp_path / "data" / "reviews.parquet")
     monkeypatch.setenv("BATCHLLM_DATA_DIR", "shared")  # a relative one: against the project too
     assert default_data_dir(tmp_path) == tmp_path / "shared"
+
+
+def test_a_renamed_output_table_carries_its_answers_and_the_old_one_is_released(tmp_path):
+    """Renaming output_table used to recompute every answer and leave the old table behind, still the
+    job's. The plan step carries them: the table renamed, the derived objects of the old name dropped."""
+    import duckdb
+    import pyarrow as pa
+    from dagster_duckdb import DuckDBResource
+
+    from batchllm_dagster.output_table import OutputTable
+
+    db = DuckDBResource(database=str(tmp_path / "answers.duckdb"))
+    answers = pa.table({"id": ["1", "2"], "status": ["ok", "ok"], "text": ["a", "b"], "partition_key": ["k", "k"]})
+    OutputTable(db, "reviews_old", "reviews").replace_partition("k", answers)
+    OutputTable(db, "other_jobs", "other").replace_partition("k", answers)  # another job's: never touched
+    assert OutputTable(db, "reviews_new", "reviews").carry_renamed().startswith(
+        "output_table renamed from 'reviews_old' to 'reviews_new': its 2 answers carried over")
+    with duckdb.connect(db.database, read_only=True) as con:
+        tables = {row[0]: row[1] for row in con.execute("SELECT table_name, comment FROM duckdb_tables()").fetchall()}
+        assert con.execute("SELECT id, text FROM reviews_new ORDER BY id").fetchall() == [("1", "a"), ("2", "b")]
+    assert "reviews_old" not in tables and tables["reviews_new"] == "batchllm-dagster job reviews"
+    assert tables["other_jobs"] == "batchllm-dagster job other"
+    assert OutputTable(db, "reviews_new", "reviews").carry_renamed() is None  # once
+    # Renamed back after the new table has answers: the old one is named, not merged.
+    OutputTable(db, "reviews_old", "reviews").replace_partition("k", answers)
+    said = OutputTable(db, "reviews_new", "reviews").carry_renamed()
+    assert "its answers were not carried" in said and "DROP TABLE reviews_old" in said
