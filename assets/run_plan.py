@@ -22,6 +22,7 @@ import argparse
 import importlib
 import logging
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in shard_lines(shards):
         print(line)
     failed = [r for r in results if not r.success]
+    elsewhere = landed_by_another_run(instance, defs, args.job, failed)
+    failed = [r for r in failed if r not in elsewhere]
     if not results:
         print(f"{args.job}: 0 runs: every shard of the plan with rows to answer has landed")
     else:
@@ -138,6 +141,41 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.job}: {len(shards)} shards landed in {runs}, {len(results) - len(failed)} succeeded"
               + (f", {len(failed)} failed: {[r.run_id for r in failed]}" if failed else ""))
     return 1 if failed else 0
+
+
+HELD_ELSEWHERE = "is already running ("  # a shard run that found its partition's lock held (``held_partitions``)
+WAIT_FOR_OTHER_RUN_S = 3600.0
+
+
+def landed_by_another_run(instance: dg.DagsterInstance, defs: dg.Definitions, name: str, failed: list,
+                          wait_s: float = WAIT_FOR_OTHER_RUN_S, poll_s: float = 2.0) -> list:
+    """Of the ``failed`` runs, those that stopped because another run of the same night held their
+    shards (a cron and a person at once) and whose shards that run landed: waited for (up to
+    ``wait_s``) and said, so the command exits 0 when every row landed, once."""
+    from batchllm_dagster.layout import JobNames
+
+    from .shard_sensor import run_keys
+
+    asset = dg.AssetKey([name, "completions"])
+    keys = instance.get_dynamic_partitions(JobNames(name).partitions_name)
+    answered = []
+    for result in failed:
+        if not any(HELD_ELSEWHERE in line for line in _said(instance, result.run_id)):
+            continue
+        mine = run_keys(result.dagster_run.tags, keys)
+        since = instance.get_run_stats(result.run_id).start_time or 0.0
+        print(f"{name}: shards {mine} are being answered by another run; waiting for them to land", flush=True)
+        deadline = time.monotonic() + wait_s
+        while not all(instance.fetch_materializations(
+                dg.AssetRecordsFilter(asset_key=asset, asset_partitions=[key], after_timestamp=since), limit=1).records
+                for key in mine):
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(poll_s)
+        else:
+            print(f"{name}: shards {mine} landed, answered by another run")
+            answered.append(result)
+    return answered
 
 
 def print_night_lines() -> None:

@@ -143,3 +143,54 @@ def test_a_night_is_forecast_said_as_it_runs_and_held_to_its_budget(tmp_path, mo
     assert config.files.plan_path.read_bytes() == plan_before and PlanFile.open(config.files.plan_path)
     with duckdb.connect(config.output_database, read_only=True) as con:
         assert con.execute("SELECT * FROM completions ORDER BY id").fetchall() == answers_before
+
+
+@pytest.mark.slow  # a plan and a shard run through Dagster (no vLLM: the shard stops at its lock)
+def test_a_run_whose_shard_another_run_holds_waits_for_it_and_exits_0_when_it_landed(tmp_path, monkeypatch, capsys,
+                                                                                       tiny_model):
+    """A cron and a person run one night at once: the run that finds its shard held by the other says
+    so, waits for it to land and exits 0, instead of "1 failed" (the other run stands in here: it
+    holds the shard's lock, then records its materialization)."""
+    import threading
+
+    import dagster as dg
+
+    from assets.run_plan import main
+    from engine.locks import held_alone
+
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    config = _project(tmp_path, monkeypatch, "held", model=tiny_model)
+    _rows(tmp_path, 0, 10)
+    assert main(["run", "night", "--definitions", "held", "--dry-run"]) == 0
+    [key] = dg.DagsterInstance.get().get_dynamic_partitions(config.names.partitions_name)
+    capsys.readouterr()
+
+    def other_run(holding):
+        with holding:
+            threading.Event().wait(1.5)
+            dg.DagsterInstance.get().report_runless_asset_event(
+                dg.AssetMaterialization(asset_key=config.names.asset_key("completions"), partition=key))
+
+    holding = held_alone(config.files.lock_path(f"partition-{key}"), "the cron's run", f"partition {key}")
+    holding.__enter__()  # taken here, so the run below finds it held
+    other = threading.Thread(target=lambda: other_run(_Entered(holding)))
+    other.start()
+    assert main(["run", "night", "--definitions", "held", "--shards-only"]) == 0
+    other.join()
+    out = capsys.readouterr()
+    assert f"shards ['{key}'] landed, answered by another run" in out.out
+    assert "is already running (the cron's run)" in out.err
+
+
+class _Entered:
+    """A context manager already entered elsewhere: leaving it here releases it."""
+
+    def __init__(self, manager):
+        self.manager = manager
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.manager.__exit__(*exc)
