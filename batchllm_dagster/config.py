@@ -431,11 +431,12 @@ class BatchJobConfig(JobSpec):
     def check_plan_runs_here(self, counted_for: str | None) -> None:
         """Refuse a shard on a platform other than the one whose defaults its plan counted in (a CPU
         pod's plan of a partition that names no platform, run on a GPU, would give every row the CPU's
-        blocks and 2,048 tokens). None: a plan from before it was recorded."""
+        blocks and 2,048 tokens). None: a plan from before it was recorded. A Ray job's engines run on
+        its replicas' nodes, which its hardware's ``platform`` places (``wants_gpus``): not checked here."""
         here = current_platform()
-        if counted_for in (None, here.value) or (self.llm.block_size is not None and self.llm.max_model_len
-                                                 is not None):
-            return
+        if counted_for in (None, here.value) or self.backend is Backend.RAY or (
+                self.llm.block_size is not None and self.llm.max_model_len is not None):
+            return  # on Ray the engines run on the cluster's nodes, not on this driver's
         undeclared = [h.name for h in self.hardware if h.platform is None]
         fix = (f"add `platform: {here.value}` to hardware partition {', '.join(map(repr, undeclared))}" if undeclared
                else f"declare the platform its hardware partitions run on ({here.value} here)")
