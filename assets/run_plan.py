@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 import time
 import tomllib
@@ -77,6 +78,8 @@ def load_definitions(module: str | None = None) -> dg.Definitions:
         if module is None:
             raise SystemExit("batchllm-dagster: no --definitions given and no [tool.dg.project] in a pyproject.toml "
                              "of this folder or a parent")
+    if project:  # a command from a subfolder uses the project's model cache, not a second one there
+        os.environ.setdefault("BATCHLLM_CACHE_DIR", str(root / ".cache"))
     sys.path.insert(0, str(root))  # the project, installed or not, from any of its folders
     sys.path.insert(0, str(Path.cwd()))  # a module of this folder (--definitions)
     loaded = importlib.import_module(module)

@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--tokens-per-row", type=int, default=100)
     parser.add_argument("--partition-rows", type=int, default=10_000, help="rows per shard (rows_per_shard)")
+    parser.add_argument("--edit-share", type=float, default=0.01, help="share of rows the third night edits")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--work", type=Path, help="working folder (default .cache/nights/ROWS)")
     parser.add_argument("--json", action="store_true", help="one JSON line on stdout (always)")
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True)
     shape = generate(args.work, args.rows, args.tokens_per_row, args.model)
     nights = [_measured(args, "first"), _measured(args, "no change")]
-    nights.append(_measured(args, "1% edited, 0.5% new, 0.5% deleted", change_night(args.work)))
+    nights.append(_measured(args, f"{args.edit_share:.0%} edited, 0.5% new, 0.5% deleted",
+                            change_night(args.work, edit=args.edit_share)))
     first = nights[0]["wall_s"]
     for result in nights:
         result["wall_vs_first"] = round(result["wall_s"] / first, 3)
