@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 
 NIGHT = logging.getLogger("batchllm.night")
+NIGHT.propagate = False  # printed only where a command asks for them: the run's log has them already
+NIGHT.addHandler(logging.NullHandler())
 
 
 def say(log, line: str) -> None:
