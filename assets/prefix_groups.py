@@ -80,6 +80,25 @@ def stored_answers(config: BatchJobConfig, warehouse, settings) -> StoredAnswers
                          sorted({current_settings_fingerprint(runs_with, config.sampling, p) for p in platforms}))
 
 
+def refuse_an_unreachable_ray(config: BatchJobConfig) -> None:
+    """The job's tokenize workers' Ray address, reached first (``ray_address``): a failure in seconds."""
+    try:
+        TokenizeWorkers(config.tokenize_workers, config.ray_address).check_reachable()
+    except RayUnreachable as exc:
+        raise dg.Failure(f"{config.name}: {exc}", allow_retries=False) from None
+
+
+def before_the_plan(config: BatchJobConfig, warehouse, log) -> None:
+    """A renamed output table's answers carried to its new name (before anything reads them), and a
+    built-in model's preparation said before the step spends a minute on it."""
+    carried = config.output(warehouse).carry_renamed()
+    if carried:
+        log.warning(carried)
+    notice = preparation_notice(config.llm.model_path)
+    if notice:
+        log.info(notice)
+
+
 def say_the_context(config: BatchJobConfig, log):
     """The context the plan checks rows against, and where it came from, in the plan step's log: a
     warning where vLLM's fallback stands in for a length the model's config does not name."""
@@ -144,10 +163,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         # One plan of this job at a time in any instance (the plan pool needs an instance's limits):
         # a second waits, then plans from the snapshot as it is then.
         warn_if_unlimited(context)
-        try:  # before any lock: an address nobody answers would keep every shard's write waiting
-            TokenizeWorkers(config.tokenize_workers, config.ray_address).check_reachable()
-        except RayUnreachable as exc:
-            raise dg.Failure(f"{config.name}: {exc}", allow_retries=False) from None
+        refuse_an_unreachable_ray(config)  # before any lock: the wait would hold every shard's write
         with config.plan_lock(f"a plan being made ({this_run(context)})"):
             return make_plan(context)
 
@@ -155,12 +171,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         """Files checked, the guards, the plan (``PlanJob``), the plan file, partitions, removals:
         one sequence, in this order, under the plan lock."""
         warehouse = job_warehouse(config, context)
-        carried = config.output(warehouse).carry_renamed()  # before anything reads the answers
-        if carried:
-            context.log.warning(carried)
-        notice = preparation_notice(config.llm.model_path)
-        if notice:
-            context.log.info(notice)
+        before_the_plan(config, warehouse, context.log)
         settings = config.plan_settings()  # counted as the shards' hardware runs, not this machine
         row_context = say_the_context(config, context.log)
         job = PlanJob(config.files.prompts_path, config.files.plan_path, config.files.token_cache_dir, settings,
@@ -183,8 +194,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
             if changed:
                 raise dg.Failure(f"{config.name}: {', '.join(changed)} changed while this plan was being made "
                                  "(prompts materialized meanwhile?): no plan written; materialize prefix_groups again")
-            # the contract completions runs as written
-            forecast = forecast_within_budget(config, made, measured, context.log)
+            forecast = forecast_within_budget(config, made, measured, context.log)  # refused: nothing written
             plan_bytes = job.write(made, stamp, context.run.run_id, config.plan_counts_for.value)
             config.output(warehouse).replace_groups(made.groups_table(lambda s: config.hardware_of_shard(s).name))
         used = made.used_keys

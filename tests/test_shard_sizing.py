@@ -19,8 +19,11 @@ def test_the_size_keeps_overhead_at_five_percent_on_the_hardware_that_needs_the_
     metadata = [partition("a100", 1000, 100.0), partition("a100", 1000, 80.0), partition("a100", 1000, 120.0),
                 partition("h200", 1000, 25.0), {"computed_rows": 0, "hardware_partition": "h200"}]  # all reused
     measured = measured_by_hardware(metadata)
-    assert measured["a100"] == Measured(rows_per_s=10.0, overhead_s=2.0, partitions=3)  # median rate, mean overhead
-    assert measured["h200"] == Measured(rows_per_s=40.0, overhead_s=2.0, partitions=1)
+    # median rate, mean overhead (the forecast's parts of it: a run's start and stop, a partition's own)
+    assert measured["a100"] == Measured(rows_per_s=10.0, overhead_s=2.0, partitions=3, run_overhead_s=0.5,
+                                        partition_overhead_s=1.5)
+    assert measured["h200"] == Measured(rows_per_s=40.0, overhead_s=2.0, partitions=1, run_overhead_s=0.5,
+                                        partition_overhead_s=1.5)
     size = shard_size(measured)
     # The H200 needs 2 s x 40 rows/s x 19 = 1,520 rows for 2 s to be 5%: rounded up to 2,048.
     assert size.rows_per_shard == 2048 and "h200" in size.why
