@@ -284,17 +284,19 @@ class JobSpec(BaseModel):
         return self
 
     def _gpu_partitions_declared(self) -> None:
-        """Refuse a hardware partition that names no platform where a GPU is in sight: a plan step on a
-        machine without one would count its rows in the CPU's 32-token blocks and 2,048 tokens, and the
-        GPU would run them so. Where the job sets both, the platform changes nothing."""
+        """Refuse a hardware partition that names no platform where the job says it is a GPU's: a plan
+        step on a machine without one would count its rows in the CPU's 32-token blocks and 2,048
+        tokens, and the GPU would run them so. Where the job sets both, the platform changes nothing.
+        The machine loading the definitions is no sign (one GPU machine making the plan and running
+        its shards is right as it is); a shard on another platform than its plan's is refused where
+        it runs (``check_plan_runs_here``)."""
         if self.llm.block_size is not None and self.llm.max_model_len is not None:
             return
         for partition in (h for h in self.hardware if h.platform is None):
             why = (f"its name or run tags name a GPU ({partition.gpu_named()!r})" if partition.gpu_named()
                    else f"llm sets tensor_parallel_size {self.llm.tensor_parallel_size}"
                    if self.llm.tensor_parallel_size > 1
-                   else "llm sets gpu_memory_utilization" if self.llm.gpu_memory_utilization is not None
-                   else "this machine runs vLLM on a GPU" if current_platform() is Platform.CUDA else None)
+                   else "llm sets gpu_memory_utilization" if self.llm.gpu_memory_utilization is not None else None)
             if why:
                 raise ValueError(
                     f"hardware partition {partition.name!r} names no platform, and {why}: a plan step on a machine "
