@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from engine.plan.block_hashes import rows_by_depth
+from engine.plan.prefix_tree import PrefixTree
 from engine.plan.token_cache import TokenCache, _PartChains
 from engine.plan.tokenizing import load_tokenizer, tokenize_rows
 from engine.table.prompt_snapshot import CONTENT_KEY, content_keys
@@ -53,7 +54,9 @@ def rows(prompts, count):
 
 def same_rows(cached, fresh, block_size=BLOCK):
     """The cache's view of the rows (their lengths and prefix tree) is the one computed from fresh token ids."""
-    got, expected = cached.tree, fresh.prefix_tree(block_size)
+    expected = (fresh.prefix_tree(block_size) if hasattr(fresh, "prefix_tree")  # another cache's rows
+                else PrefixTree.of(fresh.row_blocks(block_size)))  # token ids
+    got = cached.tree
     return (np.array_equal(got.lengths, expected.lengths) and len(got.levels) == len(expected.levels)
             and all(np.array_equal(a.rows, b.rows) and np.array_equal(a.node, b.node)
                     and np.array_equal(a.counts, b.counts) for a, b in zip(got.levels, expected.levels))

@@ -34,7 +34,7 @@ from ..table.dataset import Columns
 from ..table.prompt_snapshot import CONTENT_KEY
 from .block_hashes import RowBlocks
 from .duplicates import count_duplicates, duplicate_sets, token_keys
-from .prefix_tree import PrefixPlan, plan_blocks
+from .prefix_tree import PrefixPlan, PrefixTree, plan_blocks
 from .row_checks import output_budgets, row_response_formats
 from .token_cache import CachedRows
 from .tokenizing import TokenizedBatch, tokenize_rows
@@ -222,7 +222,9 @@ def plan_tokenized(
     n = len(ids)
 
     started = time.perf_counter()
-    tree = rows.prefix_tree(engine_settings.block_size)  # the token cache's rows built theirs: ``tree_s``
+    # The token cache's rows built theirs (``tree_s``); token ids make one from their blocks.
+    tree = (rows.prefix_tree(engine_settings.block_size) if isinstance(rows, CachedRows)
+            else PrefixTree.of(rows.row_blocks(engine_settings.block_size)))
     tree_s = time.perf_counter() - started + (rows.tree_s if isinstance(rows, CachedRows) else 0.0)
     keys = (table.column(CONTENT_KEY).combine_chunks() if CONTENT_KEY in table.column_names
             else token_keys(rows.tokens, rows.offsets))

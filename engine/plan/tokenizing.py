@@ -18,7 +18,6 @@ import numpy as np
 from ..atomic import write_text
 from ..digests import digest as new_digest
 from .block_hashes import RowBlocks
-from .prefix_tree import PrefixTree
 
 _BATCH = 4096
 
@@ -53,10 +52,6 @@ class TokenizedBatch:
     def row_blocks(self, block_size: int) -> RowBlocks:
         """What the planner needs of these rows: lengths and chained block hashes."""
         return RowBlocks.of_tokens(self.tokens, self.offsets, block_size)
-
-    def prefix_tree(self, block_size: int) -> PrefixTree:
-        """The prefix tree of these rows (every row: the planner leaves out those that do not run)."""
-        return PrefixTree.of(self.row_blocks(block_size))
 
 
 def load_tokenizer(model_path: str):
