@@ -155,8 +155,6 @@ def landed_by_another_run(instance: dg.DagsterInstance, defs: dg.Definitions, na
     """Of the ``failed`` runs, those that stopped because another run of the same night held their
     shards (a cron and a person at once) and whose shards that run landed: waited for (up to
     ``wait_s``) and said, so the command exits 0 when every row landed, once."""
-    from batchllm_dagster.layout import JobNames
-
     from .shard_sensor import run_keys
 
     asset = dg.AssetKey([name, "completions"])

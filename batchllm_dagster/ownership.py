@@ -94,7 +94,7 @@ def renamed_from(con, job: str, output_table: str) -> str | None:
         if name.lower() == output_table.lower() or f"{name}_prefix_groups".lower() == output_table.lower():
             continue
         found = _existing(con, name)
-        if found is not None and _of_kind("answers", *(found[0], found[2], found[3])):
+        if found is not None and _of_kind("answers", found[0], found[2], found[3]):
             return name
     return None
 

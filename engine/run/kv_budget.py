@@ -39,7 +39,7 @@ class KVGroups:
 
     def caps(self, decoding: bool = False) -> tuple[int, ...]:
         """The most blocks a row holds in each sliding-window group, while it prefills or once it decodes."""
-        return self.window_holds or self.window_caps if decoding else self.window_caps
+        return (self.window_holds or self.window_caps) if decoding else self.window_caps
 
     def describe(self) -> str:
         decoding = f", {min(self.caps(decoding=True))} decoding" if self.window_holds else ""

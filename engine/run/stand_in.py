@@ -233,6 +233,8 @@ class BlockAccountingEngine:
 
     def _free_what_windows_left(self, request: _Request) -> None:
         """A decoding request's window blocks beyond its decoding hold go back to the pool."""
+        if not request.window_blocks or not self.kv_groups.window_holds:  # every step of every row: no numpy
+            return
         excess = request.window_blocks - self._window_blocks_needed(request.tokens, decoding=True)
         if excess > 0:
             request.window_blocks -= excess
