@@ -26,6 +26,7 @@ from engine.atomic import Staged
 from engine.jobs.plan_job import PlanJob, StoredAnswers
 from engine.machine import current_platform
 from engine.models import preparation_notice
+from engine.plan.answer_lengths import AnswerLengths, learned_lengths, why_not_learned
 from engine.plan.plan_stamp import ANSWER_STAMP_KEYS, stale_reasons
 from engine.plan.plan_table import PlanFile
 from engine.plan.tokenize_workers import TokenizeWorkers
@@ -136,10 +137,21 @@ def measured_shard_size(config: BatchJobConfig, measured: dict[str, Measured]) -
     return shard_size(measured)
 
 
-def forecast_within_budget(config: BatchJobConfig, made, measured: dict[str, Measured], log) -> NightForecast:
+def learned_answer_lengths(config: BatchJobConfig, warehouse, log) -> AnswerLengths | None:
+    """What the job's answers took on the last nights (``answer_lengths``): the output admission counts
+    its rows at and the forecast expects, said in the plan step's log."""
+    rows, percentile, mean, at_limit = config.output(warehouse).answer_lengths()
+    lengths = learned_lengths(rows, percentile, mean, at_limit)
+    log.info(f"answer lengths: {lengths.describe()}: admission counts a row's output so, never above its max_tokens"
+             if lengths else f"answer lengths: {why_not_learned(rows, at_limit)}")
+    return lengths
+
+
+def forecast_within_budget(config: BatchJobConfig, made, measured: dict[str, Measured], lengths: AnswerLengths | None,
+                           log) -> NightForecast:
     """Tonight's forecast (``forecast``), said in the plan step's log; a night over ``max_gpu_hours``
     is refused here, before the plan is written: no shard runs, nothing is written."""
-    forecast = forecast_night(made, config, measured)
+    forecast = forecast_night(made, config, measured, lengths)
     for line in forecast.lines():
         say(log, line)
     budget = config.max_gpu_hours
@@ -187,6 +199,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         stamp = config.plan_stamp(settings)
         refuse_a_costly_night(config, warehouse, job.read_ids())  # the ids let go after: the plan reads its own
         measured = measured_on_hardware(context.instance, config)
+        lengths = learned_answer_lengths(config, warehouse, context.log)
         size = measured_shard_size(config, measured)
         naming = JobShards(config, size.rows_per_shard if size else None)
         with job.plan(naming, context.log.info, stored_answers(config, warehouse, settings)) as made:
@@ -194,8 +207,8 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
             if changed:
                 raise dg.Failure(f"{config.name}: {', '.join(changed)} changed while this plan was being made "
                                  "(prompts materialized meanwhile?): no plan written; materialize prefix_groups again")
-            forecast = forecast_within_budget(config, made, measured, context.log)  # refused: nothing written
-            plan_bytes = job.write(made, stamp, context.run.run_id, config.plan_counts_for.value)
+            forecast = forecast_within_budget(config, made, measured, lengths, context.log)  # refused: nothing written
+            plan_bytes = job.write(made, stamp, context.run.run_id, config.plan_counts_for.value, lengths)
             config.output(warehouse).replace_groups(made.groups_table(lambda s: config.hardware_of_shard(s).name))
         used = made.used_keys
         added, removed = sync_partitions(context.instance, config.names.partitions_name, by_hardware(config, used))

@@ -2,14 +2,15 @@
 
 Per hardware partition and in total: the rows to compute and those reused (answer reuse is settled by
 then), the prompt tokens to prefill after the prefix plan (its estimate: each shard computes a shared
-block once), the output tokens expected (what the last nights' computed rows wrote on average, never
-above the rows' budgets; the budgets where nothing was measured), and the wall time and device-hours the
-throughput those nights measured on that hardware gives (``shard_sizing.Measured``: engine seconds per
-token of work, a prefilled token or ``DECODE_COST`` per output token; a vLLM start and stop per run, one
-run per hardware partition and night unless ``partitions_per_run`` cuts more; each partition's reading,
-writing and checks). Device-hours are the hardware's devices held: ``tensor_parallel_size`` GPUs per engine
-(times ``ray_replicas`` on Ray) on a GPU partition, one machine on a CPU one. Hardware partitions run side
-by side: the night's wall is the longest of theirs. A cost where the hardware has a ``price_per_hour``.
+block once), the output tokens expected (the mean of the answers the job's output table holds,
+``plan.answer_lengths``, never above the rows' budgets; the budgets where too few were measured), and
+the wall time and device-hours the throughput those nights measured on that hardware gives
+(``shard_sizing.Measured``: engine seconds per token of work, a prefilled token or ``DECODE_COST`` per
+output token; a vLLM start and stop per run, one run per hardware partition and night unless
+``partitions_per_run`` cuts more; each partition's reading, writing and checks). Device-hours are the
+hardware's devices held: ``tensor_parallel_size`` GPUs per engine (times ``ray_replicas`` on Ray) on a
+GPU partition, one machine on a CPU one. Hardware partitions run side by side: the night's wall is the
+longest of theirs. A cost where the hardware has a ``price_per_hour``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 import dagster as dg
 
+from engine.plan.answer_lengths import AnswerLengths
 from engine.plan.shards import DECODE_COST
 
 from .shard_sizing import Measured
@@ -49,6 +51,7 @@ class HardwareForecast:
 class NightForecast:
     parts: list[HardwareForecast]
     rows_reused: int
+    lengths: AnswerLengths | None = None  # the answers' lengths learned (admission counts rows at them)
 
     @property
     def measured(self) -> bool:
@@ -72,6 +75,8 @@ class NightForecast:
                     "forecast_prefill_tokens": sum(p.prefill_tokens for p in self.parts),
                     "forecast_output_tokens": sum(p.output_tokens for p in self.parts),
                     "forecast_by_hardware": dg.MetadataValue.json({p.hardware: p.line() for p in self.parts})}
+        if self.lengths is not None:
+            metadata["learned_answer_tokens"] = self.lengths.tokens
         if self.measured:
             metadata.update(forecast_wall_s=float(round(self.wall_s, 1)),
                             forecast_gpu_hours=float(round(self.device_hours, 4)))
@@ -87,8 +92,9 @@ class NightForecast:
         return [total, *(f"  {p.line()}" for p in self.parts)]
 
 
-def forecast_night(made, config, measured: dict[str, Measured]) -> NightForecast:
-    """The forecast of the plan ``made`` (a ``PlanJob``'s ``JobPlan``) for ``config``'s hardware."""
+def forecast_night(made, config, measured: dict[str, Measured], lengths: AnswerLengths | None = None) -> NightForecast:
+    """The forecast of the plan ``made`` (a ``PlanJob``'s ``JobPlan``) for ``config``'s hardware, its
+    answers of ``lengths`` (learned from the output table; None: the rows' budgets)."""
     to_run = set(made.keys_to_run)
     parts = []
     for hardware in config.hardware:
@@ -97,8 +103,7 @@ def forecast_night(made, config, measured: dict[str, Measured]) -> NightForecast
         prefill = int(sum(made.shards.prefill_tokens[s] for s in shards))
         budget = int(sum(made.shards.decode_tokens[s] for s in shards))
         seen = measured.get(hardware.name)
-        output_measured = bool(seen and seen.output_per_row)
-        output = min(budget, round(rows * seen.output_per_row)) if output_measured else budget
+        output = min(budget, round(rows * lengths.mean)) if lengths is not None else budget
         wall = hours = cost = None
         if seen and seen.seconds_per_work:
             runs = config.runs_for(len(shards))
@@ -106,9 +111,9 @@ def forecast_night(made, config, measured: dict[str, Measured]) -> NightForecast
                     + seen.partition_overhead_s * len(shards))
             hours = wall * config.devices_per_engine(hardware) / 3600
             cost = hours * hardware.price_per_hour if hardware.price_per_hour is not None else None
-        parts.append(HardwareForecast(hardware.name, len(shards), rows, prefill, output, output_measured, wall, hours,
-                                      cost))
-    return NightForecast(parts, int(made.counts.get("settled_rows", 0)))
+        parts.append(HardwareForecast(hardware.name, len(shards), rows, prefill, output, lengths is not None, wall,
+                                      hours, cost))
+    return NightForecast(parts, int(made.counts.get("settled_rows", 0)), lengths)
 
 
 def _duration(seconds: float) -> str:

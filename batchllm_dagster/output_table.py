@@ -19,6 +19,7 @@ from dagster_duckdb import DuckDBResource
 
 from engine.choice_scoring import needs_review
 from engine.plan.answer_keys import ANSWER_KEY
+from engine.plan.answer_lengths import PERCENTILE
 from engine.run.results import RowResult, results_to_table
 from engine.sql import quote_identifier, quote_literal
 
@@ -237,6 +238,18 @@ class OutputTable:
             con.execute(f"COPY (SELECT id, {key}, status, partition_key FROM {self._sql_name}) TO "
                         f"{quote_literal(str(path))} (FORMAT parquet)")
         return True
+
+    def answer_lengths(self) -> tuple[int, float | None, float | None, int]:
+        """Of the ok answers the table holds: how many, their output tokens' ``PERCENTILE``-th and
+        mean, and how many finished by length (what ``learned_lengths`` decides from); 0s: no table."""
+        with self._connection() as con:
+            if not table_exists(con, self.name):
+                return 0, None, None, 0
+            rows, percentile, mean, at_limit = con.execute(
+                f"SELECT count(*), quantile_disc(output_tokens, {PERCENTILE}), avg(output_tokens), "
+                f"count(*) FILTER (WHERE finish_reason = 'length') FROM {self._sql_name} WHERE status = 'ok'"
+            ).fetchall()[0]
+        return int(rows), percentile, mean, int(at_limit)
 
     def answers_not_in(self, live_ids: pa.Array) -> tuple[int, int]:
         """How many of the table's answers are of ids not in ``live_ids``, and how many it holds: what

@@ -35,7 +35,6 @@ class Measured:
     # seconds of engine time per unit of work, a token prefilled or DECODE_COST per output token (median):
     # what a night's forecast multiplies its planned tokens by (0: not measured)
     seconds_per_work: float = 0.0
-    output_per_row: float = 0.0  # output tokens a computed row wrote (all partitions together)
     run_overhead_s: float = 0.0  # a run's vLLM start and stop (medians of the partitions that paid them)
     partition_overhead_s: float = 0.0  # a partition's own: reading its plan, writing, checks (mean)
 
@@ -54,7 +53,6 @@ def measured_by_hardware(metadata: list[dict]) -> dict[str, Measured]:
     would drop it)."""
     samples: dict[str, list[tuple[float, float]]] = {}
     work: dict[str, list[float]] = {}
-    written: dict[str, list[int]] = {}  # output tokens and rows computed, summed
     starts: dict[str, tuple[list[float], list[float], list[float]]] = {}  # engine starts, stops, partitions' own
     for m in metadata:
         computed = m.get("computed_rows", m.get("rows"))  # ``rows`` before it was named for what it counts
@@ -75,15 +73,10 @@ def measured_by_hardware(metadata: list[dict]) -> dict[str, Measured]:
         units = m.get("prefill_tokens", 0) + DECODE_COST * m.get("output_tokens", 0)
         if units > 0:
             work.setdefault(hardware, []).append(engine_s / units)
-            totals = written.setdefault(hardware, [0, 0])
-            totals[0] += m.get("output_tokens", 0)
-            totals[1] += computed
     median = lambda values: statistics.median(values) if values else 0.0  # noqa: E731
     return {
         hardware: Measured(statistics.median(r for r, _ in pairs), statistics.fmean(o for _, o in pairs), len(pairs),
-                           median(work.get(hardware)),
-                           written[hardware][0] / written[hardware][1] if hardware in written else 0.0,
-                           median(starts[hardware][0]) + median(starts[hardware][1]),
+                           median(work.get(hardware)), median(starts[hardware][0]) + median(starts[hardware][1]),
                            statistics.fmean(starts[hardware][2]))
         for hardware, pairs in samples.items()
     }

@@ -11,6 +11,7 @@ from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings
 from batchllm_dagster.config import HardwarePartition
 from batchllm_dagster.forecast import forecast_night
 from batchllm_dagster.shard_sizing import Measured, measured_by_hardware
+from engine.plan.answer_lengths import AnswerLengths
 
 
 def _config(tmp_path, **kw) -> BatchJobConfig:
@@ -30,28 +31,31 @@ def _made(rows_by_shard, prefill, decode, to_run, settled=0):
 
 def test_the_forecast_is_the_planned_work_at_the_measured_throughput(tmp_path):
     """Shards 0 and 2 on cpu-a, 1 and 3 on cpu-b; shard 3 is answered already. cpu-a measured 1 ms a
-    unit of work (a prefilled token, or 2 per output token), 4 output tokens a row, 10 s for a run's
-    vLLM start and stop and 1 s of a partition's own; cpu-b nothing yet. One run per hardware partition."""
+    unit of work (a prefilled token, or 2 per output token), 10 s for a run's vLLM start and stop and 1 s
+    of a partition's own; cpu-b nothing yet; the job's answers took 4 output tokens on average (the output
+    table's: every hardware partition's). One run per hardware partition."""
     config = _config(tmp_path, hardware=[HardwarePartition(name="cpu-a", price_per_hour=3.0), "cpu-b"])
     made = _made([100, 50, 200, 70], [10_000, 5_000, 20_000, 7_000], [6_400, 3_200, 12_800, 4_480], [0, 1, 2],
                  settled=70)
     measured = {"cpu-a": Measured(rows_per_s=10.0, overhead_s=10.0, partitions=3, seconds_per_work=0.001,
-                                  output_per_row=4.0, run_overhead_s=10.0, partition_overhead_s=1.0)}
-    forecast = forecast_night(made, config, measured)
+                                  run_overhead_s=10.0, partition_overhead_s=1.0)}
+    assert forecast_night(made, config, measured).parts[0].output_tokens == 12_800 + 6_400  # nothing learned: budgets
+    lengths = AnswerLengths(tokens=9, mean=4.0, rows=500)
+    forecast = forecast_night(made, config, measured, lengths)
     a, b = forecast.parts
     assert (a.rows, a.shards, a.prefill_tokens, a.output_tokens, a.output_measured) == (300, 2, 30_000, 1_200, True)
     assert a.wall_s == pytest.approx(0.001 * (30_000 + 2 * 1_200) + 10.0 + 2 * 1.0)  # 44.4 s
-    capped = forecast_night(made, config.model_copy(update={"partitions_per_run": 1}), measured).parts[0]
+    capped = forecast_night(made, config.model_copy(update={"partitions_per_run": 1}), measured, lengths).parts[0]
     assert capped.wall_s == pytest.approx(a.wall_s + 10.0)  # a run, and a vLLM start, per shard
     assert a.device_hours == pytest.approx(a.wall_s / 3600) and a.cost == pytest.approx(3.0 * a.wall_s / 3600)
-    # Nothing measured on cpu-b: its rows' budgets, and no time.
-    assert (b.rows, b.output_tokens, b.output_measured, b.wall_s) == (50, 3_200, False, None)
+    # Nothing measured on cpu-b: its answers as long as the job's, and no time.
+    assert (b.rows, b.output_tokens, b.output_measured, b.wall_s) == (50, 200, True, None)
     assert "no measurement yet on this hardware" in b.line()
     metadata = forecast.metadata()
     assert metadata["forecast_rows_to_compute"] == 350 and metadata["forecast_rows_reused"] == 70
-    assert metadata["forecast_prefill_tokens"] == 35_000 and metadata["forecast_output_tokens"] == 4_400
+    assert metadata["forecast_prefill_tokens"] == 35_000 and metadata["forecast_output_tokens"] == 1_400
     assert "forecast_wall_s" not in metadata and "forecast_gpu_hours" not in metadata  # not every hardware measured
-    both = forecast_night(made, config, {**measured, "cpu-b": measured["cpu-a"]})
+    both = forecast_night(made, config, {**measured, "cpu-b": measured["cpu-a"]}, lengths)
     assert both.wall_s == pytest.approx(a.wall_s)  # side by side: the longest
     assert both.metadata()["forecast_gpu_hours"] == pytest.approx(round(both.device_hours, 4))
     assert "forecast_cost" not in both.metadata()  # cpu-b has no price
@@ -61,7 +65,7 @@ def test_a_gpu_partitions_device_hours_count_its_gpus(tmp_path):
     config = _config(tmp_path, llm=EngineSettings(model_path="tiny", tensor_parallel_size=4),
                      hardware=[HardwarePartition(name="h100", platform="cuda")])
     forecast = forecast_night(_made([10], [1_000], [100], [0]), config,
-                              {"h100": Measured(1.0, 0.0, 1, seconds_per_work=0.0036, output_per_row=10.0)})
+                              {"h100": Measured(1.0, 0.0, 1, seconds_per_work=0.0036)}, AnswerLengths(12, 10.0, 200))
     assert forecast.wall_s == pytest.approx(0.0036 * (1_000 + 2 * 100))
     assert forecast.device_hours == pytest.approx(4 * forecast.wall_s / 3600)
 
@@ -71,7 +75,7 @@ def test_the_measured_throughput_is_engine_seconds_per_unit_of_work():
              "write_s": 0.5, "prefill_tokens": 3_000, "output_tokens": 1_000, "hardware_partition": "cpu"}
     last = {**first, "wall_s": 30.0, "startup_s": 1.0, "engine_start_s": 0.0, "engine_stop_s": 2.0}
     measured = measured_by_hardware([first, {**last, "wall_s": 20.0, "engine_stop_s": 0.0}, last])["cpu"]  # one run
-    assert measured.seconds_per_work == pytest.approx(20.0 / 5_000) and measured.output_per_row == 10.0
+    assert measured.seconds_per_work == pytest.approx(20.0 / 5_000)
     assert measured.run_overhead_s == 9.0 and measured.partition_overhead_s == pytest.approx(1.5)
 
 

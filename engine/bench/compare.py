@@ -45,7 +45,7 @@ from ..settings import BLOCK_SIZES, Admission, EngineSettings, ReserveOutput, Sa
 from ..vllm.vllm_env import VLLM_DEFAULT_BLOCK_SIZE
 from .fresh_process import in_fresh_process
 from .prompt_sets import bench_prompt_sets, prefill_by_block_size
-from .runs import FIELD_RUNS, RUNS
+from .runs import ASKED_ONLY, FIELD_RUNS, RUNS
 from .shapes import SHAPES, Workload, synthetic_analysis_tokens
 from .verdict import median_run, prefill_ratios, ratios_over_repetitions, rotated, verdict
 
@@ -54,7 +54,8 @@ log = logging.getLogger(__name__)
 
 def _run_names(runs: str | None, prompt_sets: dict) -> list[str]:
     """The runs asked for (``--runs``), else every run these prompt sets allow; refused with the reason."""
-    names = runs.split(",") if runs else [n for n, run in RUNS.items() if run.prompts in prompt_sets]
+    names = runs.split(",") if runs else [n for n, run in RUNS.items()
+                                          if run.prompts in prompt_sets and n not in ASKED_ONLY]
     unknown = [n for n in names if n not in RUNS]
     if unknown:
         raise ValueError(f"unknown run(s) {unknown}: choose from {', '.join(RUNS)}")
@@ -66,15 +67,18 @@ def _run_names(runs: str | None, prompt_sets: dict) -> list[str]:
     return names
 
 
-def _repeat_runs(job: tuple, names: list[str], repeat: int, log_file) -> tuple[list[dict], dict]:
+def _repeat_runs(job: tuple, names: list[str], repeat: int, log_file) -> tuple[list[dict], dict, str | None]:
     """Every run ``repeat`` times, each in a fresh process, the order rotated: each repetition's
-    results by run, and each run's answers per repetition. ``job``: (prompt sets, settings,
-    sampling, scheduler), the batch as planned (without the plan's tree): what every run gets."""
-    repetitions, outputs = [], {}
+    results by run, each run's answers per repetition, and the answer lengths a night before learned
+    (where a run uses them). ``job``: (prompt sets, settings, sampling, scheduler), the batch as
+    planned (without the plan's tree): what every run gets."""
+    repetitions, outputs, learned = [], {}, None
     with tempfile.TemporaryDirectory(prefix="batchllm-bench-") as folder:
         path = Path(folder) / "job.pickle"
         with open(path, "wb") as f:
             pickle.dump(job, f)
+        if any(RUNS[name].learned for name in names):
+            learned = _learn_answer_lengths(path, log_file)
         for repetition in range(repeat):
             runs = {}
             for name in rotated(names, repetition):
@@ -83,7 +87,21 @@ def _repeat_runs(job: tuple, names: list[str], repeat: int, log_file) -> tuple[l
                 outputs.setdefault(name, []).append(answers)
                 log.info("bench: %s -> %s", name, runs[name])
             repetitions.append(runs)
-    return repetitions, outputs
+    return repetitions, outputs, learned
+
+
+def _learn_answer_lengths(path: Path, log_file) -> str | None:
+    """A night before: the engine on the same rows, untimed, and the answer lengths its answers give
+    (``plan.answer_lengths``) into the job every later run reads (``batchllm_learned`` uses them)."""
+    log.info("bench: a night before (batchllm, untimed), to learn the answers' lengths")
+    report, _ = in_fresh_process(path, "batchllm", log_file)
+    with open(path, "rb") as f:
+        prompt_sets, settings, sampling, scheduler = pickle.load(f)
+    settings = {**settings, "answer_lengths": report["answer_lengths"]}
+    log.info("bench: learned %s", report["answer_lengths"] or "nothing (the answers end at their max_tokens)")
+    with open(path, "wb") as f:
+        pickle.dump((prompt_sets, settings, sampling, scheduler), f)
+    return report["answer_lengths"]
 
 
 def _answer_agreement(outputs: dict) -> tuple[list, float, float | None]:
@@ -168,10 +186,10 @@ def run_bench(args) -> dict:
     names = _run_names(args.runs, workload.prepared)
     settings = {"engine": engines.engine, "baseline": engines.baseline, "vllm_defaults": engines.vllm_defaults,
                 "each_step": args.each_step}
-    repetitions, outputs = _repeat_runs((workload.prepared, settings, sampling, scheduler), names, args.repeat,
+    repetitions, outputs, learned = _repeat_runs((workload.prepared, settings, sampling, scheduler), names, args.repeat,
                                         args.log_file)
     # Charged to each engine run: the plan of the prompts it ran, and choosing their field order.
-    planning_s = {"batchllm": prepared.plan_s,
+    planning_s = {"batchllm": prepared.plan_s, "batchllm_learned": prepared.plan_s,
                   "batchllm_field_order": (reordered.plan_s + workload.field_order_s) if reordered else 0.0}
     workload_report = {
         **workload.described,
@@ -184,6 +202,8 @@ def run_bench(args) -> dict:
             "batchllm_unique_tokens": reordered.plan.unique_tokens,
             "field_order_s": round(workload.field_order_s, 4)} if reordered else {}),
         "planning_s_charged": {name: round(s, 4) for name, s in planning_s.items() if name in names},
+        **({"answer_lengths_learned": json.loads(learned) if learned else None}
+           if any(RUNS[n].learned for n in names) else {}),
     }
     return {"workload": workload_report, "repeat": args.repeat,
             **_runs_report(repetitions, outputs, names, planning_s, workload, prepared.num_rows)}

@@ -4,6 +4,7 @@ report and answers by id."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -12,7 +13,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from ..machine import current_platform
+from ..plan.answer_lengths import AnswerLengths, measured_lengths
 from ..plan.prefix_tree import reusable_tokens
 from ..run.results import RunStats
 from ..run.step_profile import StepProfile
@@ -22,9 +26,10 @@ from .runs import RUNS, input_order, sorted_order
 
 
 def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: SamplingSettings,
-             scheduler: SchedulerSettings, each_step: bool = False) -> tuple[dict, dict]:
+             scheduler: SchedulerSettings, each_step: bool = False,
+             answer_lengths: str | None = None) -> tuple[dict, dict]:
     """One run in this process: its report and each row's answer by id (``each_step``: with every
-    step's record in its profile)."""
+    step's record in its profile; ``answer_lengths``: what a night before learned, for a ``learned`` run)."""
     from ..run.batch_run import BatchRun
     from ..run.scheduler import InOrder, Planned
     from ..vllm.vllm_engine import open_engine
@@ -32,15 +37,21 @@ def _one_run(name: str, prepared, engine_settings: EngineSettings, sampling: Sam
     spec = RUNS[name]
     if spec.generate:
         return _generate_sorted(prepared, engine_settings, sampling)
+    if spec.learned:
+        prepared = dataclasses.replace(prepared, answer_lengths=AnswerLengths.of_text(answer_lengths))
     with open_engine(engine_settings, enable_prefix_caching=spec.caching) as engine:
         profile = StepProfile.of(prepared.group_of_row)
         scheduling = InOrder(spec.order(prepared)) if spec.order else Planned()
         run = BatchRun(prepared, engine, sampling, scheduler, rows=input_order(prepared), scheduling=scheduling,
                        step_profile=profile)
-        outputs = {r.id: r.text for r in run}
+        results = list(run)
+        outputs = {r.id: r.text for r in results}
         info = engine.info
     stats = run.finished_stats()
     report = _report(stats, info.max_num_seqs, info.kv_capacity_blocks)
+    ok = [r for r in results if r.status == "ok"]
+    learned = measured_lengths(np.array([r.output_tokens for r in ok]), sum(r.finish_reason == "length" for r in ok))
+    report["answer_lengths"] = learned.to_text() if learned else None  # what a night after would learn
     report["per_step"] = profile.summary()
     if report["per_step"]:  # the run's time outside vLLM's steps: our scheduler, submissions, results
         report["per_step"]["outside_steps_s"] = round(stats.wall_s - report["per_step"]["step_s"], 3)
@@ -113,7 +124,7 @@ def _child(job: str, name: str, out: str, log_file: str) -> None:
     engine_settings = settings["vllm_defaults" if run.vllm_defaults else "baseline" if run.order is not None
                                else "engine"]
     report, outputs = _one_run(name, prompt_sets[run.prompts], engine_settings, sampling, scheduler,
-                               settings["each_step"])
+                               settings["each_step"], settings.get("answer_lengths"))
     report["pid"] = os.getpid()
     Path(out).write_text(json.dumps({"report": report, "outputs": outputs}))
 

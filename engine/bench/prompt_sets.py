@@ -23,6 +23,7 @@ from .shapes import (
     duplicates_tokens,
     fields_table,
     kv_bound_tokens,
+    long_budget_table,
     nested_tokens,
     short_table,
     synthetic_tokens,
@@ -156,18 +157,23 @@ def bench_prompt_sets(args, tokenizer, model_path: str, block_size: int) -> Benc
         sample = samples["declared"]
         max_tokens, ids, response_formats = sample.max_tokens, sample.ids, sample.response_formats
         batches = {name: s.batch for name, s in samples.items()}
-    elif args.shape in ("fields", "short"):
+    elif args.shape in ("fields", "short", "long_budget"):
         fields = fields or (FIELDS_SHAPE if args.shape == "fields" else SHORT_SHAPE)
         if args.shape == "fields":
             table, choices = fields_table(args.seed), {}
             max_tokens = np.random.default_rng(args.seed).integers(2, 9, table.num_rows).astype(np.int64)  # short
-        else:
+        elif args.shape == "short":
             table, max_tokens, choices = short_table(args.seed)
+        else:
+            table, max_tokens, formats = long_budget_table(args.seed)
+            choices = {}
+            response_formats = {row: ResponseFormat(**f) for row, f in formats.items()}
         batches, field_order_s = field_batches(table, fields, tokenizer, block_size)
-        response_formats = {row: ResponseFormat(choice=c) for row, c in choices.items()}
+        response_formats = response_formats or {row: ResponseFormat(choice=c) for row, c in choices.items()}
         ids = table.column("id").to_pylist()
         described = {"shape": args.shape, "seed": args.seed, "fields": fields.fields,
-                     "field_order": fields.field_order.value, **({"constrained_rows": len(choices)} if choices else {})}
+                     "field_order": fields.field_order.value,
+                     **({"constrained_rows": len(response_formats)} if response_formats else {})}
     elif args.shape == "nested":
         batches["declared"], max_tokens = nested_tokens(vocab, args.seed)
         described = {"shape": "nested", "seed": args.seed}

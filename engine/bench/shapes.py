@@ -14,7 +14,10 @@ fields; the scale of ``--analysis`` too. Each is seeded: the same shape is the s
   many groups of 1-3 rows beyond a shared instruction, answers of 1-8 tokens, 40% of them
   constrained to a choice (stop at EOS, not ``ignore_eos``);
 * ``kv_bound``  - rows that share little beyond an instruction, answers of one small length (8 tokens),
-  a KV cache that holds ~140 of them: the regime where KV binds and vLLM's own admission is hard to beat.
+  a KV cache that holds ~140 of them: the regime where KV binds and vLLM's own admission is hard to beat;
+* ``long_budget`` - the ``short`` shape's tickets (300 customers) with a generous ``max_tokens`` (160)
+  and short answers: each a JSON object of a team and a flag, ended by its format (EOS), as a job
+  that sets a large budget for a small extraction runs (what ``batchllm_learned`` learns lengths on).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import pyarrow as pa
 from ..plan.tokenizing import TokenizedBatch
 from ..table.fields import FieldOrder, PromptFields
 
-SHAPES = ("groups", "nested", "templates", "duplicates", "fields", "short", "kv_bound")
+SHAPES = ("groups", "nested", "templates", "duplicates", "fields", "short", "kv_bound", "long_budget")
 
 
 @dataclass
@@ -200,6 +203,19 @@ def short_table(seed: int = 0, customers: int = 100) -> tuple[pa.Table, np.ndarr
     constrained = np.flatnonzero(rng.random(n) < 0.4)
     max_tokens[constrained] = 8  # room for the longest choice
     return table, max_tokens, {int(r): SHORT_CHOICES for r in constrained}
+
+
+LONG_BUDGET_TOKENS = 160
+LONG_BUDGET_FORMAT = {"type": "object", "properties": {"team": {"enum": SHORT_CHOICES}, "urgent": {"type": "boolean"}},
+                      "required": ["team", "urgent"], "additionalProperties": False}
+
+
+def long_budget_table(seed: int = 0, customers: int = 300) -> tuple[pa.Table, np.ndarray, dict]:
+    """``short_table``'s tickets, each row's budget ``LONG_BUDGET_TOKENS`` and its answer a JSON object
+    (``LONG_BUDGET_FORMAT``, a dozen tokens): the table, each row's max_tokens and each row's format."""
+    table, _, _ = short_table(seed, customers)
+    return table, np.full(table.num_rows, LONG_BUDGET_TOKENS, dtype=np.int64), {
+        row: {"json_schema": LONG_BUDGET_FORMAT} for row in range(table.num_rows)}
 
 
 def synthetic_analysis_tokens(rows: int, tokens_per_row: int, rows_per_group: int, seed: int = 0):

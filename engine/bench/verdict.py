@@ -29,7 +29,8 @@ def ratios_over_repetitions(repetitions: list[dict], plan_s: dict[str, float]) -
     same rows with other token counts."""
     plain, charged = {}, {}
     for ours_name in ENGINE_RUNS:
-        for baseline in BASELINES:
+        # a learned run is this engine's too: against the one without what it learned as well
+        for baseline in BASELINES + (["batchllm"] if RUNS[ours_name].learned else []):
             if RUNS[ours_name].prompts == "declared" and RUNS[baseline].prompts != "declared":
                 continue  # the engine's own effect: on exactly the prompts the baseline ran
             pairs = [

@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from ..atomic import Staged
 from ..damaged import read_by_row_group, readable_or_set_aside
+from ..plan.answer_lengths import AnswerLengths
 from ..plan.duplicates import count_duplicates
 from ..plan.plan_on_disk import PlanOnDisk
 from ..plan.plan_table import (
@@ -280,10 +281,12 @@ class PlanJob:
         disk.unsettle([shard for shard, key in disk.kept_keys().items() if not naming.keeps(shard, key)])
         return disk.settled_rows()
 
-    def write(self, made: JobPlan, stamp: dict[str, str], plan_run: str, counted_for: str | None = None) -> int:
+    def write(self, made: JobPlan, stamp: dict[str, str], plan_run: str, counted_for: str | None = None,
+              answer_lengths: AnswerLengths | None = None) -> int:
         """Publish the plan whole: every row with its group, shard, run position and content key (its
         token ids are in the token cache the plan names), stamped with what it was made from.
-        ``counted_for``: the platform whose defaults it counts in. Returns its bytes."""
+        ``counted_for``: the platform whose defaults it counts in; ``answer_lengths``: what its shards'
+        admission counts a row's output at (learned from the job's answers). Returns its bytes."""
         metadata = plan_file_metadata(made.disk.plan.block_size, self.cache, self.settings.max_model_len, stamp,
-                                      plan_run, made.settled_with, counted_for)
+                                      plan_run, made.settled_with, counted_for, answer_lengths)
         return write_plan(made.plan_tables(metadata), self.plan_path)

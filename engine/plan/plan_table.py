@@ -32,6 +32,7 @@ from ..atomic import Staged
 from ..damaged import read_by_row_group
 from ..response_format import ResponseFormat
 from ..table.prompt_snapshot import CONTENT_KEY
+from .answer_lengths import AnswerLengths
 from .duplicates import NO_SET
 from .plan_stamp import ANSWER_STAMP_KEYS, stale_reasons
 from .prepared import PlannedBatch, PreparedBatch
@@ -43,6 +44,7 @@ MAX_MODEL_LEN = "batchllm.max_model_len"  # the context length the plan checked 
 TOKEN_CACHE = "batchllm.token_cache"  # the token cache folder the content keys point into
 PLAN_RUN = "batchllm.plan_run"  # the run (a Dagster run id) that made the plan
 COUNTED_FOR = "batchllm.counted_for"  # the platform ('cuda', 'cpu') whose defaults the plan counted in
+ANSWER_LENGTHS = "batchllm.answer_lengths"  # what the job's answers were learned to take (``AnswerLengths``)
 # The settings fingerprints the plan judged stored answers by (``answer_keys``): the rows it kept run nowhere tonight.
 SETTLED_WITH = "batchllm.settled_with"
 
@@ -127,12 +129,15 @@ class PlanRows:
 
 
 def plan_file_metadata(block_size: int, token_cache: TokenCache, max_model_len: int, stamp: dict[str, str],
-                       plan_run: str, settled_with: list[str] = (), counted_for: str | None = None) -> dict[str, str]:
+                       plan_run: str, settled_with: list[str] = (), counted_for: str | None = None,
+                       answer_lengths: AnswerLengths | None = None) -> dict[str, str]:
     """A plan file's schema metadata: what it counts in (and for which platform), where its content
-    keys point, its stamp, its run, and the settings fingerprints it kept answered rows by."""
+    keys point, its stamp, its run, the settings fingerprints it kept answered rows by, and the
+    answer lengths its shards' admission counts rows at."""
     return {BLOCK_SIZE: str(block_size), TOKEN_CACHE: str(token_cache.folder), MAX_MODEL_LEN: str(max_model_len),
             **stamp, PLAN_RUN: plan_run, **({SETTLED_WITH: ",".join(settled_with)} if settled_with else {}),
-            **({COUNTED_FOR: counted_for} if counted_for else {})}
+            **({COUNTED_FOR: counted_for} if counted_for else {}),
+            **({ANSWER_LENGTHS: answer_lengths.to_text()} if answer_lengths else {})}
 
 
 def shard_table(rows: PlanRows, shard_rows: np.ndarray, ids: pa.Array | pa.ChunkedArray,
@@ -244,6 +249,7 @@ def prepared_batch(rows: pa.Table, batch: TokenizedBatch) -> PreparedBatch:
         group_of_row=rows.column("group").to_numpy(), prefix_tokens_of_row=rows.column("prefix_tokens").to_numpy(),
         block_size=block_size, response_formats=formats,
         duplicate_set=rows.column("duplicate_set").to_numpy() if "duplicate_set" in rows.column_names else None,
+        answer_lengths=AnswerLengths.of_text((rows.schema.metadata or {}).get(ANSWER_LENGTHS.encode())),
     )
 
 

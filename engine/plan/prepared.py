@@ -32,6 +32,7 @@ from ..response_format import ResponseFormat
 from ..settings import EngineSettings, SamplingSettings, SchedulerSettings
 from ..table.dataset import Columns
 from ..table.prompt_snapshot import CONTENT_KEY
+from .answer_lengths import AnswerLengths
 from .block_hashes import RowBlocks
 from .duplicates import count_duplicates, duplicate_sets, token_keys
 from .prefix_tree import PrefixPlan, PrefixTree, plan_blocks
@@ -57,10 +58,17 @@ class PreparedBatch:
     block_size: int
     response_formats: dict[int, ResponseFormat] = field(default_factory=dict)  # rows with their own constraint
     duplicate_set: np.ndarray | None = None  # identical rows share a set number (engine.plan.duplicates)
+    answer_lengths: AnswerLengths | None = None  # learned from the job's last nights: what admission counts
 
     @property
     def num_rows(self) -> int:
         return len(self.ids)
+
+    @property
+    def counted_output(self) -> np.ndarray:
+        """Each row's output as admission counts it: the learned answer length where there is one,
+        never above the row's ``max_tokens`` (its limit, which vLLM keeps)."""
+        return self.max_tokens if self.answer_lengths is None else self.answer_lengths.reserved(self.max_tokens)
 
     def prefix_tokens_at(self, rows: np.ndarray) -> np.ndarray:
         """The group prefix of each of ``rows``."""
@@ -80,6 +88,7 @@ class PreparedBatch:
             prefix_tokens_of_row=self.prefix_tokens_of_row[rows], block_size=self.block_size,
             response_formats={int(new_index[r]): f for r, f in self.response_formats.items() if new_index[r] >= 0},
             duplicate_set=None if self.duplicate_set is None else self.duplicate_set[rows],
+            answer_lengths=self.answer_lengths,
         )
 
 

@@ -9,8 +9,9 @@ and counts rows by what they may hold). So where vLLM alone computes the minimum
 schedule exactly, plus the plan's order, identical rows computed once and earlier answers reused.
 
 The question is answered on vLLM's scheduler in miniature (``engine.run.stand_in``, the KV block
-accounting of vLLM's ``KVCacheManager``): the rows in plan order with their full ``max_tokens``
-(an upper bound: EOS ends rows sooner), on the engine's KV capacity, ``max_num_seqs`` and token budget.
+accounting of vLLM's ``KVCacheManager``): the rows in plan order with their counted output (their
+``max_tokens``, an upper bound, or the length their job's answers were learned to take:
+``PreparedBatch.counted_output``), on the engine's KV capacity, ``max_num_seqs`` and token budget.
 A batch whose every block fits the cache at once needs no simulation: nothing is evicted or preempted.
 """
 
@@ -70,7 +71,7 @@ class EngineLimits:
         return KVBudget(self.capacity_blocks, self.block_size, self.kv_groups)
 
 
-def choose_admission(batch: TokenizedBatch, max_tokens: np.ndarray, rows_in_plan_order: list[int],
+def choose_admission(batch: TokenizedBatch, output_tokens: np.ndarray, rows_in_plan_order: list[int],
                      limits: EngineLimits, prefix_requests: bool = False) -> AdmissionChoice:
     """Group-wise where it can gain over vLLM admitting ``rows_in_plan_order`` itself, else vLLM."""
     if prefix_requests:
@@ -83,19 +84,19 @@ def choose_admission(batch: TokenizedBatch, max_tokens: np.ndarray, rows_in_plan
         return AdmissionChoice(Admission.VLLM, f"this model's KV cache has sliding-window groups "
                                f"({limits.kv_groups.describe()}) whose decoding hold is not known: vLLM admits, "
                                "in plan order")
-    blocks, shared = _row_blocks(batch, max_tokens, rows_in_plan_order, limits.kv)
+    blocks, shared = _row_blocks(batch, output_tokens, rows_in_plan_order, limits.kv)
     demand = int(blocks.sum())
     usable = limits.kv.usable
     if demand <= usable:
         return AdmissionChoice(Admission.VLLM, f"the whole batch fits the KV cache ({demand} of {usable} blocks): "
                                                "nothing is evicted or preempted")
-    count, sample_blocks = _simulated_count(blocks, max_tokens[rows_in_plan_order], usable)
+    count, sample_blocks = _simulated_count(blocks, output_tokens[rows_in_plan_order], usable)
     sample = rows_in_plan_order[:count]
     if sample_blocks < MIN_SIMULATED_FILLS * usable:  # long answers: the cost cap cut it before the cache filled twice
         return AdmissionChoice(Admission.GROUP_WISE, f"the first {len(sample)} rows' answers are too long to "
                                f"simulate vLLM alone on more than {sample_blocks / usable:.1f} caches' worth of "
                                "rows: group-wise admission, which never preempts for want of a row's next block")
-    prefill, preemptions = simulate_vllm_admission(batch, max_tokens, sample, limits)
+    prefill, preemptions = simulate_vllm_admission(batch, output_tokens, sample, limits)
     minimum = int(batch.lengths[sample].sum()) - int(shared[:count].sum()) * limits.block_size
     extra = prefill - minimum
     measured = (f"vLLM admitting the first {len(sample)} rows in plan order computes {prefill} prompt tokens, "
@@ -106,7 +107,7 @@ def choose_admission(batch: TokenizedBatch, max_tokens: np.ndarray, rows_in_plan
     return AdmissionChoice(Admission.VLLM, measured + ": nothing for group-wise admission to gain")
 
 
-def _row_blocks(batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[int],
+def _row_blocks(batch: TokenizedBatch, output_tokens: np.ndarray, rows: list[int],
                 kv: KVBudget) -> tuple[np.ndarray, np.ndarray]:
     """Per row in plan order: the pool's KV blocks it adds when all are in flight at the end of their
     output (each whole prompt block shared with the row before it counted once in each full-attention
@@ -118,21 +119,21 @@ def _row_blocks(batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[int],
         if previous is not None:
             shared[i] = common_whole_blocks(tokens, previous, kv.block_size)
         previous = tokens
-    ends = batch.lengths[rows].astype(np.int64) + np.asarray(max_tokens)[rows]
+    ends = batch.lengths[rows].astype(np.int64) + np.asarray(output_tokens)[rows]
     return kv.alone_blocks(ends, decoding=True) - kv.groups.full * shared, shared
 
 
-def _simulated_count(blocks: np.ndarray, max_tokens: np.ndarray, usable: int) -> tuple[int, int]:
+def _simulated_count(blocks: np.ndarray, output_tokens: np.ndarray, usable: int) -> tuple[int, int]:
     """How many of the first rows are simulated: up to ``SIMULATED_FILLS`` caches' worth of blocks and
     ``SIMULATED_ROW_STEPS`` output tokens; and their blocks (the whole batch counts as enough)."""
     cut = np.flatnonzero((np.cumsum(blocks) >= SIMULATED_FILLS * usable)
-                         | (np.cumsum(np.asarray(max_tokens, dtype=np.int64)) >= SIMULATED_ROW_STEPS))
+                         | (np.cumsum(np.asarray(output_tokens, dtype=np.int64)) >= SIMULATED_ROW_STEPS))
     if cut.size == 0:
         return blocks.size, max(int(blocks.sum()), SIMULATED_FILLS * usable)  # the whole batch: nothing left out
     return int(cut[0]) + 1, int(blocks[: cut[0] + 1].sum())
 
 
-def simulate_vllm_admission(batch: TokenizedBatch, max_tokens: np.ndarray, rows: list[int],
+def simulate_vllm_admission(batch: TokenizedBatch, output_tokens: np.ndarray, rows: list[int],
                             limits: EngineLimits) -> tuple[int, int]:
     """Prompt tokens vLLM computes for ``rows`` submitted at once in this order, and its
     preemptions: on the stand-in."""
@@ -145,7 +146,7 @@ def simulate_vllm_admission(batch: TokenizedBatch, max_tokens: np.ndarray, rows:
                                  limits.block_size)
     chain_at = chains.offsets
     for i, row in enumerate(rows):
-        engine.submit(Submission(RequestKind.ROW, row, tokens[i], int(max_tokens[row])), None,
+        engine.submit(Submission(RequestKind.ROW, row, tokens[i], int(output_tokens[row])), None,
                       prompt_hashes=chains.hashes[chain_at[i]:chain_at[i + 1]].tolist())
     while engine.has_unfinished():
         engine.step()

@@ -13,7 +13,10 @@ plan order (``InOrderScheduler`` with a window), where group-wise admission cann
   counted as vLLM holds them: a prefix block by the chained hash of its tokens, once however many
   groups share it, held from the group's first row until its last finishes (explicit retention);
   each row by what it holds plus its reserved output (all of it with ``ReserveOutput.FULL``: no
-  preemption; else the next ``lookahead_tokens``, vLLM growing output blocks lazily). The count is
+  preemption; else the next ``lookahead_tokens``, vLLM growing output blocks lazily). All of it is
+  the row's ``max_tokens``, or the length its job's answers were learned to take
+  (``plan.answer_lengths``): a row outgrowing that is counted a block more every ``block_size``
+  steps, as vLLM allocates them, up to its ``max_tokens``. The count is
   the tree's identity, not vLLM's KV gauge, which lags a step and counts a finished group's cached
   prefix as free; the gauge is still reported (``mean_kv_usage``).
 
@@ -171,20 +174,28 @@ class GroupScheduler:
         capacity_blocks: int,
         steps_ahead: int = 0,
         kv_groups: KVGroups = KVGroups(),
+        counted_output: np.ndarray | None = None,
     ):
         """``steps_ahead``: steps the engine may run beyond the last report read (vLLM's async
         scheduling plans step s + 1 before step s's outputs are read): each row may hold that many
         tokens more than the reports show, so it is counted with as many more of its output. The count
-        is in the pool's blocks, which ``kv_groups`` (the model's KV cache groups) share."""
+        is in the pool's blocks, which ``kv_groups`` (the model's KV cache groups) share.
+        ``counted_output``: each row's output as a full reservation counts it (default its ``max_tokens``;
+        the learned answer length, ``PreparedBatch.counted_output``)."""
         self._batch, self._settings, self._block = batch, settings, block_size
         # Python ints: read once per admission, a numpy scalar costs more than the arithmetic.
         self._lengths, self._max_tokens = batch.lengths.tolist(), [int(m) for m in max_tokens]
+        # A row's reserved end after g output tokens is L + min(max_tokens, max(floor, g + lookahead)):
+        # a full reservation's floor is its counted output (grown past only by a row that outgrows a
+        # learned length), a lookahead's is 0 (the next tokens only).
+        full = settings.reserve_output is ReserveOutput.FULL
+        self._floor = ([int(m) for m in (max_tokens if counted_output is None else counted_output)] if full
+                       else [0] * len(self._max_tokens))
+        self._lookahead = steps_ahead + (0 if full else settings.lookahead_tokens)
         self._kv = KVBudget(capacity_blocks, block_size, kv_groups)
         # Pool blocks per shared prefix block; what the prefix requests in the engine hold beyond those.
         self._per_shared, self._prefix_blocks = self._kv.per_shared_block, 0
         self._capacity, self._budget = self._kv.usable, self._kv.share(settings.kv_budget_fraction)
-        self._lookahead = (settings.lookahead_tokens + steps_ahead
-                           if settings.reserve_output is ReserveOutput.LOOKAHEAD else None)
         self._entry_blocks, self._prefix_hit_blocks, self._too_large = self._row_constants(groups)
         keys = group_prefix_keys(batch, groups, block_size)
         self._queue = deque(
@@ -240,7 +251,7 @@ class GroupScheduler:
         prefix = np.zeros(lengths.size, dtype=np.int64)
         for g in groups:
             prefix[g.rows] = g.prefix_tokens
-        ahead = max_tokens if self._lookahead is None else np.minimum(max_tokens, self._lookahead)
+        ahead = np.minimum(max_tokens, np.maximum(np.asarray(self._floor, dtype=np.int64), self._lookahead))
         hit_blocks = np.maximum(0, np.minimum(prefix, (lengths - 1) // block * block)) // block
         # Alone, a row holds its whole prompt and output; a copy of a cached prefix (hit capped at
         # length - 1) one block more in each full-attention group.
@@ -291,10 +302,8 @@ class GroupScheduler:
     def _blocks_at(self, row: int, generated: int, hit_blocks: int) -> int:
         """A row's blocks beyond its cache hit when it has generated ``generated`` tokens: what it
         holds plus what it is reserved (all its output, or the next ``lookahead_tokens``)."""
-        length = self._lengths[row]
-        remaining = self._max_tokens[row] - generated
-        ahead = remaining if self._lookahead is None else min(remaining, self._lookahead)
-        return self._pool_blocks(row, -(-(length + generated + ahead) // self._block), hit_blocks, generated > 0)
+        end = self._lengths[row] + min(self._max_tokens[row], max(self._floor[row], generated + self._lookahead))
+        return self._pool_blocks(row, -(-end // self._block), hit_blocks, generated > 0)
 
     def _pool_blocks(self, row: int, blocks: int, hit_blocks: int, decoding: bool = False) -> int:
         """A row's count when its tokens and reservation end in its ``blocks``-th block: each full-attention
@@ -313,15 +322,15 @@ class GroupScheduler:
         speculative decoding), s counting the steps run, read or queued, so its reserved end
         L + g + lookahead crosses into a new block at g = g1, g1 + B, ... until it reaches
         L + max_tokens: its count grows by one block every B steps, kept per phase (step % B) so
-        that a step costs O(1) plus the rows that start or stop growing. A full reservation never grows."""
+        that a step costs O(1) plus the rows that start or stop growing. A full reservation grows only
+        past a learned length (its floor), then as a lookahead does."""
         self._reports += 1
         first_token_step = self._reports  # never behind the count: ``_steps >= first_token_step - 1``
         for kind, row in started:
             account = self._accounts.get(row) if kind is RequestKind.ROW else None
             if account is not None and account.first_growth is None:
                 self._now_decoding(row, account)
-                if self._lookahead is not None:
-                    self._start_growing(row, account, first_token_step)
+                self._start_growing(row, account, first_token_step)
         while self._steps < first_token_step + queued_steps:
             self._advance()
 
@@ -351,11 +360,12 @@ class GroupScheduler:
         """The row got its first token in ``first_token_step``: its growths from then on, those the
         engine's steps run ahead already reached counted now."""
         length, max_tokens = self._lengths[row], self._max_tokens[row]
-        reach = length + min(max_tokens, self._lookahead)  # its reserved end at g = 0
+        reach = length + min(max_tokens, max(self._floor[row], self._lookahead))  # its reserved end at g = 0
         growths = -(-(length + max_tokens) // self._block) - -(-reach // self._block)
         if growths <= 0:
             return
-        g1 = (self._block - reach % self._block) % self._block + 1  # first g whose end is in a new block
+        # the first g whose end L + g + lookahead is in a block beyond reach's
+        g1 = -(-reach // self._block) * self._block - (length + self._lookahead) + 1
         account.first_growth = first_token_step - 1 + g1  # the step after which the row has g1 tokens
         account.growths = growths
         grown = self._blocks_of(account) - account.base  # reached already (the engine ran ahead)
@@ -640,10 +650,10 @@ class Planned:
 
     def scheduler(self, prepared: PreparedBatch, rows_in_plan_order: list[int], settings: SchedulerSettings,
                   limits: EngineLimits) -> Scheduler:
-        batch, max_tokens = prepared.batch, prepared.max_tokens
-        too_large = rows_too_large(batch, max_tokens, rows_in_plan_order, limits)
+        batch, max_tokens, counted = prepared.batch, prepared.max_tokens, prepared.counted_output
+        too_large = rows_too_large(batch, max_tokens, rows_in_plan_order, limits)  # a row may still run to its limit
         if settings.admission is Admission.AUTO:
-            choice = choose_admission(batch, max_tokens, [r for r in rows_in_plan_order if r not in too_large],
+            choice = choose_admission(batch, counted, [r for r in rows_in_plan_order if r not in too_large],
                                       limits, settings.prefix_requests)
         else:
             choice = AdmissionChoice(settings.admission, f"scheduler.admission: {settings.admission.value}")
@@ -653,8 +663,10 @@ class Planned:
         else:
             groups = groups_in_run_order(rows_in_plan_order, prepared.group_of_row, prepared.prefix_tokens_of_row)
             scheduler = GroupScheduler(batch, max_tokens, groups, settings, limits.block_size,
-                                       limits.capacity_blocks, limits.steps_ahead, limits.kv_groups)
-        scheduler.stats.admission, scheduler.stats.admission_reason = choice.admission.value, choice.reason
+                                       limits.capacity_blocks, limits.steps_ahead, limits.kv_groups, counted)
+        learned = prepared.answer_lengths
+        scheduler.stats.admission, scheduler.stats.admission_reason = choice.admission.value, choice.reason + (
+            f" (each row's output counted as {learned.describe()}, never above its max_tokens)" if learned else "")
         return scheduler
 
 

@@ -26,7 +26,8 @@ request gets its next token in a step that completes its prompt or decodes it. W
 admitted prompt is computed in the step it enters.
 
 It does no arithmetic on tokens: a request's answer is a function of its prompt alone, as greedy
-decoding is.
+decoding is; it runs to ``max_tokens`` unless ``answer_ends`` gives a row's answer an end before it
+(its EOS, finish reason ``stop``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import numpy as np
 
 from engine.plan.block_hashes import RowBlocks
 from engine.run.kv_budget import KVBudget, KVGroups
-from engine.run.requests import Finished, StepReport, Submission
+from engine.run.requests import Finished, RequestKind, StepReport, Submission
 
 
 @dataclass(eq=False)
@@ -71,11 +72,13 @@ class BlockAccountingEngine:
 
     def __init__(self, num_blocks: int, block_size: int = 4, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, steps_ahead: int = 0,
-                 kv_groups: KVGroups = KVGroups(), says_queued: bool = False):
+                 kv_groups: KVGroups = KVGroups(), says_queued: bool = False,
+                 answer_ends: dict[int, int] | None = None):
         """``steps_ahead``: how many steps it runs beyond the report it returns (vLLM's async
         scheduling: 1), so requests submitted after reading step s enter at step s + 1 + steps_ahead.
         ``says_queued``: each report says how many (``queued_steps``), as vLLM's core in its own
-        process shows them (its outputs queued for the client); async scheduling does not."""
+        process shows them (its outputs queued for the client); async scheduling does not.
+        ``answer_ends``: row -> the output tokens after which its answer ends (EOS), where before its limit."""
         self.block_size, self.kv_capacity_blocks, self.max_num_seqs = block_size, num_blocks, max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self._budget = 0  # tokens left in the step being scheduled
@@ -100,6 +103,7 @@ class BlockAccountingEngine:
         self._unread: deque[StepReport] = deque()  # steps run, their reports not yet returned
         self.refuses: dict[str, str] = {}  # a response format's text -> why it is refused (a test sets it)
         self.asked: list[str] = []  # the formats asked about, in order
+        self._answer_ends = answer_ends or {}
 
     # -- the engine protocol --------------------------------------------------------------------
     def refusal(self, sampling) -> str | None:
@@ -158,14 +162,18 @@ class BlockAccountingEngine:
             if request.computed < len(request.submission.token_ids):
                 continue  # a chunk of its prompt: no token yet
             request.generated += 1
-            if request.generated >= request.submission.max_tokens:
+            submission = request.submission
+            eos = submission.kind is RequestKind.ROW and request.generated >= self._answer_ends.get(
+                submission.subject, submission.max_tokens)
+            if eos or request.generated >= submission.max_tokens:
                 self._running.remove(request)
                 self._free(request)
                 self.finished_at[request.submission.key] = self.step_count
                 report.finished.append(Finished(
                     submission=request.submission, text=f"answer-{hash(request.submission.token_ids.tobytes())}",
                     token_ids=[0] * request.generated, prompt_tokens=len(request.submission.token_ids),
-                    cached_tokens=request.cached_tokens or 0, finish_reason="length"))
+                    cached_tokens=request.cached_tokens or 0,
+                    finish_reason="length" if request.generated >= submission.max_tokens else "stop"))
             else:
                 self._free_what_windows_left(request)
                 if request.generated == 1:
