@@ -85,22 +85,7 @@ class BatchJobComponent(JobSpec, dg.Component, dg.Resolvable, dg.Model):
         data directory (``default_data_dir``: of ``project_root`` where given, whatever folder the
         command ran from)."""
         data = default_data_dir(project_root)
-        spec = self.dataset
-        # Known without running, so `dg check defs` names it: a SQL file, and a database unless it is
-        # made after the definitions load (then the prompts step names it).
-        if spec.sql_file and not (component_dir / spec.sql_file).is_file():
-            raise ValueError(f"job {self.name!r}: dataset.sql_file {spec.sql_file!r} does not exist in "
-                             f"{component_dir} (the folder of its defs.yaml)")
-        if spec.database and not spec.database_built_later and not (data / spec.database).is_file():
-            raise ValueError(f"job {self.name!r}: dataset.database {spec.database!r} does not exist in {data} "
-                             "(BATCHLLM_DATA_DIR, else the project's data folder); if another asset or job makes it "
-                             "after the definitions load, add database_built_later: true under dataset")
-        resolved = spec.model_copy(update={
-            "sql_file": str(component_dir / spec.sql_file) if spec.sql_file else None,
-            "parquet": str(data / spec.parquet) if spec.parquet else None,
-            "database": str(data / spec.database) if spec.database else None,
-            "allowed_paths": [str(data / path) for path in spec.allowed_paths],
-        })
+        resolved = self.dataset.resolved(self.name, component_dir, data)
         shared = {name: getattr(self, name) for name in JobSpec.model_fields}
         storage = data / self.storage_dir if self.storage_dir else data / "jobs"
         return BatchJobConfig(**{**shared, "dataset": resolved}, storage_dir=str(storage),

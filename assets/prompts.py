@@ -19,7 +19,6 @@ from engine.table.dataset import (
     read_sql,
     schema_of,
     single_query,
-    source_sql,
     stream_sql,
     validate,
 )
@@ -29,22 +28,12 @@ from engine.table.prompt_rendering import rendered_batches
 from engine.table.prompt_snapshot import SnapshotWriter, snapshot_digest
 
 
-def dataset_sql(config: BatchJobConfig) -> tuple[str, str | None, list[str]]:
-    """The dataset as one SQL query, the database it runs on and the folders it may read."""
-    spec = config.dataset
-    if spec.sql:
-        sql, database, allowed = spec.sql, spec.database, []
-    else:
-        sql, database, allowed = source_sql(str(spec.sql_file or spec.table or spec.parquet), spec.database)
-    return sql, database, [*allowed, *spec.allowed_paths]
-
-
 def refuse_dataset_mistakes_at_load(config: BatchJobConfig) -> None:
     """What can be known of the dataset when the definitions load, so ``dg check defs`` says it in
     one line: SQL that does not parse, a column or field the table (as it is now) lacks. A database,
     table or file not made yet is the night's to name (it may be made before then)."""
     try:
-        sql, database, allowed = dataset_sql(config)
+        sql, database, allowed = config.dataset.query()
     except DatasetError:
         return  # a SQL file or Parquet source not there yet (a missing SQL file is named by the component)
     try:
@@ -70,7 +59,7 @@ def snapshot_dataset(config: BatchJobConfig, path: Path, log=None, before_landin
     columns, fields = config.dataset.columns, config.dataset.prompt
     preview, choice = None, None
     with Staged(path) as staged:
-        with stream_sql(*dataset_sql(config), job_dir=config.files.job_dir) as (schema, batches):
+        with stream_sql(*config.dataset.query(), job_dir=config.files.job_dir) as (schema, batches):
             if fields is not None:
                 batches, schema, choice = rendered_batches(batches, schema, fields, columns,
                                                            _prefill_counter(config, log), config.files.field_order_path)
@@ -111,7 +100,7 @@ def source_version(config: BatchJobConfig) -> str:
     """A fingerprint of the dataset's content (row count and a hash of every row), read-only and
     sandboxed like ``prompts``. Content, not file times: the output table may live in the same
     database file."""
-    sql, database, allowed = dataset_sql(config)
+    sql, database, allowed = config.dataset.query()
     query = single_query(sql)  # the same rules as prompts; a trailing ``;`` or comment is fine
     table = read_sql(f"SELECT count(*) AS n, sum(hash(t))::VARCHAR AS h FROM (\n{query}\n) t", database, allowed)
     return f"{query.strip()}|{table['n'][0].as_py()}|{table['h'][0].as_py()}"

@@ -24,12 +24,12 @@ import logging
 import os
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import dagster as dg
 
 from batchllm_dagster.layout import SHARDS_TAG, JobNames
+from engine.table.dataset_spec import project_root
 
 
 def run_planned_shards(instance: dg.DagsterInstance, defs: dg.Definitions, name: str, run_config: dict | None = None,
@@ -53,19 +53,6 @@ def _requests(instance: dg.DagsterInstance, defs: dg.Definitions, name: str) -> 
     with dg.partition_loading_context(dynamic_partitions_store=instance):  # the shard keys live in the instance
         result = sensor.evaluate_tick(dg.build_sensor_context(instance=instance, definitions=defs))
     return list(result.run_requests or [])
-
-
-def project_root(start: Path | None = None) -> tuple[Path, dict]:
-    """The dg project this folder is in (its own or its nearest parent's ``pyproject.toml`` with a
-    ``[tool.dg.project]``), and that table; this folder and {} where there is none."""
-    here = (start or Path.cwd()).resolve()
-    for folder in (here, *here.parents):
-        pyproject = folder / "pyproject.toml"
-        if pyproject.is_file():
-            project = tomllib.loads(pyproject.read_text()).get("tool", {}).get("dg", {}).get("project")
-            if project is not None:
-                return folder, project
-    return here, {}
 
 
 def load_definitions(module: str | None = None) -> dg.Definitions:

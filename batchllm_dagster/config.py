@@ -5,7 +5,6 @@ Plain pydantic models, shared by the Python factory and the YAML Component.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Annotated
@@ -15,8 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.machine import Platform, current_platform
 from engine.plan.plan_stamp import PlanShaping
 from engine.settings import EngineSettings, Policy, SamplingSettings, SchedulerSettings, fingerprint
-from engine.table.dataset import Columns
-from engine.table.fields import PromptFields
+from engine.table.dataset_spec import DatasetSpec, default_data_dir  # noqa: F401 (the package's names)
 
 from .layout import HARDWARE_TAG, POOL_TAG, JobFiles, JobNames
 from .output_table import OutputTable
@@ -88,69 +86,6 @@ class HardwarePartition(BaseModel):
 
     def tags(self) -> dict[str, str]:
         return {**self.run_tags, HARDWARE_TAG: self.name, POOL_TAG: self.run_pool}
-
-
-class DatasetSpec(BaseModel):
-    """Where the prompts come from: exactly one of ``sql``, ``sql_file``, ``table``, ``parquet``."""
-
-    model_config = ConfigDict(extra="forbid")  # a mistyped key is named, never ignored
-
-    sql: str | None = None
-    sql_file: str | None = None
-    table: str | None = None
-    parquet: str | None = None
-    database: str | None = Field(None, description="DuckDB database the SQL or table reads (opened read-only)")
-    database_built_later: bool = Field(
-        False, description="the database is made after the definitions load (by another asset, job or script): "
-        "a YAML job does not require it to exist when they load")
-    allowed_paths: list[str] = Field(
-        default_factory=list,
-        description="more folders the dataset SQL may read (the database's folder and a Parquet source's are allowed)")
-    id_column: str = "id"
-    prompt_column: str = "prompt"
-    messages_column: str = "messages"
-    max_tokens_column: str = "max_tokens"
-    response_format_column: str = Field(
-        "response_format",
-        description='optional JSON text per row, e.g. {"choice": ["yes", "no"]}; overrides the job\'s',
-    )
-    prompt: PromptFields | None = Field(
-        None, description="build each row's prompt from an instruction, fields (columns) and a question instead of "
-                          "reading a prompt column; field_order: optimize chooses the order that shares most")
-
-    @model_validator(mode="after")
-    def _one_source(self) -> "DatasetSpec":
-        given = [k for k in ("sql", "sql_file", "table", "parquet") if getattr(self, k)]
-        if len(given) != 1:
-            raise ValueError(f"a dataset needs exactly one of sql, sql_file, table, parquet (got {given or 'none'})")
-        if (self.sql or self.table) and not self.database:
-            raise ValueError("a dataset given as sql or table needs a database")
-        return self
-
-    @property
-    def columns(self) -> Columns:
-        return Columns(self.id_column, self.prompt_column, self.messages_column, self.max_tokens_column,
-                       self.response_format_column)
-
-    def tables_read(self) -> set[str]:
-        """The database tables the dataset reads (none for Parquet; an unreadable SQL file: none yet)."""
-        from engine.sql import tables_read
-
-        if self.table:
-            return {self.table}
-        sql = self.sql
-        if self.sql_file and Path(self.sql_file).is_file():
-            sql = Path(self.sql_file).read_text()
-        return tables_read(sql) if sql else set()
-
-    def describe(self) -> str:
-        if self.sql_file:
-            return f"sql file {self.sql_file} on {self.database or 'an in-memory DuckDB'}"
-        if self.sql:
-            return f"sql on {self.database}"
-        if self.table:
-            return f"table {self.table} of {self.database}"
-        return f"parquet {self.parquet}"
 
 
 def described(text: str) -> tuple:
@@ -466,9 +401,3 @@ class BatchJobConfig(JobSpec):
         return self.llm.model_copy(update={"model_path": resolve_model(self.llm.model_path)})
 
 
-def default_data_dir(project_root: Path | None = None) -> Path:
-    """Where a component's databases and job files live: ``BATCHLLM_DATA_DIR`` (a relative one against
-    the project), else the project's ``data`` folder (``project_root``; the working directory where no
-    project is known)."""
-    root = project_root or Path.cwd()
-    return root / os.environ.get("BATCHLLM_DATA_DIR", "data")
