@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from engine.cli.doctor import environment_problems, settings_of_job
+from engine.cli.doctor import environment_problems
 from engine.node_checks import TCMALLOC_GAIN, cpu_preload_advice, cpu_preload_libraries
 from engine.settings import Platform
 
@@ -38,11 +38,6 @@ def test_a_cpu_node_is_told_how_to_preload_tcmalloc_and_what_it_gains(tmp_path):
     [advice] = cpu_preload_advice("", {"tcmalloc": None, "iomp": None})
     assert "apt-get install libtcmalloc-minimal4" in advice
     assert cpu_preload_advice(found["tcmalloc"], found) == []
-
-
-def test_a_jobs_yaml_gives_the_settings_it_runs_with():
-    settings = settings_of_job("dagster_project/defs/review_labels/defs.yaml")
-    assert settings.model_path == "smollm2"
 
 
 @pytest.mark.slow  # starts vLLM

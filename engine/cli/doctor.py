@@ -12,7 +12,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..settings import EngineSettings, Platform
 from ..vllm.vllm_env import REQUIRED_ON_CUDA, SOCKET_PATH_LIMIT, socket_paths_fit
@@ -172,15 +171,6 @@ def _capture_sizes(compilation) -> str:
     return f"{len(sizes)} sizes, {sizes[0]} to {sizes[-1]} rows"
 
 
-def settings_of_job(path: str) -> EngineSettings:
-    """The ``llm:`` block of a job's YAML (a Component's ``defs.yaml`` or the attributes alone)."""
-    import yaml
-
-    document = yaml.safe_load(Path(path).read_text())
-    attributes = document.get("attributes", document) if isinstance(document, dict) else {}
-    return EngineSettings(**attributes.get("llm", {}))
-
-
 def cmd_doctor(args) -> int:
     from ..jobs.job_options import DEFAULT_MODEL, engine_settings_from
     from ..models import resolve_model
@@ -188,7 +178,9 @@ def cmd_doctor(args) -> int:
     if args.job and args.model:
         raise ValueError("give --model or --job, not both (a job's YAML names its model)")
     if args.job:
-        job = settings_of_job(args.job)
+        from ..jobs.job_file import JobFile
+
+        job = JobFile.read(args.job).llm()
         settings = job.model_copy(update={"model_path": resolve_model(job.model_path)})
     else:
         settings = engine_settings_from(args, resolve_model(args.model or DEFAULT_MODEL))

@@ -1,6 +1,7 @@
 """``batchllm``: plan and run a prompt table without Dagster.
 
     batchllm plan PROMPTS [--database DB]              groups and the ideal prefix saving
+    batchllm plan --job defs.yaml                       the same for a job's declaration, and its work tonight
     batchllm run PROMPTS --output OUT.parquet           answers keyed by id
     batchllm prepare-model [smollm2|tiny]               build an offline model once
     batchllm bench [--json]                             compare with plain vLLM (see engine/bench/compare.py)
@@ -17,6 +18,7 @@ import json
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +36,7 @@ from ..jobs.job_options import (
 from ..models import BUILT_IN
 from ..run.console import ProgressBar, run_summary, summary_table
 from ..settings import EngineSettings, SamplingSettings, SchedulerSettings
-from ..table.dataset import Columns, DatasetError, load_prompts, read_source, validate
+from ..table.dataset import Columns, DatasetError, read_source, validate
 from ..table.fields import FieldOrder, PromptFields, choose_field_orders, field_positions
 from ..vllm.library_output import LOG_DIR, file_logger, route_library_output
 
@@ -43,13 +45,14 @@ log = logging.getLogger("batchllm")
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     add_prompt_fields_options(parser)
-    parser.add_argument("prompts", help="Parquet file or glob, .sql file, or a table of --database")
+    parser.add_argument("prompts", nargs="?", help="Parquet file or glob, .sql file, or a table of --database")
     parser.add_argument("--database", help="DuckDB database the SQL or table refers to (opened read-only)")
     parser.add_argument("--id-column", default="id")
     parser.add_argument("--prompt-column", default="prompt")
     parser.add_argument("--messages-column", default="messages")
     parser.add_argument("--max-tokens", type=at_least_one, default=64, help="default output tokens per row")
-    parser.add_argument("--shards", type=at_least_one, default=1, help="cut the plan into this many shards")
+    parser.add_argument("--shards", type=at_least_one, help="cut the plan into this many shards (default 1; a "
+                        "job's own with --job)")
     add_engine_options(parser)
 
 
@@ -74,6 +77,45 @@ class _Prepared:
     planned: object  # engine.plan.prepared.PlannedBatch
     prepared: object  # engine.plan.prepared.PreparedBatch
     orders: object | None
+    fields: PromptFields | None = None  # the prompt's fields, where it is built from them
+    job: object | None = None  # the job's ``JobFile`` (--job)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """What a command plans: its rows' table (``read``) and how they are answered, from the command
+    line's flags or from a job's YAML (``--job``)."""
+
+    read: Callable[[], object]  # the table as its source gives it (pyarrow)
+    engine: EngineSettings
+    sampling: SamplingSettings
+    columns: Columns
+    fields: PromptFields | None
+    job: object | None = None  # the job's ``JobFile`` (--job)
+
+
+def _source(args) -> _Source:
+    from ..models import resolve_model
+
+    if getattr(args, "job", None):
+        from ..jobs.job_file import JobFile
+        from ..table.dataset import read_sql
+
+        if args.prompts:
+            raise ValueError("give PROMPTS or --job, not both (a job's YAML names its dataset)")
+        job = JobFile.read(args.job)
+        dataset, llm = job.dataset(), job.llm()
+        return _Source(lambda: read_sql(*dataset.query()), llm.model_copy(update={
+            "model_path": resolve_model(llm.model_path)}), job.sampling(), dataset.columns, dataset.prompt, job)
+    _require_prompts(args)
+    engine, sampling, columns = _settings(args)
+    return _Source(lambda: read_source(args.prompts, args.database), engine, sampling, columns,
+                   prompt_fields_from(args))
+
+
+def _require_prompts(args) -> None:
+    if not args.prompts:
+        raise ValueError("give PROMPTS: a Parquet file or glob, a .sql file, or a table of --database")
 
 
 def _prepare(args, fields: PromptFields | None = None, field_order_state: Path | None = None) -> _Prepared:
@@ -84,16 +126,16 @@ def _prepare(args, fields: PromptFields | None = None, field_order_state: Path |
     from ..plan.tokenizing import load_tokenizer
     from ..table.prompt_rendering import rendered_table
 
-    engine, sampling, columns = _settings(args)
+    source = _source(args)
+    engine, sampling, columns = source.engine, source.sampling, source.columns
     tokenizer = load_tokenizer(engine.model_path)
-    fields = fields or prompt_fields_from(args)
+    fields = fields or source.fields
     orders = None
     if fields is None:
-        table = load_prompts(args.prompts, args.database, columns)
+        table = validate(source.read(), columns)
     else:  # the prompt rendered from the table's fields, before validate keeps only the engine's columns
         counter = sorted_prefill_counter(tokenizer, engine.block_size)
-        table, kept = rendered_table(read_source(args.prompts, args.database), fields, columns, counter,
-                                     field_order_state)
+        table, kept = rendered_table(source.read(), fields, columns, counter, field_order_state)
         if kept is not None:
             log.info(kept.describe())
             if field_order_state is not None:
@@ -101,13 +143,12 @@ def _prepare(args, fields: PromptFields | None = None, field_order_state: Path |
         orders = kept.choice if kept is not None else choose_field_orders(table, fields, counter)
         table = validate(table, columns)
     planned, prepared = plan_prompts(table, tokenizer, engine, sampling, columns)
-    return _Prepared(engine, sampling, planned, prepared, orders)
+    return _Prepared(engine, sampling, planned, prepared, orders, fields, source.job)
 
 
-def _field_orders_summary(args, planned, orders) -> dict | None:
-    """With --fields: the prompt tokens to compute (the minimum prefill, what sorting reaches) in
+def _field_orders_summary(args, planned, orders, fields: PromptFields | None) -> dict | None:
+    """With prompt fields: the prompt tokens to compute (the minimum prefill, what sorting reaches) in
     the declared order and in the optimized one, and where each field went."""
-    fields = prompt_fields_from(args)
     if fields is None:
         return None
     declared = planned if fields.field_order is FieldOrder.as_declared else _prepare(args, fields.declared()).planned
@@ -128,15 +169,16 @@ def cmd_plan(args) -> int:
     made = _prepare(args)
     planned, orders = made.planned, made.orders
     plan = planned.plan
-    shards = assign_shards(plan, args.shards)
+    shards = assign_shards(plan, args.shards or (made.job.shards_for(planned.num_rows) if made.job else None) or 1)
     summary = {
         **plan_summary(planned),  # the same numbers as a plan's materialization in Dagster
-        "fields": _field_orders_summary(args, planned, orders),
+        "fields": _field_orders_summary(args, planned, orders, made.fields),
         "shards": [
             {"shard": s, "rows": int((shards.shard_of_row == s).sum()), "prefill_tokens": int(shards.prefill_tokens[s]),
              "decode_tokens": int(shards.decode_tokens[s])}
             for s in range(shards.num_shards)
         ],
+        **({"job": _job_work(made.job.name, summary_rows(planned), shards)} if made.job else {}),
     }
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -168,7 +210,27 @@ def cmd_plan(args) -> int:
         print(
             f"shard {s['shard']}: {s['rows']} rows, ~{s['prefill_tokens']} prefill + {s['decode_tokens']} decode tokens"
         )
+    if made.job:
+        print(summary["job"]["line"])
     return 0
+
+
+def summary_rows(planned) -> int:
+    """The rows that run: every row but those with an error."""
+    return planned.num_rows - len(planned.errors)
+
+
+def _job_work(name: str, rows: int, shards) -> dict:
+    """A job's work tonight as its declaration gives it, every row computed (the answers its Dagster job
+    stored are not read here): the forecast's tokens; its time and cost are the Dagster job's, from the
+    nights it measured."""
+    prefill, output = int(shards.prefill_tokens.sum()), int(shards.decode_tokens.sum())
+    line = (f"job {name}: {rows:,} rows to compute in {shards.num_shards} shards, {prefill:,} prompt tokens to "
+            f"prefill, at most {output:,} output tokens (the rows' budgets); rows answered on earlier nights, the "
+            f"answers' learned lengths, the time and the cost: batchllm-dagster run {name} --dry-run (its Dagster "
+            "instance's measurements)")
+    return {"rows_to_compute": rows, "shards": shards.num_shards, "prefill_tokens": prefill,
+            "output_tokens_at_most": output, "line": line}
 
 
 @contextlib.contextmanager
@@ -193,6 +255,7 @@ def cmd_run(args) -> int:
     from ..table.output import check_output, output_lock
 
     output = Path(args.output)
+    _require_prompts(args)
     check_output(output, args.prompts, args.overwrite)  # before any work
     with output_lock(output), terminate_as_exit():
         made = _prepare(args, field_order_state=Path(f"{output}.field_order.parquet"))
@@ -255,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
 
     plan = sub.add_parser("plan", help="show prefix groups and the ideal saving")
     _add_common(plan)
+    plan.add_argument("--job", metavar="YAML", help="plan this job's declaration (a defs.yaml: its dataset, prompt "
+                      "fields, model, sampling, choices and shards) instead of PROMPTS and flags")
+    add_response_format_options(plan)  # a choice raises a row's budget to its longest choice: the plan counts it
     plan.add_argument("--top", type=int, default=10, help="groups to list")
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=cmd_plan)
