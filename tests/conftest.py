@@ -99,3 +99,16 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = (f"{item.nodeid} took {report.duration:.1f} s without the `slow` mark: mark it "
                            f"@pytest.mark.slow or make it faster (make test-fast allows {FAST_TEST_LIMIT_S:g} s "
                            "a test)")
+
+
+def prepared_of(rows: list[list[int]], order, groups, prefix):
+    """A prepared batch of token rows (row 1 an error row), for tests that need one without a plan."""
+    import numpy as np
+
+    from engine.plan.prepared import PreparedBatch
+    from engine.plan.tokenizing import TokenizedBatch
+
+    batch = TokenizedBatch.from_rows(rows)
+    return PreparedBatch(ids=[f"r{i}" for i in range(len(rows))], id_type=pa.string(), batch=batch,
+                         max_tokens=np.full(len(rows), 4), errors={1: "bad"}, order=np.asarray(order),
+                         group_of_row=np.asarray(groups), prefix_tokens_of_row=np.asarray(prefix), block_size=2)

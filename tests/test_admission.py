@@ -154,16 +154,3 @@ def test_the_simulation_hashes_the_rows_in_one_pass_as_the_stand_in_hashes_each_
         engine.step()
     assert engine.preemptions > 0  # KV binds: the hashes decide what is found again
     assert simulate_vllm_admission(batch, max_tokens, rows, limits) == (engine.prefill_tokens, engine.preemptions)
-
-
-def test_the_kv_cache_is_counted_one_way_its_null_block_apart():
-    from engine.run.kv_budget import KVBudget
-    from engine.run.stand_in import BlockAccountingEngine
-
-    kv = KVBudget(capacity_blocks=65, block_size=32)
-    assert kv.usable == 64 and kv.share(0.5) == 32 and kv.blocks_for(33) == 2
-    assert kv.blocks_for(np.array([1, 32, 64, 65])).tolist() == [1, 1, 2, 3]
-    assert kv.too_large_reason(70) == "needs 70 KV blocks with its output; the KV cache has 64 (block size 32)"
-    assert KVBudget(1, 16).usable == 1  # never none
-    engine = BlockAccountingEngine(65, 32)
-    assert engine.free_blocks == kv.usable and engine.referenced_blocks == 0

@@ -23,7 +23,7 @@ attributes:
       fields: [review, description, category]
       question: "Rating:"
       field_order: optimize
-  llm: {model_path: MODEL, block_size: 16}
+  llm: {model_path: MODEL, kv_cache_blocks: 64}  # the block size this machine's, as the flags' default
   sampling:
     max_tokens: 3
     response_format: {choice: [good, bad, a very long answer indeed]}
@@ -55,7 +55,7 @@ def test_a_jobs_declaration_is_read_with_its_paths_where_the_component_puts_them
     dataset = job.dataset()
     assert job.name == "ratings" and dataset.sql_file == str(tmp_path / "shop" / "defs" / "ratings" / "ratings.sql")
     assert dataset.database == str(tmp_path / "data" / "shop.duckdb") and dataset.prompt.fields[0] == "review"
-    assert (job.llm().block_size, job.sampling().max_tokens, job.shards_for(12)) == (16, 3, 2)
+    assert (job.llm().kv_cache_blocks, job.sampling().max_tokens, job.shards_for(12)) == (64, 3, 2)
     assert JobFile(job.path, {"rows_per_shard": 5}).shards_for(12) == 3
     from engine.cli.main import _source
 
@@ -68,13 +68,13 @@ def test_a_jobs_declaration_is_read_with_its_paths_where_the_component_puts_them
 
 @pytest.mark.slow  # four seconds: the command line twice
 def test_plan_of_a_jobs_yaml_is_the_plan_of_its_settings_typed_as_flags(tmp_path, tiny_model):
-    """``batchllm plan --job`` plans the job's rows with its fields, block size, choices (each row's
+    """``batchllm plan --job`` plans the job's rows with its fields, choices (each row's
     budget raised to its longest choice) and shards, as the same settings typed as flags do, and says
     its work tonight."""
     path = _project(tmp_path, tiny_model)
     from_job = json.loads(batchllm("plan", "--job", str(path), "--json").stdout)
     typed = json.loads(batchllm(
-        "plan", str(tmp_path / "reviews.parquet"), "--model", tiny_model, "--block-size", "16", "--max-tokens", "3",
+        "plan", str(tmp_path / "reviews.parquet"), "--model", tiny_model, "--max-tokens", "3",
         "--choice", "good", "--choice", "bad", "--choice", "a very long answer indeed",
         "--fields", "review,description,category",
         "--instruction", "Rate the review.", "--question", "Rating:", "--field-order", "optimize", "--shards", "2",

@@ -148,3 +148,19 @@ def test_a_node_whose_fingerprint_is_not_the_one_the_plan_kept_rows_by_says_so(m
     assert said == []
     completions.warn_if_settled_elsewhere(SimpleNamespace(settled_with=["cd34"]), None, job, context)
     assert len(said) == 1 and "is not the one the plan kept answered rows by (cd34)" in said[0]
+
+
+def test_partition_sync_adds_new_keys_and_removes_stale_ones():
+    import dagster as dg
+
+    from batchllm_dagster.config import HardwarePartition
+    from batchllm_dagster.partitions import shard_key, sync_partitions
+
+    with dg.instance_for_test() as instance:
+        assert sync_partitions(instance, "jobs", ["a", "b"]) == (["a", "b"], [])
+        assert sync_partitions(instance, "jobs", ["b", "c"]) == (["c"], ["a"])
+        assert sorted(instance.get_dynamic_partitions("jobs")) == ["b", "c"]
+    a100 = HardwarePartition(name="GPU.A100-")
+    assert shard_key(a100, 3, ["x", "y"]) == shard_key(a100, 3, ["y", "x"])  # same rows, same key
+    assert shard_key(a100, 3, ["x"]).startswith("gpu.a100-03-")  # keys keep '.', Dagster's names do not
+    assert a100.slug == "gpu_a100"

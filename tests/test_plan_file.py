@@ -8,8 +8,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine.plan import plan_table
-from engine.plan.plan_table import PlanFile, write_plan
+from engine.plan.plan_table import PlanFile, prepared_batch, rows_table, write_plan
+from engine.plan.prefix_tree import reusable_tokens
 from engine.table.prompt_snapshot import CONTENT_KEY, KEY_TYPE
+
+from .conftest import prepared_of
 
 
 def a_plan(rows=600, shards=7, seed=0) -> pa.Table:
@@ -82,3 +85,16 @@ def test_an_empty_plan_is_written_and_read(tmp_path):
     write_plan(a_plan().slice(0, 0), path)
     plan = PlanFile.open(path)
     assert plan.live_keys() == set() and plan._of_key("cpu|0").num_rows == 0
+
+
+def test_a_plan_table_round_trips_and_a_subset_keeps_the_plan_order():
+    prepared = prepared_of([[1, 2, 3, 4, 9], [], [1, 2, 3, 4, 8], [5, 6, 7]], order=[2, 0, 3, 1], groups=[0, 2, 0, 1],
+                           prefix=[4, 0, 4, 0])
+    back = prepared_batch(rows_table(prepared), prepared.batch)
+    assert back.ids == prepared.ids and back.errors == prepared.errors and back.block_size == 2
+    assert list(back.order) == [2, 0, 3, 1] and back.batch.row(2) == [1, 2, 3, 4, 8]
+    part = prepared.subset([3, 0, 2])
+    assert part.ids == ["r0", "r2", "r3"] and [part.ids[i] for i in part.order] == ["r2", "r0", "r3"]
+    assert part.batch.row(1) == [1, 2, 3, 4, 8] and part.errors == {}
+    # r2 then r0 share two whole blocks; r3 shares nothing.
+    assert reusable_tokens(prepared.batch, [2, 0, 3], block_size=2) == 4

@@ -105,8 +105,8 @@ def _source(args) -> _Source:
             raise ValueError("give PROMPTS or --job, not both (a job's YAML names its dataset)")
         job = JobFile.read(args.job)
         dataset, llm = job.dataset(), job.llm()
-        return _Source(lambda: read_sql(*dataset.query()), llm.model_copy(update={
-            "model_path": resolve_model(llm.model_path)}), job.sampling(), dataset.columns, dataset.prompt, job)
+        engine = llm.model_copy(update={"model_path": resolve_model(llm.model_path)}).with_block_size()  # as flags
+        return _Source(lambda: read_sql(*dataset.query()), engine, job.sampling(), dataset.columns, dataset.prompt, job)
     _require_prompts(args)
     engine, sampling, columns = _settings(args)
     return _Source(lambda: read_source(args.prompts, args.database), engine, sampling, columns,
@@ -225,7 +225,8 @@ def _job_work(name: str, rows: int, shards) -> dict:
     stored are not read here): the forecast's tokens; its time and cost are the Dagster job's, from the
     nights it measured."""
     prefill, output = int(shards.prefill_tokens.sum()), int(shards.decode_tokens.sum())
-    line = (f"job {name}: {rows:,} rows to compute in {shards.num_shards} shards, {prefill:,} prompt tokens to "
+    line = (f"job {name}: {rows:,} rows to compute in {shards.num_shards} shard"
+            f"{'' if shards.num_shards == 1 else 's'}, {prefill:,} prompt tokens to "
             f"prefill, at most {output:,} output tokens (the rows' budgets); rows answered on earlier nights, the "
             f"answers' learned lengths, the time and the cost: batchllm-dagster run {name} --dry-run (its Dagster "
             "instance's measurements)")

@@ -37,6 +37,7 @@ class JobFile:
         return str(self.attributes.get("name", self.path.parent.name))
 
     def llm(self) -> EngineSettings:
+        """Its engine settings as declared (the platform's defaults unfilled)."""
         return EngineSettings(**self.attributes.get("llm", {}))
 
     def sampling(self) -> SamplingSettings:
