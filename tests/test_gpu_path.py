@@ -389,51 +389,6 @@ def test_a_gpu_captures_cuda_graphs_for_every_decode_batch_it_runs(monkeypatch, 
     assert "compilation_config" not in engine_args(EngineSettings(model_path=tiny_model), Platform.CPU)
 
 
-@pytest.mark.slow
-def test_vllms_own_block_size_is_the_one_vllm_sets_on_each_platform():
-    """What the bench's by-hand recipe at vLLM's defaults runs with: read from vLLM 0.32 itself."""
-    import inspect
-
-    from vllm.config.cache import CacheConfig
-    from vllm.platforms.cpu import CpuPlatform
-
-    from engine.vllm.vllm_env import VLLM_DEFAULT_BLOCK_SIZE
-
-    assert VLLM_DEFAULT_BLOCK_SIZE[Platform.CUDA] == CacheConfig.DEFAULT_BLOCK_SIZE
-    source = inspect.getsource(CpuPlatform.check_and_update_config)
-    assert "not cache_config.user_specified_block_size:\n            cache_config.block_size = 128" in source
-    assert VLLM_DEFAULT_BLOCK_SIZE[Platform.CPU] == 128
-
-
-@pytest.mark.slow  # imports vLLM
-def test_choice_reads_are_what_both_of_vllms_model_runners_read():
-    """A scored choice row's read (engine/vllm/choice_reads.py) is vLLM's ``logprob_token_ids``, with
-    ``logprobs`` unset. The CPU (and a GPU without Triton) runs vLLM's V1 model runner, whose sampler
-    gathers them (run end to end by tests/test_choice_scoring.py); CUDA with Triton runs the V2
-    runner by default, which cannot run here: its sampler takes each request's tokens into
-    ``LogprobTokenIdsState`` and reads them where a request sets no ``logprobs`` (0 top tokens)."""
-    import inspect
-
-    from vllm.sampling_params import MAX_LOGPROB_TOKEN_IDS
-    from vllm.v1.sample.sampler import Sampler as V1Sampler
-    from vllm.v1.worker.gpu.sample.logprob import LogprobTokenIdsState
-    from vllm.v1.worker.gpu.sample.sampler import Sampler as V2Sampler
-
-    from engine.choice_scoring import MAX_BRANCHES
-    from engine.vllm.choice_reads import ChoiceReads
-
-    assert MAX_BRANCHES == MAX_LOGPROB_TOKEN_IDS
-    assert "logprob_token_ids" in inspect.getsource(V1Sampler.forward)
-    assert "self.logprob_token_ids_state.add_request(req_idx, sampling_params)" in inspect.getsource(
-        V2Sampler.add_request)
-    assert "sampling_params.logprob_token_ids" in inspect.getsource(LogprobTokenIdsState.add_request)
-    assert "num_logprobs = max_num_logprobs if max_num_logprobs != NO_LOGPROBS else 0" in inspect.getsource(
-        V2Sampler.get_logprobs_dims)
-    params = ChoiceReads(tokenizer=None)._read_params((7, 8, 9))
-    assert (params.max_tokens, params.logprobs, params.logprob_token_ids) == (1, None, [7, 8, 9])
-    assert params.num_logprobs == 3  # what vLLM's output processor returns for it
-
-
 @pytest.mark.slow  # imports vLLM
 def test_on_an_h200_a_window_group_holds_a_prefilling_row_under_its_cap_and_a_decoding_one_in_66_blocks():
     """What a GPU's admission counts in a sliding-window group (Gemma 3: a 1,024-token window, blocks

@@ -1,13 +1,11 @@
 """Models whose layers keep a recurrent state are refused from their config.json, before vLLM starts:
 at load, by doctor, and by the engine (they used to fail after the start's minutes, on every attempt)."""
 
-import ast
 import json
-from pathlib import Path
 
 import pytest
 
-from engine.model_support import STATE_CACHE_ARCHITECTURES, UnsupportedModel, unsupported_reason
+from engine.model_support import UnsupportedModel, unsupported_reason
 from engine.settings import EngineSettings
 
 
@@ -50,27 +48,3 @@ def test_a_job_of_a_hybrid_is_refused_at_load(tmp_path):
                             output_database=str(tmp_path / "o.duckdb"), storage_dir=str(tmp_path / "jobs"))
     with pytest.raises(UnsupportedModel, match="Qwen3NextForCausalLM"):
         build_batch_defs(config)
-
-
-@pytest.mark.slow  # imports vLLM's model registry
-def test_the_architectures_are_vllms_own_that_keep_a_state_or_have_no_attention():
-    """vLLM 0.32's registered architectures whose model class is (through its bases) ``IsHybrid``,
-    ``HasInnerState`` or ``IsAttentionFree``, read from vLLM's source without importing the models."""
-    import vllm
-    from vllm.model_executor.models.registry import _VLLM_MODELS
-
-    root = Path(vllm.__file__).parent
-    bases: dict[str, set[str]] = {}
-    for source in [*(root / "model_executor" / "models").glob("*.py"), *(root / "models").rglob("*.py")]:
-        for node in ast.walk(ast.parse(source.read_text())):
-            if isinstance(node, ast.ClassDef):
-                bases.setdefault(node.name, set()).update(
-                    b.id if isinstance(b, ast.Name) else b.attr for b in node.bases
-                    if isinstance(b, (ast.Name, ast.Attribute)))
-
-    def keeps_state(name: str, seen: frozenset = frozenset()) -> bool:
-        if name in {"IsHybrid", "HasInnerState", "IsAttentionFree"}:
-            return True
-        return name not in seen and any(keeps_state(b, seen | {name}) for b in bases.get(name, ()))
-
-    assert {arch for arch, (_, cls) in _VLLM_MODELS.items() if keeps_state(cls)} == STATE_CACHE_ARCHITECTURES

@@ -1,13 +1,12 @@
 """A reasoning model's stored answer is its final answer, never its reasoning (``engine/reasoning.py``),
 on gpt-oss's harmony output as its tokenizer decodes it with its special tokens."""
 
-import inspect
 import json
 
 import pytest
 
 from engine.model_support import reasoning_parser_of, unsupported_reason
-from engine.reasoning import REASONING_PARSERS, split_harmony
+from engine.reasoning import split_harmony
 
 ANALYSIS = "<|channel|>analysis<|message|>The user asks for the capital of France. That is Paris.<|end|>"
 FINAL = "<|start|>assistant<|channel|>final<|message|>Paris<|return|>"
@@ -72,18 +71,6 @@ def test_keeping_the_reasoning_is_a_switch_that_leaves_old_fingerprints_alone():
 
     assert "keep_reasoning" not in SamplingSettings().model_dump()
     assert SamplingSettings(keep_reasoning=True).model_dump()["keep_reasoning"] is True
-
-
-@pytest.mark.slow  # imports vLLM's model configs
-def test_the_reasoning_architectures_are_those_vllm_gives_a_parser_itself():
-    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
-
-    given = {}
-    for architecture, config in MODELS_CONFIG_MAP.items():
-        source = inspect.getsource(config)
-        if "reasoning_parser = " in source:
-            given[architecture] = source.split("reasoning_parser = ")[1].split('"')[1]
-    assert given == REASONING_PARSERS
 
 
 @pytest.mark.slow  # imports vLLM
