@@ -41,7 +41,7 @@ def duplicate_sets(keys: pa.Array, max_tokens: np.ndarray, response_formats: For
     other runnable row equals). ``keys`` is each row's content identity (16 bytes), ``response_formats``
     its own format as text (None: the job's; no column: every row's is the job's), ``runnable``
     which rows run at all (error rows never join a set). One sort of fixed-width columns: 40 bytes a
-    row, where a hash grouping of the keys held ~190 (a plan step's peak at 3M rows). A plan made on
+    row, where a hash grouping of the keys held ~190 (docs/benchmark-history.md). A plan made on
     disk finds the same sets by a query (``plan_on_disk.PlanOnDisk.duplicate_sets``)."""
     n = len(keys)
     out = np.full(n, NO_SET, dtype=np.int64)

@@ -1,8 +1,8 @@
 """Where each of many 16-byte content keys first occurs among others, found by sorting, not hashing.
 
 The token cache finds a night's rows among its entries by content key (``digests.row_key``, 128
-bits of blake2b). Arrow's hash lookup (``index_in``) held ~75 bytes an entry at its peak (750 MB at
-10M rows, the plan step's largest stage); this holds 20: the entries' two 64-bit words sorted by the
+bits of blake2b). Arrow's hash lookup (``index_in``) held ~75 bytes an entry at its peak (the plan
+step's largest stage: docs/benchmark-history.md); this holds 20: the entries' two 64-bit words sorted by the
 first, and the order that sorts them (int32). A key is found by binary search on its first word (a
 batch of keys sorted first, so the searches walk the array in order) and checked on its second. Digests'
 first words almost never collide, but the answer is right for any keys: where a first word starts

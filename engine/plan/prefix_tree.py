@@ -299,8 +299,8 @@ def plan_blocks(blocks: RowBlocks, decode_tokens: np.ndarray, min_group_rows: in
 @dataclass
 class PrefixTree:
     """A batch's prefix tree (its levels) with its rows' lengths: what a plan is made of, without
-    the block hashes it was built from (read a depth at a time: 8 bytes a block, 225 MB at 3M rows,
-    never all held at once by the token cache's rows)."""
+    the block hashes it was built from (read a depth at a time: 8 bytes a block, never all held at
+    once by the token cache's rows)."""
 
     block_size: int
     lengths: np.ndarray  # prompt tokens per row

@@ -33,9 +33,9 @@ from ..table.dataset import bounded_memory
 from .block_hashes import RowBlocks
 from .duplicates import lowest_row_of_set
 
-# DuckDB's memory for a plan (more on many threads: ``bounded_memory``). It spills the rest: at 3M
-# rows the plan took 24 s in 256 MiB as in 1 GiB, the process's peak 469 MB against 1.24 GB; at
-# 128 MiB an aggregate ran out of memory (2 threads; benchmarks/plan_memory.py).
+# DuckDB's memory for a plan (more on many threads: ``bounded_memory``). It spills the rest, no
+# slower than in 1 GiB; less ran out of memory (docs/benchmark-history.md, "Measurements behind
+# code choices").
 PLAN_MEMORY_MIB = 256
 
 ROWS_SCHEMA = pa.schema([("row", pa.int64()), ("length", pa.int64()), ("hashes", pa.large_list(pa.uint64())),

@@ -7,7 +7,7 @@ is missing and appends a small part; when half the entries no longer belong to t
 are compacted into one. Each entry keeps its row's chained block hashes (``RowBlocks``; a part
 records their block size and hash version), so the plan of a million rows reads 8 bytes per block
 instead of 4 per token, and hashes only what changed. Parts are Arrow IPC files, uncompressed, so
-they map into memory without being decoded (Parquet took 10 s per 2 GB of token ids to read back): a
+they map into memory without being decoded (Parquet's decoding was the cost of a read back): a
 shard's partition reads just its rows' ids from them.
 """
 
@@ -70,7 +70,7 @@ def _gather(lists: pa.ChunkedArray, position: np.ndarray) -> tuple[np.ndarray, n
     """The lists at ``position`` (global entry numbers) as one flat array and its offsets.
     Copied as runs of consecutive entries: a rerun's rows mostly come in the cache's order, so a
     million rows are a few thousand slice copies out of the memory-mapped parts (Arrow's take on
-    the chunked lists took 13 s at 1M rows x 500 ids)."""
+    the chunked lists was slower: docs/benchmark-history.md)."""
     chunks = lists.chunks
     starts = np.cumsum([0] + [len(c) for c in chunks])
     part = np.searchsorted(starts, position, side="right") - 1
@@ -120,8 +120,8 @@ def _items_at(lists: pa.ChunkedArray, entries: np.ndarray, index: int) -> np.nda
 class _PartChains:
     """Rows' block hashes where they lie, in the cache's parts (a ``prefix_tree.RowChains``): a
     tree reads them a depth at a time, each part mapped on its own and let go before the next, so
-    neither a row's whole chain nor the pages it came from stay in memory (8 bytes a block: 750 MB
-    at 10M rows). Read under the writer lock: no compaction deletes a part meanwhile."""
+    neither a row's whole chain nor the pages it came from stay in memory (8 bytes a block). Read
+    under the writer lock: no compaction deletes a part meanwhile."""
 
     block_size: int
     lengths: np.ndarray
@@ -320,8 +320,8 @@ class TokenCache:
 
     def _positions(self, keys: pa.Array, cache: pa.Table) -> np.ndarray:
         """Each key's entry in ``cache``, for far fewer keys than entries (a shard's lookup): the
-        keys are indexed and the entries scanned (``KeyIndex`` of every entry held 1.1 GB for a
-        shard of a 10M-entry cache)."""
+        keys are indexed and the entries scanned (a ``KeyIndex`` of every entry would hold 20 bytes
+        an entry for a shard's few keys)."""
         return self._all_found(first_positions_among(keys, cache.column("key")))
 
     def _all_found(self, position: np.ndarray) -> np.ndarray:

@@ -1,15 +1,13 @@
 """Tokenizing a night's new rows where the cores are: Ray tasks over batches of rows.
 
-Tokenizing is nearly all of a first night's plan step (1M rows of ~300 tokens: 138 of 142 s, one
-process, docs/scale.md). With ``tokenize_workers: N`` above 1, batches of new rows go to N Ray
-tasks at a time (a local Ray of N CPUs, or the job's ``ray_address`` cluster), each loading the
-tokenizer once per worker process, tokenizing and hashing its batch with one thread (N workers, not
-N times the tokenizer's own thread pool) and writing its entries as a part of the token cache itself
-(the cache's folder must be one the workers reach: a shared volume on a cluster); what comes back,
-in the batches' order with at most 2 x N batches in flight, is the task's result (its counts). A
-night with fewer new rows than ``min_rows`` (a rerun's few changed rows) is tokenized in the
-process: starting Ray costs seconds.
-"""
+Tokenizing is nearly all of a first night's plan step (94-97% of it: docs/scale.md). With
+``tokenize_workers: N`` above 1, batches of new rows go to N Ray tasks at a time (a local Ray of N CPUs,
+or the job's ``ray_address`` cluster), each loading the tokenizer once per worker process, tokenizing
+and hashing its batch with one thread (N workers, not N times the tokenizer's own thread pool) and
+writing its entries as a part of the token cache itself (the cache's folder must be one the workers
+reach: a shared volume on a cluster); what comes back, in the batches' order with at most 2 x N batches
+in flight, is the task's result (its counts). A night with fewer new rows than ``min_rows`` (a rerun's
+few changed rows) is tokenized in the process: starting Ray costs seconds. """
 
 from __future__ import annotations
 
