@@ -84,11 +84,12 @@ def _project(tmp_path, monkeypatch, name: str, **kw) -> BatchJobConfig:
     from batchllm_dagster import SamplingSettings
     from engine.settings import SchedulerSettings
 
+    kw.setdefault("sampling", SamplingSettings(max_tokens=6))
+    kw.setdefault("rows_per_shard", 20)
     config = _config(tmp_path, dataset=DatasetSpec(sql="SELECT id, prompt FROM prompt_rows",
                                                    database=str(tmp_path / "warehouse.duckdb")),
                      llm=EngineSettings(model_path=kw.pop("model"), kv_cache_blocks=64),
-                     sampling=SamplingSettings(max_tokens=6), scheduler=SchedulerSettings(log_every_s=0.05),
-                     rows_per_shard=20, **kw)
+                     scheduler=SchedulerSettings(log_every_s=0.05), **kw)
     (tmp_path / f"{name}.json").write_text(config.model_dump_json())
     (tmp_path / f"{name}.py").write_text(
         "import pathlib\nfrom assets import build_batch_defs\nfrom batchllm_dagster import BatchJobConfig\n"
@@ -98,13 +99,13 @@ def _project(tmp_path, monkeypatch, name: str, **kw) -> BatchJobConfig:
     return config
 
 
-def _rows(tmp_path, start: int, count: int) -> None:
+def _rows(tmp_path, start: int, count: int, documents: int = 4) -> None:
     import duckdb
     import pyarrow as pa
 
     from .conftest import make_prompt_table
 
-    table = make_prompt_table(documents=4, questions=5).slice(0, count)
+    table = make_prompt_table(documents=documents, questions=5).slice(0, count)
     table = table.set_column(0, "id", pa.array([f"row-{start + i}" for i in range(table.num_rows)]))
     with duckdb.connect(str(tmp_path / "warehouse.duckdb")) as con:
         con.register("incoming", table.select(["id", "prompt"]))
@@ -198,3 +199,47 @@ class _Entered:
 
     def __exit__(self, *exc):
         return self.manager.__exit__(*exc)
+
+
+@pytest.mark.slow  # real vLLM through Dagster, two nights
+def test_the_night_after_counts_rows_at_the_answers_learned_length_and_forecasts_their_mean(tmp_path, monkeypatch,
+                                                                                             tiny_model):
+    """A job with a generous max_tokens (16) whose answers end at a choice's end: its first night
+    learns nothing (no answers yet); the next plan reads the first night's 110 answers from the output
+    table, carries their 95th percentile in the plan file to its shards (whose admission counts rows
+    so) and forecasts their mean; the answers stay their own length."""
+    import duckdb
+
+    from assets.run_plan import main
+    from batchllm_dagster import SamplingSettings
+    from engine.plan.answer_lengths import AnswerLengths, measured_lengths
+    from engine.plan.plan_table import ANSWER_LENGTHS, PlanFile
+
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    sampling = SamplingSettings(max_tokens=16, response_format={"choice": ["yes", "no", "not sure at all"]})
+    config = _project(tmp_path, monkeypatch, "lengths", model=tiny_model, sampling=sampling, rows_per_shard=200)
+    _rows(tmp_path, 0, 110, documents=22)
+    assert main(["run", "night", "--definitions", "lengths"]) == 0
+    assert PlanFile.open(config.files.plan_path).metadata.get(ANSWER_LENGTHS.encode()) is None
+    with duckdb.connect(config.output_database, read_only=True) as con:
+        tokens, stopped = zip(*con.execute("SELECT output_tokens, finish_reason = 'length' FROM completions "
+                                           "WHERE status = 'ok'").fetchall())
+    expected = measured_lengths(np.array(tokens), sum(stopped))
+    assert len(tokens) == 110 and expected is not None and expected.tokens < 16
+
+    _rows(tmp_path, 1_000, 20)  # the next night: 20 new rows
+    assert main(["run", "night", "--definitions", "lengths"]) == 0
+    plan = PlanFile.open(config.files.plan_path)
+    assert AnswerLengths.of_text(plan.metadata[ANSWER_LENGTHS.encode()].decode()) == expected
+    import dagster as dg
+
+    instance = dg.DagsterInstance.get()
+    [planned] = instance.fetch_materializations(config.names.asset_key("prefix_groups"), limit=1).records
+    metadata = planned.event_log_entry.asset_materialization.metadata
+    assert metadata["learned_answer_tokens"].value == expected.tokens
+    assert metadata["forecast_output_tokens"].value == min(20 * 16, round(20 * expected.mean))
+    [shard] = instance.fetch_materializations(config.names.asset_key("completions"), limit=1).records
+    reason = shard.event_log_entry.asset_materialization.metadata["admission_reason"].value
+    assert f"each row's output counted as {expected.tokens} output tokens" in reason
+

@@ -15,6 +15,7 @@ from engine.plan.shards import assign_shards
 from engine.plan.token_cache import TokenCache
 from engine.plan.tokenizing import load_tokenizer
 from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
+from engine.table.dataset import Columns
 from engine.table.prompt_snapshot import CONTENT_KEY, content_keys
 
 HEADS = ["You are a careful assistant. Answer in one word.", "Summarize the review below in a sentence.",
@@ -52,10 +53,9 @@ def test_the_plan_from_the_token_cache_is_the_plan_from_token_ids(tmp_path, tiny
     sampling, scheduler = SamplingSettings(max_tokens=5), SchedulerSettings(min_group_rows=2)
     tokenizer = load_tokenizer(tiny_model)
     in_memory, _ = plan_prompts(table, tokenizer, settings, sampling, scheduler=scheduler)
-    rows = TokenCache(tmp_path / "cache", "fp").rows_for(path, tokenizer, "prompt", "messages", 8)
-    from_cache = plan_tokenized(table.drop_columns(["prompt", "messages"]), rows, settings, sampling,
-                                scheduler=scheduler)
-    assert rows.tree is None  # handed to the planner: its copy is the only one
+    with TokenCache(tmp_path / "cache", "fp").rows_for(path, tokenizer, Columns(), 8) as rows:
+        from_cache = plan_tokenized(table.drop_columns(["prompt", "messages"]), rows, settings, sampling,
+                                    scheduler=scheduler)
     a, b = in_memory.plan, from_cache.plan
     assert in_memory.errors == from_cache.errors and len(a.order) == 300
     for name in ("order", "group_of_row", "group_prefix_tokens", "group_sizes", "row_unique_tokens"):

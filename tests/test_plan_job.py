@@ -81,8 +81,8 @@ def _expected(job: PlanJob, meta: pa.Table, previous: np.ndarray | None,
     """The plan file's rows by id, the groups table and the summary, by the planner in memory, and
     whether its shards differ from a fresh cut (the previous night's kept)."""
     cache = TokenCache(job.token_cache_dir, tokenizer_fingerprint(job.settings.model_path))
-    rows = cache.rows_for(job.snapshot, None, "prompt", "messages", job.settings.block_size)  # all cached already
-    planned = plan_tokenized(meta, rows, job.settings, job.sampling, job.columns, job.scheduler)
+    with cache.rows_for(job.snapshot, None, job.columns, job.settings.block_size) as rows:  # all cached already
+        planned = plan_tokenized(meta, rows, job.settings, job.sampling, job.columns, job.scheduler)
     plan = planned.plan
     shards = assign_shards(plan, shards_count, previous=previous)
     ids = meta.column("id").to_pylist()

@@ -12,6 +12,7 @@ from engine.plan.block_hashes import rows_by_depth
 from engine.plan.prefix_tree import PrefixTree
 from engine.plan.token_cache import TokenCache, _PartChains
 from engine.plan.tokenizing import load_tokenizer, tokenize_rows
+from engine.table.dataset import Columns
 from engine.table.prompt_snapshot import CONTENT_KEY, content_keys
 
 BLOCK = 4  # small blocks: the short test rows have several
@@ -52,9 +53,17 @@ def rows(prompts, count):
             [chat if i % 5 == 0 else None for i in range(len(prompts))])
 
 
+def looked_up(cache, path, tokenizer, block_size, **options):
+    """The cache's rows of the snapshot at ``path``, with the prefix tree of their chains (``tree``,
+    read inside ``rows_for``'s block, as a plan reads them)."""
+    with cache.rows_for(path, tokenizer, Columns(), block_size, **options) as found:
+        found.tree = PrefixTree.of(found.chains)
+    return found
+
+
 def same_rows(cached, fresh, block_size=BLOCK):
     """The cache's view of the rows (their lengths and prefix tree) is the one computed from fresh token ids."""
-    expected = (fresh.prefix_tree(block_size) if hasattr(fresh, "prefix_tree")  # another cache's rows
+    expected = (fresh.tree if hasattr(fresh, "tree")  # another cache's rows
                 else PrefixTree.of(fresh.row_blocks(block_size)))  # token ids
     got = cached.tree
     return (np.array_equal(got.lengths, expected.lengths) and len(got.levels) == len(expected.levels)
@@ -70,20 +79,20 @@ def test_a_rerun_tokenizes_only_changed_rows_and_gets_fresh_token_ids(tmp_path, 
     keys = snapshot(path, prompts, messages)[CONTENT_KEY].combine_chunks()
     cache = TokenCache(tmp_path / "cache", "fp1")
     counting = CountingTokenizer(tiny_model)
-    first = cache.rows_for(path, counting, "prompt", "messages", BLOCK)
+    first = looked_up(cache, path, counting, BLOCK)
     fresh = tokenize_rows(load_tokenizer(tiny_model), prompts, messages)
     assert same_rows(first, fresh) and first.errors == {3: "empty prompt"}
     assert (first.cached_rows, first.tokenized_rows) == (0, len(set(zip(prompts, messages))))
     tokens, offsets, _ = cache.lookup(keys)  # what a partition reads
     assert np.array_equal(tokens, fresh.tokens) and np.array_equal(offsets, fresh.offsets)
 
-    again = cache.rows_for(path, NoTokenizer(), "prompt", "messages", BLOCK)
+    again = looked_up(cache, path, NoTokenizer(), BLOCK)
     assert same_rows(again, fresh) and again.tokenized_rows == 0
 
     prompts[7] = "An edited row."
     keys = snapshot(path, prompts, messages)[CONTENT_KEY].combine_chunks()
     counting.rows = 0
-    edited = cache.rows_for(path, counting, "prompt", "messages", BLOCK)
+    edited = looked_up(cache, path, counting, BLOCK)
     assert (edited.cached_rows, edited.tokenized_rows) == (39, 1) and counting.rows == 1
     assert same_rows(edited, tokenize_rows(load_tokenizer(tiny_model), prompts, messages))
     tokens, offsets, _ = cache.lookup(keys)
@@ -95,9 +104,9 @@ def test_another_block_size_or_an_older_part_is_hashed_again_without_tokenizing(
     path = tmp_path / "prompts.parquet"
     snapshot(path, prompts, messages)
     cache = TokenCache(tmp_path / "cache", "fp1")
-    cache.rows_for(path, load_tokenizer(tiny_model), "prompt", "messages", BLOCK)
+    looked_up(cache, path, load_tokenizer(tiny_model), BLOCK)
     fresh = tokenize_rows(load_tokenizer(tiny_model), prompts, messages)
-    assert same_rows(cache.rows_for(path, NoTokenizer(), "prompt", "messages", 2), fresh, block_size=2)
+    assert same_rows(looked_up(cache, path, NoTokenizer(), 2), fresh, block_size=2)
 
     # A part written before block hashes were cached: (key, token_ids, error) only.
     (part,) = cache._parts()
@@ -106,13 +115,13 @@ def test_another_block_size_or_an_older_part_is_hashed_again_without_tokenizing(
     with pa.OSFile(str(staging), "wb") as sink, pa.ipc.new_file(sink, old.schema) as writer:
         writer.write_table(old)
     staging.replace(part)  # a new file: the old one may still be mapped
-    assert same_rows(cache.rows_for(path, NoTokenizer(), "prompt", "messages", BLOCK), fresh)
+    assert same_rows(looked_up(cache, path, NoTokenizer(), BLOCK), fresh)
 
     # Hashes made by another version of the hash function are made again.
     import engine.plan.token_cache
 
     monkeypatch.setattr(engine.plan.token_cache, "HASH_VERSION", 99)
-    assert same_rows(cache.rows_for(path, NoTokenizer(), "prompt", "messages", BLOCK), fresh)
+    assert same_rows(looked_up(cache, path, NoTokenizer(), BLOCK), fresh)
     (part,) = cache._parts()
     assert pa.ipc.open_file(str(part)).schema.metadata[b"batchllm.block_hashes"] == b"v99 blocks of 4"
 
@@ -158,13 +167,13 @@ def test_hashes_are_gathered_part_by_part_for_rows_in_any_order(tmp_path, tiny_m
     cache = TokenCache(tmp_path / "cache", "fp")
     tokenizer = load_tokenizer(tiny_model)
     snapshot(path, prompts[:12], messages[:12])
-    cache.rows_for(path, tokenizer, "prompt", "messages", BLOCK)  # part one
+    looked_up(cache, path, tokenizer, BLOCK)  # part one
     snapshot(path, prompts[12:], messages[12:])
-    cache.rows_for(path, tokenizer, "prompt", "messages", BLOCK)  # part two
+    looked_up(cache, path, tokenizer, BLOCK)  # part two
     order = np.random.default_rng(1).permutation(30).tolist() + [3, 20, 3]
     shuffled = ([prompts[i] for i in order], [messages[i] for i in order])
     snapshot(path, *shuffled)
-    got = cache.rows_for(path, NoTokenizer(), "prompt", "messages", BLOCK)
+    got = looked_up(cache, path, NoTokenizer(), BLOCK)
     assert len(list((tmp_path / "cache" / "fp").glob("part-*"))) == 2
     fresh = tokenize_rows(tokenizer, *shuffled)
     assert same_rows(got, fresh)
@@ -236,12 +245,12 @@ def test_a_crash_while_tokenizing_keeps_the_parts_written_and_progress_is_report
     snapshot(path, prompts, [None] * 40)
     cache = TokenCache(tmp_path / "cache", "fp1")
     with pytest.raises(RuntimeError, match="killed"):
-        cache.rows_for(path, FailingTokenizer(tiny_model, limit=20), "prompt", "messages", BLOCK)
+        looked_up(cache, path, FailingTokenizer(tiny_model, limit=20), BLOCK)
     kept = cache.load(BLOCK).num_rows
     assert 8 <= kept <= 20 and kept % 8 == 0  # whole parts only: the batch being written is lost
 
     counting, lines = CountingTokenizer(tiny_model), []
-    rows_ = cache.rows_for(path, counting, "prompt", "messages", BLOCK, progress=lines.append)
+    rows_ = looked_up(cache, path, counting, BLOCK, progress=lines.append)
     assert (rows_.cached_rows, rows_.tokenized_rows, counting.rows) == (kept, 40 - kept, 40 - kept)
     assert same_rows(rows_, tokenize_rows(load_tokenizer(tiny_model), prompts, [None] * 40))
     assert lines[-1].startswith(f"tokenized {40 - kept} of {40 - kept} new contents")
@@ -257,14 +266,14 @@ def test_compaction_keeps_what_the_plan_on_disk_names_and_waits_for_readers(tmp_
     cache = TokenCache(tmp_path / "cache", "fp1")
     tokenizer = load_tokenizer(tiny_model)
     first = snapshot(path, [f"night one row {i}" for i in range(10)], [None] * 10)[CONTENT_KEY].combine_chunks()
-    cache.rows_for(path, tokenizer, "prompt", "messages", BLOCK)
+    looked_up(cache, path, tokenizer, BLOCK)
     planned = first.slice(0, 4)  # the plan on disk: partitions of it may still run
     snapshot(path, [f"night two row {i}" for i in range(10)], [None] * 10)
 
     compacted = threading.Event()
 
     def plan_again():
-        cache.rows_for(path, tokenizer, "prompt", "messages", BLOCK, still_needed=lambda: planned)
+        looked_up(cache, path, tokenizer, BLOCK, still_needed=lambda: planned)
         compacted.set()
 
     with TokenCache.reading(tmp_path / "cache"):
@@ -287,13 +296,13 @@ def test_compaction_deletes_only_the_parts_it_read(tmp_path, tiny_model):
     path = tmp_path / "prompts.parquet"
     cache = TokenCache(tmp_path / "cache", "fp1")
     keys = snapshot(path, [f"row {i}" for i in range(6)], [None] * 6)[CONTENT_KEY].combine_chunks()
-    cache.rows_for(path, load_tokenizer(tiny_model), "prompt", "messages", BLOCK)
+    looked_up(cache, path, load_tokenizer(tiny_model), BLOCK)
     loaded = cache._parts()
     table = cache.load(BLOCK)
     late = tmp_path / "late.parquet"
     snapshot(late, ["a late row"], [None])
     other = TokenCache(tmp_path / "cache", "fp1")
-    other.rows_for(late, load_tokenizer(tiny_model), "prompt", "messages", BLOCK)  # another writer's part
+    looked_up(other, late, load_tokenizer(tiny_model), BLOCK)  # another writer's part
     late_part = sorted(set(cache._parts()) - set(loaded))
     assert late_part
     cache._compact(table, loaded, keys, BLOCK, lambda: None)
@@ -306,10 +315,10 @@ def test_a_damaged_part_is_named_set_aside_and_its_rows_tokenized_again(tmp_path
     snapshot(path, prompts, messages)
     said = []
     cache = TokenCache(tmp_path / "cache", "fp1", on_damaged=said.append)
-    first = cache.rows_for(path, CountingTokenizer(tiny_model), "prompt", "messages", BLOCK)
+    first = looked_up(cache, path, CountingTokenizer(tiny_model), BLOCK)
     (part,) = cache.folder.glob("part-*.arrow")
     part.write_bytes(part.read_bytes()[:100])  # truncated outside the package
-    again = cache.rows_for(path, CountingTokenizer(tiny_model), "prompt", "messages", BLOCK)
+    again = looked_up(cache, path, CountingTokenizer(tiny_model), BLOCK)
     assert same_rows(again, first) and again.tokenized_rows == first.tokenized_rows
     (line,) = said
     assert line.startswith(f"the token cache part {part} is damaged (") and "; its rows are tokenized again" in line
@@ -331,12 +340,11 @@ def test_workers_on_ray_make_the_entries_one_process_makes_in_its_order(tmp_path
     path = tmp_path / "prompts.parquet"
     snapshot(path, prompts, messages)
     fresh = tokenize_rows(load_tokenizer(tiny_model), prompts, messages)
-    alone = TokenCache(tmp_path / "alone", "fp").rows_for(path, load_tokenizer(tiny_model), "prompt", "messages",
-                                                          BLOCK)
+    alone = looked_up(TokenCache(tmp_path / "alone", "fp"), path, load_tokenizer(tiny_model), BLOCK)
     lines = []
     workers = TokenizeWorkers(2, min_rows=10)
-    spread = TokenCache(tmp_path / "spread", "fp").rows_for(path, load_tokenizer(tiny_model), "prompt", "messages",
-                                                            BLOCK, progress=lines.append, workers=workers)
+    spread = looked_up(TokenCache(tmp_path / "spread", "fp"), path, load_tokenizer(tiny_model), BLOCK,
+                       progress=lines.append, workers=workers)
     assert same_rows(alone, fresh) and same_rows(spread, fresh) and 7 in spread.errors
     assert spread.tokenized_rows == alone.tokenized_rows and "on 2 workers" in lines[-1]
     # Each worker wrote its batches' parts itself (the part's name carries the writer's pid).
@@ -357,6 +365,6 @@ def test_rows_repeating_a_content_are_not_read_again(tmp_path, tiny_model, monke
     path = tmp_path / "prompts.parquet"
     snapshot(path, prompts, [None] * 12)
     counting = CountingTokenizer(tiny_model)
-    cached = TokenCache(tmp_path / "cache", "fp").rows_for(path, counting, "prompt", "messages", BLOCK)
+    cached = looked_up(TokenCache(tmp_path / "cache", "fp"), path, counting, BLOCK)
     assert cached.tokenized_rows == counting.rows == 4
     assert same_rows(cached, tokenize_rows(load_tokenizer(tiny_model), prompts, [None] * 12))

@@ -227,11 +227,12 @@ class PlanJob:
               answers: StoredAnswers | None) -> JobPlan:
         tokenizer = LazyTokenizer(self.settings.model_path)  # loaded only if a row is new or changed
         pa.default_memory_pool().release_unused()  # what reading the snapshot's ids (the guards) left in Arrow's pool
-        rows = self.cache.rows_for(self.snapshot, tokenizer, self.columns.prompt, self.columns.messages,
-                                   settings.block_size, progress=progress,
-                                   still_needed=lambda: plan_content_keys(self.plan_path),
-                                   workers=self.tokenize_workers, read_chains=disk.load_chains)
-        lengths, rows.tree = rows.tree, None  # what ``load_chains`` returned: the rows' lengths
+        with self.cache.rows_for(self.snapshot, tokenizer, self.columns, settings.block_size, progress=progress,
+                                 still_needed=lambda: plan_content_keys(self.plan_path),
+                                 workers=self.tokenize_workers) as rows:
+            started = time.perf_counter()
+            lengths = disk.load_chains(rows.chains)  # while the cache's parts are sure to be there
+            chains_s = time.perf_counter() - started
         pa.default_memory_pool().release_unused()  # Arrow keeps what the lookup freed: the planner's peak follows
         count_rows = disk.load_ids(self.snapshot, self.columns.id)  # ids and keys in the database, not here
         if count_rows != lengths.size:  # replaced meanwhile (the stamp would refuse the plan too)
@@ -245,7 +246,7 @@ class PlanJob:
         previous = previous_plan(self.plan_path, disk.id_type)
         settled = self._settle(disk, previous, answers, plan_rows, naming) if previous is not None else 0
         disk.make(self.scheduler.min_group_rows)
-        plan_s = rows.tree_s + time.perf_counter() - started
+        plan_s = chains_s + time.perf_counter() - started
         kept = disk.kept_keys()
         shards = disk.shard(naming.count(count_rows), previous,
                             gathered=lambda to_run: naming.gathered(to_run, count_rows, set(kept)))

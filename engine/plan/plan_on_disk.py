@@ -86,8 +86,8 @@ class PlanOnDisk:
         return int(rows)
 
     def load_chains(self, chains) -> np.ndarray:
-        """``TokenCache.rows_for``'s ``read_chains``: every row's chain into the table ``row_chains``
-        (read while the cache's parts are sure to be there); returns the rows' lengths."""
+        """Every row's chain (``CachedRows.chains``, read inside ``TokenCache.rows_for``'s block) into
+        the table ``row_chains``; returns the rows' lengths."""
         with self._resources():
             self._load_chains(chains)
         return chains.lengths

@@ -224,17 +224,18 @@ def plan_tokenized(
     scheduler: SchedulerSettings = SchedulerSettings(),
 ) -> PlannedBatch:
     """Plan rows already tokenized, in ``table``'s order: their token ids (``TokenizedBatch``), or
-    just their lengths and block hashes from the token cache (``CachedRows``). ``table`` needs only
-    the id, ``max_tokens`` and ``response_format`` columns."""
+    just their lengths and block hashes from the token cache (``CachedRows``, inside the block of
+    ``TokenCache.rows_for``). ``table`` needs only the id, ``max_tokens`` and ``response_format`` columns."""
     engine_settings = engine_settings.with_block_size()  # a plan counts in whole KV blocks
     ids = table.column(columns.id)
     n = len(ids)
 
     started = time.perf_counter()
-    # The token cache's rows built theirs (``tree_s``); token ids make one from their blocks.
-    tree = (rows.prefix_tree(engine_settings.block_size) if isinstance(rows, CachedRows)
-            else PrefixTree.of(rows.row_blocks(engine_settings.block_size)))
-    tree_s = time.perf_counter() - started + (rows.tree_s if isinstance(rows, CachedRows) else 0.0)
+    if isinstance(rows, CachedRows) and rows.chains.block_size != engine_settings.block_size:
+        raise ValueError(f"rows hashed in blocks of {rows.chains.block_size}, planned in blocks of "
+                         f"{engine_settings.block_size}")
+    tree = PrefixTree.of(rows.chains if isinstance(rows, CachedRows) else rows.row_blocks(engine_settings.block_size))
+    tree_s = time.perf_counter() - started
     keys = (table.column(CONTENT_KEY).combine_chunks() if CONTENT_KEY in table.column_names
             else token_keys(rows.tokens, rows.offsets))
     checked = check_rows(table, tree.lengths, rows.errors, engine_settings, sampling, columns,

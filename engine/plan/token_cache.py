@@ -13,6 +13,7 @@ shard's partition reads just its rows' ids from them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -28,11 +29,10 @@ import pyarrow.parquet as pq
 from ..atomic import Staged
 from ..damaged import DAMAGE, set_aside
 from ..locks import locked
-from ..table.dataset import DatasetError
+from ..table.dataset import Columns, DatasetError
 from ..table.prompt_snapshot import CONTENT_KEY, KEY_TYPE, snapshot_key_batches, snapshot_keys, texts_at
 from .block_hashes import HASH_VERSION, RowBlocks
 from .key_index import KeyIndex, first_positions_among
-from .prefix_tree import PrefixTree
 from .tokenize_workers import TokenizeWorkers
 from .tokenizing import tokenize_rows
 
@@ -235,26 +235,19 @@ def written_by_worker(batch: pa.Table, tokenizer, folder: str, prompt_column: st
 
 @dataclass
 class CachedRows:
-    """A snapshot's rows as the planner needs them, from the cache: their lengths and prefix tree,
-    built from the block hashes in the cache (no token ids, and no row's chain kept), or what
-    ``rows_for``'s ``read_chains`` made of the chains instead (a plan on disk: the rows' lengths)."""
+    """A snapshot's rows as the planner reads them from the cache (``TokenCache.rows_for``), no token
+    ids: where each row's chain of block hashes lies (``chains``, read a depth or a part at a time
+    while the ``with`` block of ``rows_for`` holds the cache), and why rows have none."""
 
-    tree: PrefixTree | np.ndarray | None  # None once handed to a plan (``prefix_tree``)
+    chains: "_PartChains"
     errors: dict[int, str]  # row index -> why it has no tokens
     seconds: float  # looking up and tokenizing
-    tree_s: float  # building the tree
     cached_rows: int  # rows whose content was in the cache
     tokenized_rows: int  # distinct contents tokenized now
 
-    def prefix_tree(self, block_size: int) -> PrefixTree:
-        """The rows' prefix tree, handed over once: these rows keep no reference, so the plan's
-        copy of it (``PrefixTree.planned``) is the only one."""
-        if self.tree is None:
-            raise ValueError("these rows' prefix tree was handed to a plan already")
-        if block_size != self.tree.block_size:
-            raise ValueError(f"rows hashed in blocks of {self.tree.block_size}, planned in blocks of {block_size}")
-        tree, self.tree = self.tree, None
-        return tree
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.chains.lengths
 
 
 class TokenCache:
@@ -333,24 +326,28 @@ class TokenCache:
     def _write(self, batches, name: str, block_size: int, max_rows: int | None = None) -> int:
         return write_part(self.folder, name, batches, block_size, max_rows)
 
-    def rows_for(self, snapshot: Path, tokenizer, prompt_column: str, messages_column: str, block_size: int,
+    @contextlib.contextmanager
+    def rows_for(self, snapshot: Path, tokenizer, columns: Columns, block_size: int,
                  progress: Callable[[str], None] = log.info,
                  still_needed: Callable[[], pa.Array | None] = lambda: None,
-                 workers: TokenizeWorkers = TokenizeWorkers(),
-                 read_chains: Callable[["_PartChains"], object] = PrefixTree.of) -> CachedRows:
-        """Lengths and block hashes of every row of a prompt snapshot (written with a
-        ``CONTENT_KEY`` column), in its order: cached rows are looked up, the others tokenized
-        (and cached; ``progress`` hears how far that got), on ``workers`` where there are many. No
-        token ids are read back: the plan does not need them. ``still_needed``: keys that
-        compaction must keep besides the snapshot's (those of the plan partitions may still be
-        running), read under its lock. ``read_chains``: what is made of the rows' chains while
-        their parts are sure to be there (the prefix tree, or a plan's table on disk)."""
+                 workers: TokenizeWorkers = TokenizeWorkers()) -> Iterator[CachedRows]:
+        """``with cache.rows_for(snapshot, ...) as rows:`` every row of a prompt snapshot (written
+        with a ``CONTENT_KEY`` column), in its order, looked up in the cache or tokenized into it
+        (``progress`` hears how far that got; on ``workers`` where there are many): their lengths
+        and block hashes, readable in the block (the cache's writer lock keeps their parts there),
+        no token ids. When the block ends, the cache is compacted where half its entries are
+        contents the snapshot no longer has (``still_needed``: keys to keep besides the snapshot's,
+        those of the plan partitions that may still be running, read under its lock)."""
         with locked(self.root / ".writer.lock", shared=False):  # one writer at a time
-            return self._rows_for(snapshot, tokenizer, prompt_column, messages_column, block_size, progress,
-                                  still_needed, workers, read_chains)
+            rows, loaded, stale, entries = self._looked_up(snapshot, tokenizer, columns, block_size, progress,
+                                                           workers)
+            yield rows
+            if len(loaded) > 1 and 2 * stale >= entries:  # half of it rows the table no longer has
+                self._compact(_concat(self._mapped(block_size), block_size), loaded, snapshot_keys(snapshot),
+                              block_size, still_needed)
 
-    def _rows_for(self, snapshot, tokenizer, prompt_column, messages_column, block_size, progress,
-                  still_needed, workers, read_chains) -> CachedRows:
+    def _looked_up(self, snapshot: Path, tokenizer, columns: Columns, block_size: int, progress, workers):
+        """The snapshot's rows (``CachedRows``), the parts read, and how many of their entries are stale."""
         started = time.perf_counter()
         loaded = self._parts()
         parts = self._mapped(block_size)
@@ -364,7 +361,7 @@ class TokenCache:
             # Streamed into new parts batch by batch, then mapped with the rest: the first night
             # never holds the table's token ids in memory, and parts are published as they are
             # written, so a crash loses at most one part's tokenizing.
-            tokenized = self._tokenize(snapshot, missing, tokenizer, prompt_column, messages_column, block_size,
+            tokenized = self._tokenize(snapshot, missing, tokenizer, columns.prompt, columns.messages, block_size,
                                        progress, workers)
             loaded = self._parts()
             parts = self._mapped(block_size)
@@ -378,14 +375,8 @@ class TokenCache:
         del found, missing, cache, parts
         stale = entries - _distinct(position, entries)
         chains = _PartChains.of(sizes, position, lengths, block_size)
-        del position
-        seconds, started = time.perf_counter() - started, time.perf_counter()
-        tree = read_chains(chains)  # before compaction: its parts
-        tree_s = time.perf_counter() - started
-        if len(loaded) > 1 and 2 * stale >= entries:  # half of it rows the table no longer has
-            self._compact(_concat(self._mapped(block_size), block_size), loaded, snapshot_keys(snapshot), block_size,
-                          still_needed)
-        return CachedRows(tree, errors, seconds, tree_s, cached_rows, tokenized)
+        rows = CachedRows(chains, errors, time.perf_counter() - started, cached_rows, tokenized)
+        return rows, loaded, stale, entries
 
     def _tokenize(self, snapshot: Path, missing: pa.Array, tokenizer, prompt_column: str, messages_column: str,
                   block_size: int, progress: Callable[[str], None], workers: TokenizeWorkers) -> int:
