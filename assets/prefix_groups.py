@@ -27,8 +27,8 @@ from engine.jobs.plan_job import PlanJob, StoredAnswers
 from engine.machine import current_platform
 from engine.models import preparation_notice
 from engine.plan.answer_lengths import AnswerLengths, learned_lengths, why_not_learned
-from engine.plan.plan_stamp import ANSWER_STAMP_KEYS, stale_reasons
-from engine.plan.plan_table import PlanFile
+from engine.plan.plan_stamp import ANSWER_STAMP_KEYS
+from engine.plan.plan_table import PlanFile, StalePlan
 from engine.plan.tokenize_workers import TokenizeWorkers
 from engine.ray_address import RayUnreachable
 from engine.run.checkpoint import current_settings_fingerprint
@@ -188,7 +188,8 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         row_context = say_the_context(config, context.log)
         job = PlanJob(config.files.prompts_path, config.files.plan_path, config.files.token_cache_dir, settings,
                       config.sampling, config.scheduler, config.dataset.columns, context.log.warning,
-                      TokenizeWorkers(config.tokenize_workers, config.ray_address))
+                      TokenizeWorkers(config.tokenize_workers, config.ray_address),
+                      stamp_now=lambda: config.plan_stamp(settings))
         try:
             job.check_files()
         except DatasetError as exc:
@@ -203,12 +204,13 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         size = measured_shard_size(config, measured)
         naming = JobShards(config, size.rows_per_shard if size else None)
         with job.plan(naming, context.log.info, stored_answers(config, warehouse, settings)) as made:
-            changed = stale_reasons({k.encode(): v.encode() for k, v in stamp.items()}, config.plan_stamp(settings))
-            if changed:
-                raise dg.Failure(f"{config.name}: {', '.join(changed)} changed while this plan was being made "
-                                 "(prompts materialized meanwhile?): no plan written; materialize prefix_groups again")
             forecast = forecast_within_budget(config, made, measured, lengths, context.log)  # refused: nothing written
-            plan_bytes = job.write(made, stamp, context.run.run_id, config.plan_counts_for.value, lengths)
+            try:
+                plan_bytes = job.write(made, stamp, context.run.run_id, config.plan_counts_for.value, lengths)
+            except StalePlan as stale:
+                raise dg.Failure(f"{config.name}: {', '.join(stale.reasons)} changed while this plan was being made "
+                                 "(prompts materialized meanwhile?): no plan written; materialize prefix_groups again"
+                                 ) from None
             config.output(warehouse).replace_groups(made.groups_table(lambda s: config.hardware_of_shard(s).name))
         used = made.used_keys
         added, removed = sync_partitions(context.instance, config.names.partitions_name, by_hardware(config, used))

@@ -24,8 +24,10 @@ from ..damaged import read_by_row_group, readable_or_set_aside
 from ..plan.answer_lengths import AnswerLengths
 from ..plan.duplicates import count_duplicates
 from ..plan.plan_on_disk import PlanOnDisk
+from ..plan.plan_stamp import stale_reasons
 from ..plan.plan_table import (
     PlanRows,
+    StalePlan,
     format_texts,
     plan_content_keys,
     plan_file_metadata,
@@ -171,6 +173,9 @@ class PlanJob:
     columns: Columns
     warn: Callable[[str], None]
     tokenize_workers: TokenizeWorkers = TokenizeWorkers()  # where a night's new rows are tokenized
+    # What the plan is made from now (its stamp, read again before the write: a prompts snapshot
+    # landing meanwhile must not publish a plan of old rows under the new snapshot's stamp)
+    stamp_now: Callable[[], dict[str, str]] | None = None
     cache: TokenCache = field(init=False)
 
     def __post_init__(self) -> None:
@@ -287,7 +292,12 @@ class PlanJob:
         """Publish the plan whole: every row with its group, shard, run position and content key (its
         token ids are in the token cache the plan names), stamped with what it was made from.
         ``counted_for``: the platform whose defaults it counts in; ``answer_lengths``: what its shards'
-        admission counts a row's output at (learned from the job's answers). Returns its bytes."""
+        admission counts a row's output at (learned from the job's answers). Returns its bytes.
+        Raises ``StalePlan`` where what it was made from (``stamp``) changed meanwhile (``stamp_now``)."""
+        changed = stale_reasons({k.encode(): v.encode() for k, v in stamp.items()}, self.stamp_now()) \
+            if self.stamp_now is not None else []
+        if changed:
+            raise StalePlan(changed)
         metadata = plan_file_metadata(made.disk.plan.block_size, self.cache, self.settings.max_model_len, stamp,
                                       plan_run, made.settled_with, counted_for, answer_lengths)
         return write_plan(made.plan_tables(metadata), self.plan_path)
