@@ -135,3 +135,13 @@ def test_a_plan_file_carries_the_learned_lengths_to_its_shards():
     plain = prepared_batch(rows.replace_schema_metadata({"batchllm.block_size": "32"}),
                            TokenizedBatch.from_rows([np.arange(10, 50)]))
     assert plain.answer_lengths is None and plain.counted_output.tolist() == [64]
+
+
+def test_the_bench_says_a_learned_run_against_the_engine_without_it_and_against_the_baselines():
+    from engine.bench.verdict import ratio_summary, verdict
+
+    ratios = {"batchllm_learned": {"vs_vllm_apc_sorted": ratio_summary([1.10, 1.12]),
+                                   "vs_batchllm": ratio_summary([1.05, 1.07])}}
+    text = verdict(ratios, 1.0, 582, {"shape": "long_budget"})
+    assert "batchllm with the answer lengths a night before learned against without: 1.06x (range 1.05-1.07)" in text
+    assert "is faster than the strongest baseline, vLLM on sorted rows: 1.11x" in text

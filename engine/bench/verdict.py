@@ -82,7 +82,15 @@ def verdict(
         equal = (f"outputs on the same prompts {'equal' if agreement == 1 else 'DIFFER'}; batchllm's field order gave "
                  f"the same answer for {100 * field_order_agreement:.1f}% of rows")
     lines = []
-    for ours, against in ratios.items():
+    for ours, compared in ratios.items():
+        # a learned run against the engine without what it learned is said apart from the baselines
+        against = {key: r for key, r in compared.items() if key[3:] in LABELS}
+        itself = compared.get("vs_batchllm")
+        if itself is not None:
+            lines.append(f"{ENGINE_LABELS[ours]} against without: {itself['median']:.2f}x "
+                         f"(range {itself['min']:.2f}-{itself['max']:.2f}), {itself['call']}")
+        if not against:
+            continue
         strongest = min(against, key=lambda key: against[key]["median"])
         r = against[strongest]
         spread = (
