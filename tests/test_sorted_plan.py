@@ -42,11 +42,25 @@ def plan_in_a_temporary_folder(rows: pa.Table, block_size: int, min_group_rows: 
             plan.close()
 
 
-@pytest.mark.slow  # a database file an example: ~60 ms each
-@settings(max_examples=150, deadline=None)
-@given(rows=st.lists(st.lists(st.integers(0, 2), max_size=12), max_size=40), block=st.integers(1, 3),
-       min_group_rows=st.integers(2, 3), data=st.data())
+BATCHES = {"rows": st.lists(st.lists(st.integers(0, 2), max_size=12), max_size=40), "data": st.data()}
+
+
+# The two planners held equal in the fast suite on a few random batches (a database file an
+# example: ~60 ms each), and on many in the full one.
+@settings(max_examples=8, deadline=None)
+@given(**BATCHES, block=st.integers(1, 3), min_group_rows=st.integers(2, 3))
 def test_the_plan_by_sort_is_the_prefix_trees_plan(rows, block, min_group_rows, data):
+    _plan_by_sort_is_the_trees(rows, block, min_group_rows, data)
+
+
+@pytest.mark.slow
+@settings(max_examples=150, deadline=None)
+@given(**BATCHES, block=st.integers(1, 3), min_group_rows=st.integers(2, 3))
+def test_the_plan_by_sort_is_the_prefix_trees_plan_on_many_batches(rows, block, min_group_rows, data):
+    _plan_by_sort_is_the_trees(rows, block, min_group_rows, data)
+
+
+def _plan_by_sort_is_the_trees(rows, block, min_group_rows, data):
     """Order, groups, group prefixes, tokens per row and decode estimates equal ``PrefixTree``'s, with
     identical rows planned once (copies) and rows that cannot run emptied (dropped)."""
     n = len(rows)
@@ -93,11 +107,20 @@ def test_min_group_rows_below_two_is_refused(tmp_path):
         plan_by_sort(rows_of_blocks(RowBlocks.of_tokens(*flat([[1, 2]]), 1), np.array([1])), 1, tmp_path, 1)
 
 
-@pytest.mark.slow  # a database file an example
-@settings(max_examples=100, deadline=None)
-@given(rows=st.lists(st.lists(st.integers(0, 2), max_size=12), max_size=40), shards=st.integers(1, 5),
-       data=st.data())
+@settings(max_examples=6, deadline=None)
+@given(**BATCHES, shards=st.integers(1, 5))
 def test_the_shards_by_sort_are_assign_shards_cut_fresh_or_kept_from_the_previous_night(rows, shards, data):
+    _shards_by_sort_are_assign_shards(rows, shards, data)
+
+
+@pytest.mark.slow
+@settings(max_examples=100, deadline=None)
+@given(**BATCHES, shards=st.integers(1, 5))
+def test_the_shards_by_sort_are_assign_shards_on_many_batches(rows, shards, data):
+    _shards_by_sort_are_assign_shards(rows, shards, data)
+
+
+def _shards_by_sort_are_assign_shards(rows, shards, data):
     """Each row's shard, each shard's tokens computed, decode estimate and cost, and the groups
     split equal ``assign_shards``'s on the tree's plan: a fresh cut (weighted or not), and with a
     previous night's shards (some rows new, some shards gone), kept or cut afresh when unbalanced."""
