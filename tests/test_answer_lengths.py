@@ -71,8 +71,28 @@ def test_a_row_outgrowing_its_learned_length_is_counted_as_vllm_holds_it(plan, n
     engine, scheduler, out, watch = _watched(batch, groups, max_tokens, counted, num_blocks, kv_groups,
                                              reserve_output=reserve)
     assert watch.undercounts == [] and watch.below_exact == []
+    assert scheduler.done and scheduler.blocks_in_flight == 0  # every block counted was given back
     finished = {o.submission.row: len(o.token_ids) for o in out if hasattr(o, "submission")}
     assert all(finished[row] == max_tokens[row] for row in finished)  # never cut at the learned length
+
+
+@settings(max_examples=100, deadline=None)
+@given(plan=random_plans(), num_blocks=st.integers(4, 80), kv_groups=st.sampled_from(KV_LAYOUTS),
+       seed=st.integers(0, 2**16))
+def test_rows_counted_at_a_learned_length_give_back_every_block_whether_they_end_before_or_after_it(
+        plan, num_blocks, kv_groups, seed):
+    """A full reservation of learned lengths, answers ending at EOS before or after them (the stand-in's
+    ``answer_ends``): never below what the engine holds, and nothing left counted when all are done."""
+    batch, groups, max_tokens = plan
+    rng = np.random.default_rng(seed)
+    counted = np.maximum(1, rng.integers(0, max_tokens + 1))
+    ends = {row: int(rng.integers(1, max_tokens[row] + 1)) for row in range(len(max_tokens))}
+    engine, scheduler, out, watch = _watched(batch, groups, max_tokens, counted, num_blocks, kv_groups, ends,
+                                             reserve_output="full")
+    assert watch.undercounts == [] and watch.below_exact == []
+    assert scheduler.done and scheduler.blocks_in_flight == 0
+    finished = {o.submission.row: len(o.token_ids) for o in out if hasattr(o, "submission")}
+    assert all(finished[row] == ends[row] for row in finished)
 
 
 def _short_answers(rows: int = 120, seed: int = 0):

@@ -293,7 +293,7 @@ def test_every_row_is_submitted_exactly_once_or_rejected(plan, num_blocks, reser
     for _, sub in engine.submitted:  # the prompt vLLM gets is the row's, shared prefix list or not
         expected = batch.tokens_of(sub.row) if sub.kind is RequestKind.ROW else sub.token_ids
         assert sub.prompt_ids() == expected.tolist()
-    assert scheduler.done
+    assert scheduler.done and scheduler.blocks_in_flight == 0  # every block counted was given back
     assert watch.undercounts == [] and watch.below_exact == []
     if reserve == "full":
         assert engine.preemptions == 0

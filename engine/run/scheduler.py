@@ -218,6 +218,9 @@ class GroupScheduler:
         self._accounts: dict[int, _RowAccount] = {}  # row -> how its blocks are counted
         self._growing = [0] * block_size  # rows whose count grows after steps of this phase (step % block_size)
         self._growth_ends: dict[int, list[int]] = {}  # step -> rows whose count grows for the last time then
+        # step -> rows whose first growth is a phase round after it (past a learned length, more than
+        # block_size steps after their first token): counted in their phase from then on
+        self._growth_starts: dict[int, list[int]] = {}
         self.stats = SchedulerStats(budget_blocks=self._budget)
 
     def _compare_neighbours(self, groups: list[PlannedGroup]) -> tuple[dict[int, tuple[int, int]], set[int]]:
@@ -335,7 +338,8 @@ class GroupScheduler:
             self._advance()
 
     def _advance(self) -> None:
-        """One more engine step on the count: the rows of its phase grow, some for the last time."""
+        """One more engine step on the count: the rows of its phase grow, some for the last time; rows
+        whose first growth is a round of phases away join theirs."""
         self._steps += 1
         self._row_blocks += self._growing[self._steps % self._block]
         for row in self._growth_ends.pop(self._steps, ()):
@@ -343,6 +347,11 @@ class GroupScheduler:
             if account is not None and account.growing:
                 account.growing = False
                 self._growing[account.first_growth % self._block] -= account.weight
+        for row in self._growth_starts.pop(self._steps, ()):
+            account = self._accounts.get(row)
+            if account is not None:  # still in the engine: its first growth is the next step of its phase
+                account.growing = True
+                self._growing[account.first_growth % self._block] += account.weight
 
     def _now_decoding(self, row: int, account: _RowAccount) -> None:
         """The row got its first token: from its next step vLLM frees what its sliding windows have left
@@ -372,8 +381,14 @@ class GroupScheduler:
         self._row_blocks += grown
         last = account.first_growth + (growths - 1) * self._block
         if last > self._steps:
-            account.growing = True
-            self._growing[account.first_growth % self._block] += account.weight
+            # Counted in its phase only from the round before its first growth: a phase's rows grow at
+            # every step of that phase (a learned length puts a first growth rounds away).
+            joins = account.first_growth - self._block
+            if joins > self._steps:
+                self._growth_starts.setdefault(joins, []).append(row)
+            else:
+                account.growing = True
+                self._growing[account.first_growth % self._block] += account.weight
             self._growth_ends.setdefault(last, []).append(row)
 
     def _blocks_of(self, account: _RowAccount) -> int:
