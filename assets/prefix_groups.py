@@ -166,6 +166,18 @@ def forecast_within_budget(config: BatchJobConfig, made, measured: dict[str, Mea
     return forecast
 
 
+def publish(config: BatchJobConfig, job: PlanJob, made, stamp: dict[str, str], plan_run: str,
+            lengths: AnswerLengths | None) -> int:
+    """The plan file written (``PlanJob.write``); its bytes. A plan made while the prompts it was made
+    from changed is not written: the step fails saying so (a retry plans from the new snapshot)."""
+    try:
+        return job.write(made, stamp, plan_run, config.plan_counts_for.value, lengths)
+    except StalePlan as stale:
+        raise dg.Failure(f"{config.name}: {', '.join(stale.reasons)} changed while this plan was being made "
+                         "(prompts materialized meanwhile?): no plan written; materialize prefix_groups again"
+                         ) from None
+
+
 def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitionsDefinition) -> dg.AssetsDefinition:
     """The prefix_groups asset: its step is a closure over ``config`` (Dagster's decorator);
     ``make_plan`` is that step's one sequence under the plan lock."""
@@ -205,12 +217,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         naming = JobShards(config, size.rows_per_shard if size else None)
         with job.plan(naming, context.log.info, stored_answers(config, warehouse, settings)) as made:
             forecast = forecast_within_budget(config, made, measured, lengths, context.log)  # refused: nothing written
-            try:
-                plan_bytes = job.write(made, stamp, context.run.run_id, config.plan_counts_for.value, lengths)
-            except StalePlan as stale:
-                raise dg.Failure(f"{config.name}: {', '.join(stale.reasons)} changed while this plan was being made "
-                                 "(prompts materialized meanwhile?): no plan written; materialize prefix_groups again"
-                                 ) from None
+            plan_bytes = publish(config, job, made, stamp, context.run.run_id, lengths)
             config.output(warehouse).replace_groups(made.groups_table(lambda s: config.hardware_of_shard(s).name))
         used = made.used_keys
         added, removed = sync_partitions(context.instance, config.names.partitions_name, by_hardware(config, used))

@@ -15,6 +15,7 @@ from engine.machine import Platform, current_platform
 from engine.plan.plan_stamp import PlanShaping
 from engine.settings import EngineSettings, Policy, SamplingSettings, SchedulerSettings, fingerprint
 from engine.table.dataset_spec import DatasetSpec, default_data_dir  # noqa: F401 (the package's names)
+from engine.table.fields import PromptFields  # noqa: F401 (a job's prompt from fields, imported from here)
 
 from .layout import HARDWARE_TAG, POOL_TAG, JobFiles, JobNames
 from .output_table import OutputTable
