@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import dagster as dg
 
 from engine.plan.answer_lengths import AnswerLengths
-from engine.plan.shards import DECODE_COST
+from engine.plan.shard_cut import DECODE_COST
 
 from .shard_sizing import Measured
 

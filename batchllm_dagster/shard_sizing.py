@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import dagster as dg
 
-from engine.plan.shards import DECODE_COST
+from engine.plan.shard_cut import DECODE_COST
 
 FIRST_NIGHT_ROWS_PER_SHARD = 10_000
 OVERHEAD_SHARE = 0.05

@@ -162,7 +162,8 @@ def test_a_partition_runs_the_materialized_plan_without_tokenizer_or_planner(job
         def forbidden(*args, **kwargs):
             raise AssertionError("a completions partition must not tokenize or plan")
 
-        import engine.plan.prefix_tree
+        import engine.plan.batch_plan
+        import engine.plan.sorted_plan
         import engine.plan.tokenizing
 
         # The functions' code is replaced, not a module's name for them: every name bound by
@@ -172,9 +173,8 @@ def test_a_partition_runs_the_materialized_plan_without_tokenizer_or_planner(job
             engine.plan.tokenizing.load_tokenizer,
             engine.plan.tokenizing.tokenize_rows,
             engine.plan.tokenizing._render_chat,
-            engine.plan.prefix_tree.build_plan,
-            engine.plan.prefix_tree.plan_blocks,
-            engine.plan.prefix_tree._build_levels,
+            engine.plan.batch_plan.plan_blocks,
+            engine.plan.sorted_plan.plan_rows,
         ):
             monkeypatch.setattr(function, "__code__", forbidden.__code__)
         import engine.plan.token_cache

@@ -8,8 +8,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine.plan import plan_table
+from engine.plan.common_prefix import reusable_tokens
 from engine.plan.plan_table import PlanFile, prepared_batch, rows_table, write_plan
-from engine.plan.prefix_tree import reusable_tokens
 from engine.table.prompt_snapshot import CONTENT_KEY, KEY_TYPE
 
 from .conftest import prepared_of

@@ -1,22 +1,23 @@
-"""The plan step's planner (rows from the token cache, their tree built a depth at a time,
-duplicates by content key) makes the plan the in-memory planner makes from token ids: the same
-groups, run order, prefixes and shards."""
+"""A table's plan in memory (``plan_prompts``: ``batchllm plan`` and ``run``, the bench) is the prefix
+tree's (the test oracle) on real tokenized rows, with errors, own budgets and formats and identical
+rows: the same groups, run order, prefixes, row checks and shards. (A job's plan from its token
+cache: ``test_plan_job.py``.)"""
 
 import json
 import random
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
-from engine.plan.prepared import plan_prompts, plan_tokenized
-from engine.plan.shards import assign_shards
-from engine.plan.token_cache import TokenCache
-from engine.plan.tokenizing import load_tokenizer
+from engine.plan.prepared import plan_prompts
+from engine.plan.tokenizing import load_tokenizer, tokenize_rows
 from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
 from engine.table.dataset import Columns
 from engine.table.prompt_snapshot import CONTENT_KEY, content_keys
+
+from .oracle.planned import planned_by_tree
+from .oracle.shards import assign_shards
 
 HEADS = ["You are a careful assistant. Answer in one word.", "Summarize the review below in a sentence.",
          "Translate to French, keeping names as they are, and say nothing else at all."]
@@ -45,23 +46,26 @@ def table_of(seed: int, n: int) -> pa.Table:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_the_plan_from_the_token_cache_is_the_plan_from_token_ids(tmp_path, tiny_model, seed):
+def test_a_tables_plan_in_memory_is_the_prefix_trees_plan(tiny_model, seed):
     table = table_of(seed, 300)
-    path = tmp_path / "prompts.parquet"
-    pq.write_table(table, path)
     settings = EngineSettings(model_path=tiny_model, block_size=8, max_model_len=256)
     sampling, scheduler = SamplingSettings(max_tokens=5), SchedulerSettings(min_group_rows=2)
     tokenizer = load_tokenizer(tiny_model)
-    in_memory, _ = plan_prompts(table, tokenizer, settings, sampling, scheduler=scheduler)
-    with TokenCache(tmp_path / "cache", "fp").rows_for(path, tokenizer, Columns(), 8) as rows:
-        from_cache = plan_tokenized(table.drop_columns(["prompt", "messages"]), rows, settings, sampling,
-                                    scheduler=scheduler)
-    a, b = in_memory.plan, from_cache.plan
-    assert in_memory.errors == from_cache.errors and len(a.order) == 300
-    for name in ("order", "group_of_row", "group_prefix_tokens", "group_sizes", "row_unique_tokens"):
-        assert np.array_equal(getattr(a, name), getattr(b, name)), name
-    assert a.num_groups < 300 and a.shared_prompt_tokens > 0  # the rows share: the plans have something to agree on
-    assert np.array_equal(in_memory.duplicate_set >= 0, from_cache.duplicate_set >= 0)
-    assert (in_memory.duplicate_set >= 0).sum() > 0
+    expected = planned_by_tree(table, tokenize_rows(tokenizer, table["prompt"].to_pylist(),
+                                                    table["messages"].to_pylist()), settings, sampling, Columns(),
+                               scheduler)
     for count in (1, 3, 7):
-        assert np.array_equal(assign_shards(a, count).shard_of_row, assign_shards(b, count).shard_of_row)
+        planned, _ = plan_prompts(table, tokenizer, settings, sampling, scheduler=scheduler, shards=count)
+        got, want = planned.plan, expected.plan
+        assert planned.errors == expected.errors and len(got.order) == 300
+        assert planned.max_tokens.tolist() == expected.max_tokens.tolist()
+        assert planned.response_formats == expected.response_formats
+        for name in ("order", "group_of_row", "group_prefix_tokens", "group_sizes", "row_unique_tokens", "lengths",
+                     "decode_tokens"):
+            assert np.array_equal(getattr(got, name), getattr(want, name)), name
+        assert np.array_equal(planned.duplicate_set, expected.duplicate_set)
+        shards = assign_shards(want, count)
+        assert np.array_equal(got.shard_of_row, shards.shard_of_row)
+        assert got.shards.prefill_tokens.tolist() == shards.prefill_tokens.tolist()
+    assert want.num_groups < 300 and want.shared_prompt_tokens > 0  # the rows share: something to agree on
+    assert (expected.duplicate_set >= 0).sum() > 0 and expected.errors

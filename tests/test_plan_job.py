@@ -1,7 +1,8 @@
-"""The plan step made on disk (``PlanJob``: DuckDB sorts) writes the plan the in-memory planner
-makes of the same rows: every row's run position, group, prefix, budget, error, format, duplicate
-set, shard and partition key, the same groups table and summary, on a first night and on a night
-after edits that keeps the previous night's shards."""
+"""The plan step made on disk (``PlanJob``: DuckDB sorts, rows from the token cache, duplicates by a
+query) writes the plan the prefix tree (the test oracle) makes of the same rows' token ids: every
+row's run position, group, prefix, budget, error, format, duplicate set, shard and partition key,
+the same groups table and summary, on a first night and on a night after edits that keeps the
+previous night's shards."""
 
 import hashlib
 
@@ -13,14 +14,13 @@ import pytest
 
 from engine.jobs.plan_job import PlanJob, StoredAnswers, plan_summary
 from engine.plan.answer_keys import answer_key
-from engine.plan.prepared import plan_tokenized
-from engine.plan.shards import assign_shards
-from engine.plan.token_cache import TokenCache
-from engine.plan.tokenizing import tokenizer_fingerprint
+from engine.plan.tokenizing import load_tokenizer, tokenize_rows
 from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
 from engine.table.dataset import Columns
 from engine.table.prompt_snapshot import CONTENT_KEY, content_keys
 
+from .oracle.planned import planned_by_tree
+from .oracle.shards import assign_shards
 from .test_plan_from_token_cache import table_of
 
 
@@ -78,11 +78,12 @@ def _previous_shards(path, ids: pa.ChunkedArray) -> np.ndarray | None:
 
 def _expected(job: PlanJob, meta: pa.Table, previous: np.ndarray | None,
               shards_count: int) -> tuple[dict, pa.Table, dict, bool]:
-    """The plan file's rows by id, the groups table and the summary, by the planner in memory, and
-    whether its shards differ from a fresh cut (the previous night's kept)."""
-    cache = TokenCache(job.token_cache_dir, tokenizer_fingerprint(job.settings.model_path))
-    with cache.rows_for(job.snapshot, None, job.columns, job.settings.block_size) as rows:  # all cached already
-        planned = plan_tokenized(meta, rows, job.settings, job.sampling, job.columns, job.scheduler)
+    """The plan file's rows by id, the groups table and the summary, by the prefix tree, and whether
+    its shards differ from a fresh cut (the previous night's kept)."""
+    snapshot = pq.read_table(job.snapshot, columns=["prompt", "messages"])
+    rows = tokenize_rows(load_tokenizer(job.settings.model_path), snapshot["prompt"].to_pylist(),
+                         snapshot["messages"].to_pylist())
+    planned = planned_by_tree(meta, rows, job.settings, job.sampling, job.columns, job.scheduler)
     plan = planned.plan
     shards = assign_shards(plan, shards_count, previous=previous)
     ids = meta.column("id").to_pylist()

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq  # noqa: E402
 
 from engine.jobs.distributed import run_on_ray  # noqa: E402
 from engine.plan.prepared import prepare_batch  # noqa: E402
-from engine.plan.shards import split_prepared  # noqa: E402
+from engine.plan.shard_cut import split_prepared  # noqa: E402
 from engine.plan.tokenizing import load_tokenizer  # noqa: E402
 from engine.run.batch_run import BatchRun  # noqa: E402
 from engine.settings import EngineSettings, SamplingSettings  # noqa: E402

@@ -1,4 +1,5 @@
-"""The plan made by sorts on disk (DuckDB) is the in-memory planner's plan, row for row."""
+"""The plan made by sorts on disk (DuckDB), the one planner, is the prefix tree's plan (the test
+oracle, ``tests/oracle/``), row for row; its shards are the oracle's shards."""
 
 import tempfile
 from pathlib import Path
@@ -9,13 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.plan.batch_plan import PrefixPlan, plan_arrays
 from engine.plan.block_hashes import RowBlocks
 from engine.plan.duplicates import NO_SET
-from engine.plan.prefix_tree import PrefixTree
-from engine.plan.shards import assign_shards
 from engine.plan.sorted_plan import plan_by_sort, rows_of_blocks
 from engine.plan.sorted_shards import assign_shards_by_sort
 
+from .oracle.prefix_tree import PrefixTree
+from .oracle.shards import assign_shards
 from .test_plan import flat
 
 _PLAN_ARRAYS = ["order", "group_of_row", "group_prefix_tokens", "group_sizes", "row_unique_tokens", "decode_tokens"]
@@ -32,12 +34,12 @@ def _sets_of_identical(rows, chosen) -> np.ndarray:
     return out
 
 
-def plan_in_a_temporary_folder(rows: pa.Table, block_size: int, min_group_rows: int = 2) -> dict[str, np.ndarray]:
-    """``plan_by_sort``'s arrays, its files removed after."""
+def plan_in_a_temporary_folder(rows: pa.Table, block_size: int, min_group_rows: int = 2) -> PrefixPlan:
+    """``plan_by_sort``'s plan as arrays, its files removed after."""
     with tempfile.TemporaryDirectory(prefix="batchllm-sorted-plan-") as folder:
         plan = plan_by_sort(rows, block_size, Path(folder), min_group_rows)
         try:
-            return plan.arrays()
+            return plan_arrays(plan)
         finally:
             plan.close()
 
@@ -77,7 +79,7 @@ def _plan_by_sort_is_the_trees(rows, block, min_group_rows, data):
     got = plan_in_a_temporary_folder(rows_of_blocks(blocks, decode, same, dropped), block, min_group_rows)
 
     for name in _PLAN_ARRAYS:
-        assert got[name].tolist() == getattr(expected, name).tolist(), name
+        assert getattr(got, name).tolist() == getattr(expected, name).tolist(), name
 
 
 def test_a_batch_with_groups_nested_prefixes_and_copies_plans_as_the_tree(tmp_path):
@@ -94,11 +96,11 @@ def test_a_batch_with_groups_nested_prefixes_and_copies_plans_as_the_tree(tmp_pa
 
     plan = plan_by_sort(rows_of_blocks(blocks, expected.decode_tokens, same, dropped), 4, tmp_path / "plan")
     try:
-        got = plan.arrays()
+        got = plan_arrays(plan)
     finally:
         plan.close()
     for name in _PLAN_ARRAYS:
-        assert got[name].tolist() == getattr(expected, name).tolist(), name
+        assert getattr(got, name).tolist() == getattr(expected, name).tolist(), name
     assert (tmp_path / "plan" / "plan.duckdb").exists()
 
 

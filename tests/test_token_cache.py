@@ -8,8 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.plan.block_hashes import rows_by_depth
-from engine.plan.prefix_tree import PrefixTree
+from engine.plan.block_hashes import RowBlocks
 from engine.plan.token_cache import TokenCache, _PartChains
 from engine.plan.tokenizing import load_tokenizer, tokenize_rows
 from engine.table.dataset import Columns
@@ -53,23 +52,33 @@ def rows(prompts, count):
             [chat if i % 5 == 0 else None for i in range(len(prompts))])
 
 
+def chain_rows(chains, batch_rows: int = 1024) -> list[tuple[int, list[int]]]:
+    """Each row's length and chained block hashes, in row order, as a plan loads them (``row_batches``)."""
+    found = {}
+    for batch in chains.row_batches(batch_rows):
+        found.update((row, (length, hashes)) for row, length, hashes in zip(*(batch.column(name).to_pylist()
+                                                                              for name in ("row", "length", "hashes"))))
+    return [found[row] for row in sorted(found)] if sorted(found) == list(range(len(found))) else []
+
+
+def blocks_rows(blocks: RowBlocks) -> list[tuple[int, list[int]]]:
+    return [(int(length), blocks.chain(row)) for row, length in enumerate(blocks.lengths)]
+
+
 def looked_up(cache, path, tokenizer, block_size, **options):
-    """The cache's rows of the snapshot at ``path``, with the prefix tree of their chains (``tree``,
-    read inside ``rows_for``'s block, as a plan reads them)."""
+    """The cache's rows of the snapshot at ``path``, with their chains (``rows``, read inside
+    ``rows_for``'s block, as a plan reads them)."""
     with cache.rows_for(path, tokenizer, Columns(), block_size, **options) as found:
-        found.tree = PrefixTree.of(found.chains)
+        found.rows = chain_rows(found.chains)
     return found
 
 
 def same_rows(cached, fresh, block_size=BLOCK):
-    """The cache's view of the rows (their lengths and prefix tree) is the one computed from fresh token ids."""
-    expected = (fresh.tree if hasattr(fresh, "tree")  # another cache's rows
-                else PrefixTree.of(fresh.row_blocks(block_size)))  # token ids
-    got = cached.tree
-    return (np.array_equal(got.lengths, expected.lengths) and len(got.levels) == len(expected.levels)
-            and all(np.array_equal(a.rows, b.rows) and np.array_equal(a.node, b.node)
-                    and np.array_equal(a.counts, b.counts) for a, b in zip(got.levels, expected.levels))
-            and cached.errors == fresh.errors)
+    """The cache's view of the rows (their lengths and chained block hashes) is the one computed from
+    fresh token ids."""
+    expected = (fresh.rows if hasattr(fresh, "rows")  # another cache's rows
+                else blocks_rows(fresh.row_blocks(block_size)))  # token ids
+    return cached.rows == expected and len(expected) > 0 and cached.errors == fresh.errors
 
 
 def test_a_rerun_tokenizes_only_changed_rows_and_gets_fresh_token_ids(tmp_path, tiny_model):
@@ -177,16 +186,14 @@ def test_hashes_are_gathered_part_by_part_for_rows_in_any_order(tmp_path, tiny_m
     assert len(list((tmp_path / "cache" / "fp").glob("part-*"))) == 2
     fresh = tokenize_rows(tokenizer, *shuffled)
     assert same_rows(got, fresh)
-    # The hashes themselves, depth by depth, as the tree reads them: fresh token ids' at every depth.
+    # In batches smaller than a part, each batch of one part: the same rows.
     parts = cache._mapped(BLOCK)
     position = cache._positions(pq.read_table(path).column(CONTENT_KEY).combine_chunks(),
                                 cache.load(BLOCK))
     expected = fresh.row_blocks(BLOCK)
     chains = _PartChains.of([(path, table.num_rows) for path, table in parts], position, expected.lengths, BLOCK)
-    deepest_first, reaching = rows_by_depth(expected.blocks)
-    depths = list(zip(chains.hashes_by_depth(deepest_first, reaching),
-                      expected.hashes_by_depth(deepest_first, reaching), strict=True))
-    assert len(depths) > 3 and all(np.array_equal(a, b) for a, b in depths)
+    assert chain_rows(chains, batch_rows=5) == blocks_rows(expected)
+    assert max(len(hashes) for _, hashes in blocks_rows(expected)) > 3
 
 
 

@@ -268,12 +268,12 @@ def measure_fill(rows: int = 20_000, platform: dict = H200, seed: int = 0) -> di
     block-accounting stand-in (``engine.run.stand_in``): rows in flight and batched tokens per
     step in steady state (the middle half of the steps), for this engine and for vLLM alone on
     sorted rows (every row submitted at once, as ``LLM.generate`` does)."""
-    from ..plan.prefix_tree import build_plan
+    from ..plan.batch_plan import plan_token_ids
     from ..run.scheduler import InOrderScheduler, groups_in_run_order
     from ..run.stand_in import BlockAccountingEngine
 
     batch, max_tokens = short_shape_tokens(rows, seed)
-    plan = build_plan(batch.tokens, batch.offsets, max_tokens, BLOCK)
+    plan = plan_token_ids(batch.tokens, batch.offsets, max_tokens, BLOCK)
     out = {}
     for name in ("vllm_generate_sorted", "batchllm"):
         engine = BlockAccountingEngine(platform["kv_blocks"], BLOCK, platform["max_num_seqs"],

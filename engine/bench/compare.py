@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tracemalloc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from ..jobs.job_options import (
 )
 from ..jobs.plan_job import plan_summary
 from ..machine import current_platform
-from ..plan.prefix_tree import build_plan
+from ..plan.batch_plan import plan_token_ids
 from ..settings import BLOCK_SIZES, Admission, EngineSettings, ReserveOutput, SamplingSettings, SchedulerSettings
 from ..vllm.vllm_env import VLLM_DEFAULT_BLOCK_SIZE
 from .fresh_process import in_fresh_process
@@ -244,19 +243,15 @@ def run_analysis(args) -> dict:
     tokens, offsets = synthetic_analysis_tokens(args.rows, args.tokens_per_row, args.rows_per_group, args.seed)
     decode = np.full(args.rows, args.output_tokens, dtype=np.int64)
     gc.collect()
-    tracemalloc.start()
     started = time.perf_counter()
     block_size = EngineSettings(block_size=args.block_size).with_block_size().block_size  # this platform's default
-    plan = build_plan(tokens, offsets, decode, block_size)
+    plan = plan_token_ids(tokens, offsets, decode, block_size)
     plan_s = time.perf_counter() - started
-    _, peak_alloc = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
     return {
         "rows": args.rows,
         "tokens": int(tokens.size),
         "token_array_bytes": int(tokens.nbytes),
         "plan_s": round(plan_s, 3),
-        "plan_peak_alloc_bytes": int(peak_alloc),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "groups": plan.num_groups,
         "shared_fraction": round(plan.shared_fraction, 4),

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..machine import current_platform
 from ..plan.answer_lengths import AnswerLengths, measured_lengths
-from ..plan.prefix_tree import reusable_tokens
+from ..plan.common_prefix import reusable_tokens
 from ..run.results import RunStats
 from ..run.step_profile import StepProfile
 from ..settings import EngineSettings, SamplingSettings, SchedulerSettings

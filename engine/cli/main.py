@@ -142,7 +142,8 @@ def _prepare(args, fields: PromptFields | None = None, field_order_state: Path |
                 kept.record(field_order_state)
         orders = kept.choice if kept is not None else choose_field_orders(table, fields, counter)
         table = validate(table, columns)
-    planned, prepared = plan_prompts(table, tokenizer, engine, sampling, columns)
+    shards = getattr(args, "shards", None) or (source.job.shards_for(table.num_rows) if source.job else None) or 1
+    planned, prepared = plan_prompts(table, tokenizer, engine, sampling, columns, shards=shards)
     return _Prepared(engine, sampling, planned, prepared, orders, fields, source.job)
 
 
@@ -164,21 +165,20 @@ def _field_orders_summary(args, planned, orders, fields: PromptFields | None) ->
 
 def cmd_plan(args) -> int:
     from ..jobs.plan_job import plan_summary
-    from ..plan.shards import assign_shards
 
     made = _prepare(args)
     planned, orders = made.planned, made.orders
     plan = planned.plan
-    shards = assign_shards(plan, args.shards or (made.job.shards_for(planned.num_rows) if made.job else None) or 1)
+    shards = plan.shards
     summary = {
         **plan_summary(planned),  # the same numbers as a plan's materialization in Dagster
         "fields": _field_orders_summary(args, planned, orders, made.fields),
         "shards": [
-            {"shard": s, "rows": int((shards.shard_of_row == s).sum()), "prefill_tokens": int(shards.prefill_tokens[s]),
+            {"shard": s, "rows": int((plan.shard_of_row == s).sum()), "prefill_tokens": int(shards.prefill_tokens[s]),
              "decode_tokens": int(shards.decode_tokens[s])}
-            for s in range(shards.num_shards)
+            for s in range(plan.num_shards)
         ],
-        **({"job": _job_work(made.job.name, summary_rows(planned), shards)} if made.job else {}),
+        **({"job": _job_work(made.job.name, summary_rows(planned), plan)} if made.job else {}),
     }
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -220,17 +220,17 @@ def summary_rows(planned) -> int:
     return planned.num_rows - len(planned.errors)
 
 
-def _job_work(name: str, rows: int, shards) -> dict:
+def _job_work(name: str, rows: int, plan) -> dict:
     """A job's work tonight as its declaration gives it, every row computed (the answers its Dagster job
     stored are not read here): the forecast's tokens; its time and cost are the Dagster job's, from the
     nights it measured."""
-    prefill, output = int(shards.prefill_tokens.sum()), int(shards.decode_tokens.sum())
-    line = (f"job {name}: {rows:,} rows to compute in {shards.num_shards} shard"
-            f"{'' if shards.num_shards == 1 else 's'}, {prefill:,} prompt tokens to "
+    prefill, output = int(plan.shards.prefill_tokens.sum()), int(plan.shards.decode_tokens.sum())
+    line = (f"job {name}: {rows:,} rows to compute in {plan.num_shards} shard"
+            f"{'' if plan.num_shards == 1 else 's'}, {prefill:,} prompt tokens to "
             f"prefill, at most {output:,} output tokens (the rows' budgets); rows answered on earlier nights, the "
             f"answers' learned lengths, the time and the cost: batchllm-dagster run {name} --dry-run (its Dagster "
             "instance's measurements)")
-    return {"rows_to_compute": rows, "shards": shards.num_shards, "prefill_tokens": prefill,
+    return {"rows_to_compute": rows, "shards": plan.num_shards, "prefill_tokens": prefill,
             "output_tokens_at_most": output, "line": line}
 
 

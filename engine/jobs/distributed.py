@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ..plan.prepared import PreparedBatch
-from ..plan.shards import split_prepared
+from ..plan.shard_cut import split_prepared
 from ..run.results import RowResult, RunStats, merge_stats
 from ..settings import EngineSettings, Policy, SamplingSettings, SchedulerSettings
 from .resume import RunOutcome

@@ -59,7 +59,7 @@ def plan_summary(planned: PlannedBatch) -> dict:
 
 def summary_of(rows: int, error_rows: int, duplicate_rows: int, groups: int, shared_groups: int, prompt_tokens: int,
                unique_tokens: int, tokenize_s: float, plan_s: float) -> dict:
-    """``plan_summary`` from its counts (a plan in memory or on disk)."""
+    """``plan_summary`` from its counts (a batch's plan read back, or a job's in its database)."""
     shared = prompt_tokens - unique_tokens  # prompt tokens the prefix tree shares
     return {
         "rows": rows,

@@ -9,7 +9,6 @@ plans a million rows without reading 2 GB of ids back.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,13 +112,6 @@ class RowBlocks:
         chains = [_chains(tokens, offsets[lo : lo + _CHUNK_ROWS + 1], block_size)
                   for lo in range(0, lengths.size, _CHUNK_ROWS)]
         return cls(block_size, lengths, np.concatenate(chains) if chains else np.zeros(0, np.uint64))
-
-    def hashes_by_depth(self, deepest_first: np.ndarray, reaching: np.ndarray) -> Iterator[np.ndarray]:
-        """Depth by depth (``rows_by_depth``), the hashes at that depth of the rows reaching it:
-        ``deepest_first[:reaching[k + 1]]`` at depth ``k`` (what a prefix tree is built from)."""
-        first = self.offsets
-        for depth in range(reaching.size - 1):
-            yield self.hashes[first[deepest_first[: reaching[depth + 1]]] + depth]
 
     def chain(self, row: int) -> list[int]:
         """Row ``row``'s chained hashes as Python ints (keys of a dict or Counter)."""

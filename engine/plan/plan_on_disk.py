@@ -4,7 +4,7 @@ shard at a time (its keys, the plan file) or a group a row (the groups table).
 
 Every row's id and content key are read from the snapshot into the database (``load_ids``) and
 come back with their shard's rows. The row checks run in memory on a few numbers a row (lengths,
-budgets, errors, formats: ``prepared.check_rows``, the one code for a plan in memory and on disk),
+budgets, errors, formats: ``prepared.check_rows``, the one code for a batch's plan and a job's),
 the duplicate sets by a query here (``duplicate_sets``); then the rows' lengths, budgets and sets
 are loaded here (``load_rows``) and the step lets go of them before the plan is made. Never in
 memory: the ids and keys, the tree, the order, the groups, the shards (~200 bytes a row when the

@@ -3,11 +3,11 @@
     planned, prepared = plan_prompts(table, tokenizer, engine_settings, sampling)  # tokenize, check, plan
     prepared = prepare_batch(table, tokenizer, engine_settings, sampling)           # the runnable one alone
 
-A ``PlannedBatch`` is what planning made of a table: the plan (groups, run order, the tokens it
-shares), each row's output budget, error, response format and duplicate set, and how long it took.
-It holds no token ids: planning from the token cache (``plan_tokenized`` with ``CachedRows``) needs
-only lengths and block hashes. (``prefix_groups`` makes the same plan on disk, ``plan_on_disk``, with
-the same row checks: ``check_rows``.)
+A ``PlannedBatch`` is what planning made of a table held in memory (``batchllm plan`` and ``run``,
+doctor, the bench): the plan and its shards (``batch_plan``: the plan every job makes, in a plan
+database of its own), each row's output budget, error, response format and duplicate set, and how
+long it took. A job's plan step (``engine.jobs.plan_job``) makes its plan on disk with the same row
+checks (``check_rows``) and the same queries.
 
 A ``PreparedBatch`` is everything a run needs and nothing it must recompute: token ids, output
 budgets, errors, run order, group and group prefix of each row. It is a ``PlannedBatch`` joined with
@@ -33,11 +33,10 @@ from ..settings import EngineSettings, SamplingSettings, SchedulerSettings
 from ..table.dataset import Columns
 from ..table.prompt_snapshot import CONTENT_KEY
 from .answer_lengths import AnswerLengths
+from .batch_plan import PrefixPlan, plan_blocks
 from .block_hashes import RowBlocks
 from .duplicates import count_duplicates, duplicate_sets, token_keys
-from .prefix_tree import PrefixPlan, PrefixTree, plan_blocks
 from .row_checks import output_budgets, row_response_formats
-from .token_cache import CachedRows
 from .tokenizing import TokenizedBatch, tokenize_rows
 
 log = logging.getLogger(__name__)
@@ -169,11 +168,12 @@ def plan_prompts(
     sampling: SamplingSettings,
     columns: Columns = Columns(),
     scheduler: SchedulerSettings = SchedulerSettings(),
+    shards: int = 1,
 ) -> tuple[PlannedBatch, PreparedBatch]:
-    """Tokenize and plan a validated prompt table: the plan, and the batch that runs it."""
+    """Tokenize and plan a validated prompt table (cut into ``shards``): the plan, and the batch that runs it."""
     n = table.num_rows
     batch = tokenize_rows(tokenizer, _column(table, columns.prompt) or [None] * n, _column(table, columns.messages))
-    planned = plan_tokenized(table, batch, engine_settings, sampling, columns, scheduler)
+    planned = plan_tokenized(table, batch, engine_settings, sampling, columns, scheduler, shards)
     return planned, planned.runnable(batch)
 
 
@@ -186,7 +186,7 @@ def prepare_batch(*args, **kwargs) -> PreparedBatch:
 class CheckedRows:
     """What the row checks make of a table's rows before any plan: each row's output budget, error
     and own response format, the rows that were tokenized but cannot run, and the sets of identical
-    rows (``duplicates``). The same for a plan in memory and one made on disk."""
+    rows (``duplicates``). The same for a batch's plan and a job's."""
 
     max_tokens: np.ndarray
     errors: dict[int, str]  # the tokenizer's and the checks'
@@ -217,35 +217,32 @@ def check_rows(table: pa.Table, lengths: np.ndarray, tokenizer_errors: dict[int,
 
 def plan_tokenized(
     table: pa.Table,
-    rows: TokenizedBatch | CachedRows,
+    rows: TokenizedBatch,
     engine_settings: EngineSettings,
     sampling: SamplingSettings,
     columns: Columns = Columns(),
     scheduler: SchedulerSettings = SchedulerSettings(),
+    shards: int = 1,
 ) -> PlannedBatch:
-    """Plan rows already tokenized, in ``table``'s order: their token ids (``TokenizedBatch``), or
-    just their lengths and block hashes from the token cache (``CachedRows``, inside the block of
-    ``TokenCache.rows_for``). ``table`` needs only the id, ``max_tokens`` and ``response_format`` columns."""
+    """Plan rows already tokenized (``rows``, in ``table``'s order), cut into ``shards``. ``table``
+    needs only the id, ``max_tokens`` and ``response_format`` columns (and the content key where it
+    has one: the prompt snapshot's)."""
     engine_settings = engine_settings.with_block_size()  # a plan counts in whole KV blocks
     ids = table.column(columns.id)
     n = len(ids)
 
     started = time.perf_counter()
-    if isinstance(rows, CachedRows) and rows.chains.block_size != engine_settings.block_size:
-        raise ValueError(f"rows hashed in blocks of {rows.chains.block_size}, planned in blocks of "
-                         f"{engine_settings.block_size}")
-    tree = PrefixTree.of(rows.chains if isinstance(rows, CachedRows) else rows.row_blocks(engine_settings.block_size))
-    tree_s = time.perf_counter() - started
+    blocks = rows.row_blocks(engine_settings.block_size)
     keys = (table.column(CONTENT_KEY).combine_chunks() if CONTENT_KEY in table.column_names
             else token_keys(rows.tokens, rows.offsets))
-    checked = check_rows(table, tree.lengths, rows.errors, engine_settings, sampling, columns,
+    checked = check_rows(table, blocks.lengths, rows.errors, engine_settings, sampling, columns,
                          functools.partial(duplicate_sets, keys))
-    started = time.perf_counter()
+    runs = blocks.lengths > 0
+    runs[checked.dropped] = False
     same = checked.duplicate_set
-    tree = tree.planned(checked.dropped, same)
-    decode = np.where(tree.lengths > 0, checked.max_tokens, 0)
-    plan = tree.plan(decode, scheduler.min_group_rows)
-    plan_s = tree_s + time.perf_counter() - started
+    plan = plan_blocks(blocks, np.where(runs, checked.max_tokens, 0), scheduler.min_group_rows, same,
+                       checked.dropped, shards)
+    plan_s = time.perf_counter() - started
     log.info(
         "planned %d rows: %d groups, %d prompt tokens, shared %.1f%%, %d identical to another row "
         "(tokenize %.2fs, plan %.2fs)",

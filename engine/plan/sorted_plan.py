@@ -1,6 +1,6 @@
 """The prefix plan made by sorts and aggregates that spill to disk (DuckDB): memory flat in the rows.
 
-The same plan as ``prefix_tree`` (groups by MaximizeReuse, the rows sorted by their chained block
+The plan of a prefix tree (groups by MaximizeReuse, the rows sorted by their chained block
 hashes, each group gathered where its first row falls, the tokens each row computes), made from a
 table instead of arrays held in memory: one row per prompt row, ``(row, length, hashes, source,
 decode)``, where ``hashes`` is the row's chained block hashes, ``source`` the lowest row of its
@@ -8,7 +8,8 @@ duplicate set (itself for most) and a row that cannot run has length 0 and no ha
 a query over tables in a database file of its own, under ``bounded_memory``: DuckDB sorts, joins
 and aggregates beyond its memory limit by spilling, so the plan of 3M rows takes what 1M do.
 
-Why each query is the in-memory planner's step (the tree is never built):
+Why each query is a step of the tree's plan (the tree is never built; it is the test oracle,
+``tests/oracle/prefix_tree.py``):
 - a node is a hash (chained hashes: equal at depth ``k`` means the same first ``k`` blocks), its
   rows the rows with that hash; node counts only fall with depth along a row's path;
 - so a row's deepest node of at least ``min_group_rows`` rows is its deepest depth whose count
@@ -96,19 +97,6 @@ class SortedPlan:
     connection: object  # duckdb.DuckDBPyConnection
     block_size: int
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        """The plan as ``PrefixPlan``'s arrays (for batches that fit in memory: tests, comparisons)."""
-        table = self.connection.sql("SELECT * FROM plan ORDER BY row").to_arrow_table()
-        position, grp = table["position"].to_numpy(), table["grp"].to_numpy()
-        order = np.empty(position.size, dtype=np.int64)
-        order[position] = np.arange(position.size)
-        groups = int(grp.max(initial=-1)) + 1
-        prefix = np.zeros(groups, dtype=np.int64)
-        prefix[grp] = table["prefix_tokens"].to_numpy()
-        return {"order": order, "group_of_row": grp.astype(np.int64), "group_prefix_tokens": prefix,
-                "group_sizes": np.bincount(grp, minlength=groups),
-                "row_unique_tokens": table["unique_tokens"].to_numpy(), "decode_tokens": table["decode"].to_numpy()}
-
     def close(self) -> None:
         self.connection.close()
 
@@ -152,7 +140,7 @@ def plan_by_sort(rows: pa.Table | pa.RecordBatchReader, block_size: int, folder:
 
 def rows_of_blocks(blocks: RowBlocks, decode_tokens: np.ndarray, duplicate_set: np.ndarray | None = None,
                    dropped: np.ndarray | None = None) -> pa.Table:
-    """``plan_by_sort``'s input from rows in memory, as ``plan_blocks`` takes them: ``dropped`` rows
+    """``plan_by_sort``'s input from rows in memory, as ``batch_plan.plan_blocks`` takes them: ``dropped`` rows
     (they cannot run) emptied, each ``duplicate_set`` planned once."""
     n = blocks.num_rows
     if dropped is not None and len(dropped):

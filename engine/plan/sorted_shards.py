@@ -1,6 +1,5 @@
-"""Shards of a plan made on disk (``sorted_plan``): ``shards.assign_shards``'s cut, as queries.
-
-The same shards as ``assign_shards`` gives the plan in memory: contiguous runs of the run order
+"""Shards of a plan (``sorted_plan``), cut by queries (``shard_cut``'s rule; the same shards as the
+test oracle's ``tests/oracle/shards.py`` gives the tree's plan): contiguous runs of the run order
 balanced by cost (a row's tokens computed plus ``decode_cost`` per expected output token), a group
 cut only when it alone costs more than its shard's share; with the previous night's shard of each
 row, a group whose rows were all in one shard stays there and the others go, in plan order, to the
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from .shards import DECODE_COST, shard_weights
+from .shard_cut import DECODE_COST, shard_weights
 from .sorted_plan import SortedPlan
 
 _GROUP_BATCH = 65_536  # groups placed at a time when they move
@@ -85,7 +84,7 @@ def _costed(con, decode_cost: float, rows: str = "") -> None:
 
 
 def _cut(con, weight: np.ndarray) -> str:
-    """``shards.assign_shards``'s fresh cut into ``shards``; returns the table of groups it may split."""
+    """A fresh cut (``shard_cut.cut_in_order``'s) into ``shards``; returns the table of groups it may split."""
     total = con.execute("SELECT coalesce(max(cum_end), 0) FROM group_cost").fetchall()[0][0]
     bounds = (np.cumsum(weight)[:-1] / weight.sum() * total).tolist()
     shares = (weight / weight.sum() * total).tolist()
@@ -103,7 +102,8 @@ def _cut(con, weight: np.ndarray) -> str:
 
 
 def _kept_previous(con, weight: np.ndarray, parts: int, max_imbalance: float) -> bool:
-    """``shards._keep_previous`` into ``shards``: False (nothing written) when it is unbalanced."""
+    """Each group kept on its previous shard where all its rows were, the others in plan order to
+    the least loaded shard, into ``shards``: False (nothing written) when it is unbalanced."""
     con.execute("""CREATE OR REPLACE TABLE group_previous AS
         SELECT c.grp, min(coalesce(p.shard, -1)) AS low, max(coalesce(p.shard, -1)) AS high
         FROM costed c LEFT JOIN previous_shards p ON p.row = c.row GROUP BY c.grp""")

@@ -118,10 +118,9 @@ def _items_at(lists: pa.ChunkedArray, entries: np.ndarray, index: int) -> np.nda
 
 @dataclass
 class _PartChains:
-    """Rows' block hashes where they lie, in the cache's parts (a ``prefix_tree.RowChains``): a
-    tree reads them a depth at a time, each part mapped on its own and let go before the next, so
-    neither a row's whole chain nor the pages it came from stay in memory (8 bytes a block). Read
-    under the writer lock: no compaction deletes a part meanwhile."""
+    """Rows' block hashes where they lie, in the cache's parts (``RowBlocks`` holds them in memory):
+    a plan loads them a part at a time (``row_batches``), each part mapped on its own and let go
+    before the next. Read under the writer lock: no compaction deletes a part meanwhile."""
 
     block_size: int
     lengths: np.ndarray
@@ -137,24 +136,6 @@ class _PartChains:
         starts = np.cumsum([0] + [entries for _, entries in parts])
         part = (np.searchsorted(starts, position, side="right") - 1).astype(np.int32)
         return cls(block_size, lengths, [path for path, _ in parts], part, (position - starts[part]).astype(np.int32))
-
-    def hashes_by_depth(self, deepest_first: np.ndarray, reaching: np.ndarray) -> Iterator[np.ndarray]:
-        # Each part's rows as places in ``deepest_first``, ascending: those reaching a depth are a prefix.
-        part_in_order = self.part[deepest_first]
-        by_part = np.argsort(part_in_order, kind="stable")
-        bounds = np.searchsorted(part_in_order[by_part], np.arange(len(self.paths) + 1))
-        del part_in_order
-        for depth in range(reaching.size - 1):
-            out = np.empty(int(reaching[depth + 1]), dtype=np.uint64)
-            for number, path in enumerate(self.paths):
-                places = by_part[bounds[number]:bounds[number + 1]]
-                places = places[: np.searchsorted(places, out.size)]
-                if places.size:
-                    with pa.memory_map(str(path)) as source:
-                        hashes = pa.ipc.open_file(source).read_all().column("block_hashes")
-                        out[places] = _items_at(hashes, self.entry[deepest_first[places]], depth)
-                        del hashes
-            yield out
 
     def row_batches(self, batch_rows: int = _WORKER_BATCH) -> Iterator[pa.RecordBatch]:
         """Every row's ``(row, length, hashes)``, a part's rows at a time (each part mapped while its

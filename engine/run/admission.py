@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..plan.block_hashes import RowBlocks
-from ..plan.prefix_tree import common_whole_blocks
+from ..plan.common_prefix import common_whole_blocks
 from ..plan.tokenizing import TokenizedBatch
 from ..settings import Admission
 from .kv_budget import KVBudget, KVGroups

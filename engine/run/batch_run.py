@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..model_support import scoring_refused
+from ..plan.common_prefix import reusable_tokens
 from ..plan.duplicates import answer_sources, answers_are_shared
-from ..plan.prefix_tree import reusable_tokens
 from ..plan.prepared import PreparedBatch
 from ..response_format import cut_off_reason
 from ..settings import SamplingSettings, SchedulerSettings

@@ -34,7 +34,7 @@ from typing import Protocol
 import numpy as np
 
 from ..plan.block_hashes import RowBlocks
-from ..plan.prefix_tree import common_tokens
+from ..plan.common_prefix import common_tokens
 from ..plan.prepared import PreparedBatch
 from ..plan.tokenizing import TokenizedBatch
 from ..settings import Admission, ReserveOutput, SchedulerSettings

@@ -1,4 +1,8 @@
-"""Global prefix plan: find the prefixes the rows of a whole batch share, form groups, order rows.
+"""The prefix tree: the test oracle of the planner (``engine.plan.sorted_plan``'s queries are held
+equal to it, ``tests/test_sorted_plan.py``). It was the planner in memory until every plan was made
+by the queries (one planner to keep right); what follows is how it plans.
+
+Global prefix plan: find the prefixes the rows of a whole batch share, form groups, order rows.
 
 The batch is each row's length and chained block hashes (``RowBlocks``: computed from the token
 ids, or read from the token cache). We build the prefix tree at the granularity vLLM caches, whole
@@ -24,15 +28,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from .block_hashes import RowBlocks, rows_by_depth
-from .duplicates import lowest_row_of_set
-
-if TYPE_CHECKING:
-    from .tokenizing import TokenizedBatch
+from engine.plan.batch_plan import PrefixPlan
+from engine.plan.block_hashes import RowBlocks, rows_by_depth
+from engine.plan.duplicates import lowest_row_of_set
 
 
 @dataclass
@@ -66,63 +67,27 @@ def _appended(levels: list[_Level], level: _Level) -> None:
 
 
 @dataclass
-class PrefixPlan:
-    """The plan of one batch. Row indices refer to the input order; ``order`` is the run order."""
+class TreePlan(PrefixPlan):
+    """A plan with the tree it was made from (what ``unique_tokens_per_row`` counts a part's tokens from)."""
 
-    block_size: int
-    lengths: np.ndarray  # prompt tokens per row
-    decode_tokens: np.ndarray  # estimated output tokens per row
-    order: np.ndarray  # row indices in run order; each group's rows are contiguous
-    group_of_row: np.ndarray  # group index per row; groups are numbered in run order
-    group_prefix_tokens: np.ndarray  # shared prefix of each group (whole blocks; 0 = no sharing)
-    group_sizes: np.ndarray  # rows per group
-    row_unique_tokens: np.ndarray  # prompt tokens a row computes if the batch runs in plan order
-    unique_tokens: int  # tokens of the block-aligned prefix tree plus unshared tails: the minimum prefill
     levels: list[_Level] = field(default_factory=list, repr=False)
     copies: np.ndarray | None = None  # rows identical to an earlier row: they follow it and compute nothing
 
-    @property
-    def num_rows(self) -> int:
-        return int(self.lengths.size)
 
-    @property
-    def num_groups(self) -> int:
-        return int(self.group_sizes.size)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return int(self.lengths.sum())
-
-    @property
-    def shared_prompt_tokens(self) -> int:
-        """Prompt tokens the batch's prefix tree shares: what one engine with a perfect cache never computes."""
-        return self.prompt_tokens - self.unique_tokens
-
-    @property
-    def shared_fraction(self) -> float:
-        return self.shared_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    def group_starts(self) -> np.ndarray:
-        """Offsets into ``order`` where each group begins (plus the end)."""
-        return np.concatenate([[0], np.cumsum(self.group_sizes)])
+def _hashes_by_depth(blocks: RowBlocks, deepest_first: np.ndarray, reaching: np.ndarray) -> Iterator[np.ndarray]:
+    """Depth by depth (``rows_by_depth``), the hashes at that depth of the rows reaching it:
+    ``deepest_first[:reaching[k + 1]]`` at depth ``k`` (what the tree is built from)."""
+    first = blocks.offsets
+    for depth in range(reaching.size - 1):
+        yield blocks.hashes[first[deepest_first[: reaching[depth + 1]]] + depth]
 
 
-class RowChains(Protocol):
-    """What a tree is built from: rows' lengths and, depth by depth, their chained block hashes
-    (``RowBlocks`` in memory; the token cache's rows read a depth at a time from its parts)."""
-
-    block_size: int
-    lengths: np.ndarray
-
-    def hashes_by_depth(self, deepest_first: np.ndarray, reaching: np.ndarray) -> Iterator[np.ndarray]: ...
-
-
-def _build_levels(chains: RowChains) -> tuple[np.ndarray, list[_Level]]:
+def _build_levels(chains: RowBlocks) -> tuple[np.ndarray, list[_Level]]:
     """Tree levels from the root down, stopping once no node is shared (deeper ones cannot be), and
     the rows deepest first (each level's rows are a prefix of it)."""
     deepest_first, reaching = rows_by_depth(chains.lengths // chains.block_size)
     levels: list[_Level] = []
-    for depth, hashes in enumerate(chains.hashes_by_depth(deepest_first, reaching)):
+    for depth, hashes in enumerate(_hashes_by_depth(chains, deepest_first, reaching)):
         _, node, counts = np.unique(hashes, return_inverse=True, return_counts=True)
         del hashes
         _appended(levels, _Level(rows=deepest_first[: reaching[depth + 1]], node=node.astype(np.int32),
@@ -207,7 +172,7 @@ def _depth_first_order(levels: list[_Level], n: int) -> np.ndarray:
     return order
 
 
-def unique_tokens_per_row(plan: PrefixPlan, order: np.ndarray, part: np.ndarray | None = None) -> np.ndarray:
+def unique_tokens_per_row(plan: TreePlan, order: np.ndarray, part: np.ndarray | None = None) -> np.ndarray:
     """Prompt tokens each row computes when rows run in ``order`` with a perfect prefix cache.
 
     The first row (in order) to reach a tree node pays its block; with ``part`` (a shard per row)
@@ -250,33 +215,6 @@ def unique_tokens_per_row(plan: PrefixPlan, order: np.ndarray, part: np.ndarray 
     return paid
 
 
-def common_tokens(a: np.ndarray, b: np.ndarray) -> int:
-    """Tokens two rows share from their first."""
-    n = min(a.size, b.size)
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if differ.size else n
-
-
-def common_whole_blocks(a: np.ndarray, b: np.ndarray, block_size: int) -> int:
-    """Whole KV blocks two rows share from their first token: the cache hit one gives the other."""
-    return common_tokens(a, b) // block_size
-
-
-def reusable_tokens(batch: TokenizedBatch, rows_in_plan_order: list[int], block_size: int) -> int:
-    """Prompt tokens of these rows that a perfect cache on their own engine reuses: each row's whole
-    blocks shared with the row before it. In plan order (depth first in the prefix tree) that is
-    their prompt tokens less the unique tokens of their own tree, computed from token ids alone,
-    so a partition gets it without the planner. Less than the plan's ``shared_prompt_tokens`` for
-    their rows when another shard also holds their prefix."""
-    reused, previous = 0, None
-    for row in rows_in_plan_order:
-        tokens = batch.tokens_of(row)
-        if previous is not None:
-            reused += common_whole_blocks(tokens, previous, block_size) * block_size
-        previous = tokens
-    return reused
-
-
 def build_plan(
     tokens: np.ndarray,
     offsets: np.ndarray,
@@ -284,13 +222,13 @@ def build_plan(
     block_size: int,
     min_group_rows: int = 2,
     duplicate_set: np.ndarray | None = None,
-) -> PrefixPlan:
+) -> TreePlan:
     """Plan a batch from its token ids (``tokens[offsets[i]:offsets[i+1]]`` is row ``i``)."""
     return plan_blocks(RowBlocks.of_tokens(tokens, offsets, block_size), decode_tokens, min_group_rows, duplicate_set)
 
 
 def plan_blocks(blocks: RowBlocks, decode_tokens: np.ndarray, min_group_rows: int = 2,
-                duplicate_set: np.ndarray | None = None) -> PrefixPlan:
+                duplicate_set: np.ndarray | None = None) -> TreePlan:
     """Plan a batch from its rows' lengths and block hashes (no token ids needed). Rows of one
     ``duplicate_set`` (engine.plan.duplicates) are planned once: the others follow the first in its group."""
     return PrefixTree.of(blocks, duplicate_set).plan(decode_tokens, min_group_rows)
@@ -310,7 +248,7 @@ class PrefixTree:
     copies: np.ndarray  # rows identical to an earlier row (their source)
 
     @classmethod
-    def of(cls, chains: RowChains, duplicate_set: np.ndarray | None = None) -> "PrefixTree":
+    def of(cls, chains: RowBlocks, duplicate_set: np.ndarray | None = None) -> "PrefixTree":
         """The tree of the distinct rows: a row of a ``duplicate_set`` other than its first is left out."""
         n = chains.lengths.size
         deepest_first, levels = _build_levels(chains) if n else (np.zeros(0, np.int64), [])
@@ -334,12 +272,12 @@ class PrefixTree:
                                  else (self.deepest_first, self.levels))
         return PrefixTree(self.block_size, lengths, levels, deepest_first, source, copies)
 
-    def plan(self, decode_tokens: np.ndarray, min_group_rows: int = 2) -> PrefixPlan:
+    def plan(self, decode_tokens: np.ndarray, min_group_rows: int = 2) -> TreePlan:
         """Groups (MaximizeReuse) and the run order (see the module doc)."""
         return _plan_tree(self, decode_tokens, min_group_rows)
 
 
-def _plan_tree(tree: PrefixTree, decode_tokens: np.ndarray, min_group_rows: int) -> PrefixPlan:
+def _plan_tree(tree: PrefixTree, decode_tokens: np.ndarray, min_group_rows: int) -> TreePlan:
     lengths, block_size, levels, source, copies = tree.lengths, tree.block_size, tree.levels, tree.source, tree.copies
     n = lengths.size
     decode_tokens = np.asarray(decode_tokens, dtype=np.int64)
@@ -347,7 +285,7 @@ def _plan_tree(tree: PrefixTree, decode_tokens: np.ndarray, min_group_rows: int)
         raise ValueError(f"decode_tokens has {decode_tokens.size} entries for {n} rows")
     if n == 0:
         empty = np.zeros(0, dtype=np.int64)
-        return PrefixPlan(block_size, lengths, decode_tokens, empty, empty, empty, empty, empty, 0)
+        return TreePlan(block_size, lengths, decode_tokens, empty, empty, empty, empty, empty, 0)
 
     if copies.any():  # a copy decodes nothing
         decode_tokens = np.where(copies, 0, decode_tokens)
@@ -379,7 +317,7 @@ def _plan_tree(tree: PrefixTree, decode_tokens: np.ndarray, min_group_rows: int)
     order = dfs[np.argsort(group_in_dfs, kind="stable")]
     del dfs, group_in_dfs
 
-    plan = PrefixPlan(
+    plan = TreePlan(
         block_size=block_size,
         lengths=lengths,
         decode_tokens=decode_tokens,
