@@ -13,7 +13,7 @@ import hashlib
 import json
 import sys
 
-SHAPES = ["groups", "nested", "templates", "duplicates", "kv_bound", "fields", "short"]
+SHAPES = ["groups", "nested", "templates", "duplicates", "kv_bound", "fields", "short", "long_budget"]
 
 
 def _digest(values) -> str:
