@@ -10,21 +10,17 @@ from batchllm_dagster.asset_specs import warehouse as job_warehouse
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.forecast import NightForecast, forecast_night
 from batchllm_dagster.instance_limits import warn_if_unlimited
-from batchllm_dagster.layout import this_run
+from batchllm_dagster.layout import JobFiles, this_run
 from batchllm_dagster.metadata import plan_metadata
 from batchllm_dagster.night_guards import refuse_a_costly_night
 from batchllm_dagster.night_log import say
+from batchllm_dagster.output_table import OutputTable
 from batchllm_dagster.partitions import JobShards, by_hardware, sync_partitions
-from batchllm_dagster.shard_sizing import (
-    Measured,
-    ShardSize,
-    last_partitions_metadata,
-    measured_by_hardware,
-    shard_size,
-)
+from batchllm_dagster.shard_sizing import Measured, last_partitions_metadata, measured_by_hardware, shard_size
 from engine.atomic import Staged
 from engine.jobs.plan_job import PlanJob, StoredAnswers
 from engine.machine import current_platform
+from engine.model_context import ModelContext
 from engine.models import preparation_notice
 from engine.plan.answer_lengths import AnswerLengths, learned_lengths, why_not_learned
 from engine.plan.plan_stamp import ANSWER_STAMP_KEYS
@@ -36,32 +32,32 @@ from engine.settings import fingerprint
 from engine.table.dataset import DatasetError
 
 
-def remove_deleted_answers(config: BatchJobConfig, warehouse, keys: list[str]) -> int:
+def remove_deleted_answers(output: OutputTable, files: JobFiles, keys: list[str]) -> int:
     """The output keeps only rows the plan has: answers of ids not in the plan just written leave
     the DuckDB table, and a removed partition's Parquet file goes (a kept partition key has the same
     ids, so its file holds no deleted id; the live rows of a removed one stay in DuckDB for their new
     shard to reuse). Returns the answers removed from the table."""
-    removed = config.output(warehouse).remove_answers_not_in(PlanFile.open(config.files.plan_path).ids())
+    removed = output.remove_answers_not_in(PlanFile.open(files.plan_path).ids())
     live = set(keys)
-    for path in config.files.completions_dir.glob("*.parquet"):
+    for path in files.completions_dir.glob("*.parquet"):
         if path.stem not in live:
             path.unlink(missing_ok=True)
     return removed
 
 
-def trim_kept_files(config: BatchJobConfig, kept: dict[int, str], rows_by_shard: list[int]) -> int:
+def trim_kept_files(files: JobFiles, keep_deleted_answers: bool, kept: dict[int, str], rows_by_shard: list[int]) -> int:
     """Each kept partition's Parquet file without the rows that left it (an edited row, answered
     again in a shard of its own tonight; a deleted one, unless ``keep_deleted_answers``): a file
     never holds an answer the table no longer has there. Only files holding more rows than their
     shard now has are read; returns how many were rewritten."""
-    plan, trimmed = PlanFile.open(config.files.plan_path), 0
+    plan, trimmed = PlanFile.open(files.plan_path), 0
     for shard, key in kept.items():
-        path = config.files.completions_parquet_path(key)
+        path = files.completions_parquet_path(key)
         if not path.exists() or pq.ParquetFile(path).metadata.num_rows <= rows_by_shard[shard]:
             continue
         held = pq.read_table(path)
         keep = pc.is_in(held.column("id"), value_set=plan.ids_of(key))
-        if config.keep_deleted_answers:  # answers of deleted rows stay: those of rows planned elsewhere go
+        if keep_deleted_answers:  # answers of deleted rows stay: those of rows planned elsewhere go
             keep = pc.or_(keep, pc.invert(pc.is_in(held.column("id"), value_set=plan.ids_among(held.column("id")
                                                                                                .combine_chunks()))))
         with Staged(path) as staged:
@@ -70,43 +66,41 @@ def trim_kept_files(config: BatchJobConfig, kept: dict[int, str], rows_by_shard:
     return trimmed
 
 
-def stored_answers(config: BatchJobConfig, warehouse, settings) -> StoredAnswers:
+def stored_answers(config: BatchJobConfig, output: OutputTable, settings) -> StoredAnswers:
     """What the plan compares to know which rows are answered: the output table's answer keys, and
     the settings fingerprint a shard of each hardware partition's platform would record (on the
     settings the plan file gives its shards: ``plan_settings``' block size and context length)."""
     runs_with = config.engine_settings({"block_size": settings.with_block_size().block_size,
                                         "max_model_len": settings.max_model_len})
     platforms = {h.platform or config.plan_platform or current_platform() for h in config.hardware}
-    return StoredAnswers(config.output(warehouse).export_answers,
+    return StoredAnswers(output.export_answers,
                          sorted({current_settings_fingerprint(runs_with, config.sampling, p) for p in platforms}))
 
 
-def refuse_an_unreachable_ray(config: BatchJobConfig) -> None:
+def refuse_an_unreachable_ray(job: str, workers: TokenizeWorkers) -> None:
     """The job's tokenize workers' Ray address, reached first (``ray_address``): a failure in seconds."""
     try:
-        TokenizeWorkers(config.tokenize_workers, config.ray_address).check_reachable()
+        workers.check_reachable()
     except RayUnreachable as exc:
-        raise dg.Failure(f"{config.name}: {exc}", allow_retries=False) from None
+        raise dg.Failure(f"{job}: {exc}", allow_retries=False) from None
 
 
-def before_the_plan(config: BatchJobConfig, warehouse, log) -> None:
+def before_the_plan(output: OutputTable, model: str, log) -> None:
     """A renamed output table's answers carried to its new name (before anything reads them), and a
     built-in model's preparation said before the step spends a minute on it."""
-    carried = config.output(warehouse).carry_renamed()
+    carried = output.carry_renamed()
     if carried:
         log.warning(carried)
-    notice = preparation_notice(config.llm.model_path)
+    notice = preparation_notice(model)
     if notice:
         log.info(notice)
 
 
-def say_the_context(config: BatchJobConfig, log):
+def say_the_context(row_context: ModelContext, log) -> None:
     """The context the plan checks rows against, and where it came from, in the plan step's log: a
     warning where vLLM's fallback stands in for a length the model's config does not name."""
-    row_context = config.plan_context()
     (log.warning if row_context.assumed else log.info)(
         f"a row may hold {row_context.tokens:,} tokens, prompt and answer: {row_context.source}")
-    return row_context
 
 
 def what_runs(made, trimmed: int) -> str:
@@ -125,22 +119,10 @@ def answers_version(stamp: dict[str, str]) -> dg.DataVersion:
                                        if key.encode() in ANSWER_STAMP_KEYS}))
 
 
-def measured_on_hardware(instance: dg.DagsterInstance, config: BatchJobConfig) -> dict[str, Measured]:
-    """What the last nights' partitions measured on each hardware partition (``shard_sizing``)."""
-    return measured_by_hardware(last_partitions_metadata(instance, config.names.asset_key("completions")))
-
-
-def measured_shard_size(config: BatchJobConfig, measured: dict[str, Measured]) -> ShardSize | None:
-    """The shard size the last nights measured (``shard_sizing``), unless the job sets one."""
-    if config.shards is not None or config.rows_per_shard is not None:
-        return None
-    return shard_size(measured)
-
-
-def learned_answer_lengths(config: BatchJobConfig, warehouse, log) -> AnswerLengths | None:
+def learned_answer_lengths(output: OutputTable, log) -> AnswerLengths | None:
     """What the job's answers took on the last nights (``answer_lengths``): the output admission counts
     its rows at and the forecast expects, said in the plan step's log."""
-    rows, percentile, mean, at_limit = config.output(warehouse).answer_lengths()
+    rows, percentile, mean, at_limit = output.answer_lengths()
     lengths = learned_lengths(rows, percentile, mean, at_limit)
     log.info(f"answer lengths: {lengths.describe()}: admission counts a row's output so, never above its max_tokens"
              if lengths else f"answer lengths: {why_not_learned(rows, at_limit)}")
@@ -166,14 +148,13 @@ def forecast_within_budget(config: BatchJobConfig, made, measured: dict[str, Mea
     return forecast
 
 
-def publish(config: BatchJobConfig, job: PlanJob, made, stamp: dict[str, str], plan_run: str,
-            lengths: AnswerLengths | None) -> int:
+def publish(name: str, job: PlanJob, made, plan_run: str, counted_for: str, lengths: AnswerLengths | None) -> int:
     """The plan file written (``PlanJob.write``); its bytes. A plan made while the prompts it was made
     from changed is not written: the step fails saying so (a retry plans from the new snapshot)."""
     try:
-        return job.write(made, stamp, plan_run, config.plan_counts_for.value, lengths)
+        return job.write(made, plan_run, counted_for, lengths)
     except StalePlan as stale:
-        raise dg.Failure(f"{config.name}: {', '.join(stale.reasons)} changed while this plan was being made "
+        raise dg.Failure(f"{name}: {', '.join(stale.reasons)} changed while this plan was being made "
                          "(prompts materialized meanwhile?): no plan written; materialize prefix_groups again"
                          ) from None
 
@@ -181,13 +162,15 @@ def publish(config: BatchJobConfig, job: PlanJob, made, stamp: dict[str, str], p
 def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitionsDefinition) -> dg.AssetsDefinition:
     """The prefix_groups asset: its step is a closure over ``config`` (Dagster's decorator);
     ``make_plan`` is that step's one sequence under the plan lock."""
+    name, files, workers = config.name, config.files, TokenizeWorkers(config.tokenize_workers, config.ray_address)
+
     # Its pool: one plan step of this job at a time.
     @dg.asset(**asset_args(config, "prefix_groups", config.plan_code_version()))
     def prefix_groups(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         # One plan of this job at a time in any instance (the plan pool needs an instance's limits):
         # a second waits, then plans from the snapshot as it is then.
         warn_if_unlimited(context)
-        refuse_an_unreachable_ray(config)  # before any lock: the wait would hold every shard's write
+        refuse_an_unreachable_ray(name, workers)  # before any lock: the wait would hold every shard's write
         with config.plan_lock(f"a plan being made ({this_run(context)})"):
             return make_plan(context)
 
@@ -195,42 +178,38 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         """Files checked, the guards, the plan (``PlanJob``), the plan file, partitions, removals:
         one sequence, in this order, under the plan lock."""
         warehouse = job_warehouse(config, context)
-        before_the_plan(config, warehouse, context.log)
-        settings = config.plan_settings()  # counted as the shards' hardware runs, not this machine
-        row_context = say_the_context(config, context.log)
-        job = PlanJob(config.files.prompts_path, config.files.plan_path, config.files.token_cache_dir, settings,
-                      config.sampling, config.scheduler, config.dataset.columns, context.log.warning,
-                      TokenizeWorkers(config.tokenize_workers, config.ray_address),
-                      stamp_now=lambda: config.plan_stamp(settings))
+        output = config.output(warehouse)
+        before_the_plan(output, config.llm.model_path, context.log)
+        row_context = config.plan_context()
+        say_the_context(row_context, context.log)
+        job = PlanJob(files.prompts_path, files.plan_path, files.token_cache_dir,
+                      config.plan_settings(),  # counted as the shards' hardware runs, not this machine
+                      config.sampling, config.scheduler, config.dataset.columns, context.log.warning, workers)
         try:
             job.check_files()
         except DatasetError as exc:
-            raise dg.Failure(f"{config.name}: {exc}", allow_retries=False) from None
-        # What the plan is made from, read before the rows and checked again before the plan is
-        # written: a prompts materialization landing meanwhile would otherwise give a plan of old
-        # rows under the new snapshot's stamp.
-        stamp = config.plan_stamp(settings)
+            raise dg.Failure(f"{name}: {exc}", allow_retries=False) from None
         refuse_a_costly_night(config, warehouse, job.read_ids())  # the ids let go after: the plan reads its own
-        measured = measured_on_hardware(context.instance, config)
-        lengths = learned_answer_lengths(config, warehouse, context.log)
-        size = measured_shard_size(config, measured)
-        naming = JobShards(config, size.rows_per_shard if size else None)
-        with job.plan(naming, context.log.info, stored_answers(config, warehouse, settings)) as made:
+        measured = measured_by_hardware(last_partitions_metadata(context.instance,
+                                                                 config.names.asset_key("completions")))
+        lengths = learned_answer_lengths(output, context.log)
+        size = None if config.sets_shard_size else shard_size(measured)  # the size the last nights measured
+        with job.plan(JobShards(config, size.rows_per_shard if size else None), context.log.info,
+                      stored_answers(config, output, job.settings)) as made:
             forecast = forecast_within_budget(config, made, measured, lengths, context.log)  # refused: nothing written
-            plan_bytes = publish(config, job, made, stamp, context.run.run_id, lengths)
-            config.output(warehouse).replace_groups(made.groups_table(lambda s: config.hardware_of_shard(s).name))
+            plan_bytes = publish(name, job, made, context.run.run_id, config.plan_counts_for.value, lengths)
+            output.replace_groups(made.groups_table(lambda s: config.hardware_of_shard(s).name))
         used = made.used_keys
         added, removed = sync_partitions(context.instance, config.names.partitions_name, by_hardware(config, used))
-        removed_answers = 0 if config.keep_deleted_answers else remove_deleted_answers(config, warehouse, used)
-        trimmed = trim_kept_files(config, made.kept, made.rows_by_shard)
+        removed_answers = 0 if config.keep_deleted_answers else remove_deleted_answers(output, files, used)
+        trimmed = trim_kept_files(files, config.keep_deleted_answers, made.kept, made.rows_by_shard)
         # A removed key's checkpoint stays while it holds answers the new plan's shards can reuse.
-        config.files.checkpoints.prune(OutputTableStore(config, warehouse, context.log),
-                                       PlanFile.open(config.files.plan_path))
+        files.checkpoints.prune(OutputTableStore(config, warehouse, context.log), PlanFile.open(files.plan_path))
         context.log.info(f"{made.counts['groups']} groups in {len(used)} shards; partitions added {added}, "
                          f"removed {removed}; plan {plan_bytes} bytes; shard size: "
                          f"{size.why if size else 'set by the job'}")
         context.log.info(what_runs(made, trimmed))
-        return dg.MaterializeResult(data_version=answers_version(stamp), metadata={
+        return dg.MaterializeResult(data_version=answers_version(made.stamp), metadata={
             **plan_metadata(made, plan_bytes, removed_answers, size),
             "context_len": row_context.tokens, "context_source": row_context.source, **forecast.metadata()})
 

@@ -240,6 +240,12 @@ class JobSpec(BaseModel):
                     f"would run them so. Add `platform: cuda` to it (hardware: [{{name: {partition.name}, platform: "
                     "cuda}]), or `platform: cpu` where its machines have no GPU")
 
+    @property
+    def sets_shard_size(self) -> bool:
+        """Whether the job sets its shards' size (``shards`` or ``rows_per_shard``): else the plan
+        takes the size the last nights measured (``shard_sizing``)."""
+        return self.shards is not None or self.rows_per_shard is not None
+
     def shard_count(self, rows: int, measured_rows_per_shard: int = FIRST_NIGHT_ROWS_PER_SHARD) -> int:
         """``shards`` when set, else derived from the batch: ~rows_per_shard rows each (the job's, else
         ``measured_rows_per_shard``: see ``shard_sizing``), every hardware partition used, never more
@@ -321,10 +327,9 @@ class BatchJobConfig(JobSpec):
     def plan_stamp(self, settings: EngineSettings) -> dict[str, str]:
         """The job's plan stamp as it is now (``settings``: the job's, model resolved): the model's
         content, the prompt snapshot (``engine.table.prompt_snapshot``), and the settings that shape a plan."""
-        from engine.plan.plan_stamp import plan_stamp
-        from engine.table.prompt_snapshot import snapshot_digest
+        from engine.plan.plan_stamp import job_stamp
 
-        return plan_stamp(settings.model_path, snapshot_digest(self.files.prompts_path), self.plan_shaping(settings))
+        return job_stamp(self.files.prompts_path, settings, self.sampling, self.scheduler, self.dataset.columns)
 
     def plan_code_version(self) -> str:
         # The model settings whole (their context length is resolved only with the model), what

@@ -115,17 +115,17 @@ def main() -> None:
 def plan_stages() -> list[tuple[object, str, str]]:
     """The plan step's stages the peak is counted under: (owner, name, stage)."""
     import engine.jobs.plan_job as plan_job
-    import engine.plan.plan_on_disk as plan_on_disk
+    import engine.plan.plan_database as plan_database
     import engine.plan.token_cache as token_cache
 
-    disk = plan_on_disk.PlanOnDisk
+    disk = plan_database.PlanDatabase
     return [
         (plan_job.PlanJob, "_plan", "plan step, between stages"),
-        (plan_job.PlanJob, "read_ids", "snapshot ids"), (disk, "load_ids", "ids into the plan's database"),
+        (plan_job.PlanJob, "read_ids", "snapshot ids"), (disk, "_load_ids", "ids into the plan's database"),
         (plan_job.TokenCache, "rows_for", "token cache rows"),
         (disk, "load_chains", "chains into the plan's database"), (plan_job, "check_rows", "row checks"),
-        (disk, "duplicate_sets", "identical rows"), (disk, "load_rows", "rows into the plan's database"),
-        (disk, "make", "plan"), (disk, "shard", "shards"),
+        (disk, "_duplicate_sets", "identical rows"), (disk, "_load_rows", "rows into the plan's database"),
+        (disk, "_make", "plan"), (disk, "_shard", "shards"),
         (plan_job, "write_plan", "plan file"),
         (plan_job.JobPlan, "groups_table", "groups table"),
         (plan_job.TokenCache, "_tokenize", "tokenizing"), (token_cache, "tokenize_rows", "tokenizer"),

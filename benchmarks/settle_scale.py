@@ -1,4 +1,4 @@
-"""What settling a night's answered rows costs the plan step at scale (``PlanOnDisk.settle``): the
+"""What settling a night's answered rows costs the plan step at scale (``plan_database.Checked.settle``): the
 query that joins tonight's rows, the previous plan and the output table's export, and computes every
 row's answer key in DuckDB. Synthetic tables of ROWS rows (every row answered, 1% edited), in the
 plan's own database and memory limit; prints one JSON line (seconds, rows settled, peak RSS).
@@ -27,14 +27,14 @@ def main() -> None:
     rows, shards = parser.parse_args().rows, parser.parse_args().shards
 
     from engine.plan.answer_keys import key_sql
-    from engine.plan.plan_on_disk import PlanOnDisk
+    from engine.plan.plan_database import Checked, PlanDatabase
     from engine.plan.plan_table import PlanRows
 
     fp = "0123456789abcdef"
     with tempfile.TemporaryDirectory() as folder:
         work = Path(folder)
-        disk = PlanOnDisk(work / "plan", 32)
-        con = disk.con
+        database = PlanDatabase(work / "plan", 32)
+        con = database.con
         con.execute(f"""CREATE TABLE row_ids AS SELECT i AS row, i AS id,
                             unhex(md5(i::VARCHAR))::BLOB AS key FROM range({rows}) t(i)""")
         con.execute(f"CREATE TABLE row_budgets AS SELECT i AS row, 0::BIGINT AS length, 16::BIGINT AS max_tokens "
@@ -49,9 +49,9 @@ def main() -> None:
                                      'cpu-' || (i.row // {per_shard}) AS partition_key FROM row_ids i)
                         TO '{work / "answers.parquet"}' (FORMAT parquet)""")
         started = time.perf_counter()
-        settled = disk.settle(work / "previous.parquet", work / "answers.parquet", [fp], PlanRows({}, {}))
+        settled = Checked(database, rows).settle(work / "previous.parquet", work / "answers.parquet", [fp], PlanRows({}, {}))
         seconds = time.perf_counter() - started
-        disk.close()
+        database.close()
     print(json.dumps({"rows": rows, "settled": settled, "settle_s": round(seconds, 2),
                       "process_peak_rss_bytes": _peak_rss()}))
 

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.plan import plan_on_disk
+from engine.plan import plan_database
+from engine.plan.block_hashes import RowBlocks
 from engine.plan.duplicates import (
     NO_SET,
     answer_sources,
@@ -20,7 +21,7 @@ from engine.plan.duplicates import (
     lowest_row_of_set,
     token_keys,
 )
-from engine.plan.plan_on_disk import PlanOnDisk
+from engine.plan.plan_database import PlanDatabase
 from engine.plan.plan_table import prepared_batch, rows_table
 from engine.plan.prepared import plan_tokenized
 from engine.plan.tokenizing import TokenizedBatch
@@ -104,6 +105,21 @@ def test_duplicate_sets_are_the_rows_equal_in_key_max_tokens_and_format(rows):
     assert duplicate_sets(sliced, max_tokens, as_column, ok).tolist() == got.tolist()  # a snapshot's column
 
 
+class _NoBlocks:
+    """Rows too short for a block, as the token cache's rows give their chains (``row_batches``)."""
+
+    def __init__(self, rows: int):
+        self.blocks = RowBlocks(BLOCK, np.zeros(rows, dtype=np.int64), np.zeros(0, np.uint64))
+        self.lengths = self.blocks.lengths
+
+    def row_batches(self, batch_rows: int):
+        for lo in range(0, self.lengths.size, batch_rows):
+            rows = np.arange(lo, min(lo + batch_rows, self.lengths.size))
+            yield pa.record_batch([pa.array(rows), pa.array(self.lengths[rows]),
+                                   pa.array([[]] * rows.size, pa.large_list(pa.uint64()))],
+                                  names=["row", "length", "hashes"])
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 2), st.sampled_from([None, "a", "b"]), st.booleans()),
                 max_size=40), st.integers(1, 7))
@@ -113,17 +129,18 @@ def test_a_plan_on_disk_finds_the_same_sets_and_plans_each_from_its_first_row(ro
     formats = pa.array([f for *_, f, _ in rows], pa.string())
     ok = np.array([r for *_, r in rows], dtype=bool)
     expected = duplicate_sets(keys, max_tokens, formats, ok)
-    with tempfile.TemporaryDirectory() as folder, mock.patch.object(plan_on_disk, "_BATCH_ROWS", batch_rows):
+    with tempfile.TemporaryDirectory() as folder, mock.patch.object(plan_database, "_BATCH_ROWS", batch_rows):
         snapshot = Path(folder) / "prompts.parquet"  # the keys in row groups of batch_rows, as a snapshot's
         pq.write_table(pa.table({"id": [f"r{i}" for i in range(len(rows))], CONTENT_KEY: keys}), snapshot,
                        row_group_size=batch_rows)
-        disk = PlanOnDisk(Path(folder) / "plan", BLOCK)
+        database = PlanDatabase(Path(folder) / "plan", BLOCK)
         try:
-            assert disk.load_ids(snapshot, "id") == len(rows)
-            assert disk.duplicate_sets(max_tokens, formats, ok).tolist() == expected.tolist()
-            sources = dict(disk.con.execute("SELECT row, source FROM duplicate_rows").fetchall())
+            loaded = database.load_chains(_NoBlocks(len(rows))).load_ids(snapshot, "id")
+            assert loaded.rows == len(rows)
+            assert loaded.duplicate_sets(max_tokens, formats, ok).tolist() == expected.tolist()
+            sources = dict(database.con.execute("SELECT row, source FROM duplicate_rows").fetchall())
         finally:
-            disk.close()
+            database.close()
     n = len(rows)
     assert sources == {r: s for r, s in enumerate(lowest_row_of_set(expected, n)) if expected[r] != NO_SET}
 

@@ -133,7 +133,7 @@ def test_the_plan_on_disk_is_the_plan_in_memory_on_a_first_night_and_after_edits
         meta = pq.read_table(job.snapshot).drop_columns(["prompt", "messages"])
         previous = _previous_shards(job.plan_path, meta.column("id"))
         with job.plan(Naming(shards), print) as made:
-            job.write(made, {"batchllm.snapshot": str(night)}, f"run-{night}")
+            job.write(made, f"run-{night}")
             groups = made.groups_table(lambda shard: "cpu")
             summary = made.summary()
         assert not list(tmp_path.glob(".plan_work*"))  # the plan's database is gone with the block
@@ -161,7 +161,7 @@ def test_a_plan_out_of_memory_says_where_and_what_it_needs_and_leaves_the_last_p
     """DuckDB out of its memory (or of disk: the same words) ends the step with where the plan's
     database was and what a plan needs there, not a bare DuckDB error; the plan on disk is untouched
     and no scratch folder is left."""
-    import engine.plan.plan_on_disk as plan_on_disk
+    import engine.plan.plan_database as plan_database
     import engine.plan.sorted_plan as sorted_plan
     import engine.table.dataset as dataset
 
@@ -170,20 +170,20 @@ def test_a_plan_out_of_memory_says_where_and_what_it_needs_and_leaves_the_last_p
                   SamplingSettings(max_tokens=5), SchedulerSettings(min_group_rows=2), Columns(), print)
     pq.write_table(_night(0, 300), job.snapshot)
     with job.plan(Naming(2), print) as made:
-        job.write(made, {"batchllm.snapshot": "0"}, "run-0")
+        job.write(made, "run-0")
     before = job.plan_path.read_bytes()
     monkeypatch.setattr(sorted_plan, "PLAN_MEMORY_MIB", 1)
     monkeypatch.setattr(dataset, "DUCKDB_MEMORY_PER_THREAD_MIB", 0)
-    with pytest.raises(plan_on_disk.PlanResourcesError, match=r"ran out of memory: .*free disk per million rows"):
+    with pytest.raises(plan_database.PlanResourcesError, match=r"ran out of memory: .*free disk per million rows"):
         with job.plan(Naming(2), print) as made:
-            job.write(made, {"batchllm.snapshot": "1"}, "run-1")
+            job.write(made, "run-1")
     assert job.plan_path.read_bytes() == before and not list(tmp_path.glob(".plan_work*"))
 
 
 def test_a_snapshot_replaced_while_the_plan_reads_it_stops_the_plan_loudly(tmp_path, tiny_model, monkeypatch):
     """The step reads the snapshot more than once (its keys for the lookup, its ids into the plan's
     database): one replaced between the reads is refused by name, not planned from two snapshots."""
-    import engine.plan.plan_on_disk as plan_on_disk
+    import engine.plan.plan_database as plan_database
     from engine.table.dataset import DatasetError
 
     settings = EngineSettings(model_path=tiny_model, block_size=8, max_model_len=256)
@@ -191,13 +191,13 @@ def test_a_snapshot_replaced_while_the_plan_reads_it_stops_the_plan_loudly(tmp_p
                   SamplingSettings(max_tokens=5), SchedulerSettings(min_group_rows=2), Columns(), print)
     night = _night(0, 60)
     pq.write_table(night, job.snapshot)
-    load_chains = plan_on_disk.PlanOnDisk.load_chains
+    load_chains = plan_database.PlanDatabase.load_chains
 
     def replaced_meanwhile(self, chains):
         pq.write_table(night.slice(5), job.snapshot)  # the next night's, 5 rows fewer
         return load_chains(self, chains)
 
-    monkeypatch.setattr(plan_on_disk.PlanOnDisk, "load_chains", replaced_meanwhile)
+    monkeypatch.setattr(plan_database.PlanDatabase, "load_chains", replaced_meanwhile)
     with pytest.raises(DatasetError, match="changed while it was read: plan again"):
         with job.plan(Naming(2), print):
             pass
@@ -232,7 +232,7 @@ def test_a_night_after_keeps_answered_shards_and_gathers_the_rows_to_run_into_fe
     def night(table: pa.Table, fps=("ab12",)):
         pq.write_table(table, job.snapshot)
         with job.plan(Naming(5), print, StoredAnswers(export, list(fps))) as made:
-            job.write(made, {"batchllm.snapshot": str(len(stored))}, f"run-{len(stored)}")
+            job.write(made, f"run-{len(stored)}")
             return made.keys_to_run, made.summary(), dict(zip(*(pq.read_table(job.plan_path)[c].to_pylist()
                                                                 for c in ("id", "partition_key"))))
 
@@ -283,7 +283,7 @@ def test_a_killed_plans_scratch_database_goes_with_the_next_plan_however_young(t
     (killed / "plan.duckdb").write_bytes(b"\0" * 1024)
     with job.plan(Naming(2), print) as made:
         assert not killed.exists()
-        job.write(made, {"batchllm.snapshot": "0"}, "run-0")
+        job.write(made, "run-0")
     assert not list(tmp_path.glob(".plan_work*"))
 
 

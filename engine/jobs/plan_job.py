@@ -1,6 +1,6 @@
 """A job's plan step, the same way wherever it runs (the ``prefix_groups`` asset; ``ShardJob``'s
 counterpart): the prompt snapshot's rows through the token cache, the plan over the whole batch made
-on disk (``engine.plan.plan_on_disk``), its shards and their keys, and the plan file, with one
+on disk (``engine.plan.plan_database``), its shards and their keys, and the plan file, with one
 summary that the asset's metadata, ``batchllm plan`` and the bench all print (``plan_summary``).
 
 The caller keeps what is its own: its lock, the guards that refuse a night, how many shards and
@@ -23,8 +23,8 @@ from ..atomic import Staged
 from ..damaged import read_by_row_group, readable_or_set_aside
 from ..plan.answer_lengths import AnswerLengths
 from ..plan.duplicates import count_duplicates
-from ..plan.plan_on_disk import PlanOnDisk
-from ..plan.plan_stamp import stale_reasons
+from ..plan.plan_database import Checked, PlanDatabase, Sharded
+from ..plan.plan_stamp import job_stamp, stale_reasons
 from ..plan.plan_table import (
     PlanRows,
     StalePlan,
@@ -105,14 +105,14 @@ class StoredAnswers:
 
 @dataclass(frozen=True)
 class JobPlan:
-    """A plan made, not yet published: its database (``PlanOnDisk``, open while ``PlanJob.plan``'s
+    """A plan made, not yet published: its database (``Sharded``, open while ``PlanJob.plan``'s
     block runs: every row's id, key and place in the plan), the columns of the plan file it does
-    not hold, its shards' totals and keys."""
+    not hold, its shards' totals and keys, and what it was made from (``stamp``)."""
 
-    disk: PlanOnDisk
+    database: Sharded
     rows: PlanRows
     counts: dict  # the summary (``summary``), less the shards'
-    shards: ShardTotals
+    stamp: dict[str, str]  # the model's content, the snapshot's digest, the settings (``plan_stamp``)
     keys: list[str]  # each shard's partition key
     rows_by_shard: list[int]  # each shard's rows
     kept: dict[int, str] = field(default_factory=dict)  # shards whose rows are all answered: never run
@@ -129,13 +129,17 @@ class JobPlan:
         kept = set(self.kept.values())
         return [key for key in self.used_keys if key not in kept]
 
+    @property
+    def shards(self) -> ShardTotals:
+        return self.database.totals
+
     def summary(self) -> dict:
         return {**self.counts, "shards": len(self.used_keys), "shards_to_run": len(self.keys_to_run),
                 "split_groups": self.shards.split_groups}
 
     def groups_table(self, hardware_of_shard: Callable[[int], str]) -> pa.Table:
         """One row per group: its shard, prefix length, rows and estimated tokens."""
-        groups = self.disk.groups()
+        groups = self.database.groups()
         shard = groups.column("shard").to_pylist()
         return pa.table({
             "group": groups.column("group"),
@@ -149,7 +153,7 @@ class JobPlan:
 
     def plan_tables(self, metadata: dict[str, str]):
         """The plan file's tables, a shard (or part of one) at a time, in shard order (``write_plan``)."""
-        for shard, rows in self.disk.shard_rows("row"):
+        for shard, rows in self.database.shard_rows("row"):
             if rows.num_rows or shard == 0:  # an empty plan is one empty table: the file's schema
                 column = {name: rows.column(name).to_numpy() for name in
                           ("row", "position", "grp", "prefix_tokens", "max_tokens", "duplicate_set")}
@@ -162,7 +166,10 @@ class JobPlan:
 class PlanJob:
     """The plan step of one job's files (``snapshot``, ``plan_path``, the token cache under
     ``token_cache_dir``) on its settings (``settings``: the model resolved, counted in the block
-    size and context length its shards run at). ``warn``: told of a damaged file set aside."""
+    size and context length its shards run at). ``warn``: told of a damaged file set aside. What
+    it is made from, its stamp (``stamp``), is read when a plan begins and again before it is
+    written: a prompts snapshot landing meanwhile must not publish a plan of old rows under the new
+    snapshot's stamp."""
 
     snapshot: Path
     plan_path: Path
@@ -173,9 +180,6 @@ class PlanJob:
     columns: Columns
     warn: Callable[[str], None]
     tokenize_workers: TokenizeWorkers = TokenizeWorkers()  # where a night's new rows are tokenized
-    # What the plan is made from now (its stamp, read again before the write: a prompts snapshot
-    # landing meanwhile must not publish a plan of old rows under the new snapshot's stamp)
-    stamp_now: Callable[[], dict[str, str]] | None = None
     cache: TokenCache = field(init=False)
 
     def __post_init__(self) -> None:
@@ -191,6 +195,10 @@ class PlanJob:
                                      "materialize prompts to take it again", self.warn):
             raise DatasetError("the prompt snapshot was damaged (set aside): materialize prompts, then prefix_groups "
                                "(the plan job does both)")
+
+    def stamp(self) -> dict[str, str]:
+        """What a plan of the job is made from, as it is now (``plan_stamp.job_stamp``)."""
+        return job_stamp(self.snapshot, self.settings, self.sampling, self.scheduler, self.columns)
 
     def read_ids(self) -> pa.ChunkedArray:
         """The snapshot's ids (what the guards before a plan compare with the answers)."""
@@ -215,53 +223,53 @@ class PlanJob:
         made:``, its database in a staging folder beside the plan, removed when the block ends (a
         killed plan's by the next, at once: the caller holds the job's plan lock). With ``answers``,
         the rows already answered as planned tonight keep their shards, which are not run again, and
-        only the rest are cut into new shards (``PlanOnDisk.settle``); without, every shard is cut,
+        only the rest are cut into new shards (``Checked.settle``); without, every shard is cut,
         kept from the plan on disk where it can be."""
+        stamp = self.stamp()  # before the rows are read: ``write`` compares it with the stamp then
         settings = self.settings.with_block_size()  # a plan counts in whole KV blocks
         # The caller holds the job's plan lock (the asset does): a scratch database beside it is a
         # killed plan's, however young, and goes now (~0.5 GB per million rows).
         with Staged(self.plan_path.with_name("plan_work"), sole_writer=True) as work:
-            disk = PlanOnDisk(work.path, settings.block_size)
+            database = PlanDatabase(work.path, settings.block_size)
             try:
-                yield self._plan(disk, settings, naming, progress, answers)
+                yield self._plan(database, settings, stamp, naming, progress, answers)
             finally:
-                disk.close()
+                database.close()
                 work.discard()
 
-    def _plan(self, disk: PlanOnDisk, settings: EngineSettings, naming: ShardNaming, progress: Callable[[str], None],
-              answers: StoredAnswers | None) -> JobPlan:
+    def _plan(self, database: PlanDatabase, settings: EngineSettings, stamp: dict[str, str], naming: ShardNaming,
+              progress: Callable[[str], None], answers: StoredAnswers | None) -> JobPlan:
         tokenizer = LazyTokenizer(self.settings.model_path)  # loaded only if a row is new or changed
         pa.default_memory_pool().release_unused()  # what reading the snapshot's ids (the guards) left in Arrow's pool
         with self.cache.rows_for(self.snapshot, tokenizer, self.columns, settings.block_size, progress=progress,
                                  still_needed=lambda: plan_content_keys(self.plan_path),
                                  workers=self.tokenize_workers) as rows:
             started = time.perf_counter()
-            lengths = disk.load_chains(rows.chains)  # while the cache's parts are sure to be there
+            chained = database.load_chains(rows.chains)  # while the cache's parts are sure to be there
             chains_s = time.perf_counter() - started
         pa.default_memory_pool().release_unused()  # Arrow keeps what the lookup freed: the planner's peak follows
-        count_rows = disk.load_ids(self.snapshot, self.columns.id)  # ids and keys in the database, not here
-        if count_rows != lengths.size:  # replaced meanwhile (the stamp would refuse the plan too)
-            raise DatasetError(f"the prompt snapshot {self.snapshot} changed while it was read: plan again")
-        checked = check_rows(self._check_columns(), lengths, rows.errors, settings, self.sampling, self.columns,
-                             find_duplicates=disk.duplicate_sets)
+        loaded = chained.load_ids(self.snapshot, self.columns.id)  # ids and keys in the database, not here
+        del chained
+        found = check_rows(self._check_columns(), loaded.lengths, rows.errors, settings, self.sampling, self.columns,
+                           find_duplicates=loaded.duplicate_sets)
         started = time.perf_counter()
-        disk.load_rows(lengths, checked)  # budgets and duplicate sets now in the database: let go of the arrays
-        plan_rows = PlanRows(checked.errors, format_texts(checked.formats))
-        del lengths, checked
-        previous = previous_plan(self.plan_path, disk.id_type)
-        settled = self._settle(disk, previous, answers, plan_rows, naming) if previous is not None else 0
-        disk.make(self.scheduler.min_group_rows)
+        checked = loaded.checked(found)  # budgets and duplicate sets now in the database: let go of the arrays
+        plan_rows = PlanRows(found.errors, format_texts(found.formats))
+        del loaded, found
+        previous = previous_plan(self.plan_path, checked.id_type)
+        settled = self._settle(checked, previous, answers, plan_rows, naming) if previous is not None else 0
+        planned = checked.plan(self.scheduler.min_group_rows)
         plan_s = chains_s + time.perf_counter() - started
-        kept = disk.kept_keys()
-        shards = disk.shard(naming.count(count_rows), previous,
-                            gathered=lambda to_run: naming.gathered(to_run, count_rows, set(kept)))
-        kept = disk.kept_keys()  # none where nothing settled: then every shard is cut as before
+        kept, count_rows = planned.kept_keys(), checked.rows
+        sharded = planned.shard(naming.count(count_rows), previous,
+                                gathered=lambda to_run: naming.gathered(to_run, count_rows, set(kept)))
+        kept = sharded.kept_keys()  # none where nothing settled: then every shard is cut as before
         partition_keys, rows_by_shard = [], []
-        for shard, in_order in disk.shard_rows("position"):  # a shard's ids at a time
+        for shard, in_order in sharded.shard_rows("position"):  # a shard's ids at a time
             key = kept.get(shard) or naming.key(shard, in_order.column("id").to_pylist())
             partition_keys.append(key)
             rows_by_shard.append(in_order.num_rows)
-        numbers = disk.numbers()
+        numbers = sharded.numbers()
         counts = {**summary_of(count_rows, len(plan_rows.errors), numbers["duplicate_rows"],
                                numbers["groups"], numbers["shared_groups"], numbers["prompt_tokens"],
                                numbers["unique_tokens"], rows.seconds, plan_s),
@@ -270,34 +278,34 @@ class PlanJob:
         log.info("planned %d rows: %d groups, %d prompt tokens, shared %.1f%%, %d identical to another row "
                  "(tokenize %.2fs, plan %.2fs)", counts["rows"], counts["groups"], counts["prompt_tokens"],
                  100 * counts["shared_fraction"], counts["duplicate_rows"], rows.seconds, plan_s)
-        return JobPlan(disk, plan_rows, counts, shards, partition_keys, rows_by_shard, kept,
+        return JobPlan(sharded, plan_rows, counts, stamp, partition_keys, rows_by_shard, kept,
                        answers.settings_fps if kept and answers else [])
 
-    def _settle(self, disk: PlanOnDisk, previous: Path, answers: StoredAnswers | None, rows: PlanRows,
+    def _settle(self, checked: Checked, previous: Path, answers: StoredAnswers | None, rows: PlanRows,
                 naming: ShardNaming) -> int:
-        """The rows the answer store holds as tonight plans them (``PlanOnDisk.settle``), less those
+        """The rows the answer store holds as tonight plans them (``Checked.settle``), less those
         of a previous shard whose partition cannot stay; returns how many settled."""
         if answers is None or not answers.settings_fps:
             return 0
-        stored = disk.folder / "answers.parquet"
+        stored = checked.database.folder / "answers.parquet"
         if not answers.export(stored):
             return 0
-        disk.settle(previous, stored, answers.settings_fps, rows)
+        checked.settle(previous, stored, answers.settings_fps, rows)
         stored.unlink()
-        disk.unsettle([shard for shard, key in disk.kept_keys().items() if not naming.keeps(shard, key)])
-        return disk.settled_rows()
+        checked.unsettle([shard for shard, key in checked.kept_keys().items() if not naming.keeps(shard, key)])
+        return checked.settled_rows()
 
-    def write(self, made: JobPlan, stamp: dict[str, str], plan_run: str, counted_for: str | None = None,
+    def write(self, made: JobPlan, plan_run: str, counted_for: str | None = None,
               answer_lengths: AnswerLengths | None = None) -> int:
         """Publish the plan whole: every row with its group, shard, run position and content key (its
-        token ids are in the token cache the plan names), stamped with what it was made from.
-        ``counted_for``: the platform whose defaults it counts in; ``answer_lengths``: what its shards'
-        admission counts a row's output at (learned from the job's answers). Returns its bytes.
-        Raises ``StalePlan`` where what it was made from (``stamp``) changed meanwhile (``stamp_now``)."""
-        changed = stale_reasons({k.encode(): v.encode() for k, v in stamp.items()}, self.stamp_now()) \
-            if self.stamp_now is not None else []
+        token ids are in the token cache the plan names), stamped with what it was made from
+        (``made.stamp``). ``counted_for``: the platform whose defaults it counts in;
+        ``answer_lengths``: what its shards' admission counts a row's output at (learned from the job's
+        answers). Returns its bytes. Raises ``StalePlan`` where what it was made from changed
+        meanwhile (its stamp now is another)."""
+        changed = stale_reasons({k.encode(): v.encode() for k, v in made.stamp.items()}, self.stamp())
         if changed:
             raise StalePlan(changed)
-        metadata = plan_file_metadata(made.disk.plan.block_size, self.cache, self.settings.max_model_len, stamp,
+        metadata = plan_file_metadata(made.database.block_size, self.cache, self.settings.max_model_len, made.stamp,
                                       plan_run, made.settled_with, counted_for, answer_lengths)
         return write_plan(made.plan_tables(metadata), self.plan_path)

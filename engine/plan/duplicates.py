@@ -42,7 +42,7 @@ def duplicate_sets(keys: pa.Array, max_tokens: np.ndarray, response_formats: For
     its own format as text (None: the job's; no column: every row's is the job's), ``runnable``
     which rows run at all (error rows never join a set). One sort of fixed-width columns: 40 bytes a
     row, where a hash grouping of the keys held ~190 (docs/benchmark-history.md). A plan made on
-    disk finds the same sets by a query (``plan_on_disk.PlanOnDisk.duplicate_sets``)."""
+    disk finds the same sets by a query (``plan_database.Loaded.duplicate_sets``)."""
     n = len(keys)
     out = np.full(n, NO_SET, dtype=np.int64)
     rows = np.flatnonzero(np.asarray(runnable, dtype=bool))

@@ -5,10 +5,12 @@ job's as it is now is stale, and its shards refuse to run."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from ..response_format import ResponseFormat
 from ..settings import EngineSettings, SamplingSettings, SchedulerSettings, fingerprint
 from ..table.dataset import Columns
+from ..table.prompt_snapshot import snapshot_digest
 from .tokenizing import model_fingerprint
 
 MODEL, SNAPSHOT, SETTINGS = "batchllm.model", "batchllm.snapshot", "batchllm.settings"  # the stamp's keys
@@ -58,6 +60,14 @@ def plan_stamp(model_path: str, snapshot_digest: str, shaping: PlanShaping) -> d
     chat template), the prompt snapshot's digest, and the settings that shape a plan."""
     assert shaping.context_len is not None, "a stamp needs the resolved context length"
     return {MODEL: model_fingerprint(model_path), SNAPSHOT: snapshot_digest, SETTINGS: shaping.fingerprint()}
+
+
+def job_stamp(snapshot: Path, settings: EngineSettings, sampling: SamplingSettings, scheduler: SchedulerSettings,
+              columns: Columns) -> dict[str, str]:
+    """A job's plan stamp as it is now: its prompt snapshot's and the job's settings (``settings``:
+    the model resolved, the block size and context length its shards run at)."""
+    return plan_stamp(settings.model_path, snapshot_digest(snapshot),
+                      PlanShaping.of(settings, sampling, scheduler, columns))
 
 
 def stale_reasons(plan_metadata: dict[bytes, bytes] | None, stamp: dict[str, str]) -> list[str]:

@@ -211,7 +211,7 @@ def read_previous_plan(path: Path) -> None:
 
 
 def previous_plan(path: Path, id_type: pa.DataType) -> Path | None:
-    """The plan on disk whose shards tonight's rows keep by id (``PlanOnDisk.shard``), so unchanged
+    """The plan on disk whose shards tonight's rows keep by id (``plan_database.Planned.shard``), so unchanged
     shards keep their rows and partition keys; None without one, or where its ids are of another
     type than ``id_type`` (tonight's: they would not compare)."""
     if not path.exists():

@@ -2,19 +2,28 @@
 (``sorted_plan``) and its shards (``sorted_shards``) made there by sorts that spill, and read back a
 shard at a time (its keys, the plan file) or a group a row (the groups table).
 
+The database's stages each return the next, so the order is the types' to say, not the caller's:
+
+    database = PlanDatabase(folder, block_size)
+    loaded = database.load_chains(rows.chains).load_ids(snapshot, id_column)         # Chained, Loaded
+    checked = loaded.checked(check_rows(..., find_duplicates=loaded.duplicate_sets))  # Checked
+    checked.settle(...)                          # a night after: the rows answered as tonight plans them
+    sharded = checked.plan(min_group_rows).shard(count, previous)                    # Planned, Sharded
+    sharded.shard_rows("position"), sharded.groups(), sharded.numbers()             # read back
+
 Every row's id and content key are read from the snapshot into the database (``load_ids``) and
 come back with their shard's rows. The row checks run in memory on a few numbers a row (lengths,
 budgets, errors, formats: ``prepared.check_rows``, the one code for a batch's plan and a job's),
 the duplicate sets by a query here (``duplicate_sets``); then the rows' lengths, budgets and sets
-are loaded here (``load_rows``) and the step lets go of them before the plan is made. Never in
-memory: the ids and keys, the tree, the order, the groups, the shards (~200 bytes a row when the
-plan was made in memory).
+are loaded here (``checked``) and the step lets go of them before the plan is made. Never in
+memory: the ids and keys, the order, the groups, the shards.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..sql import quote_identifier
+from ..table.dataset import DatasetError
 from ..table.prompt_snapshot import CONTENT_KEY, KEY_TYPE, require_content_keys
 from .answer_keys import key_sql
 from .duplicates import NO_SET, FormatTexts
@@ -43,8 +53,9 @@ class PlanResourcesError(RuntimeError):
     """The plan's database ran out of disk or memory; the message says where and what it needs."""
 
 
-class PlanOnDisk:
-    """One plan's database in ``folder`` (the caller removes the folder after ``close``)."""
+class PlanDatabase:
+    """One plan's database in ``folder`` (the caller removes the folder after ``close``); its first
+    stage is ``load_chains`` (see the module doc). Its queries are the stages' to call."""
 
     def __init__(self, folder: Path, block_size: int):
         self.folder = Path(folder)
@@ -68,10 +79,21 @@ class PlanOnDisk:
                 f"made, and DuckDB {PLAN_MEMORY_MIB} MiB of memory: engine.plan.sorted_plan.PLAN_MEMORY_MIB)"
             ) from exc
 
-    def load_ids(self, snapshot: Path, id_column: str) -> int:
-        """Every row's id and content key, read by DuckDB from the prompt snapshot into the table
-        ``row_ids(row, id, key)`` (``row``: its number in the snapshot's order), so neither is in the
-        step's memory (24 bytes a row of integer ids); returns the rows."""
+    @property
+    def block_size(self) -> int:
+        return self.plan.block_size
+
+    def load_chains(self, chains) -> "Chained":
+        """Every row's chain (``CachedRows.chains``, read inside ``TokenCache.rows_for``'s block) into
+        the table ``row_chains``."""
+        with self._resources():
+            self.con.register("chains", pa.RecordBatchReader.from_batches(ROW_CHAINS,
+                                                                          chains.row_batches(_BATCH_ROWS)))
+            self.con.execute("CREATE TABLE row_chains AS SELECT * FROM chains")
+            self.con.unregister("chains")
+        return Chained(self, chains.lengths)
+
+    def _load_ids(self, snapshot: Path, id_column: str) -> int:
         require_content_keys(snapshot)
         self.id_type = pq.read_schema(snapshot).field(id_column).type
         with self._resources():
@@ -85,24 +107,8 @@ class PlanOnDisk:
             raise ValueError(f"{no_key} rows of {snapshot} have no content key")
         return int(rows)
 
-    def load_chains(self, chains) -> np.ndarray:
-        """Every row's chain (``CachedRows.chains``, read inside ``TokenCache.rows_for``'s block) into
-        the table ``row_chains``; returns the rows' lengths."""
-        with self._resources():
-            self._load_chains(chains)
-        return chains.lengths
-
-    def _load_chains(self, chains) -> None:
-        self.con.register("chains", pa.RecordBatchReader.from_batches(ROW_CHAINS, chains.row_batches(_BATCH_ROWS)))
-        self.con.execute("CREATE TABLE row_chains AS SELECT * FROM chains")
-        self.con.unregister("chains")
-
-    def duplicate_sets(self, max_tokens: np.ndarray, response_formats: FormatTexts,
-                       runnable: np.ndarray) -> np.ndarray:
-        """``duplicates.duplicate_sets`` of the rows ``load_ids`` loaded (its other arguments, its
-        answer) found by a query: the sets, and each member's set and source (its set's first row)
-        kept in the table ``duplicate_rows`` (for ``load_rows`` and the plan file).
-        Nothing a row held in memory but the answer (the sort in memory held ~100 bytes a row)."""
+    def _duplicate_sets(self, max_tokens: np.ndarray, response_formats: FormatTexts,
+                        runnable: np.ndarray) -> np.ndarray:
         max_tokens, runnable = np.asarray(max_tokens, dtype=np.int64), np.asarray(runnable, dtype=bool)
         n = max_tokens.size
         formats = format_codes(response_formats, n)[1]
@@ -131,12 +137,7 @@ class PlanOnDisk:
                 out[batch.column(0).to_numpy()] = batch.column(1).to_numpy()
         return out
 
-    def load_rows(self, lengths: np.ndarray, checked: CheckedRows) -> None:
-        """The rows as the plan takes them (``rows_in``): those that cannot run (``checked.dropped``)
-        emptied, each duplicate set planned once (from its first row: ``duplicate_sets``, which the
-        row checks ran here), a row's decode estimate its budget (``plan_tokenized``'s); and each
-        row's budget kept for the plan file (``row_budgets``). The caller may let go of the arrays
-        after: nothing of every row stays in memory while the plan is made."""
+    def _load_rows(self, lengths: np.ndarray, checked: CheckedRows) -> None:
         dropped = np.zeros(lengths.size, dtype=bool)
         dropped[checked.dropped] = True
 
@@ -159,20 +160,12 @@ class PlanOnDisk:
                 FROM row_budgets r JOIN row_chains c ON c.row = r.row LEFT JOIN duplicate_rows d ON d.row = r.row""")
             self.con.execute("DROP TABLE row_chains")
 
-    def make(self, min_group_rows: int) -> None:
-        """The plan of the rows ``load_rows`` loaded."""
+    def _make(self, min_group_rows: int) -> None:
         with self._resources():
             plan_rows(self.con, self.plan.block_size, min_group_rows)
             self.con.execute("DROP TABLE rows_in")
 
-    def settle(self, previous_plan: Path, answers: Path, settings_fps: list[str], rows: PlanRows) -> int:
-        """The rows answered as tonight plans them, into the table ``settled(row, shard, partition_key)``:
-        each keeps the shard and partition of the previous plan, where its one stored answer (in
-        ``answers``, a Parquet file of the output table's ``id, answer_key, status, partition_key``)
-        is under that partition with tonight's answer key (``answer_keys``: under one of
-        ``settings_fps``, the row's content key, budget, own format and plan error) and is an answer
-        (an error only where the plan itself gives the row that error). ``rows``: the rows' errors and
-        own formats. Returns how many rows settled (the rest need a run)."""
+    def _settle(self, previous_plan: Path, answers: Path, settings_fps: list[str], rows: PlanRows) -> int:
         extras = pa.table({"row": pa.array(sorted(set(rows.errors) | set(rows.format_texts)), pa.int64())})
         extras = extras.append_column("error", pa.array([rows.errors.get(r) for r in extras["row"].to_pylist()],
                                                         pa.string()))
@@ -196,37 +189,28 @@ class PlanOnDisk:
                   AND (a.status = 'ok' OR (a.status = 'error' AND x.error IS NOT NULL))""",
                              {"plan": str(previous_plan), "answers": str(answers)})
             self.con.unregister("row_extras")
-            return self.settled_rows()
+            return self._settled_rows()
 
-    def unsettle(self, shards: list[int]) -> None:
-        """The rows of these previous shards need a run after all (their partition cannot be kept)."""
+    def _unsettle(self, shards: list[int]) -> None:
         if shards:
             self.con.execute("DELETE FROM settled WHERE shard IN (SELECT unnest($s::BIGINT[]))", {"s": shards})
 
-    def kept_keys(self) -> dict[int, str]:
-        """The previous shards whose settled rows stay, each with its partition key (none before ``settle``)."""
+    def _kept_keys(self) -> dict[int, str]:
         if not self._has("settled"):
             return {}
         return dict(self.con.execute("SELECT DISTINCT shard, partition_key FROM settled").fetchall())
 
-    def settled_rows(self) -> int:
-        """The rows ``settle`` kept (less those ``unsettle`` gave back)."""
+    def _settled_rows(self) -> int:
         return int(self.con.execute("SELECT count(*) FROM settled").fetchall()[0][0]) if self._has("settled") else 0
 
     def _has(self, table: str) -> bool:
         return bool(self.con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = ?", [table]
                                      ).fetchall()[0][0])
 
-    def shard(self, count: int, previous_plan: Path | None, gathered: Callable[[int], list[int]] | None = None
-              ) -> ShardTotals:
-        """``count`` shards, kept from ``previous_plan`` (the plan file on disk: each row keeps the
-        shard its id had there, ``plan_table.previous_plan``) where they can be: the table
-        ``planned``, each row's shard, run position, group, group prefix, budget, duplicate set, id
-        and key, stored by shard (a shard's rows are then a few of its row groups: ``shard_rows``).
-        Where rows settled (``settle``), they stay in their shards and only the rest are cut, into
-        the shards ``gathered(rows_to_run)`` numbers: a night after pays for what changed."""
+    def _shard(self, count: int, previous_plan: Path | None, gathered: Callable[[int], list[int]] | None = None
+               ) -> ShardTotals:
         with self._resources():
-            settled = self.kept_keys()
+            settled = self._kept_keys()
             if settled and gathered is not None:
                 unsettled = self.con.execute("SELECT count(*) FROM plan WHERE row NOT IN (SELECT row FROM settled)"
                                              ).fetchall()[0][0]
@@ -252,11 +236,7 @@ class PlanOnDisk:
                 ORDER BY s.shard""")
             return totals
 
-    def shard_rows(self, order_by: str) -> Iterator[tuple[int, pa.Table]]:
-        """Each shard's rows (``row, position, grp, prefix_tokens, max_tokens, duplicate_set, id,
-        key``: the id and key of the snapshot's types) by ``order_by`` (``position``: run order;
-        ``row``: input order), one shard at a time, every shard (empty ones too). A query a shard: a
-        streamed sort of every row held more than the plan's memory at 10M rows."""
+    def _shard_rows(self, order_by: str) -> Iterator[tuple[int, pa.Table]]:
         for shard in range(self.count):
             with self._resources():
                 rows = self.con.sql(
@@ -265,9 +245,7 @@ class PlanOnDisk:
             yield shard, rows.set_column(6, "id", rows.column("id").cast(self.id_type)).set_column(
                 7, "key", rows.column("key").cast(KEY_TYPE))
 
-    def groups(self) -> pa.Table:
-        """One row per group, in run order: its shard (its first row's), rows, prefix, tokens and
-        first row's id (the snapshot's type)."""
+    def _groups(self) -> pa.Table:
         with self._resources():
             groups = self.con.sql("""
                 WITH g AS (
@@ -280,9 +258,7 @@ class PlanOnDisk:
                 ORDER BY 1""").to_arrow_table()
         return groups.set_column(groups.num_columns - 1, "first_id", groups.column("first_id").cast(self.id_type))
 
-    def numbers(self) -> dict[str, int]:
-        """The plan's groups, groups with a shared prefix, prompt tokens, tokens it computes, and rows
-        that take another row's answer (``duplicates.count_duplicates``)."""
+    def _numbers(self) -> dict[str, int]:
         with self._resources():
             groups, shared, prompt, unique = self.con.execute("""
                 SELECT count(DISTINCT grp), count(DISTINCT grp) FILTER (WHERE prefix_tokens > 0),
@@ -294,3 +270,144 @@ class PlanOnDisk:
 
     def close(self) -> None:
         self.plan.close()
+
+
+@dataclass(frozen=True)
+class Chained:
+    """The rows' chains loaded; next, their ids and keys (``load_ids``)."""
+
+    database: PlanDatabase
+    lengths: np.ndarray  # each row's prompt tokens
+
+    def load_ids(self, snapshot: Path, id_column: str) -> "Loaded":
+        """Every row's id and content key, read by DuckDB from the prompt snapshot into the table
+        ``row_ids(row, id, key)`` (``row``: its number in the snapshot's order), so neither is in the
+        step's memory (24 bytes a row of integer ids). Refused where the snapshot has other rows
+        than the chains (replaced meanwhile)."""
+        rows = self.database._load_ids(snapshot, id_column)
+        if rows != self.lengths.size:  # replaced meanwhile (the stamp would refuse the plan too)
+            raise DatasetError(f"the prompt snapshot {snapshot} changed while it was read: plan again")
+        return Loaded(self.database, self.lengths)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """Every row's chain, id and key loaded: the row checks run on ``lengths`` (and
+    ``duplicate_sets``), then ``checked`` takes what they found."""
+
+    database: PlanDatabase
+    lengths: np.ndarray
+
+    @property
+    def rows(self) -> int:
+        return int(self.lengths.size)
+
+    def duplicate_sets(self, max_tokens: np.ndarray, response_formats: FormatTexts,
+                       runnable: np.ndarray) -> np.ndarray:
+        """``duplicates.duplicate_sets`` of the loaded rows (its other arguments, its answer) found by
+        a query: the sets, and each member's set and source (its set's first row) kept in the table
+        ``duplicate_rows`` (for ``checked`` and the plan file). Nothing a row held in memory but the
+        answer (the sort in memory held ~100 bytes a row)."""
+        return self.database._duplicate_sets(max_tokens, response_formats, runnable)
+
+    def checked(self, checked: CheckedRows) -> "Checked":
+        """The rows as the plan takes them (``rows_in``): those that cannot run (``checked.dropped``)
+        emptied, each duplicate set planned once (from its first row: ``duplicate_sets``, which the
+        row checks ran here), a row's decode estimate its budget; and each row's budget kept for the
+        plan file (``row_budgets``). The caller may let go of ``checked`` after: nothing of every row
+        stays in memory while the plan is made."""
+        self.database._load_rows(self.lengths, checked)
+        return Checked(self.database, self.rows)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """The rows checked and loaded as the plan takes them: a night after, ``settle`` the rows
+    answered as tonight plans them; then ``plan``."""
+
+    database: PlanDatabase
+    rows: int
+
+    @property
+    def id_type(self) -> pa.DataType:
+        return self.database.id_type
+
+    def settle(self, previous_plan: Path, answers: Path, settings_fps: list[str], rows: PlanRows) -> int:
+        """The rows answered as tonight plans them, into the table ``settled(row, shard, partition_key)``:
+        each keeps the shard and partition of the previous plan, where its one stored answer (in
+        ``answers``, a Parquet file of the output table's ``id, answer_key, status, partition_key``)
+        is under that partition with tonight's answer key (``answer_keys``: under one of
+        ``settings_fps``, the row's content key, budget, own format and plan error) and is an answer
+        (an error only where the plan itself gives the row that error). ``rows``: the rows' errors and
+        own formats. Returns how many rows settled (the rest need a run)."""
+        return self.database._settle(previous_plan, answers, settings_fps, rows)
+
+    def unsettle(self, shards: list[int]) -> None:
+        """The rows of these previous shards need a run after all (their partition cannot be kept)."""
+        self.database._unsettle(shards)
+
+    def kept_keys(self) -> dict[int, str]:
+        """The previous shards whose settled rows stay, each with its partition key (none before ``settle``)."""
+        return self.database._kept_keys()
+
+    def settled_rows(self) -> int:
+        """The rows ``settle`` kept (less those ``unsettle`` gave back)."""
+        return self.database._settled_rows()
+
+    def plan(self, min_group_rows: int) -> "Planned":
+        """The plan of the checked rows (``sorted_plan``)."""
+        self.database._make(min_group_rows)
+        return Planned(self.database, self.rows)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The plan made; next, its shards (``shard``)."""
+
+    database: PlanDatabase
+    rows: int
+
+    def kept_keys(self) -> dict[int, str]:
+        return self.database._kept_keys()
+
+    def shard(self, count: int, previous_plan: Path | None, gathered: Callable[[int], list[int]] | None = None
+              ) -> "Sharded":
+        """``count`` shards, kept from ``previous_plan`` (the plan file on disk: each row keeps the
+        shard its id had there, ``plan_table.previous_plan``) where they can be: the table
+        ``planned``, each row's shard, run position, group, group prefix, budget, duplicate set, id
+        and key, stored by shard (a shard's rows are then a few of its row groups: ``shard_rows``).
+        Where rows settled (``Checked.settle``), they stay in their shards and only the rest are cut,
+        into the shards ``gathered(rows_to_run)`` numbers: a night after pays for what changed."""
+        return Sharded(self.database, self.database._shard(count, previous_plan, gathered))
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """The plan and its shards, read back a shard or a group at a time."""
+
+    database: PlanDatabase
+    totals: ShardTotals  # per shard: tokens computed, decode estimate, cost; the groups split
+
+    @property
+    def block_size(self) -> int:
+        return self.database.block_size
+
+    def kept_keys(self) -> dict[int, str]:
+        """The previous shards whose rows all stay (none where nothing settled: every shard was cut)."""
+        return self.database._kept_keys()
+
+    def shard_rows(self, order_by: str) -> Iterator[tuple[int, pa.Table]]:
+        """Each shard's rows (``row, position, grp, prefix_tokens, max_tokens, duplicate_set, id,
+        key``: the id and key of the snapshot's types) by ``order_by`` (``position``: run order;
+        ``row``: input order), one shard at a time, every shard (empty ones too)."""
+        return self.database._shard_rows(order_by)
+
+    def groups(self) -> pa.Table:
+        """One row per group, in run order: its shard (its first row's), rows, prefix, tokens and
+        first row's id (the snapshot's type)."""
+        return self.database._groups()
+
+    def numbers(self) -> dict[str, int]:
+        """The plan's groups, groups with a shared prefix, prompt tokens, tokens it computes, and rows
+        that take another row's answer (``duplicates.count_duplicates``)."""
+        return self.database._numbers()
