@@ -49,7 +49,8 @@ def main() -> None:
                                      'cpu-' || (i.row // {per_shard}) AS partition_key FROM row_ids i)
                         TO '{work / "answers.parquet"}' (FORMAT parquet)""")
         started = time.perf_counter()
-        settled = Checked(database, rows).settle(work / "previous.parquet", work / "answers.parquet", [fp], PlanRows({}, {}))
+        settled = Checked(database, rows).settle(work / "previous.parquet", work / "answers.parquet", [fp],
+                                                 PlanRows({}, {}))
         seconds = time.perf_counter() - started
         database.close()
     print(json.dumps({"rows": rows, "settled": settled, "settle_s": round(seconds, 2),

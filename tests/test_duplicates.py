@@ -22,7 +22,7 @@ from engine.plan.duplicates import (
     token_keys,
 )
 from engine.plan.plan_database import PlanDatabase
-from engine.plan.plan_table import prepared_batch, rows_table
+from engine.plan.plan_table import prepared_batch
 from engine.plan.prepared import plan_tokenized
 from engine.plan.tokenizing import TokenizedBatch
 from engine.run.batch_run import BatchRun
@@ -31,6 +31,8 @@ from engine.run.scheduler import InOrder
 from engine.run.stand_in import BlockAccountingEngine
 from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
 from engine.table.prompt_snapshot import CONTENT_KEY
+
+from .plan_rows import rows_table
 
 BLOCK = 8
 SETTINGS = EngineSettings(model_path="unused", block_size=BLOCK, max_model_len=512)

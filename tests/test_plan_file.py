@@ -9,10 +9,11 @@ import pyarrow.parquet as pq
 
 from engine.plan import plan_table
 from engine.plan.common_prefix import reusable_tokens
-from engine.plan.plan_table import PlanFile, prepared_batch, rows_table, write_plan
+from engine.plan.plan_table import PlanFile, prepared_batch, write_plan
 from engine.table.prompt_snapshot import CONTENT_KEY, KEY_TYPE
 
 from .conftest import prepared_of
+from .plan_rows import rows_table
 
 
 def a_plan(rows=600, shards=7, seed=0) -> pa.Table:

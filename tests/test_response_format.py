@@ -3,7 +3,7 @@
 import pyarrow as pa
 import pytest
 
-from engine.plan.plan_table import prepared_batch, rows_table
+from engine.plan.plan_table import prepared_batch
 from engine.plan.prepared import prepare_batch
 from engine.plan.tokenizing import load_tokenizer
 from engine.response_format import ResponseFormat
@@ -12,6 +12,8 @@ from engine.run.checkpoint import row_fingerprints
 from engine.run.requests import RequestKind
 from engine.run.stand_in import BlockAccountingEngine
 from engine.settings import EngineSettings, SamplingSettings, SchedulerSettings
+
+from .plan_rows import rows_table
 
 LABELS = ResponseFormat(choice=["positive", "negative"])
 PERSON = ResponseFormat(json_schema={"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]})

@@ -35,7 +35,7 @@ from ..table.prompt_snapshot import CONTENT_KEY
 from .answer_lengths import AnswerLengths
 from .duplicates import NO_SET
 from .plan_stamp import ANSWER_STAMP_KEYS, stale_reasons
-from .prepared import PlannedBatch, PreparedBatch
+from .prepared import PreparedBatch
 from .token_cache import TokenCache
 from .tokenizing import TokenizedBatch
 
@@ -74,27 +74,17 @@ def _sparse_strings(values: dict[int, str], rows: np.ndarray) -> pa.Array:
     return pa.array([values.get(int(r)) for r in rows], pa.string())
 
 
-def _run_positions(prepared: PlannedBatch | PreparedBatch) -> np.ndarray:
-    position = np.empty(prepared.num_rows, dtype=np.int64)
-    position[prepared.order] = np.arange(prepared.order.size)
-    return position
-
-
-def _format_texts(prepared: PlannedBatch | PreparedBatch) -> dict[int, str]:
-    return format_texts(prepared.response_formats)
-
-
 def format_texts(formats: dict[int, ResponseFormat]) -> dict[int, str]:
     """Rows' own response formats as the plan table holds them."""
     return {i: f.to_text() for i, f in formats.items()}
 
 
-def _rows_columns(ids: pa.Array | pa.ChunkedArray, rows: np.ndarray, position: np.ndarray, group: np.ndarray,
+def rows_columns(ids: pa.Array | pa.ChunkedArray, rows: np.ndarray, position: np.ndarray, group: np.ndarray,
                   prefix_tokens: np.ndarray, max_tokens: np.ndarray, errors: dict[int, str],
                   format_texts: dict[int, str], duplicate_set: np.ndarray | None) -> dict:
     """The run-side columns of ``rows`` (row indices): ``ids``, ``position`` (each one's place in
     run order), ``group``, ``prefix_tokens``, ``max_tokens`` and ``duplicate_set`` (None: no
-    identical rows) are theirs already; ``errors`` and ``format_texts`` (``_format_texts``) the
+    identical rows) are theirs already; ``errors`` and ``format_texts`` (``format_texts``) the
     rows' that have one, by row index."""
     return {
         "id": ids,
@@ -107,16 +97,6 @@ def _rows_columns(ids: pa.Array | pa.ChunkedArray, rows: np.ndarray, position: n
         "duplicate_set": (np.full(rows.size, NO_SET, dtype=np.int64) if duplicate_set is None
                           else np.asarray(duplicate_set, dtype=np.int64)),
     }
-
-
-def rows_table(prepared: PlannedBatch | PreparedBatch) -> pa.Table:
-    """The run-side columns of a plan table (no token ids, no shards): what ``prepared_batch`` reads back."""
-    rows = np.arange(prepared.num_rows)
-    ids = prepared.ids if isinstance(prepared.ids, pa.ChunkedArray | pa.Array) else pa.array(prepared.ids,
-                                                                                              prepared.id_type)
-    columns = _rows_columns(ids, rows, _run_positions(prepared), prepared.group_of_row, prepared.prefix_tokens_at(rows),
-                            prepared.max_tokens, prepared.errors, _format_texts(prepared), prepared.duplicate_set)
-    return pa.table(columns, metadata={BLOCK_SIZE: str(prepared.block_size)})
 
 
 @dataclass(frozen=True)
@@ -147,7 +127,7 @@ def shard_table(rows: PlanRows, shard_rows: np.ndarray, ids: pa.Array | pa.Chunk
     """Part of one shard's plan table: its rows ``shard_rows`` (in input order) with their ids,
     content keys, run position, group, group prefix, budget and duplicate set, as ``write_plan``
     writes them."""
-    columns = {**_rows_columns(ids, shard_rows, position, group, prefix_tokens, max_tokens, rows.errors,
+    columns = {**rows_columns(ids, shard_rows, position, group, prefix_tokens, max_tokens, rows.errors,
                                rows.format_texts, duplicate_set),
                CONTENT_KEY: content_keys,
                "shard": np.full(shard_rows.size, shard, dtype=np.int64),
