@@ -194,11 +194,11 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
                                                                  config.names.asset_key("completions")))
         lengths = learned_answer_lengths(output, context.log)
         size = None if config.sets_shard_size else shard_size(measured)  # the size the last nights measured
-        with job.plan(JobShards(config, size.rows_per_shard if size else None), context.log.info,
-                      stored_answers(config, output, job.settings)) as made:
+        naming = JobShards(config, size.rows_per_shard if size else None)
+        with job.plan(naming, context.log.info, stored_answers(config, output, job.settings)) as made:
             forecast = forecast_within_budget(config, made, measured, lengths, context.log)  # refused: nothing written
             plan_bytes = publish(name, job, made, context.run.run_id, config.plan_counts_for.value, lengths)
-            output.replace_groups(made.groups_table(lambda s: config.hardware_of_shard(s).name))
+            output.replace_groups(made.groups_table(naming))
         used = made.used_keys
         added, removed = sync_partitions(context.instance, config.names.partitions_name, by_hardware(config, used))
         removed_answers = 0 if config.keep_deleted_answers else remove_deleted_answers(output, files, used)

@@ -66,6 +66,9 @@ class JobShards:
     def keeps(self, shard: int, key: str) -> bool:
         return key.startswith(self.config.hardware_of_shard(shard).key_prefix + "-")
 
+    def hardware(self, shard: int) -> str:
+        return self.config.hardware_of_shard(shard).name
+
 
 def hardware_of_key(config: BatchJobConfig, key: str) -> HardwarePartition:
     """The hardware partition of a shard key (``<hardware>-<shard>-<digest>``)."""

@@ -48,6 +48,9 @@ class Naming:
     def keeps(self, shard: int, key: str) -> bool:
         return True
 
+    def hardware(self, shard: int) -> str:
+        return "cpu"
+
 
 def _night(seed: int, n: int) -> pa.Table:
     """``table_of``'s rows, some that cannot run besides its empty ones: a budget of 0, a prompt
@@ -134,7 +137,7 @@ def test_the_plan_on_disk_is_the_plan_in_memory_on_a_first_night_and_after_edits
         previous = _previous_shards(job.plan_path, meta.column("id"))
         with job.plan(Naming(shards), print) as made:
             job.write(made, f"run-{night}")
-            groups = made.groups_table(lambda shard: "cpu")
+            groups = made.groups_table(Naming(shards))
             summary = made.summary()
         assert not list(tmp_path.glob(".plan_work*"))  # the plan's database is gone with the block
         by_id, expected_groups, expected_summary, kept = _expected(job, meta, previous, shards)

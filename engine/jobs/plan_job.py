@@ -91,6 +91,9 @@ class ShardNaming(Protocol):
     def keeps(self, shard: int, key: str) -> bool:
         """Whether a previous shard's partition can stay as it is (its key still names its hardware)."""
 
+    def hardware(self, shard: int) -> str:
+        """The hardware partition a shard runs on."""
+
 
 @dataclass(frozen=True)
 class StoredAnswers:
@@ -137,7 +140,7 @@ class JobPlan:
         return {**self.counts, "shards": len(self.used_keys), "shards_to_run": len(self.keys_to_run),
                 "split_groups": self.shards.split_groups}
 
-    def groups_table(self, hardware_of_shard: Callable[[int], str]) -> pa.Table:
+    def groups_table(self, naming: ShardNaming) -> pa.Table:
         """One row per group: its shard, prefix length, rows and estimated tokens."""
         groups = self.database.groups()
         shard = groups.column("shard").to_pylist()
@@ -145,7 +148,7 @@ class JobPlan:
             "group": groups.column("group"),
             "shard": groups.column("shard"),
             "partition_key": [self.keys[s] for s in shard],
-            "hardware": [hardware_of_shard(int(s)) for s in shard],
+            "hardware": [naming.hardware(int(s)) for s in shard],
             **{name: groups.column(name) for name in ("rows", "prefix_tokens", "prompt_tokens",
                                                       "estimated_prefill_tokens", "estimated_decode_tokens")},
             "first_id": groups.column("first_id").cast(pa.string()),
