@@ -65,7 +65,7 @@ def shard_jobs(config: BatchJobConfig, keys: list[str], context: dg.AssetExecuti
             "sets it aside and cuts the shards anew (answers written are kept)", allow_retries=False) from None
     return [ShardJob(shard, settings, config.sampling, config.scheduler, store, config.files.checkpoints,
                      plan_path=config.files.plan_path, plan_lock=functools.partial(
-                         config.plan_lock, f"partition {shard.key} writing ({this_run(context)})", shared=True))
+                         config.files.plan_lock, f"partition {shard.key} writing ({this_run(context)})", shared=True))
             for shard in shards]
 
 

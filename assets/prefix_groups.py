@@ -171,7 +171,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         # a second waits, then plans from the snapshot as it is then.
         warn_if_unlimited(context)
         refuse_an_unreachable_ray(name, workers)  # before any lock: the wait would hold every shard's write
-        with config.plan_lock(f"a plan being made ({this_run(context)})"):
+        with files.plan_lock(f"a plan being made ({this_run(context)})"):
             return make_plan(context)
 
     def make_plan(context: dg.AssetExecutionContext) -> dg.MaterializeResult:

@@ -113,7 +113,7 @@ def build_prompts(config: BatchJobConfig) -> dg.AssetsDefinition:
         # The job's plan lock: a snapshot never lands while a plan is being made from the last one
         # (that plan finishes first; this run then waits), in any instance, whatever launched it.
         warehouse = job_warehouse(config, context)  # a night that would cost answers is refused
-        with config.plan_lock(f"a prompt snapshot being taken ({this_run(context)})"):
+        with config.files.plan_lock(f"a prompt snapshot being taken ({this_run(context)})"):
             try:
                 rows, preview, choice = snapshot_dataset(
                     config, path, context.log.info, lambda ids: refuse_a_costly_night(config, warehouse, ids))

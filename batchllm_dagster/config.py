@@ -273,7 +273,7 @@ class BatchJobConfig(JobSpec):
     @property
     def files(self) -> JobFiles:
         """Where the job's files and locks live (under ``storage_dir``)."""
-        return JobFiles(self.name, self.storage_dir)
+        return JobFiles(self.name, self.storage_dir, self.lock_timeout_s)
 
     @property
     def names(self) -> JobNames:
@@ -345,15 +345,6 @@ class BatchJobConfig(JobSpec):
     def output(self, warehouse) -> OutputTable:
         """The job's output table in ``warehouse`` (its output database: ``names.warehouse_key``'s resource)."""
         return OutputTable(warehouse, self.output_table, self.name)
-
-    def plan_lock(self, holder: str, shared: bool = False):
-        """The job's plan lock: held exclusively while a plan is made and while a prompt snapshot
-        lands, shared while a shard checks its answers against the plan and writes them. A wait
-        past ``lock_timeout_s`` fails naming the exclusive holder."""
-        from engine.locks import locked
-
-        return locked(self.files.lock_path("plan"), shared=shared, holder=holder, timeout_s=self.lock_timeout_s,
-                      what=f"the plan lock of job {self.name!r}")
 
     def plan_settings(self) -> EngineSettings:
         """What the job's plan counts in: ``llm`` with its model resolved (``engine_settings``) and

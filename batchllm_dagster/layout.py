@@ -31,6 +31,7 @@ class JobFiles:
 
     name: str
     storage_dir: str
+    lock_timeout_s: float  # how long a run waits for a lock another holds, then fails naming the holder
 
     @property
     def job_dir(self) -> Path:
@@ -74,6 +75,15 @@ class JobFiles:
     def lock_path(self, name: str) -> Path:
         """A lock the job's runs take whatever launched them (``engine.locks``)."""
         return self.job_dir / "locks" / f"{name}.lock"
+
+    def plan_lock(self, holder: str, shared: bool = False):
+        """The job's plan lock: held exclusively while a plan is made and while a prompt snapshot
+        lands, shared while a shard checks its answers against the plan and writes them. A wait
+        past ``lock_timeout_s`` fails naming the exclusive holder."""
+        from engine.locks import locked
+
+        return locked(self.lock_path("plan"), shared=shared, holder=holder, timeout_s=self.lock_timeout_s,
+                      what=f"the plan lock of job {self.name!r}")
 
 
 
