@@ -215,6 +215,18 @@ def check_rows(table: pa.Table, lengths: np.ndarray, tokenizer_errors: dict[int,
     return CheckedRows(max_tokens, errors, formats, dropped, same)
 
 
+def check_tokenized(table: pa.Table, rows: TokenizedBatch, engine_settings: EngineSettings,
+                    sampling: SamplingSettings, columns: Columns) -> tuple[RowBlocks, CheckedRows]:
+    """The row checks of rows already tokenized (``rows``, in ``table``'s order; ``engine_settings``
+    at its block size): their block hashes, and what the checks found (identical rows by the
+    snapshot's content key where ``table`` has it, else by their token ids)."""
+    blocks = rows.row_blocks(engine_settings.block_size)
+    keys = (table.column(CONTENT_KEY).combine_chunks() if CONTENT_KEY in table.column_names
+            else token_keys(rows.tokens, rows.offsets))
+    return blocks, check_rows(table, blocks.lengths, rows.errors, engine_settings, sampling, columns,
+                              functools.partial(duplicate_sets, keys))
+
+
 def plan_tokenized(
     table: pa.Table,
     rows: TokenizedBatch,
@@ -232,11 +244,7 @@ def plan_tokenized(
     n = len(ids)
 
     started = time.perf_counter()
-    blocks = rows.row_blocks(engine_settings.block_size)
-    keys = (table.column(CONTENT_KEY).combine_chunks() if CONTENT_KEY in table.column_names
-            else token_keys(rows.tokens, rows.offsets))
-    checked = check_rows(table, blocks.lengths, rows.errors, engine_settings, sampling, columns,
-                         functools.partial(duplicate_sets, keys))
+    blocks, checked = check_tokenized(table, rows, engine_settings, sampling, columns)
     runs = blocks.lengths > 0
     runs[checked.dropped] = False
     same = checked.duplicate_set
