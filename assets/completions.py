@@ -190,11 +190,11 @@ def build_completions(config: BatchJobConfig, partitions: dg.DynamicPartitionsDe
     per_run = config.partitions_per_run
     backfill_policy = (dg.BackfillPolicy.single_run() if per_run is None
                        else dg.BackfillPolicy.multi_run(per_run) if per_run > 1 else None)
+    check_specs = partition_check_specs(config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", dg.BetaWarning)
         asset = dg.asset(**asset_args(config, "completions", config.completions_code_version()),
-                         partitions_def=partitions, backfill_policy=backfill_policy,
-                         check_specs=partition_check_specs(config),
+                         partitions_def=partitions, backfill_policy=backfill_policy, check_specs=check_specs,
                          op_tags={OUTPUT_TABLE_TAG: config.output_table})
 
     @asset

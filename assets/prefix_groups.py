@@ -20,7 +20,6 @@ from batchllm_dagster.shard_sizing import Measured, last_partitions_metadata, me
 from engine.atomic import Staged
 from engine.jobs.plan_job import PlanJob, StoredAnswers
 from engine.machine import current_platform
-from engine.model_context import ModelContext
 from engine.models import preparation_notice
 from engine.plan.answer_lengths import AnswerLengths, learned_lengths, why_not_learned
 from engine.plan.plan_stamp import ANSWER_STAMP_KEYS
@@ -83,24 +82,6 @@ def refuse_an_unreachable_ray(job: str, workers: TokenizeWorkers) -> None:
         workers.check_reachable()
     except RayUnreachable as exc:
         raise dg.Failure(f"{job}: {exc}", allow_retries=False) from None
-
-
-def before_the_plan(output: OutputTable, model: str, log) -> None:
-    """A renamed output table's answers carried to its new name (before anything reads them), and a
-    built-in model's preparation said before the step spends a minute on it."""
-    carried = output.carry_renamed()
-    if carried:
-        log.warning(carried)
-    notice = preparation_notice(model)
-    if notice:
-        log.info(notice)
-
-
-def say_the_context(row_context: ModelContext, log) -> None:
-    """The context the plan checks rows against, and where it came from, in the plan step's log: a
-    warning where vLLM's fallback stands in for a length the model's config does not name."""
-    (log.warning if row_context.assumed else log.info)(
-        f"a row may hold {row_context.tokens:,} tokens, prompt and answer: {row_context.source}")
 
 
 def what_runs(made, trimmed: int) -> str:
@@ -177,11 +158,16 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
     def make_plan(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         """Files checked, the guards, the plan (``PlanJob``), the plan file, partitions, removals:
         one sequence, in this order, under the plan lock."""
-        warehouse = job_warehouse(config, context)
-        output = config.output(warehouse)
-        before_the_plan(output, config.llm.model_path, context.log)
+        output = config.output(warehouse := job_warehouse(config, context))
+        if carried := output.carry_renamed():  # a renamed table's answers, before anything reads them
+            context.log.warning(carried)
+        if notice := preparation_notice(config.llm.model_path):  # said before the step spends a minute on it
+            context.log.info(notice)
+        # The context the rows are checked against, and where it came from: a warning where vLLM's
+        # fallback stands in for a length the model's config does not name.
         row_context = config.plan_context()
-        say_the_context(row_context, context.log)
+        (context.log.warning if row_context.assumed else context.log.info)(
+            f"a row may hold {row_context.tokens:,} tokens, prompt and answer: {row_context.source}")
         job = PlanJob(files.prompts_path, files.plan_path, files.token_cache_dir,
                       config.plan_settings(),  # counted as the shards' hardware runs, not this machine
                       config.sampling, config.scheduler, config.dataset.columns, context.log.warning, workers)

@@ -17,7 +17,7 @@ import dagster as dg
 from batchllm_dagster.checks import shards_outstanding
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.layout import PLAN_RUN_TAG, SHARDS_TAG
-from batchllm_dagster.partitions import RANGE_END, RANGE_START, hardware_of_key, shard_runs
+from batchllm_dagster.partitions import RANGE_END, RANGE_START, hardware_of_key, run_keys, shard_runs
 
 IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
              dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
@@ -34,16 +34,6 @@ def keys_in_flight(instance: dg.DagsterInstance, config: BatchJobConfig, keys: l
         for run in runs:
             busy.update(run_keys(run.tags, keys))
     return busy
-
-
-def run_keys(tags: dict, keys: list[str]) -> list[str]:
-    """The partitions a run answers, in order: its partition, or its range's (of ``keys``, in order)."""
-    if "dagster/partition" in tags:
-        return [tags["dagster/partition"]]
-    position = {key: i for i, key in enumerate(keys)}
-    if tags.get(RANGE_START) in position and tags.get(RANGE_END) in position:
-        return keys[position[tags[RANGE_START]]:position[tags[RANGE_END]] + 1]
-    return []
 
 
 def failed_here(instance: dg.DagsterInstance, plan_run: str, keys: list[str], outstanding: set[str]) -> set[str]:

@@ -78,6 +78,16 @@ def hardware_of_key(config: BatchJobConfig, key: str) -> HardwarePartition:
     return hardware
 
 
+def run_keys(tags: dict, keys: list[str]) -> list[str]:
+    """The partitions a run answers, in order: its partition, or its range's (of ``keys``, in order)."""
+    if "dagster/partition" in tags:
+        return [tags["dagster/partition"]]
+    position = {key: i for i, key in enumerate(keys)}
+    if tags.get(RANGE_START) in position and tags.get(RANGE_END) in position:
+        return keys[position[tags[RANGE_START]]:position[tags[RANGE_END]] + 1]
+    return []
+
+
 def by_hardware(config: BatchJobConfig, keys: list[str]) -> list[str]:
     """``keys`` with each hardware partition's shards neighbours (shards cycle over the hardware), in
     shard order within one: added in this order, a run of ``partitions_per_run`` can take a range."""

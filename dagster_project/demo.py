@@ -44,8 +44,8 @@ def batch_jobs(defs) -> list[tuple[str, object]]:
 
 def run_planned_shards(instance, defs, name: str) -> list:
     """The runs the job's ``run_shards`` sensor asks for after a new plan, run here and now
-    (``assets.run_plan``: ``batchllm-dagster run``'s), each one's success asserted."""
-    from assets.run_plan import run_planned_shards as run_shards
+    (``batchllm_dagster.cli``: ``batchllm-dagster run``'s), each one's success asserted."""
+    from batchllm_dagster.cli import run_planned_shards as run_shards
 
     return run_shards(instance, defs, name, run_config=QUIET)
 

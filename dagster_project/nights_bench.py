@@ -27,7 +27,7 @@ from dagster_project.scale_bench import _config, _instance, generate
 def night(work: Path, model: str, partition_rows: int) -> dict:
     """One night in this process: the plan job, then the shard runs the sensor asks for."""
     from assets import build_batch_defs
-    from assets.run_plan import run_planned_shards
+    from batchllm_dagster.cli import run_planned_shards
 
     config = _config(work, model, partition_rows, partitions_per_run=None)
     defs = build_batch_defs(config)

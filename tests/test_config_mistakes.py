@@ -200,10 +200,10 @@ def test_a_misspelled_nested_key_is_named_by_the_schema_dg_check_defs_validates(
 
 def test_batchllm_dagster_run_says_a_failed_step_in_one_line(tmp_path):
     """Dagster's console prints a failure's trace twice; the command prints one line per failed step
-    and per warning (``assets.run_plan._said``), the trace staying in the run's log."""
+    and per warning (``batchllm_dagster.cli._said``), the trace staying in the run's log."""
     import dagster as dg
 
-    from assets.run_plan import _said
+    from batchllm_dagster.cli import _said
 
     database = shop(tmp_path / "shop.duckdb")
     config = BatchJobConfig(name="j", dataset=DatasetSpec(table="carz", database=database),  # made later, maybe

@@ -117,7 +117,7 @@ def _rows(tmp_path, start: int, count: int, documents: int = 4) -> None:
 def test_a_night_is_forecast_said_as_it_runs_and_held_to_its_budget(tmp_path, monkeypatch, capsys, tiny_model):
     import duckdb
 
-    from assets.run_plan import main
+    from batchllm_dagster.cli import main
     from engine.plan.plan_table import PlanFile
 
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
@@ -160,7 +160,7 @@ def test_a_run_whose_shard_another_run_holds_waits_for_it_and_exits_0_when_it_la
 
     import dagster as dg
 
-    from assets.run_plan import main
+    from batchllm_dagster.cli import main
     from engine.locks import held_alone
 
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
@@ -210,8 +210,8 @@ def test_the_night_after_counts_rows_at_the_answers_learned_length_and_forecasts
     so) and forecasts their mean; the answers stay their own length."""
     import duckdb
 
-    from assets.run_plan import main
     from batchllm_dagster import SamplingSettings
+    from batchllm_dagster.cli import main
     from engine.plan.answer_lengths import AnswerLengths, measured_lengths
     from engine.plan.plan_table import ANSWER_LENGTHS, PlanFile
 

@@ -77,7 +77,7 @@ def test_a_command_from_a_subfolder_finds_the_projects_files_not_a_second_copy(t
     """`dg launch` or `batchllm-dagster run` from the project's `my_batches/` subfolder: the job's data,
     state and models resolve against the project root, not against that folder."""
     from assets.component import BatchJobComponent
-    from assets.run_plan import project_root
+    from batchllm_dagster.cli import project_root
     from batchllm_dagster.config import default_data_dir
 
     (tmp_path / "pyproject.toml").write_text('[tool.dg.project]\nroot_module = "my_project"\n')

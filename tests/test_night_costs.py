@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from assets import build_batch_defs
-from assets.run_plan import run_planned_shards
 from batchllm_dagster import BatchJobConfig, DatasetSpec, EngineSettings, SamplingSettings
+from batchllm_dagster.cli import run_planned_shards
 from dagster_project.demo import QUIET
 
 from .conftest import make_prompt_table

@@ -1,6 +1,6 @@
 """``batchllm-dagster run``'s console: a line per shard landed and a total, from partition metadata."""
 
-from assets.run_plan import shard_lines
+from batchllm_dagster.cli import shard_lines
 
 
 def test_a_line_per_shard_and_a_total_from_each_partitions_metadata():

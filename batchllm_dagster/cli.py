@@ -28,8 +28,10 @@ from pathlib import Path
 
 import dagster as dg
 
-from batchllm_dagster.layout import SHARDS_TAG, JobNames
 from engine.table.dataset_spec import project_root
+
+from .layout import SHARDS_TAG, JobNames
+from .partitions import run_keys
 
 
 def run_planned_shards(instance: dg.DagsterInstance, defs: dg.Definitions, name: str, run_config: dict | None = None,
@@ -142,8 +144,6 @@ def landed_by_another_run(instance: dg.DagsterInstance, defs: dg.Definitions, na
     """Of the ``failed`` runs, those that stopped because another run of the same night held their
     shards (a cron and a person at once) and whose shards that run landed: waited for (up to
     ``wait_s``) and said, so the command exits 0 when every row landed, once."""
-    from .shard_sensor import run_keys
-
     asset = dg.AssetKey([name, "completions"])
     keys = instance.get_dynamic_partitions(JobNames(name).partitions_name)
     answered = []
@@ -169,7 +169,7 @@ def landed_by_another_run(instance: dg.DagsterInstance, defs: dg.Definitions, na
 def print_night_lines() -> None:
     """The night's lines (``night_log``: forecast, shard start and end, progress) on stdout as they come,
     each with its time: a terminal and a captured log alike."""
-    from batchllm_dagster.night_log import NIGHT
+    from .night_log import NIGHT
 
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
