@@ -8,7 +8,7 @@ from batchllm_dagster.answer_store import OutputTableStore
 from batchllm_dagster.asset_specs import asset_args
 from batchllm_dagster.asset_specs import warehouse as job_warehouse
 from batchllm_dagster.config import BatchJobConfig
-from batchllm_dagster.forecast import NightForecast, forecast_night
+from batchllm_dagster.forecast import NightForecast, forecast_night, learned_answer_lengths
 from batchllm_dagster.instance_limits import warn_if_unlimited
 from batchllm_dagster.layout import JobFiles, this_run
 from batchllm_dagster.metadata import plan_metadata
@@ -21,7 +21,7 @@ from engine.atomic import Staged
 from engine.jobs.plan_job import PlanJob, StoredAnswers
 from engine.machine import current_platform
 from engine.models import preparation_notice
-from engine.plan.answer_lengths import AnswerLengths, learned_lengths, why_not_learned
+from engine.plan.answer_lengths import AnswerLengths
 from engine.plan.plan_stamp import ANSWER_STAMP_KEYS
 from engine.plan.plan_table import PlanFile, StalePlan
 from engine.plan.tokenize_workers import TokenizeWorkers
@@ -98,16 +98,6 @@ def answers_version(stamp: dict[str, str]) -> dg.DataVersion:
     partition, whose answers still hold, must not show stale because other rows changed."""
     return dg.DataVersion(fingerprint({key: value for key, value in stamp.items()
                                        if key.encode() in ANSWER_STAMP_KEYS}))
-
-
-def learned_answer_lengths(output: OutputTable, log) -> AnswerLengths | None:
-    """What the job's answers took on the last nights (``answer_lengths``): the output admission counts
-    its rows at and the forecast expects, said in the plan step's log."""
-    rows, percentile, mean, at_limit = output.answer_lengths()
-    lengths = learned_lengths(rows, percentile, mean, at_limit)
-    log.info(f"answer lengths: {lengths.describe()}: admission counts a row's output so, never above its max_tokens"
-             if lengths else f"answer lengths: {why_not_learned(rows, at_limit)}")
-    return lengths
 
 
 def forecast_within_budget(config: BatchJobConfig, made, measured: dict[str, Measured], lengths: AnswerLengths | None,

@@ -10,7 +10,8 @@ output token; a vLLM start and stop per run, one run per hardware partition and 
 ``partitions_per_run`` cuts more; each partition's reading, writing and checks). Device-hours are the
 hardware's devices held: ``tensor_parallel_size`` GPUs per engine (times ``ray_replicas`` on Ray) on a
 GPU partition, one machine on a CPU one. Hardware partitions run side by side: the night's wall is the
-longest of theirs. A cost where the hardware has a ``price_per_hour``.
+longest of theirs. A cost where the hardware has a ``price_per_hour``. The answer lengths it expects
+are learned here too (``learned_answer_lengths``), once a plan, for the forecast and the plan file.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from dataclasses import dataclass
 
 import dagster as dg
 
-from engine.plan.answer_lengths import AnswerLengths
+from engine.plan.answer_lengths import AnswerLengths, learned_lengths, why_not_learned
 from engine.plan.shard_cut import DECODE_COST
 
+from .output_table import OutputTable
 from .shard_sizing import Measured
 
 
@@ -90,6 +92,16 @@ class NightForecast:
                  + (f"; about {_duration(self.wall_s)} and {self.device_hours:,.2f} device-hours"
                     if self.measured else "; no wall time until every hardware partition has a night measured"))
         return [total, *(f"  {p.line()}" for p in self.parts)]
+
+
+def learned_answer_lengths(output: OutputTable, log) -> AnswerLengths | None:
+    """What the job's answers took on the last nights (``answer_lengths``): the output admission counts
+    its rows at and the forecast expects, said in the plan step's log."""
+    rows, percentile, mean, at_limit = output.answer_lengths()
+    lengths = learned_lengths(rows, percentile, mean, at_limit)
+    log.info(f"answer lengths: {lengths.describe()}: admission counts a row's output so, never above its max_tokens"
+             if lengths else f"answer lengths: {why_not_learned(rows, at_limit)}")
+    return lengths
 
 
 def forecast_night(made, config, measured: dict[str, Measured], lengths: AnswerLengths | None = None) -> NightForecast:
