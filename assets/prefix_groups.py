@@ -135,7 +135,6 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
     ``make_plan`` is that step's one sequence under the plan lock."""
     name, files, workers = config.name, config.files, TokenizeWorkers(config.tokenize_workers, config.ray_address)
 
-    # Its pool: one plan step of this job at a time.
     @dg.asset(**asset_args(config, "prefix_groups", config.plan_code_version()))
     def prefix_groups(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         # One plan of this job at a time in any instance (the plan pool needs an instance's limits):
@@ -165,13 +164,14 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
             job.check_files()
         except DatasetError as exc:
             raise dg.Failure(f"{name}: {exc}", allow_retries=False) from None
+        stamp = job.stamp()  # before any row is read: a snapshot landing from here on is caught at the write
         refuse_a_costly_night(config, warehouse, job.read_ids())  # the ids let go after: the plan reads its own
         measured = measured_by_hardware(last_partitions_metadata(context.instance,
                                                                  config.names.asset_key("completions")))
         lengths = learned_answer_lengths(output, context.log)
         size = None if config.sets_shard_size else shard_size(measured)  # the size the last nights measured
         naming = JobShards(config, size.rows_per_shard if size else None)
-        with job.plan(naming, context.log.info, stored_answers(config, output, job.settings)) as made:
+        with job.plan(naming, context.log.info, stored_answers(config, output, job.settings), stamp) as made:
             forecast = forecast_within_budget(config, made, measured, lengths, context.log)  # refused: nothing written
             plan_bytes = publish(name, job, made, context.run.run_id, config.plan_counts_for.value, lengths)
             output.replace_groups(made.groups_table(naming))

@@ -219,16 +219,18 @@ class PlanJob:
         read_by_row_group(path, columns_without_text(path, self.columns.prompt, self.columns.messages))
 
     @contextlib.contextmanager
-    def plan(self, naming: ShardNaming, progress: Callable[[str], None],
-             answers: StoredAnswers | None = None) -> Iterator[JobPlan]:
+    def plan(self, naming: ShardNaming, progress: Callable[[str], None], answers: StoredAnswers | None = None,
+             stamp: dict[str, str] | None = None) -> Iterator[JobPlan]:
         """The snapshot's rows: tokens (only new or changed rows tokenized), the plan, its shards
         (``naming``: how many, their numbers and keys) and each shard's key: ``with job.plan(...) as
         made:``, its database in a staging folder beside the plan, removed when the block ends (a
         killed plan's by the next, at once: the caller holds the job's plan lock). With ``answers``,
         the rows already answered as planned tonight keep their shards, which are not run again, and
         only the rest are cut into new shards (``Checked.settle``); without, every shard is cut,
-        kept from the plan on disk where it can be."""
-        stamp = self.stamp()  # before the rows are read: ``write`` compares it with the stamp then
+        kept from the plan on disk where it can be. ``stamp``: what the plan is made from, read by
+        the caller before it read any of the rows (its guards' ids: ``read_ids``); default, now,
+        before the rows are read. ``write`` compares it with the stamp then."""
+        stamp = stamp or self.stamp()
         settings = self.settings.with_block_size()  # a plan counts in whole KV blocks
         # The caller holds the job's plan lock (the asset does): a scratch database beside it is a
         # killed plan's, however young, and goes now (~0.5 GB per million rows).
