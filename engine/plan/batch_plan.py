@@ -67,10 +67,6 @@ class PrefixPlan:
         """Offsets into ``order`` where each group begins (plus the end)."""
         return np.concatenate([[0], np.cumsum(self.group_sizes)])
 
-    def shard_rows(self, shard: int) -> np.ndarray:
-        """The shard's rows in run order."""
-        return self.order[self.shard_of_row[self.order] == shard]
-
 
 def plan_blocks(blocks: RowBlocks, decode_tokens: np.ndarray, min_group_rows: int = 2,
                 duplicate_set: np.ndarray | None = None, dropped: np.ndarray | None = None,
