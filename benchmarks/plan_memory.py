@@ -122,13 +122,14 @@ def plan_stages() -> list[tuple[object, str, str]]:
     return [
         (plan_job.PlanJob, "_plan", "plan step, between stages"),
         (plan_job.PlanJob, "read_ids", "snapshot ids"), (disk, "_load_ids", "ids into the plan's database"),
-        (plan_job.TokenCache, "rows_for", "token cache rows"),
+        (token_cache.CacheWriter, "look_up", "token cache lookup"),
+        (token_cache.CacheWriter, "rows", "token cache rows"), (token_cache.CacheWriter, "compact", "compaction"),
         (disk, "load_chains", "chains into the plan's database"), (plan_job, "check_rows", "row checks"),
         (disk, "_duplicate_sets", "identical rows"), (disk, "_load_rows", "rows into the plan's database"),
         (disk, "_make", "plan"), (disk, "_shard", "shards"),
         (plan_job, "write_plan", "plan file"),
         (plan_job.JobPlan, "groups_table", "groups table"),
-        (plan_job.TokenCache, "_tokenize", "tokenizing"), (token_cache, "tokenize_rows", "tokenizer"),
+        (token_cache.TokenCache, "_tokenize", "tokenizing"), (token_cache, "tokenize_rows", "tokenizer"),
     ]
 
 

@@ -65,11 +65,13 @@ def blocks_rows(blocks: RowBlocks) -> list[tuple[int, list[int]]]:
     return [(int(length), blocks.chain(row)) for row, length in enumerate(blocks.lengths)]
 
 
-def looked_up(cache, path, tokenizer, block_size, **options):
+def looked_up(cache, path, tokenizer, block_size, keep=None, **options):
     """The cache's rows of the snapshot at ``path``, with their chains (``rows``, read inside
-    ``rows_for``'s block, as a plan reads them)."""
-    with cache.rows_for(path, tokenizer, Columns(), block_size, **options) as found:
+    ``writing``'s block, as a plan reads them), the cache compacted after, keeping ``keep``."""
+    with cache.writing(path, block_size) as writer:
+        found = writer.rows(writer.tokenize(writer.look_up(), tokenizer, Columns(), **options))
         found.rows = chain_rows(found.chains)
+        writer.compact(found, keep)
     return found
 
 
@@ -280,7 +282,7 @@ def test_compaction_keeps_what_the_plan_on_disk_names_and_waits_for_readers(tmp_
     compacted = threading.Event()
 
     def plan_again():
-        looked_up(cache, path, tokenizer, BLOCK, still_needed=lambda: planned)
+        looked_up(cache, path, tokenizer, BLOCK, keep=planned)
         compacted.set()
 
     with TokenCache.reading(tmp_path / "cache"):
@@ -305,14 +307,14 @@ def test_compaction_deletes_only_the_parts_it_read(tmp_path, tiny_model):
     keys = snapshot(path, [f"row {i}" for i in range(6)], [None] * 6)[CONTENT_KEY].combine_chunks()
     looked_up(cache, path, load_tokenizer(tiny_model), BLOCK)
     loaded = cache._parts()
-    table = cache.load(BLOCK)
     late = tmp_path / "late.parquet"
     snapshot(late, ["a late row"], [None])
     other = TokenCache(tmp_path / "cache", "fp1")
-    looked_up(other, late, load_tokenizer(tiny_model), BLOCK)  # another writer's part
+    with other.writing(late, BLOCK) as writer:  # another writer's part (not compacted)
+        writer.tokenize(writer.look_up(), load_tokenizer(tiny_model), Columns())
     late_part = sorted(set(cache._parts()) - set(loaded))
     assert late_part
-    cache._compact(table, loaded, keys, BLOCK, lambda: None)
+    cache._compact(loaded, keys, None, BLOCK)
     assert all(p.exists() for p in late_part)
 
 
@@ -375,3 +377,18 @@ def test_rows_repeating_a_content_are_not_read_again(tmp_path, tiny_model, monke
     cached = looked_up(TokenCache(tmp_path / "cache", "fp"), path, counting, BLOCK)
     assert cached.tokenized_rows == counting.rows == 4
     assert same_rows(cached, tokenize_rows(load_tokenizer(tiny_model), prompts, [None] * 12))
+
+
+def test_the_writers_stages_go_in_their_order(tmp_path, tiny_model):
+    """A lookup with rows missing has no chains (they come of ``tokenize``), and a cache with
+    nothing stale is left as it is."""
+    path = tmp_path / "prompts.parquet"
+    snapshot(path, [f"row {i}" for i in range(6)], [None] * 6)
+    cache = TokenCache(tmp_path / "cache", "fp1")
+    with cache.writing(path, BLOCK) as writer:
+        lookup = writer.look_up()
+        with pytest.raises(KeyError, match="6 rows are not in the token cache"):
+            writer.rows(lookup)
+        rows_ = writer.rows(writer.tokenize(lookup, load_tokenizer(tiny_model), Columns()))
+        assert (rows_.cached_rows, rows_.tokenized_rows, rows_.stale_entries, rows_.entries) == (0, 6, 0, 6)
+        assert not writer.compact(rows_)

@@ -23,7 +23,7 @@ from ..atomic import Staged
 from ..damaged import read_by_row_group, readable_or_set_aside
 from ..plan.answer_lengths import AnswerLengths
 from ..plan.duplicates import count_duplicates
-from ..plan.plan_database import Checked, PlanDatabase, Sharded
+from ..plan.plan_database import Chained, Checked, PlanDatabase, Sharded
 from ..plan.plan_stamp import job_stamp, stale_reasons
 from ..plan.plan_table import (
     PlanRows,
@@ -38,7 +38,7 @@ from ..plan.plan_table import (
 )
 from ..plan.prepared import PlannedBatch, check_rows
 from ..plan.sorted_shards import ShardTotals
-from ..plan.token_cache import TokenCache
+from ..plan.token_cache import CachedRows, TokenCache
 from ..plan.tokenize_workers import TokenizeWorkers
 from ..plan.tokenizing import LazyTokenizer, tokenizer_fingerprint
 from ..settings import EngineSettings, SamplingSettings, SchedulerSettings
@@ -244,15 +244,7 @@ class PlanJob:
 
     def _plan(self, database: PlanDatabase, settings: EngineSettings, stamp: dict[str, str], naming: ShardNaming,
               progress: Callable[[str], None], answers: StoredAnswers | None) -> JobPlan:
-        tokenizer = LazyTokenizer(self.settings.model_path)  # loaded only if a row is new or changed
-        pa.default_memory_pool().release_unused()  # what reading the snapshot's ids (the guards) left in Arrow's pool
-        with self.cache.rows_for(self.snapshot, tokenizer, self.columns, settings.block_size, progress=progress,
-                                 still_needed=lambda: plan_content_keys(self.plan_path),
-                                 workers=self.tokenize_workers) as rows:
-            started = time.perf_counter()
-            chained = database.load_chains(rows.chains)  # while the cache's parts are sure to be there
-            chains_s = time.perf_counter() - started
-        pa.default_memory_pool().release_unused()  # Arrow keeps what the lookup freed: the planner's peak follows
+        rows, chained, chains_s = self._chains(database, settings.block_size, progress)
         loaded = chained.load_ids(self.snapshot, self.columns.id)  # ids and keys in the database, not here
         del chained
         found = check_rows(self._check_columns(), loaded.lengths, rows.errors, settings, self.sampling, self.columns,
@@ -285,6 +277,24 @@ class PlanJob:
                  100 * counts["shared_fraction"], counts["duplicate_rows"], rows.seconds, plan_s)
         return JobPlan(sharded, plan_rows, counts, stamp, partition_keys, rows_by_shard, kept,
                        answers.settings_fps if kept and answers else [])
+
+    def _chains(self, database: PlanDatabase, block_size: int,
+                progress: Callable[[str], None]) -> tuple[CachedRows, Chained, float]:
+        """The snapshot's rows from the token cache (only new or changed rows tokenized) and their
+        chains loaded into the plan's database; then the cache compacted, keeping what the plan on
+        disk names (its partitions may still run; read now, after the lookup let go of its memory).
+        Returns the rows, the chained stage and the seconds loading the chains took."""
+        tokenizer = LazyTokenizer(self.settings.model_path)  # loaded only if a row is new or changed
+        pa.default_memory_pool().release_unused()  # what reading the snapshot's ids (the guards) left in Arrow's pool
+        with self.cache.writing(self.snapshot, block_size) as cache:
+            rows = cache.rows(cache.tokenize(cache.look_up(), tokenizer, self.columns, progress,
+                                             self.tokenize_workers))
+            started = time.perf_counter()
+            chained = database.load_chains(rows.chains)  # while the cache's parts are sure to be there
+            chains_s = time.perf_counter() - started
+            cache.compact(rows, keep=plan_content_keys(self.plan_path))
+        pa.default_memory_pool().release_unused()  # Arrow keeps what the lookup freed: the planner's peak follows
+        return rows, chained, chains_s
 
     def _settle(self, checked: Checked, previous: Path, answers: StoredAnswers | None, rows: PlanRows,
                 naming: ShardNaming) -> int:

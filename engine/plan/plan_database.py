@@ -84,7 +84,7 @@ class PlanDatabase:
         return self.plan.block_size
 
     def load_chains(self, chains) -> "Chained":
-        """Every row's chain (``CachedRows.chains``, read inside ``TokenCache.rows_for``'s block) into
+        """Every row's chain (``CachedRows.chains``, read inside ``TokenCache.writing``'s block) into
         the table ``row_chains``."""
         with self._resources():
             self.con.register("chains", pa.RecordBatchReader.from_batches(ROW_CHAINS,

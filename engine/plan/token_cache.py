@@ -216,15 +216,17 @@ def written_by_worker(batch: pa.Table, tokenizer, folder: str, prompt_column: st
 
 @dataclass
 class CachedRows:
-    """A snapshot's rows as the planner reads them from the cache (``TokenCache.rows_for``), no token
-    ids: where each row's chain of block hashes lies (``chains``, read a depth or a part at a time
-    while the ``with`` block of ``rows_for`` holds the cache), and why rows have none."""
+    """A snapshot's rows as the planner reads them from the cache (``CacheWriter.rows``), no token
+    ids: where each row's chain of block hashes lies (``chains``, read a part at a time while the
+    ``with`` block of ``TokenCache.writing`` holds the cache), and why rows have none."""
 
     chains: "_PartChains"
     errors: dict[int, str]  # row index -> why it has no tokens
     seconds: float  # looking up and tokenizing
     cached_rows: int  # rows whose content was in the cache
     tokenized_rows: int  # distinct contents tokenized now
+    stale_entries: int  # entries of the cache no row of the snapshot names
+    entries: int  # entries of the cache
 
     @property
     def lengths(self) -> np.ndarray:
@@ -232,7 +234,7 @@ class CachedRows:
 
 
 class TokenCache:
-    """Safe for concurrent readers and writers: one writer at a time (``rows_for`` holds the
+    """Safe for concurrent readers and writers: one writer at a time (``writing`` holds the
     root's writer lock), and parts are deleted (compaction) only under the root's exclusive
     reader lock, which ``reading()`` holds shared: a partition that has read its plan and maps its
     entries under ``reading()`` never sees them disappear, and entries the plan on disk names are
@@ -308,56 +310,13 @@ class TokenCache:
         return write_part(self.folder, name, batches, block_size, max_rows)
 
     @contextlib.contextmanager
-    def rows_for(self, snapshot: Path, tokenizer, columns: Columns, block_size: int,
-                 progress: Callable[[str], None] = log.info,
-                 still_needed: Callable[[], pa.Array | None] = lambda: None,
-                 workers: TokenizeWorkers = TokenizeWorkers()) -> Iterator[CachedRows]:
-        """``with cache.rows_for(snapshot, ...) as rows:`` every row of a prompt snapshot (written
-        with a ``CONTENT_KEY`` column), in its order, looked up in the cache or tokenized into it
-        (``progress`` hears how far that got; on ``workers`` where there are many): their lengths
-        and block hashes, readable in the block (the cache's writer lock keeps their parts there),
-        no token ids. When the block ends, the cache is compacted where half its entries are
-        contents the snapshot no longer has (``still_needed``: keys to keep besides the snapshot's,
-        those of the plan partitions that may still be running, read under its lock)."""
-        with locked(self.root / ".writer.lock", shared=False):  # one writer at a time
-            rows, loaded, stale, entries = self._looked_up(snapshot, tokenizer, columns, block_size, progress,
-                                                           workers)
-            yield rows
-            if len(loaded) > 1 and 2 * stale >= entries:  # half of it rows the table no longer has
-                self._compact(_concat(self._mapped(block_size), block_size), loaded, snapshot_keys(snapshot),
-                              block_size, still_needed)
-
-    def _looked_up(self, snapshot: Path, tokenizer, columns: Columns, block_size: int, progress, workers):
-        """The snapshot's rows (``CachedRows``), the parts read, and how many of their entries are stale."""
-        started = time.perf_counter()
-        loaded = self._parts()
-        parts = self._mapped(block_size)
-        cache = _concat(parts, block_size)
-        found = _snapshot_in(cache, snapshot)
-        cached_rows = int(np.count_nonzero(found >= 0))
-        missing = _first_rows_missing(snapshot, found)
-        pa.default_memory_pool().release_unused()  # the missing rows' keys: Arrow would keep their pages
-        tokenized = 0
-        if len(missing):
-            # Streamed into new parts batch by batch, then mapped with the rest: the first night
-            # never holds the table's token ids in memory, and parts are published as they are
-            # written, so a crash loses at most one part's tokenizing.
-            tokenized = self._tokenize(snapshot, missing, tokenizer, columns.prompt, columns.messages, block_size,
-                                       progress, workers)
-            loaded = self._parts()
-            parts = self._mapped(block_size)
-            cache = _concat(parts, block_size)
-        position = self._all_found(found if not tokenized else _snapshot_in(cache, snapshot))  # nothing new: found
-        lengths = _lengths_at(cache.column("token_ids"), position)
-        errors = _errors_at(cache.column("error"), position)
-        entries, sizes = cache.num_rows, [(path, table.num_rows) for path, table in parts]
-        # The parts mapped for the lookup let go: the pages it read (keys, offsets: 24 bytes an
-        # entry) would stay in the process's memory while the chains are read.
-        del found, missing, cache, parts
-        stale = entries - _distinct(position, entries)
-        chains = _PartChains.of(sizes, position, lengths, block_size)
-        rows = CachedRows(chains, errors, time.perf_counter() - started, cached_rows, tokenized)
-        return rows, loaded, stale, entries
+    def writing(self, snapshot: Path, block_size: int) -> Iterator["CacheWriter"]:
+        """``with cache.writing(snapshot, block_size) as writer:`` the cache's one writer (its writer
+        lock held through the block), for a prompt snapshot written with a ``CONTENT_KEY`` column.
+        Its stages each take what the one before returns: ``look_up`` -> ``tokenize`` -> ``rows``
+        (their chains readable until the block ends or ``compact``)."""
+        with locked(self.root / ".writer.lock", shared=False):
+            yield CacheWriter(self, snapshot, block_size)
 
     def _tokenize(self, snapshot: Path, missing: pa.Array, tokenizer, prompt_column: str, messages_column: str,
                   block_size: int, progress: Callable[[str], None], workers: TokenizeWorkers) -> int:
@@ -386,19 +345,88 @@ class TokenCache:
             written += rows
         return written
 
-    def _compact(self, cache: pa.Table, loaded: list[Path], keys: pa.Array, block_size: int,
-                 still_needed: Callable[[], pa.Array | None]) -> None:
-        """Rewrite the ``loaded`` parts (those ``cache`` was read from, never a part another writer
-        added since) as one, keeping the snapshot's entries and the ones still needed."""
+    def _compact(self, parts: list[Path], keys: pa.Array, keep: pa.Array | None, block_size: int) -> None:
+        """Rewrite ``parts`` (those a writer read: never one another writer added since) as one,
+        keeping the entries of ``keys`` and ``keep``."""
         with locked(self.root / ".readers.lock", shared=False):
-            needed = still_needed()
-            if needed is not None and len(needed):
+            if keep is not None and len(keep):
                 chunks = keys.chunks if isinstance(keys, pa.ChunkedArray) else [keys]
-                keys = pa.chunked_array([*chunks, needed.cast(KEY_TYPE)], KEY_TYPE)
+                keys = pa.chunked_array([*chunks, keep.cast(KEY_TYPE)], KEY_TYPE)
+            cache = pa.concat_tables([pa.ipc.open_file(pa.memory_map(str(path))).read_all() for path in parts])
             kept = cache.filter(KeyIndex(keys).first_positions(cache.column("key")) >= 0)
             self._write(kept.to_batches(), _part_name(), block_size)
-            for path in loaded:
+            for path in parts:
                 path.unlink(missing_ok=True)
+
+
+@dataclass
+class Lookup:
+    """Each row of a snapshot's entry in the cache (``found``, -1: its content is not there)."""
+
+    found: np.ndarray
+    cached_rows: int  # rows whose content was in the cache before tokenizing
+    tokenized_rows: int  # distinct contents tokenized into it since
+    started: float  # when the lookup began (``perf_counter``)
+
+
+class CacheWriter:
+    """The stages of one writer of the cache for one snapshot (``TokenCache.writing``): look the
+    rows up, tokenize those missing, read where each row's chain lies, compact where half the
+    entries are stale. Each is a call of its own, so the caller decides what it holds between
+    them (a plan lets go of the lookup before loading the chains, and reads the keys to keep only
+    after)."""
+
+    def __init__(self, cache: TokenCache, snapshot: Path, block_size: int):
+        self.cache, self.snapshot, self.block_size = cache, snapshot, block_size
+
+    def look_up(self) -> Lookup:
+        """Each row's entry in the cache as it is (a part hashed in other blocks is hashed again)."""
+        started = time.perf_counter()
+        found = _snapshot_in(_concat(self.cache._mapped(self.block_size), self.block_size), self.snapshot)
+        return Lookup(found, int(np.count_nonzero(found >= 0)), 0, started)
+
+    def tokenize(self, lookup: Lookup, tokenizer, columns: Columns, progress: Callable[[str], None] = log.info,
+                 workers: TokenizeWorkers = TokenizeWorkers()) -> Lookup:
+        """The lookup once the rows it misses are tokenized into the cache (a content's first row,
+        once; ``progress`` hears how far it got; on ``workers`` where there are many)."""
+        missing = _first_rows_missing(self.snapshot, lookup.found)
+        pa.default_memory_pool().release_unused()  # the missing rows' keys: Arrow would keep their pages
+        if not len(missing):
+            return lookup
+        # Streamed into new parts batch by batch: the first night never holds the table's token
+        # ids in memory, and parts are published as they are written, so a crash loses at most one
+        # part's tokenizing.
+        tokenized = self.cache._tokenize(self.snapshot, missing, tokenizer, columns.prompt, columns.messages,
+                                         self.block_size, progress, workers)
+        del missing
+        found = _snapshot_in(_concat(self.cache._mapped(self.block_size), self.block_size), self.snapshot)
+        return Lookup(found, lookup.cached_rows, tokenized, lookup.started)
+
+    def rows(self, lookup: Lookup) -> CachedRows:
+        """Every row's length and where its chain of block hashes lies (no token ids), and why rows
+        have none; every row must have been found (``tokenize``)."""
+        parts = self.cache._mapped(self.block_size)
+        cache = _concat(parts, self.block_size)
+        position = self.cache._all_found(lookup.found)
+        lengths = _lengths_at(cache.column("token_ids"), position)
+        errors = _errors_at(cache.column("error"), position)
+        sizes = [(path, table.num_rows) for path, table in parts]
+        # The parts mapped here let go: the pages read (keys, offsets: 24 bytes an entry) would stay
+        # in the process's memory while the chains are read.
+        del cache, parts
+        entries = sum(size for _, size in sizes)
+        chains = _PartChains.of(sizes, position, lengths, self.block_size)
+        return CachedRows(chains, errors, time.perf_counter() - lookup.started, lookup.cached_rows,
+                          lookup.tokenized_rows, entries - _distinct(position, entries), entries)
+
+    def compact(self, rows: CachedRows, keep: pa.Array | None = None) -> bool:
+        """Compact the cache where half its entries are contents the snapshot no longer has, keeping
+        the snapshot's and ``keep``'s (the keys of a previous plan whose partitions may still run);
+        returns whether it did. ``rows``' chains are gone with the parts it replaces."""
+        if len(rows.chains.paths) < 2 or 2 * rows.stale_entries < rows.entries:
+            return False
+        self.cache._compact(rows.chains.paths, snapshot_keys(self.snapshot), keep, self.block_size)
+        return True
 
 
 def _distinct(position: np.ndarray, entries: int) -> int:
