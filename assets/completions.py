@@ -21,6 +21,7 @@ from batchllm_dagster.asset_specs import warehouse as job_warehouse
 from batchllm_dagster.checks import merged_check_results, partition_check_results, partition_check_specs
 from batchllm_dagster.config import Backend, BatchJobConfig
 from batchllm_dagster.instance_limits import warn_if_unlimited
+from batchllm_dagster.job_settings import JobSettings
 from batchllm_dagster.layout import OUTPUT_TABLE_TAG, PLAN_RUN_TAG, this_run
 from batchllm_dagster.metadata import field_order_metadata, review_metadata, run_metadata
 from batchllm_dagster.night_log import say
@@ -40,8 +41,9 @@ def shard_jobs(config: BatchJobConfig, keys: list[str], context: dg.AssetExecuti
     try:
         with PlanFile.opened_for_running(config.files.plan_path, config.files.token_cache_dir) as plan:
             refuse_a_plan_of_another_platform(config, plan)
-            settings = config.engine_settings(plan.counts)  # the job's, else what the plan counts in
-            stamp = config.plan_stamp(settings)
+            resolved = JobSettings(config)
+            settings = resolved.engine(plan.counts)  # the job's, else what the plan counts in
+            stamp = resolved.stamp(settings)
             shards = plan.shards(keys, stamp)
             warn_if_settled_elsewhere(plan, settings, config, context)
     except NotInPlan as missing:
@@ -70,9 +72,9 @@ def shard_jobs(config: BatchJobConfig, keys: list[str], context: dg.AssetExecuti
 
 
 def refuse_a_plan_of_another_platform(config: BatchJobConfig, plan: PlanFile) -> None:
-    """No retry: the plan, not the node, is wrong for this shard (``check_plan_runs_here``)."""
+    """No retry: the plan, not the node, is wrong for this shard (``JobSettings.check_plan_runs_here``)."""
     try:
-        config.check_plan_runs_here(plan.counted_for)
+        JobSettings(config).check_plan_runs_here(plan.counted_for)
     except ValueError as exc:
         raise dg.Failure(str(exc), allow_retries=False) from None
 

@@ -10,6 +10,7 @@ from batchllm_dagster.asset_specs import warehouse as job_warehouse
 from batchllm_dagster.config import BatchJobConfig
 from batchllm_dagster.forecast import NightForecast, forecast_night, learned_answer_lengths
 from batchllm_dagster.instance_limits import warn_if_unlimited
+from batchllm_dagster.job_settings import JobSettings
 from batchllm_dagster.layout import JobFiles, this_run
 from batchllm_dagster.metadata import plan_metadata
 from batchllm_dagster.night_guards import refuse_a_costly_night
@@ -19,7 +20,6 @@ from batchllm_dagster.partitions import JobShards, by_hardware, sync_partitions
 from batchllm_dagster.shard_sizing import Measured, last_partitions_metadata, measured_by_hardware, shard_size
 from engine.atomic import Staged
 from engine.jobs.plan_job import PlanJob, StoredAnswers
-from engine.machine import current_platform
 from engine.models import preparation_notice
 from engine.plan.answer_lengths import AnswerLengths
 from engine.plan.plan_stamp import ANSWER_STAMP_KEYS
@@ -68,10 +68,11 @@ def trim_kept_files(files: JobFiles, keep_deleted_answers: bool, kept: dict[int,
 def stored_answers(config: BatchJobConfig, output: OutputTable, settings) -> StoredAnswers:
     """What the plan compares to know which rows are answered: the output table's answer keys, and
     the settings fingerprint a shard of each hardware partition's platform would record (on the
-    settings the plan file gives its shards: ``plan_settings``' block size and context length)."""
-    runs_with = config.engine_settings({"block_size": settings.with_block_size().block_size,
-                                        "max_model_len": settings.max_model_len})
-    platforms = {h.platform or config.plan_platform or current_platform() for h in config.hardware}
+    settings the plan file gives its shards: ``JobSettings.plan``'s block size and context length)."""
+    resolved = JobSettings(config)
+    runs_with = resolved.engine({"block_size": settings.with_block_size().block_size,
+                                 "max_model_len": settings.max_model_len})
+    platforms = {h.platform or resolved.counts_for for h in config.hardware}
     return StoredAnswers(output.export_answers,
                          sorted({current_settings_fingerprint(runs_with, config.sampling, p) for p in platforms}))
 
@@ -147,18 +148,19 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
     def make_plan(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         """Files checked, the guards, the plan (``PlanJob``), the plan file, partitions, removals:
         one sequence, in this order, under the plan lock."""
-        output = config.output(warehouse := job_warehouse(config, context))
+        output = OutputTable.of_job(warehouse := job_warehouse(config, context), config)
         if carried := output.carry_renamed():  # a renamed table's answers, before anything reads them
             context.log.warning(carried)
         if notice := preparation_notice(config.llm.model_path):  # said before the step spends a minute on it
             context.log.info(notice)
         # The context the rows are checked against, and where it came from: a warning where vLLM's
         # fallback stands in for a length the model's config does not name.
-        row_context = config.plan_context()
+        resolved = JobSettings(config)
+        row_context = resolved.plan_context()
         (context.log.warning if row_context.assumed else context.log.info)(
             f"a row may hold {row_context.tokens:,} tokens, prompt and answer: {row_context.source}")
         job = PlanJob(files.prompts_path, files.plan_path, files.token_cache_dir,
-                      config.plan_settings(),  # counted as the shards' hardware runs, not this machine
+                      resolved.plan(),  # counted as the shards' hardware runs, not this machine
                       config.sampling, config.scheduler, config.dataset.columns, context.log.warning, workers)
         try:
             job.check_files()
@@ -173,7 +175,7 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
         naming = JobShards(config, size.rows_per_shard if size else None)
         with job.plan(naming, context.log.info, stored_answers(config, output, job.settings), stamp) as made:
             forecast = forecast_within_budget(config, made, measured, lengths, context.log)  # refused: nothing written
-            plan_bytes = publish(name, job, made, context.run.run_id, config.plan_counts_for.value, lengths)
+            plan_bytes = publish(name, job, made, context.run.run_id, resolved.counts_for.value, lengths)
             output.replace_groups(made.groups_table(naming))
         used = made.used_keys
         added, removed = sync_partitions(context.instance, config.names.partitions_name, by_hardware(config, used))

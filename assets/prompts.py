@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 from batchllm_dagster.asset_specs import asset_args
 from batchllm_dagster.asset_specs import warehouse as job_warehouse
 from batchllm_dagster.config import BatchJobConfig
+from batchllm_dagster.job_settings import JobSettings
 from batchllm_dagster.layout import this_run
 from batchllm_dagster.metadata import table_preview
 from batchllm_dagster.night_guards import refuse_a_costly_night
@@ -92,7 +93,7 @@ def _prefill_counter(config: BatchJobConfig, log=None) -> PrefillCounter | None:
     notice = preparation_notice(config.llm.model_path)
     if notice and log:
         log(notice)
-    settings = config.plan_settings()
+    settings = JobSettings(config).plan()
     return sorted_prefill_counter(load_tokenizer(settings.model_path), settings.block_size)
 
 

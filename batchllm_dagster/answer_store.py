@@ -15,7 +15,7 @@ from engine.run.results import RowResult
 from engine.table.prompt_snapshot import CONTENT_KEY
 
 from .config import BatchJobConfig
-from .output_table import answers_table
+from .output_table import OutputTable, answers_table
 
 
 class OutputTableStore:
@@ -24,7 +24,7 @@ class OutputTableStore:
 
     def __init__(self, config: BatchJobConfig, warehouse, log):
         self.config, self.log = config, log
-        self.table = config.output(warehouse)
+        self.table = OutputTable.of_job(warehouse, config)
 
     def stored(self, ids: pa.Array) -> list[Path | pa.Table]:
         previous = self.table.rows_of(ids)

@@ -26,6 +26,7 @@ from engine.table.prompt_snapshot import ids_sql
 
 from .asset_specs import warehouse as job_warehouse
 from .config import BatchJobConfig
+from .output_table import OutputTable
 from .partitions import RANGE_START, SHARDS_TO_RUN
 
 
@@ -69,7 +70,7 @@ def partition_check_results(config: BatchJobConfig, warehouse: DuckDBResource, p
     ``superseded_ids``: rows a newer plan took over while it ran, not written (an older answer of
     theirs in this partition is that plan's to replace)."""
     constrained = _constrained_answers(prepared, results, config.sampling)
-    held = config.output(warehouse).partition_counts(partition_key, shard_ids, superseded_ids)
+    held = OutputTable.of_job(warehouse, config).partition_counts(partition_key, shard_ids, superseded_ids)
     errors, rows = held.errors, held.rows
     saving = stats.saving_vs_ideal
     return [
@@ -179,7 +180,7 @@ def build_table_checks(config: BatchJobConfig) -> list[dg.AssetChecksDefinition]
         outstanding = []
         if {"dagster/partition", RANGE_START} & set(context.run.tags):
             outstanding = shards_outstanding(context.instance, config)
-        counts = config.output(job_warehouse(config, context)).answer_counts(
+        counts = OutputTable.of_job(job_warehouse(config, context), config).answer_counts(
             ids_sql(config.dataset.id_column), config.files.prompts_path, config.files.plan_path, outstanding)
         if counts is None:
             yield dg.AssetCheckResult(check_name="all_prompts_answered", asset_key=key, passed=False,

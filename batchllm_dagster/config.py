@@ -11,14 +11,13 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.machine import Platform, current_platform
+from engine.machine import Platform
 from engine.plan.plan_stamp import PlanShaping
 from engine.settings import EngineSettings, Policy, SamplingSettings, SchedulerSettings, fingerprint
 from engine.table.dataset_spec import DatasetSpec, default_data_dir  # noqa: F401 (the package's names)
 from engine.table.fields import PromptFields  # noqa: F401 (a job's prompt from fields, imported from here)
 
 from .layout import HARDWARE_TAG, POOL_TAG, JobFiles, JobNames
-from .output_table import OutputTable
 from .shard_sizing import FIRST_NIGHT_ROWS_PER_SHARD
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -225,7 +224,7 @@ class JobSpec(BaseModel):
         tokens, and the GPU would run them so. Where the job sets both, the platform changes nothing.
         The machine loading the definitions is no sign (one GPU machine making the plan and running
         its shards is right as it is); a shard on another platform than its plan's is refused where
-        it runs (``check_plan_runs_here``)."""
+        it runs (``JobSettings.check_plan_runs_here``)."""
         if self.llm.block_size is not None and self.llm.max_model_len is not None:
             return
         for partition in (h for h in self.hardware if h.platform is None):
@@ -324,13 +323,6 @@ class BatchJobConfig(JobSpec):
         return PlanShaping.of(settings or self.llm, self.sampling, self.scheduler, self.dataset.columns,
                               resolved=settings is not None)
 
-    def plan_stamp(self, settings: EngineSettings) -> dict[str, str]:
-        """The job's plan stamp as it is now (``settings``: the job's, model resolved): the model's
-        content, the prompt snapshot (``engine.table.prompt_snapshot``), and the settings that shape a plan."""
-        from engine.plan.plan_stamp import job_stamp
-
-        return job_stamp(self.files.prompts_path, settings, self.sampling, self.scheduler, self.dataset.columns)
-
     def plan_code_version(self) -> str:
         # The model settings whole (their context length is resolved only with the model), what
         # shapes the plan, and the shards.
@@ -341,60 +333,3 @@ class BatchJobConfig(JobSpec):
         # review_below only where set: versions made before it existed still hold.
         return fingerprint(self.llm, self.sampling, self.scheduler, self.backend, self.ray_replicas,
                            self.keep_deleted_answers, *([self.review_below] if self.review_below is not None else []))
-
-    def output(self, warehouse) -> OutputTable:
-        """The job's output table in ``warehouse`` (its output database: ``names.warehouse_key``'s resource)."""
-        return OutputTable(warehouse, self.output_table, self.name)
-
-    def plan_settings(self) -> EngineSettings:
-        """What the job's plan counts in: ``llm`` with its model resolved (``engine_settings``) and
-        the KV block size and context length the job sets, else those of the platform its hardware
-        partitions declare, else of the machine the plan step runs on: never the plan step's own
-        machine where the shards declare another (a plan made on a CPU pod for GPU shards counts
-        in the GPU's 16 and the model's own length)."""
-        llm = self._model_resolved()
-        resolved = llm.for_platform(self.plan_counts_for)
-        return llm.model_copy(update={"block_size": resolved.block_size, "max_model_len": resolved.max_model_len})
-
-    @property
-    def plan_counts_for(self) -> Platform:
-        """The platform whose defaults the plan counts in where the job sets none: the one its hardware
-        partitions declare, else the plan step's machine's."""
-        return self.plan_platform or current_platform()
-
-    def check_plan_runs_here(self, counted_for: str | None) -> None:
-        """Refuse a shard on a platform other than the one whose defaults its plan counted in (a CPU
-        pod's plan of a partition that names no platform, run on a GPU, would give every row the CPU's
-        blocks and 2,048 tokens). None: a plan from before it was recorded. A Ray job's engines run on
-        its replicas' nodes, which its hardware's ``platform`` places (``wants_gpus``): not checked here."""
-        here = current_platform()
-        if counted_for in (None, here.value) or self.backend is Backend.RAY or (
-                self.llm.block_size is not None and self.llm.max_model_len is not None):
-            return  # on Ray the engines run on the cluster's nodes, not on this driver's
-        undeclared = [h.name for h in self.hardware if h.platform is None]
-        fix = (f"add `platform: {here.value}` to hardware partition {', '.join(map(repr, undeclared))}" if undeclared
-               else f"declare the platform its hardware partitions run on ({here.value} here)")
-        raise ValueError(f"the plan of {self.name!r} counted in {counted_for}'s KV blocks and context length, but this "
-                         f"shard runs on {here.value}: {fix} in the job's YAML (or set llm.block_size and "
-                         "llm.max_model_len), then materialize prefix_groups again")
-
-    def plan_context(self):
-        """The context length the plan counts in and where it comes from (``EngineSettings.context``),
-        on the platform the plan counts for."""
-        return self._model_resolved().context(self.plan_counts_for)
-
-    def engine_settings(self, planned: dict[str, int] | None = None) -> EngineSettings:
-        """``llm`` with its model (a built-in name or a path) resolved to a checkpoint directory and
-        its KV block size set: the job's, else the plan's, else this platform's default. ``planned``:
-        what the plan counts in (``plan_table.PlanFile.counts``): a shard runs at its block size and
-        context length where the job sets none, whatever machine made the plan."""
-        llm = self._model_resolved()
-        unset = {name: value for name, value in (planned or {}).items() if getattr(llm, name) is None}
-        return llm.model_copy(update=unset).with_block_size()
-
-    def _model_resolved(self) -> EngineSettings:
-        from engine.models import resolve_model
-
-        return self.llm.model_copy(update={"model_path": resolve_model(self.llm.model_path)})
-
-

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .config import BatchJobConfig
+from .output_table import OutputTable
 
 
 def refuse_mass_removal(config: BatchJobConfig, warehouse, ids: pa.ChunkedArray | pa.Array) -> None:
@@ -26,7 +27,7 @@ def refuse_mass_removal(config: BatchJobConfig, warehouse, ids: pa.ChunkedArray 
     if config.keep_deleted_answers:
         return
     live = ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
-    gone, answered = config.output(warehouse).answers_not_in(live)
+    gone, answered = OutputTable.of_job(warehouse, config).answers_not_in(live)
     if gone and gone > config.max_removed_share * answered:
         raise dg.Failure(
             f"{config.name}: refused to plan: the source has {len(ids):,} rows, and a plan of them would remove the "
@@ -52,7 +53,7 @@ def refuse_id_type_change(config: BatchJobConfig, warehouse, id_type: pa.DataTyp
     last snapshot were made: every id would compare unequal, or fail to compare at all."""
     column = config.dataset.id_column
     earlier = [(what, found) for what, found in (
-        (f"the output table {config.output_table!r}", config.output(warehouse).id_type()),
+        (f"the output table {config.output_table!r}", OutputTable.of_job(warehouse, config).id_type()),
         ("the last prompt snapshot", _snapshot_id_type(config.files.prompts_path, column)),
     ) if found is not None and id_kind(found) != id_kind(str(id_type))]
     if earlier:

@@ -103,6 +103,12 @@ class OutputTable:
         self.warehouse, self.name, self.job = warehouse, name, job
         self._sql_name = quote_identifier(name)
 
+    @classmethod
+    def of_job(cls, warehouse: DuckDBResource, job) -> "OutputTable":
+        """The output table a job declares (a ``BatchJobConfig``'s ``output_table``) in ``warehouse``,
+        its output database (its ``names.warehouse_key``'s resource)."""
+        return cls(warehouse, job.output_table, job.name)
+
     @contextmanager
     def _connection(self, on_wait: Callable[[str], None] | None = None):
         """A connection to the output database, once the job's objects there are known to be its own."""

@@ -74,7 +74,8 @@ def test_by_default_answers_go_to_a_database_of_the_packages_own_not_the_users(d
                        data, tmp_path)  # the same name as the source: another database, no clash
     assert config.output_database == str(data / "jobs" / "answers.duckdb")
     build_batch_defs(config)
-    config.output(DuckDBResource(database=config.output_database)).replace_partition("k", rows("k", ["1"], "x"))
+    output = OutputTable.of_job(DuckDBResource(database=config.output_database), config)
+    output.replace_partition("k", rows("k", ["1"], "x"))
     assert contents(data / "shop.duckdb") == before
 
 
@@ -113,7 +114,7 @@ def test_a_table_of_the_users_is_never_written_refused_at_load_and_at_every_writ
         con.execute("CREATE TABLE late AS SELECT 1 AS id")
         con.execute("CREATE TABLE late_prefix_groups AS SELECT 1 AS x")
     before = contents(database)
-    table = config.output(DuckDBResource(database=str(database)))
+    table = OutputTable.of_job(DuckDBResource(database=str(database)), config)
     for write in (lambda: table.replace_partition("k", rows("k", ["1"], "x")),
                   lambda: table.remove_answers_not_in(pa.array([], pa.string())),
                   lambda: table.replace_groups(pa.table({"group": [0]}))):

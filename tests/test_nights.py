@@ -16,6 +16,7 @@ import pytest
 
 from assets import build_batch_defs
 from batchllm_dagster import BatchJobConfig
+from batchllm_dagster.job_settings import JobSettings
 from dagster_project.demo import QUIET, run_planned_shards
 from engine.models import build_tiny_model
 from engine.run.checkpoint import NEW_ROW, ROW_CHANGED, SETTINGS_CHANGED, Checkpoint
@@ -32,7 +33,7 @@ def from_scratch(config: BatchJobConfig) -> dict:
 
     with duckdb.connect(config.dataset.database, read_only=True) as con:
         table = con.sql("SELECT id, prompt, messages FROM prompt_rows").to_arrow_table()
-    settings = config.engine_settings()
+    settings = JobSettings(config).engine()
     prepared = prepare_batch(table, load_tokenizer(settings.model_path), settings, config.sampling)
     engine = open_engine(settings)
     try:

@@ -12,6 +12,7 @@ def test_a_changed_chat_template_or_snapshot_makes_the_plan_stale(tmp_path, tiny
     import pyarrow.parquet as pq
 
     from batchllm_dagster.config import BatchJobConfig, DatasetSpec
+    from batchllm_dagster.job_settings import JobSettings
     from engine.plan.plan_stamp import stale_reasons
     from engine.settings import EngineSettings
 
@@ -22,19 +23,20 @@ def test_a_changed_chat_template_or_snapshot_makes_the_plan_stale(tmp_path, tiny
                             storage_dir=str(tmp_path / "jobs"))
     config.files.prompts_path.parent.mkdir(parents=True)
     pq.write_table(pa.table({"id": [1], "prompt": ["a"]}), config.files.prompts_path)
-    stamp = config.plan_stamp(config.engine_settings())
+    resolved = JobSettings(config)
+    stamp = resolved.stamp(resolved.engine())
     recorded = {k.encode(): v.encode() for k, v in stamp.items()}
-    assert stale_reasons(recorded, config.plan_stamp(config.engine_settings())) == []
+    assert stale_reasons(recorded, resolved.stamp(resolved.engine())) == []
 
     settings = json.loads((model / "tokenizer_config.json").read_text())
     settings["chat_template"] = "{{ messages[0]['content'] }}"
     (model / "tokenizer_config.json").write_text(json.dumps(settings))
-    assert stale_reasons(recorded, config.plan_stamp(config.engine_settings())) == [
+    assert stale_reasons(recorded, resolved.stamp(resolved.engine())) == [
         "the model, tokenizer or chat template"
     ]
 
     pq.write_table(pa.table({"id": [1], "prompt": ["b"]}), config.files.prompts_path)
-    assert "the prompt snapshot" in stale_reasons(recorded, config.plan_stamp(config.engine_settings()))
+    assert "the prompt snapshot" in stale_reasons(recorded, resolved.stamp(resolved.engine()))
     assert stale_reasons(None, stamp)  # a plan without a stamp is stale too
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from batchllm_dagster.job_settings import JobSettings
 from engine.jobs.job_options import add_engine_options, engine_settings_from
 from engine.settings import EngineSettings, Platform
 from engine.vllm.vllm_env import VLLM_SERIES, check_vllm_version, engine_args, process_env
@@ -133,8 +134,8 @@ def test_the_cli_and_a_dagster_job_plan_in_the_block_size_of_the_platform_they_r
         monkeypatch.setattr(settings_module, "current_platform", lambda platform=platform: platform)
         assert engine_settings_from(parser.parse_args([]), "/models/m").block_size == block
         assert engine_settings_from(parser.parse_args(["--block-size", "64"]), "/models/m").block_size == 64
-        assert config.engine_settings().block_size == block
-        assert config.plan_shaping(config.engine_settings()).block_size == block  # the plan's stamp
+        assert JobSettings(config).engine().block_size == block
+        assert config.plan_shaping(JobSettings(config).engine()).block_size == block  # the plan's stamp
         versions[platform] = config.plan_code_version()
     # As declared the block size is unset: the code version the webserver and a GPU run see is one.
     assert versions[Platform.CPU] == versions[Platform.CUDA]
@@ -164,14 +165,15 @@ def _plan_on(monkeypatch, config, platform) -> dict:
     from engine.plan.plan_table import BLOCK_SIZE, COUNTED_FOR, MAX_MODEL_LEN
 
     monkeypatch.setattr(settings_module, "current_platform", lambda: platform)
-    monkeypatch.setattr("batchllm_dagster.config.current_platform", lambda: platform)
+    monkeypatch.setattr("batchllm_dagster.job_settings.current_platform", lambda: platform)
     config.files.prompts_path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table({"id": [1], "prompt": ["a"]}), config.files.prompts_path)
-    planned = config.plan_settings()
-    stamp = config.plan_stamp(planned)
+    resolved = JobSettings(config)
+    planned = resolved.plan()
+    stamp = resolved.stamp(planned)
     pq.write_table(pa.table({"id": [1]}).replace_schema_metadata(
         {BLOCK_SIZE: str(planned.block_size), MAX_MODEL_LEN: str(planned.max_model_len), **stamp,
-         COUNTED_FOR: config.plan_counts_for.value}),
+         COUNTED_FOR: resolved.counts_for.value}),
         config.files.plan_path)
     return {k.encode(): v.encode() for k, v in stamp.items()}
 
@@ -182,8 +184,8 @@ def _shard_on(monkeypatch, config, platform) -> EngineSettings:
     from engine.plan.plan_table import PlanFile
 
     monkeypatch.setattr(settings_module, "current_platform", lambda: platform)
-    monkeypatch.setattr("batchllm_dagster.config.current_platform", lambda: platform)
-    return config.engine_settings(PlanFile.open(config.files.plan_path).counts)
+    monkeypatch.setattr("batchllm_dagster.job_settings.current_platform", lambda: platform)
+    return JobSettings(config).engine(PlanFile.open(config.files.plan_path).counts)
 
 
 def _job(tmp_path, model, hardware=("cpu",), **llm):
@@ -209,21 +211,22 @@ def test_a_shard_runs_at_what_its_plan_counts_in_whatever_machine_made_it(monkey
 
     shard = _shard_on(monkeypatch, config, Platform.CPU)
     assert (shard.block_size, shard.max_model_len) == (32, 2048)
-    assert stale_reasons(recorded, config.plan_stamp(shard)) == []
-    config.check_plan_runs_here(plan.counted_for)
+    assert stale_reasons(recorded, JobSettings(config).stamp(shard)) == []
+    JobSettings(config).check_plan_runs_here(plan.counted_for)
     _shard_on(monkeypatch, config, Platform.CUDA)
     with pytest.raises(ValueError, match="add `platform: cuda` to hardware partition 'cpu'"):
-        config.check_plan_runs_here(plan.counted_for)
+        JobSettings(config).check_plan_runs_here(plan.counted_for)
     # A job that sets both counts in them on any platform: nothing to refuse.
-    _job(tmp_path, tiny_model, block_size=32, max_model_len=2048).check_plan_runs_here("cpu")
+    JobSettings(_job(tmp_path, tiny_model, block_size=32, max_model_len=2048)).check_plan_runs_here("cpu")
     # Without what the plan counts in, the GPU's own would call the plan stale.
-    own = config.engine_settings().for_platform(Platform.CUDA)
+    own = JobSettings(config).engine().for_platform(Platform.CUDA)
     assert (own.block_size, own.max_model_len) == (16, 4096)
-    assert stale_reasons(recorded, config.plan_stamp(own)) != []
+    assert stale_reasons(recorded, JobSettings(config).stamp(own)) != []
     # A job's own settings win over the plan's.
     _shard_on(monkeypatch, config, Platform.CPU)
-    assert _job(tmp_path, tiny_model, block_size=64).engine_settings({"block_size": 32}).block_size == 64
-    assert _job(tmp_path, tiny_model, max_model_len=512).engine_settings({"max_model_len": 2048}).max_model_len == 512
+    assert JobSettings(_job(tmp_path, tiny_model, block_size=64)).engine({"block_size": 32}).block_size == 64
+    shorter = JobSettings(_job(tmp_path, tiny_model, max_model_len=512))
+    assert shorter.engine({"max_model_len": 2048}).max_model_len == 512
 
 
 def test_a_plan_for_gpu_partitions_counts_in_the_gpus_settings_wherever_it_is_made(monkeypatch, tmp_path,
@@ -240,8 +243,8 @@ def test_a_plan_for_gpu_partitions_counts_in_the_gpus_settings_wherever_it_is_ma
     assert PlanFile.open(config.files.plan_path).counts == {"block_size": 16, "max_model_len": 4096}
     shard = _shard_on(monkeypatch, config, Platform.CUDA)
     assert (shard.block_size, shard.max_model_len) == (16, 4096)
-    assert stale_reasons(recorded, config.plan_stamp(shard)) == []
-    config.check_plan_runs_here(PlanFile.open(config.files.plan_path).counted_for)
+    assert stale_reasons(recorded, JobSettings(config).stamp(shard)) == []
+    JobSettings(config).check_plan_runs_here(PlanFile.open(config.files.plan_path).counted_for)
     # Made on a GPU machine, the same plan: where the plan step runs does not matter.
     assert _plan_on(monkeypatch, config, Platform.CUDA) == recorded
 
@@ -268,8 +271,9 @@ def test_a_gpu_partition_that_names_no_platform_is_refused_at_load(tmp_path, har
 def test_a_partition_that_names_no_platform_loads_on_a_gpu_machine(monkeypatch, tmp_path):
     """One GPU machine making the plan and running its shards counts in its own platform: right as it
     is (the demo's `hardware: [cpu]` loads there); a CPU pod's plan run on it is refused at the shard."""
-    monkeypatch.setattr("batchllm_dagster.config.current_platform", lambda: Platform.CUDA)
-    assert _job(tmp_path, "m", hardware=["nodes"]).hardware[0].platform is None
+    monkeypatch.setattr("batchllm_dagster.job_settings.current_platform", lambda: Platform.CUDA)
+    job = _job(tmp_path, "m", hardware=["nodes"])
+    assert job.hardware[0].platform is None and JobSettings(job).counts_for is Platform.CUDA
 
 
 def test_hardware_partitions_of_two_platforms_need_the_settings_their_one_plan_counts_in(tmp_path, tiny_model):
@@ -279,4 +283,5 @@ def test_hardware_partitions_of_two_platforms_need_the_settings_their_one_plan_c
     with pytest.raises(ValueError, match="set llm.block_size"):
         _job(tmp_path, tiny_model, hardware=both)
     job = _job(tmp_path, tiny_model, hardware=both, block_size=32, max_model_len=2048)
-    assert (job.plan_settings().block_size, job.plan_settings().max_model_len) == (32, 2048)
+    planned = JobSettings(job).plan()
+    assert (planned.block_size, planned.max_model_len) == (32, 2048)
