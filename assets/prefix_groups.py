@@ -131,6 +131,15 @@ def publish(name: str, job: PlanJob, made, plan_run: str, counted_for: str, leng
                          ) from None
 
 
+def said_row_context(settings: JobSettings, log):
+    """The context the rows are checked against, and where it came from, said in the log: a warning
+    where vLLM's fallback stands in for a length the model's config does not name."""
+    row_context = settings.plan_context()
+    (log.warning if row_context.assumed else log.info)(
+        f"a row may hold {row_context.tokens:,} tokens, prompt and answer: {row_context.source}")
+    return row_context
+
+
 def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitionsDefinition) -> dg.AssetsDefinition:
     """The prefix_groups asset: its step is a closure over ``config`` (Dagster's decorator);
     ``make_plan`` is that step's one sequence under the plan lock."""
@@ -153,12 +162,8 @@ def build_prefix_groups(config: BatchJobConfig, partitions: dg.DynamicPartitions
             context.log.warning(carried)
         if notice := preparation_notice(config.llm.model_path):  # said before the step spends a minute on it
             context.log.info(notice)
-        # The context the rows are checked against, and where it came from: a warning where vLLM's
-        # fallback stands in for a length the model's config does not name.
         resolved = JobSettings(config)
-        row_context = resolved.plan_context()
-        (context.log.warning if row_context.assumed else context.log.info)(
-            f"a row may hold {row_context.tokens:,} tokens, prompt and answer: {row_context.source}")
+        row_context = said_row_context(resolved, context.log)
         job = PlanJob(files.prompts_path, files.plan_path, files.token_cache_dir,
                       resolved.plan(),  # counted as the shards' hardware runs, not this machine
                       config.sampling, config.scheduler, config.dataset.columns, context.log.warning, workers)

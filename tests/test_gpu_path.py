@@ -365,19 +365,22 @@ def test_a_gpu_captures_cuda_graphs_for_every_decode_batch_it_runs(monkeypatch, 
 
     from engine.vllm.vllm_env import offline_max_num_seqs
 
+    # vLLM's own VllmConfig (built on this CPU platform, so eager), given below what an H200 runs
+    # (compiled, vLLM's offline defaults for it: 1,024 rows and 16,384 tokens a step); its sizing
+    # asks the platform whether it is a Blackwell, which this one is not, as an H200 is not.
+    config = EngineArgs(**engine_args(EngineSettings(model_path=tiny_model), Platform.CPU)).create_engine_config()
+    assert isinstance(config, VllmConfig)
     monkeypatch.setattr(arg_utils, "current_platform", simulated_platform("NVIDIA H200", H200_BYTES))
     seqs = offline_max_num_seqs(1)
     assert seqs == 1024
+    config.model_config.enforce_eager = False
+    config.scheduler_config.max_num_seqs, config.scheduler_config.max_num_batched_tokens = seqs, 16384
     args = EngineArgs(**engine_args(EngineSettings(model_path=tiny_model), Platform.CUDA, max_num_seqs=seqs))
     assert (args.max_num_seqs, args.compilation_config.max_cudagraph_capture_size) == (1024, 1024)
 
     def captured_up_to(compilation: CompilationConfig) -> int:
-        config = types.SimpleNamespace(  # what vLLM's sizing reads of a VllmConfig, on a non-Blackwell GPU
-            model_config=types.SimpleNamespace(enforce_eager=False), compilation_config=compilation,
-            scheduler_config=types.SimpleNamespace(max_num_seqs=1024, max_num_batched_tokens=16384),
-            speculative_config=None, num_speculative_tokens=0, uniform_decode_query_len=1,
-            performance_mode="balanced")
-        VllmConfig._set_cudagraph_sizes(config)
+        config.compilation_config = compilation
+        config._set_cudagraph_sizes()
         return max(compilation.cudagraph_capture_sizes)
 
     mode = CUDAGraphMode.FULL_AND_PIECEWISE
