@@ -71,7 +71,8 @@ def looked_up(cache, path, tokenizer, block_size, keep=None, **options):
     with cache.writing(path, block_size) as writer:
         found = writer.rows(writer.tokenize(writer.look_up(), tokenizer, Columns(), **options))
         found.rows = chain_rows(found.chains)
-        writer.compact(found, keep)
+        if found.worth_compacting:
+            writer.compact(found, keep)
     return found
 
 
@@ -381,7 +382,7 @@ def test_rows_repeating_a_content_are_not_read_again(tmp_path, tiny_model, monke
 
 def test_the_writers_stages_go_in_their_order(tmp_path, tiny_model):
     """A lookup with rows missing has no chains (they come of ``tokenize``), and a cache with
-    nothing stale is left as it is."""
+    nothing stale is not worth compacting."""
     path = tmp_path / "prompts.parquet"
     snapshot(path, [f"row {i}" for i in range(6)], [None] * 6)
     cache = TokenCache(tmp_path / "cache", "fp1")
@@ -391,4 +392,4 @@ def test_the_writers_stages_go_in_their_order(tmp_path, tiny_model):
             writer.rows(lookup)
         rows_ = writer.rows(writer.tokenize(lookup, load_tokenizer(tiny_model), Columns()))
         assert (rows_.cached_rows, rows_.tokenized_rows, rows_.stale_entries, rows_.entries) == (0, 6, 0, 6)
-        assert not writer.compact(rows_)
+        assert not rows_.worth_compacting

@@ -281,8 +281,9 @@ class PlanJob:
     def _chains(self, database: PlanDatabase, block_size: int,
                 progress: Callable[[str], None]) -> tuple[CachedRows, Chained, float]:
         """The snapshot's rows from the token cache (only new or changed rows tokenized) and their
-        chains loaded into the plan's database; then the cache compacted, keeping what the plan on
-        disk names (its partitions may still run; read now, after the lookup let go of its memory).
+        chains loaded into the plan's database; then the cache compacted where it is worth it,
+        keeping what the plan on disk names (its partitions may still run; read then, after the
+        lookup let go of its memory).
         Returns the rows, the chained stage and the seconds loading the chains took."""
         tokenizer = LazyTokenizer(self.settings.model_path)  # loaded only if a row is new or changed
         pa.default_memory_pool().release_unused()  # what reading the snapshot's ids (the guards) left in Arrow's pool
@@ -292,7 +293,8 @@ class PlanJob:
             started = time.perf_counter()
             chained = database.load_chains(rows.chains)  # while the cache's parts are sure to be there
             chains_s = time.perf_counter() - started
-            cache.compact(rows, keep=plan_content_keys(self.plan_path))
+            if rows.worth_compacting:  # the plan on disk's keys read only then (~16 bytes a row)
+                cache.compact(rows, keep=plan_content_keys(self.plan_path))
         pa.default_memory_pool().release_unused()  # Arrow keeps what the lookup freed: the planner's peak follows
         return rows, chained, chains_s
 

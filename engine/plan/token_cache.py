@@ -232,6 +232,12 @@ class CachedRows:
     def lengths(self) -> np.ndarray:
         return self.chains.lengths
 
+    @property
+    def worth_compacting(self) -> bool:
+        """Whether half the cache's entries, in more than one part, are contents the snapshot no
+        longer has (``CacheWriter.compact``)."""
+        return len(self.chains.paths) > 1 and 2 * self.stale_entries >= self.entries
+
 
 class TokenCache:
     """Safe for concurrent readers and writers: one writer at a time (``writing`` holds the
@@ -374,7 +380,7 @@ class CacheWriter:
     rows up, tokenize those missing, read where each row's chain lies, compact where half the
     entries are stale. Each is a call of its own, so the caller decides what it holds between
     them (a plan lets go of the lookup before loading the chains, and reads the keys to keep only
-    after)."""
+    where it compacts)."""
 
     def __init__(self, cache: TokenCache, snapshot: Path, block_size: int):
         self.cache, self.snapshot, self.block_size = cache, snapshot, block_size
@@ -419,14 +425,11 @@ class CacheWriter:
         return CachedRows(chains, errors, time.perf_counter() - lookup.started, lookup.cached_rows,
                           lookup.tokenized_rows, entries - _distinct(position, entries), entries)
 
-    def compact(self, rows: CachedRows, keep: pa.Array | None = None) -> bool:
-        """Compact the cache where half its entries are contents the snapshot no longer has, keeping
-        the snapshot's and ``keep``'s (the keys of a previous plan whose partitions may still run);
-        returns whether it did. ``rows``' chains are gone with the parts it replaces."""
-        if len(rows.chains.paths) < 2 or 2 * rows.stale_entries < rows.entries:
-            return False
+    def compact(self, rows: CachedRows, keep: pa.Array | None = None) -> None:
+        """The parts ``rows`` were read from rewritten as one, keeping the snapshot's entries and
+        ``keep``'s (the keys of a previous plan whose partitions may still run): where
+        ``rows.worth_compacting``. ``rows``' chains are gone with the parts it replaces."""
         self.cache._compact(rows.chains.paths, snapshot_keys(self.snapshot), keep, self.block_size)
-        return True
 
 
 def _distinct(position: np.ndarray, entries: int) -> int:
